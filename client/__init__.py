@@ -1,0 +1,1 @@
+"""gRPC client SDK for via-sd (``viasd.client``); needs only grpcio, protobuf and pydantic."""

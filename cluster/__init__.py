@@ -1,0 +1,1 @@
+"""Serving configuration, placement, the Ray Serve application and launch (``viasd.cluster``)."""

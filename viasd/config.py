@@ -1,0 +1,174 @@
+"""Request parameters: one pydantic model shared by the engine, the servers and the client SDK.
+
+Defaults follow the VIA-SD paper (gamma 5, alpha1 0.5, alpha2 0.3). This module imports only
+pydantic, so the light client install can validate a request before it touches the network.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from viasd.errors import InvalidParameterError
+
+MAX_GAMMA = 32
+
+
+class Mode(str, Enum):
+    """Which decoder serves a request."""
+
+    AR = "ar"  # q alone, one token per forward
+    SD = "sd"  # p -> q, two-tier speculative decoding
+    VIA = "via"  # p -> q' -> q, three-tier VIA-SD
+
+
+class RegionB(str, Enum):
+    """What the slim verifier does with a draft token in region B (alpha2 <= r < alpha1)."""
+
+    REWRITE = "rewrite"  # the paper's rule: commit a token sampled from q', end the cycle
+    ESCALATE = "escalate"  # "pre-check": region B escalates like region C (accept-or-escalate)
+
+
+class Rule(str, Enum):
+    """The acceptance rule the full verifier q applies to escalated positions (and in `sd`)."""
+
+    LOSSLESS = "lossless"  # min(1, q/p), residual norm(max(0, q - p)): output ~ q exactly
+    LOSSY = "lossy"  # the (alpha, beta) relaxation of the paper's appendix A
+    OVERSHOOT = "overshoot"  # overshoot ceiling of seed 003: the draft's excess over q/l is capped
+
+
+class CachePolicy(str, Enum):
+    """How the slim verifier q' keeps its keys/values (DESIGN.md, "Caches")."""
+
+    SEPARATE = "separate"  # q' has its own cache for the kept layers: an exact sub-model
+    SHARED = "shared"  # q' writes into q's cache slots; q overwrites them when it escalates
+
+
+class GenerationParams(BaseModel):
+    """Everything a request may choose. Validated once, here, for every entry point."""
+
+    model_config = ConfigDict(extra="forbid", use_enum_values=False, frozen=True)
+
+    mode: Mode = Field(Mode.VIA, description="Decoder: 'ar' (verifier alone), 'sd' (two-tier), 'via' (three-tier).")
+    max_tokens: int = Field(128, ge=1, le=1 << 20, description="Maximum number of new tokens to generate.")
+    temperature: float = Field(
+        0.0, ge=0.0, le=100.0, description="Sampling temperature; 0 means greedy (argmax, lowest token id on ties)."
+    )
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens before sampling; 0 disables.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling: keep the smallest set with mass >= top_p.")
+    min_p: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Drop tokens whose probability is below min_p times the most likely one's."
+    )
+    seed: int | None = Field(
+        None, ge=0, le=2**63 - 1, description="Per-request random seed; the same seed gives the same output."
+    )
+    gamma: int = Field(5, ge=1, le=MAX_GAMMA, description="Draft block length: tokens the drafter proposes per cycle.")
+    alpha1: float = Field(
+        0.5, gt=0.0, le=1.0, description="Accept gate: a draft token is accepted by q' when q'(x)/max q' >= alpha1."
+    )
+    alpha2: float = Field(
+        0.3, ge=0.0, lt=1.0, description="Escalate gate: below alpha2 the position is handed to the full verifier q."
+    )
+    region_b: RegionB = Field(
+        RegionB.REWRITE, description="Region B behaviour: 'rewrite' with q' (paper) or 'escalate' (pre-check variant)."
+    )
+    slim_bonus: bool = Field(
+        False, description="When q' accepts the whole block, also commit a bonus token sampled from q'_{gamma+1}."
+    )
+    rule: Rule = Field(Rule.LOSSLESS, description="Acceptance rule of the full verifier: lossless, lossy, overshoot.")
+    lossy_alpha: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Lossy rule: accept x with probability min(1, q(x) / ((1 - alpha) p(x)))."
+    )
+    lossy_beta: float = Field(
+        1.0, gt=0.0, le=1.0, description="Lossy rule: on rejection sample from norm(max(0, q - beta p)).")
+    overshoot_ceiling: float = Field(
+        1.0, gt=0.0, le=1.0, description="Overshoot rule: the draft's probability is capped at q(x)/l (l=1: lossless)."
+    )
+    stop_token_ids: tuple[int, ...] | None = Field(
+        None, description="Token ids that end generation; default: the tokenizer's end-of-sequence tokens."
+    )
+    ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
+
+    @model_validator(mode="after")
+    def _check_thresholds(self) -> "GenerationParams":
+        if self.alpha2 >= self.alpha1:
+            raise ValueError(f"alpha2 ({self.alpha2}) must be smaller than alpha1 ({self.alpha1})")
+        if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# The after-validator's cross-field errors name these fields.
+_CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask"}
+
+
+def parse_params(values: dict[str, Any] | None = None, **overrides: Any) -> GenerationParams:
+    """Validate request parameters, raising InvalidParameterError that names the first bad field."""
+    data = dict(values or {})
+    data.update(overrides)
+    try:
+        return GenerationParams.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_from_validation(exc) from None
+
+
+def invalid_from_validation(exc: ValidationError) -> InvalidParameterError:
+    """Turn pydantic's error list into one typed error naming the field (dotted path)."""
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err.get("loc", ())) or None
+    msg = err.get("msg", str(exc))
+    if not field:  # a model-level validator: find the field it talks about
+        field = next((name for key, name in _CROSS_FIELD.items() if key in msg), "params")
+    return InvalidParameterError(field, msg.removeprefix("Value error, "))
+
+
+class EngineConfig(BaseModel):
+    """Which models the engine loads and how it runs them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    verifier: str = Field(
+        "qwen2.5-coder-1.5b-instruct", description="Full verifier q: a built-in model name or a local HF directory."
+    )
+    drafter: str | None = Field(
+        "qwen2.5-coder-0.5b-instruct",
+        description="Drafter p (same tokenizer as the verifier): built-in name or local directory; None serves 'ar' only.",
+    )
+    dtype: str = Field("bfloat16", description="Weight dtype: bfloat16, float16, float32 or float64.")
+    mask: tuple[int, ...] | None = Field(
+        None,
+        description="Layer mask z of the slim verifier: one 0 (skip) / 1 (keep) per verifier layer. "
+        "None: skip round(skip_ratio * L) layers spread evenly (first and last kept).",
+    )
+    skip_ratio: float = Field(0.45, ge=0.0, lt=1.0, description="Share of verifier layers q' skips when no mask is given.")
+    cache_policy: CachePolicy = Field(
+        CachePolicy.SEPARATE, description="q' cache: 'separate' (own cache, exact) or 'shared' (q's slots, 1.0x memory)."
+    )
+    max_context: int | None = Field(
+        None, ge=2, description="Cap on prompt + generated tokens; default: the models' max_position_embeddings."
+    )
+    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EngineConfig":
+        if self.dtype not in ("bfloat16", "float16", "float32", "float64"):
+            raise ValueError(f"dtype must be bfloat16, float16, float32 or float64, got {self.dtype!r}")
+        if self.mask is not None and any(v not in (0, 1) for v in self.mask):
+            raise ValueError("mask entries must be 0 (skip) or 1 (keep)")
+        return self
+
+
+def parse_engine_config(values: dict[str, Any] | None = None, **overrides: Any) -> EngineConfig:
+    """Validate an engine configuration, raising InvalidParameterError that names the bad field."""
+    data = dict(values or {})
+    data.update(overrides)
+    try:
+        return EngineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_from_validation(exc) from None

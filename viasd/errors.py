@@ -1,0 +1,38 @@
+"""Typed errors of the via-sd engine.
+
+Every error a user can cause carries the name of the offending field, so that the serving layer
+can map it to ``INVALID_ARGUMENT`` / HTTP 400 with a message that says what to fix.
+"""
+
+from __future__ import annotations
+
+
+class ViaSDError(Exception):
+    """Base class of every error raised by via-sd."""
+
+
+class InvalidParameterError(ViaSDError, ValueError):
+    """A request or configuration value is out of range or inconsistent.
+
+    ``field`` names the parameter (dotted for nested fields), ``message`` says what is wrong.
+    """
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class ModelLoadError(ViaSDError):
+    """A model could not be found, verified, converted or loaded."""
+
+
+class ChecksumError(ModelLoadError):
+    """A downloaded or assembled model file does not have the expected sha256."""
+
+
+class MaskError(InvalidParameterError):
+    """A layer mask does not fit the model it is applied to."""
+
+    def __init__(self, message: str, field: str = "mask"):
+        super().__init__(field, message)

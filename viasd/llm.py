@@ -1,0 +1,142 @@
+"""Text in, text out: loads the models of an `EngineConfig` and streams decoded text.
+
+    llm = LLM(EngineConfig())                       # the embedded default pair
+    for delta in llm.stream("def fib(n):", parse_params(mode="via", max_tokens=64)):
+        print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from viasd.config import EngineConfig, GenerationParams
+from viasd.engine import Engine, GenerationResult
+from viasd.errors import InvalidParameterError, MaskError
+from viasd.metrics import RequestStats
+from viasd.runtime import LayerMask, MaskedLM
+
+
+@dataclass
+class TextDelta:
+    """New text and token ids of one streamed step; the last delta has the finish reason and stats."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: RequestStats | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
+
+    Decodes the whole output each step and emits the part past what was already emitted; text
+    ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next token completes it.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, ids: Sequence[int], final: bool = False) -> str:
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        delta, self.emitted = text[self.emitted :], len(text)
+        return delta
+
+
+def load_mask(spec: str | Path | Sequence[int] | None, num_layers: int, skip_ratio: float = 0.45) -> LayerMask:
+    """A layer mask from a z-vector, a comma list of skipped layers ("3,5,9"), or a JSON file.
+
+    The JSON file holds either {"skipped_layers": [...], "num_layers": L} (the DIMR artifact's
+    fields) or {"z": [0/1 per layer]}. None gives the evenly spaced placeholder mask.
+    """
+    if spec is None:
+        return LayerMask.evenly_spaced(skip_ratio, num_layers)
+    if isinstance(spec, (list, tuple)):
+        return LayerMask.from_z(spec, num_layers)
+    spec = str(spec)
+    path = Path(spec)
+    if path.suffix == ".json" or path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise MaskError(f"cannot read mask file {spec}: {exc}") from None
+        if "z" in data:
+            return LayerMask.from_z(data["z"], num_layers)
+        if data.get("num_layers", num_layers) != num_layers:
+            raise MaskError(f"mask file is for {data['num_layers']} layers but the verifier has {num_layers}")
+        return LayerMask.from_skipped(data.get("skipped_layers", []), num_layers)
+    try:
+        skipped = [int(s) for s in spec.split(",") if s.strip()]
+    except ValueError:
+        raise MaskError(f"mask {spec!r} is neither a JSON file nor a comma-separated list of layer indices") from None
+    return LayerMask.from_skipped(skipped, num_layers)
+
+
+class LLM:
+    """The engine with its tokenizer: what the CLI, the benchmark and the servers call."""
+
+    def __init__(self, config: EngineConfig, mask: str | Path | Sequence[int] | None = None):
+        from viasd.models.loader import load_causal_lm
+
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.config = config
+        model, self.tokenizer = load_causal_lm(config.verifier, dtype=config.dtype)
+        self.verifier = MaskedLM(model)
+        self.drafter = None
+        if config.drafter:
+            self.drafter = MaskedLM(load_causal_lm(config.drafter, dtype=config.dtype)[0])
+        layer_mask = load_mask(mask if mask is not None else config.mask, self.verifier.num_layers, config.skip_ratio)
+        self.engine = Engine(
+            self.verifier,
+            self.drafter,
+            mask=layer_mask,
+            cache_policy=config.cache_policy,
+            eos_token_ids=eos_ids(self.tokenizer, model),
+            max_context=config.max_context,
+        )
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a raw prompt, or of chat messages rendered with the tokenizer's template."""
+        if (prompt is None) == (messages is None):
+            raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
+        if messages is not None:
+            if not messages:
+                raise InvalidParameterError("messages", "must contain at least one message")
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        if not isinstance(prompt, str) or not prompt:
+            raise InvalidParameterError("prompt", "must be a non-empty string")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def stream(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[TextDelta]:
+        detok = IncrementalDetokenizer(self.tokenizer)
+        for chunk in self.engine.generate(prompt_ids, params):
+            text = detok.push(chunk.token_ids, final=chunk.finished)
+            yield TextDelta(text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+
+    def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
+        return self.engine.complete(prompt_ids, params)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def eos_ids(tokenizer, model) -> tuple[int, ...]:
+    """End-of-sequence ids from the generation config and the tokenizer (deduplicated)."""
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.extend([src] if isinstance(src, int) else list(src))
+    return tuple(dict.fromkeys(ids))
