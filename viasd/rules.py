@@ -1,0 +1,387 @@
+"""Every acceptance rule of the engine, as pure functions on probability tensors.
+
+Notation: p = drafter distributions, q' = slim verifier, q = full verifier, draft tokens
+x~_1..x~_T. Vocabulary (as vLLM's rejection sampler): *accepted* tokens are draft tokens kept by
+the verifier; a *recovered* token is sampled from the residual at the first rejection; a *bonus*
+token is sampled from q_{T+1} when the whole block is accepted.
+
+Two kinds of rule live here:
+
+1. The three-tier gate of the slim verifier q' (`gate`), on the ratio
+   r_i = q'_i(x~_i) / max_v q'_i(v) in [0, 1]:
+       A accept    r >= alpha1
+       B rewrite   alpha2 <= r < alpha1      (commit a token from q' instead)
+       C escalate  r < alpha2                (hand the position to the full verifier q)
+   Design choice (documented in DESIGN.md): the paper writes the gates as (1-alpha1) M and
+   (1-alpha2) M with alpha2 < alpha1 (appendix B.2), which makes region B empty and lets A and C
+   overlap; its ablations (appendix H.2: raising alpha2 raises reliance on q, raising alpha1 makes
+   the early gate stricter) only hold for thresholds on r directly, as above. At the default
+   alpha1 = 0.5 both readings give the same region A. Read literally, the paper's rule
+   degenerates to accept-or-escalate with no rewrite: that is the `rewrite=False` "pre-check"
+   variant, where region B escalates. The accept gate is a min-p style rule (min-p = alpha1),
+   so lossy results must be compared against q decoded with min-p = alpha1 (the matched
+   baseline of seed 003), not only against plain decoding.
+
+2. The acceptance rules of the full verifier (`AcceptanceRule`), with the standard
+   speculative-sampling structure (Leviathan et al. 2023; Chen et al. 2023): accept draft x with
+   probability a(x); at the first rejection sample from the normalised residual; when every
+   draft token passes, sample a bonus token from q_{T+1}.
+       Lossless          a = min(1, q/p),              residual = max(0, q - p)   (output ~ q)
+       Lossy(al, be)     a = min(1, q/((1-al) p)),     residual = max(0, q - be p)
+                         (the paper's section 3.3 constraints q >= (1-al) p and p <= q/be;
+                         Tran-Thien 2023's lossy variant)
+       OvershootCeiling  a = min(1, q/(l p)),          residual = max(0, q - p)
+                         (seed 003: the draft's overshoot is capped at q/l)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from viasd.errors import InvalidParameterError
+from viasd.sampling import sample_probs
+
+if TYPE_CHECKING:
+    from viasd.config import GenerationParams
+
+SampleFn = Callable[[Tensor, "torch.Generator | None"], Tensor]  # (probs [N, V], generator) -> [N] long
+
+
+# --------------------------------------------------------------------------------------------
+# The three-tier gate of the slim verifier q'
+# --------------------------------------------------------------------------------------------
+
+
+class Region(IntEnum):
+    """Where the slim verifier's gate sends a draft position."""
+
+    ACCEPT = 0  # A: r >= alpha1, keep the draft token
+    REWRITE = 1  # B: alpha2 <= r < alpha1, commit a token sampled from q'
+    ESCALATE = 2  # C: r < alpha2, hand the position to the full verifier q
+
+
+def check_thresholds(alpha1: float, alpha2: float) -> None:
+    """Require 0 <= alpha2 < alpha1 <= 1; raise InvalidParameterError naming the bad field."""
+    if not 0.0 < alpha1 <= 1.0:
+        raise InvalidParameterError("alpha1", f"must be in (0, 1], got {alpha1}")
+    if not alpha2 >= 0.0:
+        raise InvalidParameterError("alpha2", f"must be >= 0, got {alpha2}")
+    if not alpha2 < alpha1:
+        raise InvalidParameterError("alpha2", f"alpha2 ({alpha2}) must be smaller than alpha1 ({alpha1})")
+
+
+def gate_ratio(q_slim: Tensor, draft: Tensor) -> Tensor:
+    """r_i = q'_i(x~_i) / max_v q'_i(v), in [0, 1] (x / y <= 1 is exact under rounding for x <= y).
+
+    q_slim [T, V] (the gate distribution, `Sampler.gate_probs`), draft [T] long -> r [T].
+    """
+    assert q_slim.ndim == 2 and draft.ndim == 1, f"q_slim [T, V], draft [T]: {q_slim.shape}, {draft.shape}"
+    q_x = q_slim.gather(-1, draft[:, None]).squeeze(-1)  # [T]
+    return q_x / q_slim.amax(dim=-1)  # [T]
+
+
+def gate(q_slim: Tensor, draft: Tensor, alpha1: float, alpha2: float, *, rewrite: bool = True) -> Tensor:
+    """Region of every draft position: q_slim [T, V], draft [T] long -> regions [T] long.
+
+    With r = gate_ratio(q_slim, draft):
+        A (ACCEPT)    r >= alpha1
+        B (REWRITE)   alpha2 <= r < alpha1
+        C (ESCALATE)  r < alpha2
+    `rewrite=False` is the "pre-check" variant (the paper's rule read literally): region B
+    escalates, so every position is A or C. Thresholds are compared in q_slim's dtype. See the
+    module docstring for why the thresholds apply to r directly rather than as (1 - alpha) M.
+    Requires 0 <= alpha2 < alpha1 <= 1 (InvalidParameterError naming the field otherwise).
+    """
+    return regions_from_ratio(gate_ratio(q_slim, draft), alpha1, alpha2, rewrite=rewrite)
+
+
+def regions_from_ratio(r: Tensor, alpha1: float, alpha2: float, *, rewrite: bool = True) -> Tensor:
+    """The thresholds of `gate` applied to given ratios: r [...] -> regions [...] long."""
+    check_thresholds(alpha1, alpha2)
+    regions = torch.full(r.shape, int(Region.ESCALATE), dtype=torch.long, device=r.device)  # [...]
+    if rewrite:
+        regions[r >= alpha2] = int(Region.REWRITE)
+    regions[r >= alpha1] = int(Region.ACCEPT)
+    return regions
+
+
+def first_non_accept(regions: Tensor) -> int:
+    """Index of the first position whose region is not ACCEPT, or T when all are accepted."""
+    assert regions.ndim == 1, f"regions must be [T], got {tuple(regions.shape)}"
+    idx = (regions != int(Region.ACCEPT)).nonzero()  # [K, 1]
+    return int(idx[0, 0]) if idx.numel() else int(regions.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Acceptance rules of the full verifier q
+# --------------------------------------------------------------------------------------------
+
+
+def _capped_ratio(p_x: Tensor, q_x: Tensor, scale: float) -> Tensor:
+    """min(1, q_x / (scale * p_x)), elementwise, with the limits a = 1 when p_x = 0 < q_x and
+    a = 0 when q_x = 0 (a token the verifier forbids is never accepted)."""
+    ratio = (q_x / (scale * p_x)).clamp(max=1.0)  # inf -> 1 when p_x = 0 < q_x
+    return torch.where(q_x > 0, ratio, torch.zeros_like(ratio))
+
+
+class AcceptanceRule(ABC):
+    """How the full verifier q judges draft tokens: an acceptance probability and a residual.
+
+    Both methods are elementwise over leading dimensions (documented shapes are the usual ones).
+    """
+
+    @abstractmethod
+    def accept_prob(self, p_x: Tensor, q_x: Tensor) -> Tensor:
+        """a(x) in [0, 1] from p(x), q(x) of the draft tokens: [T], [T] -> [T]."""
+
+    @abstractmethod
+    def residual(self, p: Tensor, q: Tensor) -> Tensor:
+        """Unnormalised distribution (>= 0) to sample from at the first rejection: [T, V], [T, V] -> [T, V]."""
+
+
+@dataclass(frozen=True)
+class Lossless(AcceptanceRule):
+    """a = min(1, q/p); residual = max(0, q - p). The committed token is distributed exactly as q."""
+
+    def accept_prob(self, p_x: Tensor, q_x: Tensor) -> Tensor:
+        # q >= p: always accept; q < p: accept with probability q/p
+        return _capped_ratio(p_x, q_x, 1.0)
+
+    def residual(self, p: Tensor, q: Tensor) -> Tensor:
+        return (q - p).clamp(min=0.0)
+
+
+@dataclass(frozen=True)
+class Lossy(AcceptanceRule):
+    """The (alpha, beta) relaxation: a = min(1, q / ((1 - alpha) p)); residual = max(0, q - beta p).
+
+    The paper's section 3.3 constraints q(x) >= (1 - alpha) p(x) and p(x) <= q(x) / beta
+    (Tran-Thien's lossy variant). alpha = 0, beta = 1 is exactly Lossless.
+    """
+
+    alpha: float = 0.0  # in [0, 1): accept more draft tokens as alpha grows
+    beta: float = 1.0  # in (0, 1]: residual max(0, q - beta p)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha < 1.0:
+            raise InvalidParameterError("lossy_alpha", f"must be in [0, 1), got {self.alpha}")
+        if not 0.0 < self.beta <= 1.0:
+            raise InvalidParameterError("lossy_beta", f"must be in (0, 1], got {self.beta}")
+
+    def accept_prob(self, p_x: Tensor, q_x: Tensor) -> Tensor:
+        return _capped_ratio(p_x, q_x, 1.0 - self.alpha)
+
+    def residual(self, p: Tensor, q: Tensor) -> Tensor:
+        return (q - self.beta * p).clamp(min=0.0)
+
+
+@dataclass(frozen=True)
+class OvershootCeiling(AcceptanceRule):
+    """Seed 003's overshoot ceiling l: a = min(1, q / (l p)); residual = max(0, q - p).
+
+    The draft's probability is capped at q/l, so the committed-token law is
+        min(p, q/l) + (1 - sum_u min(p(u), q(u)/l)) * norm(max(0, q - p)).
+    l = 1 is exactly Lossless.
+    """
+
+    ceiling: float = 1.0  # "l" in (0, 1]
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.ceiling <= 1.0:
+            raise InvalidParameterError("overshoot_ceiling", f"must be in (0, 1], got {self.ceiling}")
+
+    def accept_prob(self, p_x: Tensor, q_x: Tensor) -> Tensor:
+        return _capped_ratio(p_x, q_x, self.ceiling)
+
+    def residual(self, p: Tensor, q: Tensor) -> Tensor:
+        return (q - p).clamp(min=0.0)
+
+
+def rule_from_params(params: GenerationParams) -> AcceptanceRule:
+    """The acceptance rule a request asks for (`params.rule` and its parameters)."""
+    from viasd.config import Rule  # pydantic-only module; imported lazily to keep this one light
+
+    rule = Rule(params.rule)
+    if rule is Rule.LOSSLESS:
+        return Lossless()
+    if rule is Rule.LOSSY:
+        return Lossy(alpha=params.lossy_alpha, beta=params.lossy_beta)
+    return OvershootCeiling(ceiling=params.overshoot_ceiling)
+
+
+# --------------------------------------------------------------------------------------------
+# Verification of a draft block
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the full verifier decided for one draft block."""
+
+    num_accepted: int  # draft tokens accepted (a prefix of the block)
+    token: int  # the token committed after them: recovered (from the residual) or bonus (from q[T])
+    bonus: bool  # True when all T draft tokens were accepted and `token` came from q[T]
+
+
+@dataclass(frozen=True)
+class BatchVerdict:
+    """`Verdict` for N independent blocks."""
+
+    num_accepted: Tensor  # [N] long
+    token: Tensor  # [N] long
+    bonus: Tensor  # [N] bool
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{k}={tuple(getattr(self, k).shape)}" for k in ("num_accepted", "token", "bonus"))
+        return f"BatchVerdict({shapes})"
+
+
+def _normalised_residual(rule: AcceptanceRule, p: Tensor, q: Tensor) -> Tensor:
+    """norm(residual(p, q)) row by row, or q where the residual's mass is 0 (only through
+    rounding, e.g. p == q): [N, V], [N, V] -> [N, V]."""
+    res = rule.residual(p, q)  # [N, V]
+    mass = res.sum(dim=-1, keepdim=True)  # [N, 1]
+    return torch.where(mass > 0, res / mass, q)
+
+
+def verify_batch(
+    rule: AcceptanceRule,
+    p: Tensor,
+    q: Tensor,
+    draft: Tensor,
+    generator: torch.Generator | None,
+    *,
+    sampler_sample: SampleFn | None = None,
+) -> BatchVerdict:
+    """`verify` for N independent blocks at once (same formulas; `verify` is the N = 1 case).
+
+    p [N, T, V], q [N, T+1, V], draft [N, T] long. Randomness, in this order:
+      1. u = torch.rand(N, T, float64) once, and only if some a_j lies strictly in (0, 1);
+         position j is accepted iff u_j < a_j (a = 1 always accepts, a = 0 never, so when every
+         a_j is 0 or 1 -- greedy -- no u is needed and none is drawn);
+      2. one call of `sampler_sample` (default `sampling.sample_probs`: argmax when every row is
+         one-hot, no randomness; else torch.multinomial) over the N committed-token laws:
+         norm(residual(p_j, q_j)) at the first rejection j (q_j if the residual's mass is 0),
+         or q_T when all T were accepted (bonus).
+    """
+    assert p.ndim == 3 and q.ndim == 3 and draft.ndim == 2, "p [N, T, V], q [N, T+1, V], draft [N, T]"
+    n_blocks, t, _ = p.shape
+    assert q.shape[:2] == (n_blocks, t + 1) and draft.shape == (n_blocks, t), (
+        f"shapes p {tuple(p.shape)}, q {tuple(q.shape)}, draft {tuple(draft.shape)}"
+    )
+    sample = sampler_sample or sample_probs
+    p_x = p.gather(-1, draft[..., None]).squeeze(-1)  # [N, T]
+    q_x = q[:, :t].gather(-1, draft[..., None]).squeeze(-1)  # [N, T]
+    a = rule.accept_prob(p_x, q_x)  # [N, T]
+    if bool(((a > 0) & (a < 1)).any()):
+        u = torch.rand(n_blocks, t, generator=generator, dtype=torch.float64, device=p.device)  # [N, T]
+        accepted = u < a.to(torch.float64)  # [N, T]
+    else:
+        accepted = a >= 1  # [N, T]; identical to u < a for every u in [0, 1)
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [N]
+    bonus = num_accepted == t  # [N]
+    rows = torch.arange(n_blocks, device=p.device)  # [N]
+    law = q[rows, num_accepted]  # [N, V] the bonus law q_T where all were accepted
+    if t > 0:
+        j = num_accepted.clamp(max=t - 1)  # [N] first rejected position (clamped for bonus rows)
+        recovered = _normalised_residual(rule, p[rows, j], q[rows, j])  # [N, V]
+        law = torch.where(bonus[:, None], law, recovered)  # [N, V]
+    token = sample(law, generator)  # [N]
+    return BatchVerdict(num_accepted=num_accepted, token=token, bonus=bonus)
+
+
+def verify(
+    rule: AcceptanceRule,
+    p: Tensor,
+    q: Tensor,
+    draft: Tensor,
+    generator: torch.Generator | None,
+    *,
+    sampler_sample: SampleFn | None = None,
+) -> Verdict:
+    """Speculative verification of one draft block by the full verifier.
+
+    p [T, V] drafter probs at the draft positions, q [T+1, V] verifier probs (row T is the bonus
+    distribution), draft [T] long. With a_j = rule.accept_prob(p_j(x~_j), q_j(x~_j)):
+      accept position j iff u_j < a_j, u = torch.rand(T, float64) (drawn once, and only when
+      some a_j is strictly between 0 and 1); at the first rejection j commit a token from
+      norm(rule.residual(p_j, q_j)) (from q_j if that residual has zero mass); when all T pass,
+      commit a bonus token from q_T. One-hot laws are sampled by argmax without randomness.
+    Greedy (p and q one-hot): accepts while x~_j == argmax q_j, then commits argmax q_j -- exactly
+    greedy speculative decoding -- and consumes no randomness at all (generator untouched).
+    `sampler_sample(probs [N, V], generator) -> [N]` replaces the default token sampler.
+    """
+    assert p.ndim == 2 and q.ndim == 2 and draft.ndim == 1, "p [T, V], q [T+1, V], draft [T]"
+    out = verify_batch(rule, p[None], q[None], draft[None], generator, sampler_sample=sampler_sample)
+    return Verdict(num_accepted=int(out.num_accepted[0]), token=int(out.token[0]), bonus=bool(out.bonus[0]))
+
+
+# --------------------------------------------------------------------------------------------
+# Exact laws (for tests and analysis)
+# --------------------------------------------------------------------------------------------
+
+
+def output_distribution(rule: AcceptanceRule, p: Tensor, q: Tensor) -> Tensor:
+    """Exact law of the first committed token when one draft x ~ p is verified (T = 1, no bonus).
+
+    p [V], q [V] -> [V]:
+        pi(v) = p(v) a(v) + (1 - sum_u p(u) a(u)) * norm(residual(p, q))(v)
+    (norm(residual) replaced by q if its mass is 0, as in `verify`). For Lossless,
+    p a = min(p, q) and 1 - sum min(p, q) = sum max(0, q - p), so pi = q.
+    """
+    assert p.ndim == 1 and q.ndim == 1, "p [V], q [V]"
+    kept = p * rule.accept_prob(p, q)  # [V] accepted mass of each draft token
+    recovered = _normalised_residual(rule, p[None], q[None])[0]  # [V]
+    return kept + (1.0 - kept.sum()) * recovered
+
+
+def three_tier_mixture(
+    p: Tensor,
+    q_slim: Tensor,
+    q: Tensor,
+    alpha1: float,
+    alpha2: float,
+    *,
+    rewrite: bool = True,
+    rule: AcceptanceRule | None = None,
+) -> Tensor:
+    """Exact law of the committed token at ONE position of the three-tier engine.
+
+    p, q_slim, q [V] -> [V]. The procedure: draw v ~ p; gate v on q_slim (`gate`); region A
+    commits v; region B commits w ~ q_slim; region C verifies v against q with `rule` (default
+    Lossless: accept with a(v) = min(1, q(v)/p(v)), else w ~ norm(max(0, q - p))). Hence
+        pi(w) = 1[w in A] p(w)                                   accept
+              + P_B q'(w),            P_B = sum_{v in B} p(v)     rewrite
+              + 1[w in C] p(w) a(w)                              escalate, draft accepted by q
+              + R_C norm(res)(w),     R_C = sum_{v in C} p(v) (1 - a(v))   escalate, rejected
+    (norm(res) replaced by q if res has mass 0). For Lossless, p a = min(p, q) and
+    p (1 - a) = max(0, p - q). `rewrite=False` folds B into C (the pre-check variant).
+
+    This is what the engine does, not the paper's idealised mixture (appendix B.2, eq. B.7-B.10)
+        pi = delta_p p + delta1_bar q' + delta2 q:
+    the accept branch contributes p restricted to A (not delta_p * p), and escalation yields
+    min(p, q) on C plus residual mass (not delta2 * q); they agree only in special cases (e.g. A
+    or C covering the whole vocabulary).
+    """
+    assert p.ndim == 1 and q_slim.ndim == 1 and q.ndim == 1, "p, q_slim, q [V]"
+    rule = rule or Lossless()
+    r = q_slim / q_slim.amax()  # [V] gate_ratio of every possible draft token
+    regions = regions_from_ratio(r, alpha1, alpha2, rewrite=rewrite)  # [V]
+    in_a = (regions == int(Region.ACCEPT)).to(p.dtype)  # [V]
+    in_b = (regions == int(Region.REWRITE)).to(p.dtype)  # [V]
+    in_c = (regions == int(Region.ESCALATE)).to(p.dtype)  # [V]
+    a = rule.accept_prob(p, q)  # [V]
+    recovered = _normalised_residual(rule, p[None], q[None])[0]  # [V]
+    return (
+        in_a * p
+        + (in_b * p).sum() * q_slim
+        + in_c * p * a
+        + (in_c * p * (1.0 - a)).sum() * recovered
+    )
