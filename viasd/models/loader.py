@@ -1,0 +1,133 @@
+"""Loading causal language models: built-in names or local Hugging Face directories.
+
+:func:`load_causal_lm` is the one entry point the engine uses to get a model and its tokenizer.
+:func:`model_fingerprint` ties artifacts computed for a model (layer masks) to that model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from viasd.errors import ModelLoadError
+from viasd.models.embedded import BUILTIN_MODELS, ensure_local, normalize_dtype, torch_dtype
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "model_fingerprint", "resolve_model_dir"]
+
+#: ``config.model_type`` values the engine supports: decoder-only models whose transformer
+#: blocks are ``model.model.layers`` (what layer masks and early exits index into).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
+
+#: Config entries that say how or where a model was loaded, not what it is.
+_VOLATILE_CONFIG_KEYS = (
+    "_name_or_path",
+    "_model_name_or_path",
+    "name_or_path",
+    "transformers_version",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "_attn_implementation_internal",
+    "_experts_implementation",
+    "attn_implementation",
+    "dtype",
+    "torch_dtype",
+    "use_cache",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict",
+)
+_FINGERPRINT_BYTES = 4096
+
+
+def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16") -> Path:
+    """The local Hugging Face directory for ``spec``: a built-in name (converted on first use,
+    see :func:`~viasd.models.embedded.ensure_local`) or a path to a directory with config.json."""
+    if spec in BUILTIN_MODELS:
+        return ensure_local(spec, normalize_dtype(dtype))
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model {spec!r} is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
+            f"nor an existing local directory"
+        )
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is not a Hugging Face model directory: it has no config.json "
+            f"(built-in models: {', '.join(sorted(BUILTIN_MODELS))})"
+        )
+    return path
+
+
+def load_causal_lm(
+    spec: str, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, in eval mode with gradients off.
+
+    ``spec`` is a built-in model name (``viasd.models.embedded.BUILTIN_MODELS``) or the path of
+    a local Hugging Face directory (config.json + weights + tokenizer). Only the architectures
+    in :data:`SUPPORTED_ARCHITECTURES` are accepted; anything else raises
+    :class:`ModelLoadError` naming its ``model_type``. Attention is ``sdpa``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    dt = torch_dtype(dtype)
+    path = resolve_model_dir(spec, dt)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # unknown model_type, malformed JSON, ...
+        raise ModelLoadError(f"cannot read the config of {path}: {exc}") from exc
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture: model_type {model_type!r} in {path / 'config.json'}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=dt, attn_implementation="sdpa"
+        )
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r} from {path}: {exc}") from exc
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        raise ModelLoadError(
+            f"{type(model).__name__} ({model_type}) from {path} has no model.model.layers"
+        )
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def model_fingerprint(model: PreTrainedModel) -> str:
+    """A sha256 identifying a model's architecture and weights, cheap to compute.
+
+    Hashes the config (without entries about how it was loaded) and, for every parameter in
+    module order, its name, dtype, shape and its first and last 4096 bytes. The same weights
+    loaded again (from any path, on any device) give the same fingerprint; another model, another
+    dtype or changed weights give another one.
+    """
+    import torch
+
+    config = model.config.to_dict()
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    h = hashlib.sha256()
+    h.update(b"viasd-fingerprint-v1\0")
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in model.named_parameters():
+        t = param.detach()
+        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        flat = t.reshape(-1)
+        n = max(1, _FINGERPRINT_BYTES // t.element_size())
+        for piece in (flat[:n], flat[-n:]):
+            piece = piece.to("cpu").contiguous()
+            h.update(piece.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
