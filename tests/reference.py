@@ -1,8 +1,8 @@
 """A slow reference decoder: every distribution recomputed from scratch, no caches, no engine.
 
 It follows the decode cycle of DESIGN.md step by step and consumes randomness in the order the
-engine documents (each drafted token, then the rewrite or the verification), so that with the
-same seed it must produce exactly the engine's tokens.
+engine documents (the drafter's stream for drafted tokens, the verifier's stream for the rewrite
+or the verification), so that with the same seed it must produce exactly the engine's tokens.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from viasd.config import GenerationParams, Mode, RegionB
+from viasd.engine import request_seeds
 from viasd.rules import Region, first_non_accept, gate, rule_from_params, verify
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sampling import Sampler
@@ -23,7 +24,9 @@ def reference_decode(
     verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, prompt: list[int], params: GenerationParams
 ) -> list[int]:
     sampler = Sampler.from_params(params)
-    gen = torch.Generator().manual_seed(params.seed)
+    draft_seed, verify_seed = request_seeds(params.seed)
+    gen_p = torch.Generator().manual_seed(draft_seed)  # the drafter's stream
+    gen = torch.Generator().manual_seed(verify_seed)  # the verifier's stream
     seq, out = list(prompt), []
     rule = rule_from_params(params)
     while len(out) < params.max_tokens:
@@ -34,7 +37,7 @@ def reference_decode(
             draft, p_rows = [], []
             for _ in range(min(params.gamma, remaining)):
                 p = sampler.probs(_logits(drafter, seq + draft, 1))
-                draft.append(int(sampler.sample(p, gen)[0]))
+                draft.append(int(sampler.sample(p, gen_p)[0]))
                 p_rows.append(p)
             k, p = len(draft), torch.cat(p_rows)
             if params.mode == Mode.SD:

@@ -49,7 +49,7 @@ VIA_SETTINGS = [
     dict(temperature=0.0),
     dict(temperature=0.0, region_b="escalate"),
     dict(temperature=1.0, seed=7),
-    dict(temperature=0.8, top_k=20, top_p=0.9, seed=11),
+    dict(temperature=0.8, top_k=20, top_p=0.9, seed=13),
     dict(temperature=1.0, seed=3, slim_bonus=True),
     dict(temperature=1.0, seed=5, rule="lossy", lossy_alpha=0.3, lossy_beta=0.8),
     dict(temperature=1.0, seed=9, rule="overshoot", overshoot_ceiling=0.5),
@@ -106,24 +106,24 @@ def test_caches_equal_fresh_prefill_after_each_cycle(tiny_pair, policy, mode):
     engine = make_engine(tiny_pair, policy)
     params = parse_params(mode=mode, max_tokens=60, gamma=4, alpha1=0.9, alpha2=0.7, temperature=1.0, seed=4)
     req = engine._new_request(PROMPTS[0], params)
-    step = engine._sd_cycle if mode == "sd" else engine._via_cycle
+    tiers = [req.draft.tier, *req.verify.tiers]
+    full = req.verify.full
     rejected_cycles = 0
     while len(req.seq) < 60:
         before = req.stats.num_rejected_tokens
-        step(req, 60)
+        engine._cycle(req, 60)
         rejected_cycles += req.stats.num_rejected_tokens > before
-        for tier in req.tiers:
-            assert tier.pos <= len(req.seq) - 1  # the last committed token is always fed next
+        assert req.draft.seq == req.verify.seq == req.seq  # both sides hold the same committed sequence
+        for tier in tiers:
+            assert 0 < tier.pos <= len(req.seq) - 1  # the last committed token is always fed next
             if policy == "shared" and tier.name == "slim":
                 # kept layers: q's keys/values up to full.pos, then q''s own
-                fresh = _fresh_kv(verifier, req.seq[: req.full.pos])
-                if tier.pos > req.full.pos:
-                    verifier.forward(torch.tensor(req.seq[req.full.pos : tier.pos]), req.full.pos, fresh, engine.mask)
+                fresh = _fresh_kv(verifier, req.seq[: full.pos])
+                if tier.pos > full.pos:
+                    verifier.forward(torch.tensor(req.seq[full.pos : tier.pos]), full.pos, fresh, engine.mask)
             else:
-                fresh = _fresh_kv(tier.lm, req.seq[: tier.pos], tier.mask) if tier.pos else None
+                fresh = _fresh_kv(tier.lm, req.seq[: tier.pos], tier.mask)
             for layer in tier.layers:
-                if tier.pos == 0:
-                    continue
                 k, v = tier.cache.kv(layer)
                 fk, fv = fresh.kv(layer)
                 torch.testing.assert_close(k[:, :, : tier.pos], fk[:, :, : tier.pos], rtol=0, atol=1e-10)
@@ -140,7 +140,7 @@ def test_shared_policy_uses_one_cache_and_matches_separate_when_slim_is_exact(ti
     sha = Engine(verifier, drafter, mask=full, cache_policy="shared").complete(PROMPTS[0], params)
     assert sep.token_ids == sha.token_ids
     req = Engine(verifier, drafter, mask=full, cache_policy="shared")._new_request(PROMPTS[0], params)
-    assert req.slim.cache is req.full.cache
+    assert req.verify.slim.cache is req.verify.full.cache
 
 
 def test_stop_tokens_and_stats(tiny_pair):

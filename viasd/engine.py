@@ -21,13 +21,13 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from viasd.config import CachePolicy, GenerationParams, Mode, RegionB
-from viasd.errors import InvalidParameterError, ModelLoadError
+from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
 from viasd.metrics import RequestStats
 from viasd.rules import Region, first_non_accept, gate, rule_from_params, verify
 from viasd.runtime import KVCache, LayerMask, MaskedLM
@@ -88,28 +88,171 @@ class _Tier:
         return logits
 
 
+def request_seeds(seed: int) -> tuple[int, int]:
+    """Seeds of the drafter's and the verifier's random streams for a request seed.
+
+    Each side owns its stream, so the same seed gives the same tokens whether the two sides run
+    in one process (this engine) or in separate actors (the service).
+    """
+    return seed, (seed + 0x9E3779B97F4A7C15) % 2**63
+
+
+@dataclass
+class Outcome:
+    """What the verifier decided for one block (or one `ar` step)."""
+
+    tokens: list[int]  # committed: the accepted draft prefix, then the rewritten / recovered / bonus token(s)
+    num_draft_accepted: int  # how many of `tokens` are draft tokens: caches stay valid up to n + this
+
+
+def _commit(seq: list[int], tiers: Sequence[_Tier], outcome: Outcome) -> None:
+    """Append committed tokens and roll every tier back to the positions that are still valid.
+
+    The last committed token is never counted as seen: the next forward must feed it to get
+    the distribution of the token after it.
+    """
+    valid = len(seq) + outcome.num_draft_accepted
+    seq.extend(outcome.tokens)
+    valid = min(valid, len(seq) - 1)
+    for tier in tiers:
+        tier.pos = min(tier.pos, valid)
+
+
+class DraftSession:
+    """The drafter's side of one request: its cache, its random stream, its copy of the sequence."""
+
+    def __init__(self, lm: MaskedLM, prompt: Sequence[int], params: GenerationParams, seed: int, stats: RequestStats):
+        self.tier = _Tier("drafter", lm, lm.new_cache())
+        self.seq = list(prompt)
+        self.sampler = Sampler.from_params(params)
+        self.generator = torch.Generator(device=lm.device).manual_seed(seed)
+        self.stats = stats
+
+    def propose(self, k: int) -> tuple[list[int], Tensor | None]:
+        """Sample k draft tokens; return them and p [k, V] (None when greedy: the rules then need
+        only the tokens, since p is one-hot at them)."""
+        draft: list[int] = []
+        p_rows = []
+        for _ in range(k):
+            logits = self.tier.forward(self.seq + draft, 1, self.stats)  # [1, V]
+            p = self.sampler.probs(logits)  # [1, V]
+            draft.append(int(self.sampler.sample(p, self.generator)[0]))
+            p_rows.append(p)
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += k
+        return draft, None if self.sampler.greedy else torch.cat(p_rows)  # [k], [k, V]
+
+    def commit(self, outcome: Outcome) -> None:
+        _commit(self.seq, [self.tier], outcome)
+
+
+class VerifySession:
+    """The verifier's side of one request: q and q' (q masked, same weights), the gate and the rules.
+
+    Logits never leave this object: it returns decisions and sampled tokens only.
+    """
+
+    def __init__(
+        self,
+        lm: MaskedLM,
+        mask: LayerMask,
+        cache_policy: CachePolicy,
+        prompt: Sequence[int],
+        params: GenerationParams,
+        seed: int,
+        stats: RequestStats,
+    ):
+        self.params = params
+        self.full = _Tier("full", lm, lm.new_cache())
+        self.slim = None
+        if params.mode == Mode.VIA:
+            shared = cache_policy == CachePolicy.SHARED  # q' writes into q's slots of the kept layers
+            self.slim = _Tier("slim", lm, self.full.cache if shared else lm.new_cache(mask), mask)
+        self.tiers = [t for t in (self.slim, self.full) if t is not None]
+        self.seq = list(prompt)
+        self.sampler = Sampler.from_params(params)
+        self.rule = rule_from_params(params)
+        self.generator = torch.Generator(device=lm.device).manual_seed(seed)
+        self.stats = stats
+
+    def decode_one(self) -> Outcome:
+        """`ar`: one forward of q, one token."""
+        logits = self.full.forward(self.seq, 1, self.stats)  # [1, V]
+        return Outcome([int(self.sampler.sample(self.sampler.probs(logits), self.generator)[0])], 0)
+
+    def check(self, draft: list[int], p: Tensor | None) -> Outcome:
+        """Verify a draft block (p [k, V], or None when greedy) with the request's mode."""
+        if p is None:  # greedy drafts: p is one-hot at the draft tokens
+            draft_t = torch.tensor(draft, device=self.full.lm.device)  # [k]
+            p = torch.nn.functional.one_hot(draft_t, self.full.lm.vocab_size).float()  # [k, V]
+        return self._check_sd(draft, p) if self.params.mode == Mode.SD else self._check_via(draft, p)
+
+    def _full_verify(self, draft: list[int], p: Tensor, start: int) -> Outcome:
+        """q scores the whole block in one forward; its rule decides positions start..k-1."""
+        k, stats = len(draft), self.stats
+        q = self.sampler.probs(self.full.forward(self.seq + draft, k + 1, stats))  # [k + 1, V]
+        draft_t = torch.tensor(draft[start:], device=q.device)  # [k - start]
+        verdict = verify(self.rule, p[start:].to(device=q.device, dtype=q.dtype), q[start:], draft_t, self.generator)
+        j = verdict.num_accepted
+        stats.count_accepted(range(start, start + j))
+        stats.num_rejected_tokens += 0 if verdict.bonus else 1
+        stats.num_bonus_tokens += int(verdict.bonus)
+        stats.num_cycle_tokens += start + j + 1
+        return Outcome(draft[: start + j] + [verdict.token], start + j)
+
+    def _check_sd(self, draft: list[int], p: Tensor) -> Outcome:
+        """Two-tier speculative decoding: one forward of q over the block, the acceptance rule."""
+        return self._full_verify(draft, p, 0)
+
+    def _check_via(self, draft: list[int], p: Tensor) -> Outcome:
+        """Steps 2-4 of the VIA-SD cycle: slim-verify with the gate, then rewrite or escalate."""
+        k, params, stats, sampler = len(draft), self.params, self.stats, self.sampler
+        slim_logits = self.slim.forward(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        regions = gate(
+            sampler.gate_probs(slim_logits[:k]),  # [k, V]
+            torch.tensor(draft, device=slim_logits.device),
+            params.alpha1,
+            params.alpha2,
+            rewrite=params.region_b == RegionB.REWRITE,
+        )  # [k]
+        i = first_non_accept(regions)  # draft[:i] accepted by q'
+        stats.slim_accepted += i
+        stats.count_accepted(range(i))
+
+        if i == k:  # region A everywhere: the block is committed on q''s word
+            tokens = list(draft)
+            if params.slim_bonus:
+                tokens.append(int(sampler.sample(sampler.probs(slim_logits[k:]), self.generator)[0]))
+                stats.num_bonus_tokens += 1
+            stats.num_cycle_tokens += len(tokens)
+            return Outcome(tokens, k)
+        if regions[i] == Region.REWRITE:  # region B: q' writes position i itself
+            stats.slim_rewritten += 1
+            stats.num_rejected_tokens += 1
+            stats.num_cycle_tokens += i + 1
+            token = int(sampler.sample(sampler.probs(slim_logits[i : i + 1]), self.generator)[0])
+            return Outcome(draft[:i] + [token], i)
+        # region C: q decides positions i..k-1 with the speculative-sampling rule
+        stats.escalations += 1
+        stats.escalated_tokens += k - i
+        outcome = self._full_verify(draft, p, i)
+        stats.full_accepted += outcome.num_draft_accepted - i
+        return outcome
+
+    def commit(self, outcome: Outcome) -> None:
+        """Append the tokens; roll q and q' back. Under the shared policy an escalation made q
+        rewrite the kept layers' slots from its own position on, so after it both tiers hold q's
+        keys/values up to the same valid length."""
+        _commit(self.seq, self.tiers, outcome)
+
+
 @dataclass
 class _Request:
     params: GenerationParams
-    sampler: Sampler
-    generator: torch.Generator
     seq: list[int]  # prompt + committed tokens
     stats: RequestStats
-    drafter: _Tier | None = None
-    slim: _Tier | None = None
-    full: _Tier | None = None
-    tiers: list[_Tier] = field(default_factory=list)
-
-    def commit(self, tokens: list[int], valid: int) -> None:
-        """Append committed tokens; every tier keeps at most the first `valid` positions.
-
-        The last committed token is never counted as seen: the next forward must feed it to
-        get the distribution of the token after it.
-        """
-        self.seq.extend(tokens)
-        valid = min(valid, len(self.seq) - 1)
-        for tier in self.tiers:
-            tier.pos = min(tier.pos, valid)
+    verify: VerifySession
+    draft: DraftSession | None = None
 
 
 class Engine:
@@ -135,8 +278,6 @@ class Engine:
             )
         self.mask = mask if mask is not None else LayerMask.evenly_spaced(skip_ratio, verifier.num_layers)
         if self.mask.num_layers != verifier.num_layers:
-            from viasd.errors import MaskError
-
             raise MaskError(f"mask has {self.mask.num_layers} entries but the verifier has {verifier.num_layers} layers")
         self.cache_policy = CachePolicy(cache_policy)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -151,24 +292,20 @@ class Engine:
         req = self._new_request(prompt_ids, params)
         stats, n_prompt = req.stats, len(prompt_ids)
         t_start = time.perf_counter()
-        step = {Mode.AR: self._ar_step, Mode.SD: self._sd_cycle, Mode.VIA: self._via_cycle}[params.mode]
         budget = params.max_tokens
         if self.max_context is not None:
             budget = min(budget, self.max_context - n_prompt)
+        stops = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
         while True:
-            n = len(req.seq)
-            step(req, budget - (n - n_prompt))
-            new = req.seq[n:]
+            new = self._cycle(req, budget - (len(req.seq) - n_prompt))
             finish = None
-            stops = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
             if not params.ignore_eos and stops:
                 cut = next((j for j, t in enumerate(new) if t in stops), None)
                 if cut is not None:
                     new, finish = new[: cut + 1], "stop"
-            produced = n - n_prompt + len(new)
+            produced = stats.generated_tokens + len(new)
             if produced >= budget:
                 new, finish = new[: len(new) - (produced - budget)], finish or "length"
-            del req.seq[n + len(new) :]
             if stats.time_to_first_token is None and new:
                 stats.time_to_first_token = time.perf_counter() - t_start
             stats.generated_tokens += len(new)
@@ -187,6 +324,29 @@ class Engine:
             last = chunk
         return GenerationResult(list(prompt_ids), tokens, last.finish_reason, last.stats)
 
+    # ---------------------------------------------------------------- the decode cycle
+
+    def _cycle(self, req: _Request, remaining: int) -> list[int]:
+        """One decode cycle; returns the committed tokens (the caller cuts them at stops/limits).
+
+        1. draft: p proposes k = min(gamma, remaining) tokens (sd, via);
+        2-4. verify: q' gates and rewrites or escalates to q (via), q alone scores the block (sd),
+             or q decodes one token (ar) — all inside the verifier, which returns only tokens;
+        5. commit: both sides append the tokens and roll their caches back to what is valid.
+        """
+        if req.draft is None:
+            outcome = req.verify.decode_one()
+        else:
+            k = max(1, min(req.params.gamma, remaining))
+            if self.max_context is not None:  # the verifier scores k + 1 positions past the prefix
+                k = max(1, min(k, self.max_context - len(req.seq) - 1))
+            draft, p = req.draft.propose(k)
+            outcome = req.verify.check(draft, p)
+            req.draft.commit(outcome)
+        req.verify.commit(outcome)
+        req.seq.extend(outcome.tokens)
+        return outcome.tokens
+
     # ---------------------------------------------------------------- setup
 
     def _new_request(self, prompt_ids: Sequence[int], params: GenerationParams) -> _Request:
@@ -203,103 +363,10 @@ class Engine:
         if params.mode != Mode.AR and self.drafter is None:
             raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter; this engine has none")
         seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        req = _Request(
-            params=params,
-            sampler=Sampler.from_params(params),
-            generator=torch.Generator().manual_seed(seed),
-            seq=prompt,
-            stats=RequestStats(mode=params.mode.value, prompt_tokens=len(prompt)),
-        )
-        q = self.verifier
-        req.full = _Tier("full", q, q.new_cache())
+        draft_seed, verify_seed = request_seeds(seed)
+        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
+        verify_session = VerifySession(self.verifier, self.mask, self.cache_policy, prompt, params, verify_seed, stats)
+        draft_session = None
         if params.mode != Mode.AR:
-            req.drafter = _Tier("drafter", self.drafter, self.drafter.new_cache())
-        if params.mode == Mode.VIA:
-            shared = self.cache_policy == CachePolicy.SHARED
-            req.slim = _Tier("slim", q, req.full.cache if shared else q.new_cache(self.mask), self.mask)
-        req.tiers = [t for t in (req.drafter, req.slim, req.full) if t is not None]
-        return req
-
-    # ---------------------------------------------------------------- decode steps
-
-    def _ar_step(self, req: _Request, remaining: int) -> None:
-        """Autoregressive decoding with q: one forward, one token."""
-        logits = req.full.forward(req.seq, 1, req.stats)  # [1, V]
-        token = int(req.sampler.sample(req.sampler.probs(logits), req.generator)[0])
-        req.commit([token], len(req.seq))
-
-    def _draft(self, req: _Request, remaining: int) -> tuple[list[int], Tensor]:
-        """The drafter proposes min(gamma, remaining) tokens; returns them and p [k, V]."""
-        k = max(1, min(req.params.gamma, remaining))
-        if self.max_context is not None:  # the verifier scores k + 1 positions past the prefix
-            k = max(1, min(k, self.max_context - len(req.seq) - 1))
-        draft: list[int] = []
-        p_rows = []
-        for _ in range(k):
-            logits = req.drafter.forward(req.seq + draft, 1, req.stats)  # [1, V]
-            p = req.sampler.probs(logits)  # [1, V]
-            draft.append(int(req.sampler.sample(p, req.generator)[0]))
-            p_rows.append(p)
-        req.stats.num_drafts += 1
-        req.stats.num_draft_tokens += k
-        return draft, torch.cat(p_rows)  # [k], [k, V]
-
-    def _sd_cycle(self, req: _Request, remaining: int) -> None:
-        """Two-tier speculative decoding: draft gamma tokens, one forward of q, the acceptance rule."""
-        n, stats = len(req.seq), req.stats
-        draft, p = self._draft(req, remaining)  # [k], [k, V]
-        q = req.sampler.probs(req.full.forward(req.seq + draft, len(draft) + 1, stats))  # [k + 1, V]
-        verdict = verify(rule_from_params(req.params), p, q, torch.tensor(draft), req.generator)
-        k = verdict.num_accepted
-        stats.count_accepted(range(k))
-        stats.num_rejected_tokens += 0 if verdict.bonus else 1
-        stats.num_bonus_tokens += int(verdict.bonus)
-        stats.num_cycle_tokens += k + 1
-        req.commit(draft[:k] + [verdict.token], n + k)
-
-    def _via_cycle(self, req: _Request, remaining: int) -> None:
-        """One VIA-SD cycle: draft, slim-verify with the gate, rewrite or escalate, commit."""
-        n, params, stats, sampler = len(req.seq), req.params, req.stats, req.sampler
-        draft, p = self._draft(req, remaining)  # [k], [k, V]
-        k = len(draft)
-        slim_logits = req.slim.forward(req.seq + draft, k + 1, stats)  # [k + 1, V]
-        regions = gate(
-            sampler.gate_probs(slim_logits[:k]),  # [k, V]
-            torch.tensor(draft),
-            params.alpha1,
-            params.alpha2,
-            rewrite=params.region_b == RegionB.REWRITE,
-        )  # [k]
-        i = first_non_accept(regions)  # draft[:i] accepted by q'
-        stats.slim_accepted += i
-        stats.count_accepted(range(i))
-
-        if i == k:  # region A everywhere: the block is committed on q''s word
-            tokens = list(draft)
-            if params.slim_bonus:
-                tokens.append(int(sampler.sample(sampler.probs(slim_logits[k:]), req.generator)[0]))
-                stats.num_bonus_tokens += 1
-            self._after_slim(req, tokens, n + k)
-        elif regions[i] == Region.REWRITE:  # region B: q' writes position i itself
-            stats.slim_rewritten += 1
-            stats.num_rejected_tokens += 1
-            token = int(sampler.sample(sampler.probs(slim_logits[i : i + 1]), req.generator)[0])
-            self._after_slim(req, draft[:i] + [token], n + i)
-        else:  # region C: q decides positions i..k with the speculative-sampling rule
-            stats.escalations += 1
-            stats.escalated_tokens += k - i
-            q = sampler.probs(req.full.forward(req.seq + draft, k + 1, stats))  # [k + 1, V]
-            verdict = verify(rule_from_params(params), p[i:], q[i:], torch.tensor(draft[i:]), req.generator)
-            j = verdict.num_accepted
-            stats.full_accepted += j
-            stats.count_accepted(range(i, i + j))
-            stats.num_rejected_tokens += 0 if verdict.bonus else 1
-            stats.num_bonus_tokens += int(verdict.bonus)
-            stats.num_cycle_tokens += i + j + 1
-            req.commit(draft[: i + j] + [verdict.token], n + i + j)
-            if self.cache_policy == CachePolicy.SHARED:  # kept layers now hold q's keys/values
-                req.slim.pos = req.full.pos
-
-    def _after_slim(self, req: _Request, tokens: list[int], valid: int) -> None:
-        req.stats.num_cycle_tokens += len(tokens)
-        req.commit(tokens, valid)
+            draft_session = DraftSession(self.drafter, prompt, params, draft_seed, stats)
+        return _Request(params, prompt, stats, verify_session, draft_session)

@@ -25,7 +25,8 @@ from torch import Tensor, nn
 
 from viasd.errors import MaskError, ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+# config.model_type values whose decoder blocks are model.model.layers with the LLaMA layer API
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 
 
 class KVCache:

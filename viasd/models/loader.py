@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from viasd.errors import ModelLoadError
 from viasd.models.embedded import BUILTIN_MODELS, ensure_local, normalize_dtype, torch_dtype
+from viasd.runtime import SUPPORTED_ARCHITECTURES  # what MaskedLM can run
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -20,9 +21,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "model_fingerprint", "resolve_model_dir"]
 
-#: ``config.model_type`` values the engine supports: decoder-only models whose transformer
-#: blocks are ``model.model.layers`` (what layer masks and early exits index into).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 
 #: Config entries that say how or where a model was loaded, not what it is.
 _VOLATILE_CONFIG_KEYS = (
