@@ -1,0 +1,186 @@
+"""What the pipeline's gRPC servers share: server/channel options, status mapping, the wire
+format of draft probabilities and outcomes, and in-order execution of blocking model calls.
+
+Draft probabilities (``DraftProbs``) travel as raw little-endian bytes, row-major [rows, V]:
+
+* ``"auto"`` (default): the drafter's own dtype — float32 (float32 / bf16 / fp16 models: the
+  sampler works in float32) or float64 (float64 models). The verifier then applies its rule to
+  exactly the p the draft tokens were sampled from, so a served request is token-for-token the
+  in-process one. 4 bytes x V per drafted token (Qwen2.5: V = 151,936 -> 608 KB per token).
+* ``"bfloat16"``: half the bytes, but p is rounded (relative error up to 2^-8): min(1, q/p) and
+  the residual max(0, q - p) are no longer computed on the p that sampled the token, so the
+  lossless rule is only approximately lossless. Opt-in; measured in docs/SERVING.md.
+
+Greedy requests ship no probabilities at all (p is one-hot at the draft tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import grpc
+import numpy as np
+import torch
+
+from viasd.engine import Outcome
+from viasd.errors import InvalidParameterError
+from viasd.v1 import internal_pb2 as ipb
+
+log = logging.getLogger("viasd.actors")
+
+#: gRPC options of every pipeline server and channel: draft probabilities of a 32-token block of a
+#: 152k vocabulary in float64 are ~39 MB, past gRPC's 4 MB default.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+PROBS_DTYPES = ("auto", "bfloat16")
+_WIRE = {"float32": ("<f4", torch.float32), "float64": ("<f8", torch.float64), "bfloat16": ("<i2", torch.bfloat16)}
+
+
+class SessionNotFound(KeyError):
+    """No session with this request id (never opened, already closed, or the actor restarted)."""
+
+
+async def start_server(add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0):
+    """A started grpc.aio server with the servicers `add` registers; returns (server, bound port)."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    add(server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if not bound:
+        raise RuntimeError(f"cannot bind a gRPC server to {host}:{port}")
+    await server.start()
+    return server, bound
+
+
+def advertised_host(bind_host: str) -> str:
+    """The host other processes dial: the bound one, or this node's IP for a wildcard bind."""
+    if bind_host in ("0.0.0.0", "::", "[::]", ""):
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return bind_host
+
+
+def rpc(method):
+    """Map a servicer method's exceptions to gRPC status codes (NOT_FOUND, INVALID_ARGUMENT, INTERNAL)."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except SessionNotFound as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc))
+        except InvalidParameterError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as exc:  # a bug or a broken model: the caller sees INTERNAL with the cause
+            log.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+    return wrapper
+
+
+# ------------------------------------------------------------------ wire formats
+
+
+def encode_probs(p: torch.Tensor | None, dtype: str = "auto") -> ipb.DraftProbs | None:
+    """p [k, V] -> DraftProbs (None stays None: greedy)."""
+    if p is None:
+        return None
+    assert p.ndim == 2, f"p must be [k, V], got {tuple(p.shape)}"
+    if dtype not in PROBS_DTYPES:
+        raise InvalidParameterError("draft_probs_dtype", f"must be one of {PROBS_DTYPES}, got {dtype!r}")
+    name = ("float64" if p.dtype == torch.float64 else "float32") if dtype == "auto" else dtype
+    t = p.detach().to("cpu", _WIRE[name][1]).contiguous()
+    if name == "bfloat16":
+        t = t.view(torch.int16)  # numpy has no bfloat16: ship the bit patterns
+    data = t.numpy().astype(_WIRE[name][0], copy=False).tobytes()
+    return ipb.DraftProbs(rows=p.shape[0], vocab_size=p.shape[1], data=data, dtype=name)
+
+
+def decode_probs(msg: ipb.DraftProbs | None) -> torch.Tensor | None:
+    """DraftProbs -> p [rows, V] (float32 or float64; bfloat16 is widened to float32)."""
+    if msg is None or not msg.data:
+        return None
+    if msg.dtype not in _WIRE:
+        raise InvalidParameterError("probs.dtype", f"must be one of {sorted(_WIRE)}, got {msg.dtype!r}")
+    np_dtype, torch_dtype = _WIRE[msg.dtype]
+    expected = msg.rows * msg.vocab_size * np.dtype(np_dtype).itemsize
+    if len(msg.data) != expected:
+        raise InvalidParameterError("probs.data", f"{len(msg.data)} bytes for {msg.rows} x {msg.vocab_size} {msg.dtype}")
+    t = torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).astype(np_dtype[1:], copy=True))
+    if msg.dtype == "bfloat16":
+        t = t.view(torch.bfloat16).float()
+    return t.view(msg.rows, msg.vocab_size)  # [k, V]
+
+
+def outcome_to_proto(outcome: Outcome) -> ipb.Outcome:
+    return ipb.Outcome(tokens=outcome.tokens, num_draft_accepted=outcome.num_draft_accepted)
+
+
+def outcome_from_proto(msg: ipb.Outcome) -> Outcome:
+    return Outcome(list(msg.tokens), msg.num_draft_accepted)
+
+
+# ------------------------------------------------------------------ blocking model calls
+
+
+class InOrder:
+    """Runs blocking calls (model forwards) on one thread, in the order of their sequence numbers.
+
+    The verifier's rank 0 numbers every call (`issue`) and hands the same number to the other
+    ranks; each rank executes its calls in that order, whatever order Ray delivers them in, so
+    all ranks reach their collectives in the same order. `enqueue` registers a call
+    synchronously (no await between numbering and registering, so a cancelled caller cannot
+    leave a gap), and a call whose caller gave up still runs: the other ranks run it too.
+    """
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self._next = 0  # the next sequence number to hand to the thread
+        self._issued = 0  # numbers handed out by `issue`
+        self._pending: dict[int, tuple[asyncio.Future, Callable, tuple]] = {}
+
+    def issue(self) -> int:
+        seq, self._issued = self._issued, self._issued + 1
+        return seq
+
+    def enqueue(self, seq: int, fn: Callable, *args: Any) -> asyncio.Future:
+        """Register call number `seq`; it runs once every smaller number has been handed over."""
+        loop = asyncio.get_running_loop()
+        if seq < self._next or seq in self._pending:
+            raise RuntimeError(f"call number {seq} arrived twice (next is {self._next})")
+        result = loop.create_future()
+        self._pending[seq] = (result, fn, args)
+        while self._next in self._pending:
+            res, f, a = self._pending.pop(self._next)
+            loop.run_in_executor(self._pool, f, *a).add_done_callback(functools.partial(_settle, res))
+            self._next += 1
+        return result
+
+    def submit(self, fn: Callable, *args: Any) -> asyncio.Future:
+        """Run in submission order (a single process with no peers)."""
+        return self.enqueue(self.issue(), fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _settle(result: asyncio.Future, done: asyncio.Future) -> None:
+    if result.cancelled():  # the caller gave up; the call ran anyway
+        if not done.cancelled():
+            done.exception()  # retrieved: no "exception never retrieved" warning
+        return
+    if done.cancelled():
+        result.cancel()
+    elif done.exception() is not None:
+        result.set_exception(done.exception())
+    else:
+        result.set_result(done.result())

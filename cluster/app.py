@@ -1,0 +1,234 @@
+"""The Ray Serve application: one deployment per pipeline, one replica = one whole pipeline.
+
+A replica starts its pipeline (drafter + verifier group + coordinator) in its constructor and
+serves it two ways:
+
+* gRPC, through Serve's gRPC proxy: the public `viasd.v1.GenerationService` (Generate streams,
+  ListModels), by `viasd.cluster.grpc_server.GenerationServicer` — the same servicer the
+  standalone gRPC server runs — with this replica's admission limits and metrics around it;
+* HTTP, through Serve's HTTP proxy: the OpenAI-compatible FastAPI app of `openai_api`
+  (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+
+Autoscaling adds or removes whole pipelines (Serve's autoscaling_config from the ServeConfig).
+
+    serve.start(http_options=..., grpc_options=grpc_options(config))
+    serve.run(build_app(config), name=config.app_name, route_prefix="/")
+
+KubeRay (serveConfigV2) uses the builder import path `viasd.cluster.app:app_builder` with
+`args: {config: /path/serve.yaml}` (or the ServeConfig fields inline, and `pipeline: NAME` for a
+pipeline other than the default one), and `grpcOptions.grpcServicerFunctions: [GRPC_SERVICER]`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from ray import serve
+
+from viasd.cluster.config import ServeConfig, load_serve_config, parse_serve_config
+from viasd.cluster.metrics import ServingMetrics
+from viasd.cluster.openai_api import build_http_app
+from viasd.cluster.server import RequestError, ReplicaServer
+
+logger = logging.getLogger("viasd.serve")
+
+#: The servicer function Serve's gRPC proxy registers (importable wherever Serve runs).
+GRPC_SERVICER = "viasd.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server"
+
+#: Deployment options every pipeline starts from; build_app overrides them from the ServeConfig.
+DEPLOYMENT_DEFAULTS: dict[str, Any] = {
+    "health_check_period_s": 10.0,
+    "health_check_timeout_s": 60.0,
+    "graceful_shutdown_wait_loop_s": 2.0,
+    "graceful_shutdown_timeout_s": 30.0,
+}
+
+@serve.deployment(**DEPLOYMENT_DEFAULTS)
+@serve.ingress()
+class PipelineDeployment:
+    """One replica = one pipeline; gRPC methods for Serve's gRPC proxy and the OpenAI HTTP API."""
+
+    async def __init__(self, config: dict, pipeline: str | None = None):
+        self.config = parse_serve_config(config)
+        pc = self.config.pipeline(pipeline)
+        self.name = pc.name
+        if self.config.backend == "local":
+            from viasd.cluster.local import LocalPipeline
+
+            self.pipeline = await LocalPipeline.start(pc)
+        else:
+            from viasd.cluster.pipeline import Pipeline
+
+            self.pipeline = await Pipeline.start(pc)
+        limits = self.config.limits
+        metrics = ServingMetrics(pc.name, enabled=self.config.metrics.enabled, ray_export=self.config.metrics.ray_export)
+        self.server = ReplicaServer(
+            self.pipeline, pc.name, default_params=self.config.default_params, metrics=metrics,
+            max_concurrent_requests=limits.max_concurrent_requests, max_queued_requests=limits.max_queued_requests,
+        )
+        from viasd.cluster.grpc_server import GenerationServicer
+
+        self.servicer = GenerationServicer({pc.name: self.pipeline}, pc.name)
+        logger.info("pipeline %s ready: %s", pc.name, self.pipeline.info())
+
+    def __serve_build_asgi_app__(self):
+        """Serve's hook, called after the constructor: this replica's own FastAPI app."""
+        app = build_http_app()
+        app.state.server = self.server  # the routes find the replica's server here
+        return app
+
+    # ------------------------------------------------------------------ gRPC (Serve's gRPC proxy)
+
+    async def Generate(self, request, grpc_context=None):
+        """viasd.v1.GenerationService/Generate: the shared servicer's core inside this replica's
+        admission limits and metrics; errors become status codes on Serve's gRPC context."""
+        from contextlib import aclosing
+
+        from viasd.cluster.grpc_server import status_of
+        from viasd.v1.convert import finish_from_proto, stats_from_proto
+
+        srv = self.server
+        try:
+            await srv.admission.enter()
+        except RequestError as exc:
+            srv.metrics.error("rejected")
+            _set_status(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise GRPCStatus(str(exc)) from None
+        timer = srv.metrics.timer()
+        finished = False
+        try:
+            request = self._with_defaults(request)
+            async with aclosing(self.servicer.generate(request)) as responses:
+                async for response in responses:
+                    timer.tokens(len(response.token_ids))
+                    if response.finish_reason:
+                        finished = True
+                        reason = finish_from_proto(response.finish_reason) or "abort"
+                        stats = stats_from_proto(response.stats, reason) if response.HasField("stats") else None
+                        timer.finish(stats, reason)
+                    yield response
+        except Exception as exc:
+            code, details, metadata = status_of(exc)
+            srv.metrics.error("invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else
+                              "unavailable" if code == grpc.StatusCode.UNAVAILABLE else "internal")
+            finished = True
+            _set_status(grpc_context, code, details, metadata)
+            raise GRPCStatus(details) from None
+        finally:
+            if not finished:  # the client cancelled the call
+                timer.finish(None, "abort")
+            srv.admission.leave()
+
+    def _with_defaults(self, request):
+        """The request with the config's default_params filled into the fields it left unset, so
+        that gRPC and HTTP requests get the same server defaults."""
+        defaults = self.config.default_params
+        if not defaults:
+            return request
+        from viasd.config import parse_params
+        from viasd.v1.convert import params_to_proto
+
+        full = params_to_proto(parse_params(defaults))
+        out = type(request)()
+        out.CopyFrom(request)
+        p = out.params
+        for name in defaults:
+            if name == "stop_token_ids":
+                if not p.stop_token_ids:
+                    p.stop_token_ids.extend(full.stop_token_ids)
+            elif name in ("mode", "region_b", "rule"):
+                if getattr(p, name) == 0:  # *_UNSPECIFIED
+                    setattr(p, name, getattr(full, name))
+            elif not p.HasField(name) and full.HasField(name):
+                setattr(p, name, getattr(full, name))
+        return out
+
+    async def ListModels(self, request, grpc_context=None):
+        """viasd.v1.GenerationService/ListModels."""
+        return await self.servicer.list_models(request)
+
+    # ------------------------------------------------------------------ Serve hooks
+
+    async def check_health(self) -> None:
+        ok, detail = await self.server.health()
+        if not ok:
+            raise RuntimeError(f"pipeline {self.name} unhealthy: {detail.get('error')}")
+
+    async def __del__(self):
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None:
+            await pipeline.shutdown()
+
+
+class GRPCStatus(Exception):
+    """Raised after a status is set on Serve's gRPC context: a plain exception Ray can carry back
+    to the proxy (the original one, e.g. InvalidParameterError, need not survive pickling)."""
+
+
+def _set_status(grpc_context, code: grpc.StatusCode, details: str, metadata=()) -> None:
+    """Set a status on Serve's gRPC context; the exception raised next carries it to the client."""
+    if grpc_context is None:
+        return
+    grpc_context.set_code(code)
+    grpc_context.set_details(details)
+    if metadata:
+        grpc_context.set_trailing_metadata(list(metadata))
+
+
+def deployment_options(config: ServeConfig) -> dict[str, Any]:
+    """Serve options of a pipeline deployment from the config (on top of DEPLOYMENT_DEFAULTS).
+
+    max_ongoing_requests leaves room above the replica's own limits, so that requests past
+    them reach the replica and are refused with 429 / RESOURCE_EXHAUSTED instead of waiting
+    without bound in the router; the autoscaler counts decoding + queued requests.
+    """
+    limits = config.limits
+    return {
+        "autoscaling_config": config.autoscaling.serve_config(),
+        "max_ongoing_requests": limits.max_concurrent_requests + limits.max_queued_requests + 8,
+        "ray_actor_options": {"num_cpus": config.ray.replica_num_cpus},
+    }
+
+
+def build_app(config: ServeConfig, pipeline: str | None = None):
+    """The Serve application of one pipeline (default: the config's default pipeline)."""
+    name = config.pipeline(pipeline).name
+    deployment = PipelineDeployment.options(name=f"pipeline-{name}", **deployment_options(config))
+    return deployment.bind(config.model_dump(mode="json"), name)
+
+
+def app_builder(args: dict[str, Any]):
+    """Serve's application builder (KubeRay serveConfigV2 `import_path: viasd.cluster.app:app_builder`).
+
+    args: `{config: path}` to a serve.yaml, or ServeConfig fields inline; `pipeline: NAME` picks
+    the pipeline this application serves (default: the config's default pipeline).
+    """
+    args = dict(args or {})
+    pipeline = args.pop("pipeline", None)
+    path = args.pop("config", None)
+    config = load_serve_config(path) if path else parse_serve_config(args)
+    if path and args:
+        config = parse_serve_config({**config.model_dump(mode="json"), **args})
+    return build_app(config, pipeline)
+
+
+def http_options(config: ServeConfig) -> dict[str, Any]:
+    opts: dict[str, Any] = {"host": config.http.host, "port": config.http.port}
+    if config.limits.request_timeout_s:
+        opts["request_timeout_s"] = config.limits.request_timeout_s
+    return opts
+
+
+def grpc_options(config: ServeConfig):
+    """Serve's gRPC proxy options (None when gRPC is disabled)."""
+    from ray.serve.config import gRPCOptions
+
+    if not config.grpc.enabled:
+        return None
+    return gRPCOptions(
+        port=config.grpc.port,
+        grpc_servicer_functions=[GRPC_SERVICER],
+        request_timeout_s=config.grpc.request_timeout_s,
+    )

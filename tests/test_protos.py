@@ -1,0 +1,155 @@
+"""The committed gRPC stubs are fresh; protobuf <-> pydantic conversions; the wire helpers of the
+pipeline (draft probabilities, in-order execution). No Ray, no models."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import pytest
+
+from viasd.config import Mode, parse_params
+from viasd.errors import InvalidParameterError
+from viasd.metrics import RequestStats
+from viasd.v1 import generation_pb2 as pb
+from viasd.v1.convert import params_from_proto, params_to_proto, stats_from_proto, stats_to_proto
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_stubs_are_fresh(tmp_path):
+    pytest.importorskip("grpc_tools")
+    env = {**os.environ, "OUT": str(tmp_path)}
+    res = subprocess.run(["bash", str(ROOT / "scripts" / "gen_protos.sh")], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "viasd" / "v1").iterdir())
+    committed = sorted(p.relative_to(ROOT) for p in (ROOT / "viasd" / "v1").glob("*_pb2*"))
+    assert generated == committed, "stub files differ: run scripts/gen_protos.sh"
+    stale = [str(p) for p in generated if (tmp_path / p).read_bytes() != (ROOT / p).read_bytes()]
+    assert not stale, f"stale generated stubs {stale}: run scripts/gen_protos.sh"
+
+
+# ------------------------------------------------------------------ conversions
+
+
+def test_unset_fields_take_the_defaults():
+    assert params_from_proto(pb.GenerationParams()) == parse_params()
+    assert params_from_proto(pb.GenerationParams(), default_mode="ar").mode == Mode.AR
+    p = params_from_proto(pb.GenerationParams(temperature=0.0, max_tokens=7))  # explicit zero is a value
+    assert p.temperature == 0.0 and p.max_tokens == 7
+
+
+@pytest.mark.parametrize("values", [
+    dict(),
+    dict(mode="sd", temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=2**63 - 1, gamma=7),
+    dict(mode="via", alpha1=0.7, alpha2=0.3, region_b="escalate", slim_bonus=True, rule="lossy", lossy_alpha=0.3,
+         lossy_beta=0.8, stop_token_ids=(3, 9), ignore_eos=True),
+    dict(mode="ar", rule="overshoot", overshoot_ceiling=0.123456789),
+])
+def test_params_round_trip_exactly(values):
+    params = parse_params(values)
+    msg = pb.GenerationParams.FromString(params_to_proto(params).SerializeToString())
+    assert params_from_proto(msg) == params  # doubles on the wire: 0.3 stays 0.3
+
+
+@pytest.mark.parametrize("msg, field", [
+    (pb.GenerationParams(temperature=-0.5), "temperature"),
+    (pb.GenerationParams(top_p=0.0), "top_p"),
+    (pb.GenerationParams(alpha1=0.2, alpha2=0.3), "alpha2"),
+    (pb.GenerationParams(mode=17), "mode"),
+    (pb.GenerationParams(rule=9), "rule"),
+    (pb.GenerationParams(seed=2**64 - 1), "seed"),
+    (pb.GenerationParams(max_tokens=0), "max_tokens"),
+])
+def test_bad_params_name_the_field(msg, field):
+    with pytest.raises(InvalidParameterError) as err:
+        params_from_proto(msg)
+    assert err.value.field == field
+
+
+def test_stats_round_trip():
+    s = RequestStats(mode="via", prompt_tokens=6, generated_tokens=24, finish_reason="length", num_drafts=5,
+                     num_draft_tokens=20, num_accepted_tokens=14, num_accepted_tokens_per_pos=[5, 4, 3, 2],
+                     num_rejected_tokens=3, num_cycle_tokens=19, num_bonus_tokens=1, slim_accepted=9,
+                     slim_rewritten=2, escalations=2, escalated_tokens=6, full_accepted=5,
+                     forwards={"drafter": 20, "slim": 5, "full": 2},
+                     seconds={"drafter": 0.5, "slim": 0.25, "full": 0.125},
+                     time_to_first_token=0.01, total_seconds=1.5, drafter_fallback=True)
+    msg = pb.RequestStats.FromString(stats_to_proto(s).SerializeToString())
+    assert msg.mean_acceptance_length == pytest.approx(19 / 5)
+    assert stats_from_proto(msg, "length") == s
+    assert stats_from_proto(stats_to_proto(RequestStats()), None) == RequestStats()
+
+
+def test_add_counters_sums_the_two_sides():
+    drafter = RequestStats(num_drafts=3, num_draft_tokens=9, forwards={"drafter": 9, "slim": 0, "full": 0})
+    verifier = RequestStats(num_accepted_tokens=5, num_accepted_tokens_per_pos=[3, 2], num_cycle_tokens=8,
+                            forwards={"drafter": 0, "slim": 3, "full": 1})
+    total = RequestStats(mode="via", generated_tokens=8)
+    total.add_counters(drafter)
+    total.add_counters(verifier)
+    assert (total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens, total.num_cycle_tokens) == (3, 9, 5, 8)
+    assert total.num_accepted_tokens_per_pos == [3, 2] and total.forwards == {"drafter": 9, "slim": 3, "full": 1}
+    assert total.generated_tokens == 8 and total.mean_acceptance_length == 8 / 3
+
+
+# ------------------------------------------------------------------ wire helpers of the pipeline
+
+
+def test_draft_probs_travel_exactly():
+    torch = pytest.importorskip("torch")
+    from viasd.actors.rpc import decode_probs, encode_probs
+    from viasd.v1 import internal_pb2 as ipb
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        p = torch.softmax(torch.randn(5, 151, generator=g, dtype=dtype) * 3, dim=-1)  # [k, V]
+        msg = ipb.DraftProbs.FromString(encode_probs(p).SerializeToString())
+        assert msg.dtype == str(dtype).removeprefix("torch.") and len(msg.data) == p.numel() * p.element_size()
+        back = decode_probs(msg)
+        assert back.dtype == dtype and torch.equal(back, p)
+    assert encode_probs(None) is None and decode_probs(None) is None
+    p = torch.softmax(torch.randn(3, 97, generator=g), dim=-1)
+    half = decode_probs(encode_probs(p, "bfloat16"))  # lossy: relative error below 2^-8
+    assert len(encode_probs(p, "bfloat16").data) == p.numel() * 2
+    assert ((half - p).abs() <= p * 2**-8 + 1e-30).all() and not torch.equal(half, p)
+    with pytest.raises(InvalidParameterError, match="probs.data"):
+        decode_probs(ipb.DraftProbs(rows=2, vocab_size=3, data=b"\0" * 8, dtype="float32"))
+
+
+def test_in_order_runs_calls_by_number_whatever_the_arrival_order():
+    pytest.importorskip("torch")
+    from viasd.actors.rpc import InOrder
+
+    ran: list[int] = []
+
+    def job(i):
+        assert threading.current_thread() is not threading.main_thread()
+        ran.append(i)
+        return i * 10
+
+    async def main():
+        work = InOrder("test")
+        futures = {i: work.enqueue(i, job, i) for i in (2, 0, 3, 1)}  # delivered out of order
+        assert ran == [] or ran[0] == 0
+        results = {i: await f for i, f in futures.items()}
+        with pytest.raises(RuntimeError, match="arrived twice"):
+            work.enqueue(1, job, 1)
+        # a caller that gives up does not stop its call (the other ranks run it too)
+        f = work.enqueue(4, job, 4)
+        f.cancel()
+        await work.enqueue(5, job, 5)
+        work.shutdown()
+        return results
+
+    assert asyncio.run(main()) == {2: 20, 0: 0, 3: 30, 1: 10}
+    assert ran == [0, 1, 2, 3, 4, 5]
+
+
+def test_gen_protos_script_is_executable():
+    assert os.access(ROOT / "scripts" / "gen_protos.sh", os.X_OK)
+    assert shutil.which("bash")

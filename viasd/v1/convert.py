@@ -1,0 +1,126 @@
+"""Protobuf <-> Python conversions of the viasd.v1 API, in one place for servers and client SDK.
+
+* ``GenerationParams`` message <-> :class:`viasd.config.GenerationParams`. An unset optional
+  field (proto3 ``optional``) takes the pydantic default; an ``*_UNSPECIFIED`` enum value the
+  default too (``MODE_UNSPECIFIED``: the server's default mode, passed in). Decoding validates
+  through :func:`viasd.config.parse_params`, so a bad value raises
+  :class:`~viasd.errors.InvalidParameterError` naming the field. ``stop_token_ids``: an empty
+  list means "the model's EOS tokens" (None); "no stop tokens at all" is ``ignore_eos``.
+* ``RequestStats`` message <-> :class:`viasd.metrics.RequestStats`. The derived rates
+  (mean acceptance length, rejection rate) are written for readers of the message and
+  recomputed from the counters when decoding; 0 stands for "none" in ``time_to_first_token``.
+
+Imports protobuf and pydantic only (no grpc, no torch): the light client install can use it.
+"""
+
+from __future__ import annotations
+
+from viasd.config import GenerationParams, Mode, RegionB, Rule, parse_params
+from viasd.errors import InvalidParameterError
+from viasd.metrics import MODELS, RequestStats
+from viasd.v1 import generation_pb2 as pb
+
+__all__ = [
+    "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "stats_to_proto", "stats_from_proto",
+    "mode_from_proto", "finish_from_proto",
+]
+
+MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA}
+REGION_B_TO_PB = {RegionB.REWRITE: pb.REGION_B_REWRITE, RegionB.ESCALATE: pb.REGION_B_ESCALATE}
+RULE_TO_PB = {Rule.LOSSLESS: pb.RULE_LOSSLESS, Rule.LOSSY: pb.RULE_LOSSY, Rule.OVERSHOOT: pb.RULE_OVERSHOOT}
+FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                "abort": pb.FINISH_REASON_ABORT}
+_MODE_FROM_PB = {v: k for k, v in MODE_TO_PB.items()}
+_REGION_B_FROM_PB = {v: k for k, v in REGION_B_TO_PB.items()}
+_RULE_FROM_PB = {v: k for k, v in RULE_TO_PB.items()}
+_FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+# proto3 `optional` scalars of GenerationParams: presence says whether the client set them
+_OPTIONAL = (
+    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "slim_bonus",
+    "lossy_alpha", "lossy_beta", "overshoot_ceiling", "ignore_eos",
+)
+# RequestStats counters with the same name on both sides
+_STATS_INTS = (
+    "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+    "num_rejected_tokens", "num_bonus_tokens", "num_cycle_tokens", "slim_accepted", "slim_rewritten", "escalations",
+    "escalated_tokens", "full_accepted",
+)
+
+
+def mode_from_proto(value: int, default: Mode | str = Mode.VIA) -> Mode:
+    if value == pb.MODE_UNSPECIFIED:
+        return Mode(default)
+    return _enum(value, _MODE_FROM_PB, "mode")
+
+
+def _enum(value: int, table: dict, field: str):
+    try:
+        return table[value]
+    except KeyError:
+        raise InvalidParameterError(field, f"unknown value {value}") from None
+
+
+def params_to_proto(params: GenerationParams) -> pb.GenerationParams:
+    """Every field set explicitly: the message of a fully resolved request."""
+    msg = pb.GenerationParams(
+        mode=MODE_TO_PB[params.mode],
+        region_b=REGION_B_TO_PB[params.region_b],
+        rule=RULE_TO_PB[params.rule],
+        stop_token_ids=list(params.stop_token_ids or ()),
+    )
+    for name in _OPTIONAL:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.VIA) -> GenerationParams:
+    """Validated parameters; unset fields take the defaults (InvalidParameterError names a bad field)."""
+    values: dict = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
+    values["mode"] = mode_from_proto(msg.mode, default_mode)
+    if msg.region_b != pb.REGION_B_UNSPECIFIED:
+        values["region_b"] = _enum(msg.region_b, _REGION_B_FROM_PB, "region_b")
+    if msg.rule != pb.RULE_UNSPECIFIED:
+        values["rule"] = _enum(msg.rule, _RULE_FROM_PB, "rule")
+    if msg.stop_token_ids:
+        values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    return parse_params(values)
+
+
+def finish_from_proto(value: int) -> str | None:
+    return _FINISH_FROM_PB.get(value)
+
+
+def stats_to_proto(stats: RequestStats) -> pb.RequestStats:
+    msg = pb.RequestStats(
+        mode=stats.mode,
+        num_accepted_tokens_per_pos=stats.num_accepted_tokens_per_pos,
+        mean_acceptance_length=stats.mean_acceptance_length or 0.0,
+        rejection_rate=stats.rejection_rate or 0.0,
+        time_to_first_token=stats.time_to_first_token or 0.0,
+        total_seconds=stats.total_seconds,
+        drafter_fallback=stats.drafter_fallback,
+    )
+    for name in _STATS_INTS:
+        setattr(msg, name, getattr(stats, name))
+    msg.forwards.update(stats.forwards)
+    msg.seconds.update(stats.seconds)
+    return msg
+
+
+def stats_from_proto(msg: pb.RequestStats, finish_reason: str | None = None) -> RequestStats:
+    stats = RequestStats(
+        mode=msg.mode,
+        finish_reason=finish_reason,
+        num_accepted_tokens_per_pos=list(msg.num_accepted_tokens_per_pos),
+        forwards={**dict.fromkeys(MODELS, 0), **msg.forwards},
+        seconds={**dict.fromkeys(MODELS, 0.0), **msg.seconds},
+        time_to_first_token=msg.time_to_first_token or None,
+        total_seconds=msg.total_seconds,
+        drafter_fallback=msg.drafter_fallback,
+    )
+    for name in _STATS_INTS:
+        setattr(stats, name, getattr(msg, name))
+    return stats

@@ -1,0 +1,100 @@
+from viasd.v1 import generation_pb2 as _generation_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class OpenRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARAMS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    params: _generation_pb2.GenerationParams
+    seed: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class Outcome(_message.Message):
+    __slots__ = ("tokens", "num_draft_accepted")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_accepted: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., num_draft_accepted: _Optional[int] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("request_id", "previous", "k")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    previous: Outcome
+    k: int
+    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+
+class DraftProbs(_message.Message):
+    __slots__ = ("rows", "vocab_size", "data", "dtype")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    rows: int
+    vocab_size: int
+    data: bytes
+    dtype: str
+    def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("request_id", "draft", "probs", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    draft: _containers.RepeatedScalarFieldContainer[int]
+    probs: DraftProbs
+    stats: _generation_pb2.RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("request_id", "draft", "probs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    draft: _containers.RepeatedScalarFieldContainer[int]
+    probs: DraftProbs
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("request_id", "outcome", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    outcome: Outcome
+    stats: _generation_pb2.RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ("existed",)
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    existed: bool
+    def __init__(self, existed: _Optional[bool] = ...) -> None: ...
