@@ -62,3 +62,20 @@ def tiny_pair(request):
 
     v = tiny_model(request.param)
     return MaskedLM(v), MaskedLM(drafter_from(v))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """ONE local Ray for the whole test session (started on first use): loopback only, no
+    dashboard, logical CPUs so that tests can place a few small actors on a 2-core machine."""
+    ray = pytest.importorskip("ray")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_enable_worker_prestart", "0")  # actors get their own workers anyway
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
+                 log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()

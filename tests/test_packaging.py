@@ -50,6 +50,8 @@ def test_client_side_imports_neither_torch_nor_ray(tmp_path):
 def test_core_imports_neither_ray_nor_grpc():
     offenders = []
     for path in (ROOT / "viasd").rglob("*.py"):
+        if path.parent == ROOT / "viasd" / "v1" and path.name.endswith("_pb2_grpc.py"):
+            continue  # the generated gRPC stubs (scripts/gen_protos.sh) import grpc by construction
         for line in path.read_text().splitlines():
             if re.match(r"\s*(import|from)\s+(ray|grpc)\b", line):
                 offenders.append(f"{path.relative_to(ROOT)}: {line.strip()}")

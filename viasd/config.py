@@ -108,14 +108,16 @@ class GenerationParams(BaseModel):
 _CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask"}
 
 
-def parse_params(values: dict[str, Any] | None = None, **overrides: Any) -> GenerationParams:
-    """Validate request parameters, raising InvalidParameterError that names the first bad field."""
-    data = dict(values or {})
-    data.update(overrides)
+def _validate(model: type[BaseModel], values: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
     try:
-        return GenerationParams.model_validate(data)
+        return model.model_validate({**(values or {}), **overrides})
     except ValidationError as exc:
         raise invalid_from_validation(exc) from None
+
+
+def parse_params(values: dict[str, Any] | None = None, **overrides: Any) -> GenerationParams:
+    """Validate request parameters, raising InvalidParameterError that names the first bad field."""
+    return _validate(GenerationParams, values, overrides)
 
 
 def invalid_from_validation(exc: ValidationError) -> InvalidParameterError:
@@ -154,6 +156,7 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Cap on prompt + generated tokens; default: the models' max_position_embeddings."
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the models run: cpu, cuda or cuda:N.")
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
@@ -166,9 +169,4 @@ class EngineConfig(BaseModel):
 
 def parse_engine_config(values: dict[str, Any] | None = None, **overrides: Any) -> EngineConfig:
     """Validate an engine configuration, raising InvalidParameterError that names the bad field."""
-    data = dict(values or {})
-    data.update(overrides)
-    try:
-        return EngineConfig.model_validate(data)
-    except ValidationError as exc:
-        raise invalid_from_validation(exc) from None
+    return _validate(EngineConfig, values, overrides)

@@ -97,6 +97,97 @@ def request_seeds(seed: int) -> tuple[int, int]:
     return seed, (seed + 0x9E3779B97F4A7C15) % 2**63
 
 
+# ---------------------------------------------------------------- request checks and limits
+# Shared by Engine.generate and the distributed coordinator (viasd.actors.coordinator), so that
+# a served request is validated, drafted and cut exactly like an in-process one.
+
+
+def context_limit(*limits: int | None) -> int | None:
+    """The context a request may fill: the smallest of the given limits (models' position
+    embeddings, a configured cap), None when none is known."""
+    known = [int(x) for x in limits if x]
+    return min(known) if known else None
+
+
+def check_request(
+    prompt_ids: Sequence[int], params: GenerationParams, *, vocab_size: int, max_context: int | None, has_drafter: bool
+) -> list[int]:
+    """Validate one request (InvalidParameterError naming the field); return the prompt as ints."""
+    if not isinstance(params, GenerationParams):
+        raise InvalidParameterError("params", f"expected GenerationParams, got {type(params).__name__}")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidParameterError("prompt", "must contain at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParameterError("prompt", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
+    if max_context is not None and len(prompt) >= max_context:
+        raise InvalidParameterError("prompt", f"{len(prompt)} tokens leave no room in the context of {max_context}")
+    if params.mode != Mode.AR and not has_drafter:
+        raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter; none is loaded")
+    return prompt
+
+
+def resolve_seed(params: GenerationParams) -> int:
+    """The request's seed, or a fresh random one when it has none."""
+    return params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+
+
+def draft_length(gamma: int, remaining: int, seq_len: int, max_context: int | None) -> int:
+    """Tokens to draft this cycle: gamma, cut to the tokens still allowed and to the context
+    (the verifier scores k + 1 positions past the prefix of seq_len tokens); at least 1."""
+    k = max(1, min(gamma, remaining))
+    if max_context is not None:
+        k = max(1, min(k, max_context - seq_len - 1))
+    return k
+
+
+class RequestLimits:
+    """Stop tokens, max_tokens and the context limit of one request, applied to what each cycle commits."""
+
+    def __init__(
+        self,
+        params: GenerationParams,
+        prompt_len: int,
+        max_context: int | None,
+        eos_token_ids: Sequence[int],
+        stats: RequestStats,
+    ):
+        self.params = params
+        self.max_context = max_context
+        self.stats = stats  # generated_tokens, time_to_first_token, finish_reason, total_seconds are kept here
+        self.budget = params.max_tokens if max_context is None else min(params.max_tokens, max_context - prompt_len)
+        self.stops = tuple(params.stop_token_ids if params.stop_token_ids is not None else eos_token_ids)
+        self.t_start = time.perf_counter()
+
+    @property
+    def remaining(self) -> int:
+        """New tokens still allowed."""
+        return self.budget - self.stats.generated_tokens
+
+    def draft_length(self, seq_len: int) -> int:
+        return draft_length(self.params.gamma, self.remaining, seq_len, self.max_context)
+
+    def chunk(self, new: list[int]) -> Chunk:
+        """Cut a cycle's committed tokens at the first stop token and at the budget; the chunk to stream."""
+        stats, finish = self.stats, None
+        if not self.params.ignore_eos and self.stops:
+            cut = next((j for j, t in enumerate(new) if t in self.stops), None)
+            if cut is not None:
+                new, finish = new[: cut + 1], "stop"
+        produced = stats.generated_tokens + len(new)
+        if produced >= self.budget:
+            new, finish = new[: len(new) - (produced - self.budget)], finish or "length"
+        if stats.time_to_first_token is None and new:
+            stats.time_to_first_token = time.perf_counter() - self.t_start
+        stats.generated_tokens += len(new)
+        if finish is None:
+            return Chunk(new)
+        stats.finish_reason = finish
+        stats.total_seconds = time.perf_counter() - self.t_start
+        return Chunk(new, finish, stats)
+
+
 @dataclass
 class Outcome:
     """What the verifier decided for one block (or one `ar` step)."""
@@ -282,39 +373,19 @@ class Engine:
         self.cache_policy = CachePolicy(cache_policy)
         self.eos_token_ids = tuple(eos_token_ids)
         limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
-        limits = [x for x in limits if x] + ([max_context] if max_context else [])
-        self.max_context = min(limits) if limits else None
+        self.max_context = context_limit(*limits, max_context)
 
     # ---------------------------------------------------------------- public API
 
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[Chunk]:
         """Stream the committed tokens of one request, chunk by chunk; the last chunk has the stats."""
         req = self._new_request(prompt_ids, params)
-        stats, n_prompt = req.stats, len(prompt_ids)
-        t_start = time.perf_counter()
-        budget = params.max_tokens
-        if self.max_context is not None:
-            budget = min(budget, self.max_context - n_prompt)
-        stops = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
+        limits = RequestLimits(params, len(req.seq), self.max_context, self.eos_token_ids, req.stats)
         while True:
-            new = self._cycle(req, budget - (len(req.seq) - n_prompt))
-            finish = None
-            if not params.ignore_eos and stops:
-                cut = next((j for j, t in enumerate(new) if t in stops), None)
-                if cut is not None:
-                    new, finish = new[: cut + 1], "stop"
-            produced = stats.generated_tokens + len(new)
-            if produced >= budget:
-                new, finish = new[: len(new) - (produced - budget)], finish or "length"
-            if stats.time_to_first_token is None and new:
-                stats.time_to_first_token = time.perf_counter() - t_start
-            stats.generated_tokens += len(new)
-            if finish is not None:
-                stats.finish_reason = finish
-                stats.total_seconds = time.perf_counter() - t_start
-                yield Chunk(new, finish, stats)
+            chunk = limits.chunk(self._cycle(req, limits.remaining))
+            yield chunk
+            if chunk.finished:
                 return
-            yield Chunk(new)
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
         """Run a request to the end and return all of its tokens."""
@@ -337,10 +408,7 @@ class Engine:
         if req.draft is None:
             outcome = req.verify.decode_one()
         else:
-            k = max(1, min(req.params.gamma, remaining))
-            if self.max_context is not None:  # the verifier scores k + 1 positions past the prefix
-                k = max(1, min(k, self.max_context - len(req.seq) - 1))
-            draft, p = req.draft.propose(k)
+            draft, p = req.draft.propose(draft_length(req.params.gamma, remaining, len(req.seq), self.max_context))
             outcome = req.verify.check(draft, p)
             req.draft.commit(outcome)
         req.verify.commit(outcome)
@@ -350,20 +418,9 @@ class Engine:
     # ---------------------------------------------------------------- setup
 
     def _new_request(self, prompt_ids: Sequence[int], params: GenerationParams) -> _Request:
-        if not isinstance(params, GenerationParams):
-            raise InvalidParameterError("params", f"expected GenerationParams, got {type(params).__name__}")
-        prompt = [int(t) for t in prompt_ids]
-        if not prompt:
-            raise InvalidParameterError("prompt", "must contain at least one token")
-        bad = [t for t in prompt if not 0 <= t < self.verifier.vocab_size]
-        if bad:
-            raise InvalidParameterError("prompt", f"token ids {bad[:5]} outside the vocabulary (size {self.verifier.vocab_size})")
-        if self.max_context is not None and len(prompt) >= self.max_context:
-            raise InvalidParameterError("prompt", f"{len(prompt)} tokens leave no room in the context of {self.max_context}")
-        if params.mode != Mode.AR and self.drafter is None:
-            raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter; this engine has none")
-        seed = params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
-        draft_seed, verify_seed = request_seeds(seed)
+        prompt = check_request(prompt_ids, params, vocab_size=self.verifier.vocab_size, max_context=self.max_context,
+                               has_drafter=self.drafter is not None)
+        draft_seed, verify_seed = request_seeds(resolve_seed(params))
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
         verify_session = VerifySession(self.verifier, self.mask, self.cache_policy, prompt, params, verify_seed, stats)
         draft_session = None

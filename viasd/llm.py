@@ -52,11 +52,15 @@ class IncrementalDetokenizer:
         return delta
 
 
-def load_mask(spec: str | Path | Sequence[int] | None, num_layers: int, skip_ratio: float = 0.45) -> LayerMask:
+def load_mask(
+    spec: str | Path | Sequence[int] | None, num_layers: int, skip_ratio: float = 0.45, model=None
+) -> LayerMask:
     """A layer mask from a z-vector, a comma list of skipped layers ("3,5,9"), or a JSON file.
 
-    The JSON file holds either {"skipped_layers": [...], "num_layers": L} (the DIMR artifact's
-    fields) or {"z": [0/1 per layer]}. None gives the evenly spaced placeholder mask.
+    The JSON file is a DIMR artifact (`viasd dimr`; it has a "schema_version": its layer count
+    and, when `model` (the verifier's transformers model) is given, its model fingerprint must
+    match the verifier, else MaskError), or a plain {"skipped_layers": [...], "num_layers": L}
+    or {"z": [0/1 per layer]}. None gives the evenly spaced placeholder mask.
     """
     if spec is None:
         return LayerMask.evenly_spaced(skip_ratio, num_layers)
@@ -69,6 +73,12 @@ def load_mask(spec: str | Path | Sequence[int] | None, num_layers: int, skip_rat
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise MaskError(f"cannot read mask file {spec}: {exc}") from None
+        if not isinstance(data, dict):
+            raise MaskError(f"mask file {spec} holds no JSON object")
+        if "schema_version" in data:  # a DIMR artifact: checked against the loaded verifier
+            from viasd.dimr import check_artifact, parse_artifact
+
+            return check_artifact(parse_artifact(data, spec), model, num_layers, source=spec)
         if "z" in data:
             return LayerMask.from_z(data["z"], num_layers)
         if data.get("num_layers", num_layers) != num_layers:
@@ -90,12 +100,12 @@ class LLM:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        model, self.tokenizer = load_causal_lm(config.verifier, dtype=config.dtype)
+        model, self.tokenizer = load_causal_lm(config.verifier, dtype=config.dtype, device=config.device)
         self.verifier = MaskedLM(model)
         self.drafter = None
         if config.drafter:
-            self.drafter = MaskedLM(load_causal_lm(config.drafter, dtype=config.dtype)[0])
-        layer_mask = load_mask(mask if mask is not None else config.mask, self.verifier.num_layers, config.skip_ratio)
+            self.drafter = MaskedLM(load_causal_lm(config.drafter, dtype=config.dtype, device=config.device)[0])
+        layer_mask, self.mask_source = self._mask(mask, model)
         self.engine = Engine(
             self.verifier,
             self.drafter,
@@ -105,18 +115,12 @@ class LLM:
             max_context=config.max_context,
         )
 
+    def _mask(self, mask, model) -> tuple[LayerMask, str]:
+        return resolve_mask(self.config, model, mask)
+
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Token ids of a raw prompt, or of chat messages rendered with the tokenizer's template."""
-        if (prompt is None) == (messages is None):
-            raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
-        if messages is not None:
-            if not messages:
-                raise InvalidParameterError("messages", "must contain at least one message")
-            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-        if not isinstance(prompt, str) or not prompt:
-            raise InvalidParameterError("prompt", "must be a non-empty string")
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return encode_prompt(self.tokenizer, prompt, messages)
 
     def stream(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[TextDelta]:
         detok = IncrementalDetokenizer(self.tokenizer)
@@ -131,11 +135,50 @@ class LLM:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+def resolve_mask(config: EngineConfig, model, mask: str | Path | Sequence[int] | None = None) -> tuple[LayerMask, str]:
+    """The slim verifier's mask and where it came from: the argument, the config, the shipped
+    DIMR mask of a built-in verifier at this skip ratio (fingerprint checked), else evenly spaced.
+
+    ``model`` is the verifier's (unsharded) transformers model. Used by :class:`LLM` and by the
+    verifier actors, so a served pipeline runs the mask an in-process one would.
+    """
+    n = len(model.model.layers)
+    spec = mask if mask is not None else config.mask
+    if spec is not None:
+        where = f"file {spec}" if isinstance(spec, (str, Path)) and str(spec).endswith(".json") else f"given {spec}"
+        return load_mask(spec, n, config.skip_ratio, model=model), where
+    from viasd.dimr import shipped_mask
+
+    shipped, why = shipped_mask(config.verifier, config.skip_ratio, model)
+    if shipped is not None:
+        return shipped, why
+    return load_mask(None, n, config.skip_ratio), f"evenly spaced, skip ratio {config.skip_ratio:g} ({why})"
+
+
+def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """Token ids of a raw prompt, or of chat messages rendered with the tokenizer's template
+    (InvalidParameterError naming the field; a model without tokenizer takes token ids only)."""
+    if (prompt is None) == (messages is None):
+        raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
+    if tokenizer is None:
+        raise InvalidParameterError("prompt" if messages is None else "messages",
+                                    "this model has no tokenizer; send prompt_token_ids")
+    if messages is not None:
+        if not messages:
+            raise InvalidParameterError("messages", "must contain at least one message")
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    if not isinstance(prompt, str) or not prompt:
+        raise InvalidParameterError("prompt", "must be a non-empty string")
+    return tokenizer.encode(prompt, add_special_tokens=False)
+
+
 def eos_ids(tokenizer, model) -> tuple[int, ...]:
-    """End-of-sequence ids from the generation config and the tokenizer (deduplicated)."""
+    """End-of-sequence ids from the generation config and the tokenizer (deduplicated; the
+    tokenizer may be None)."""
     ids: list[int] = []
     gen = getattr(model, "generation_config", None)
-    for src in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+    for src in (getattr(gen, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
         if src is None:
             continue
         ids.extend([src] if isinstance(src, int) else list(src))

@@ -50,6 +50,7 @@ class RequestStats:
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MODELS, 0.0))
     time_to_first_token: float | None = None
     total_seconds: float = 0.0
+    drafter_fallback: bool = False  # served: the drafter failed and the request went on as `ar`
 
     def count_accepted(self, positions: range) -> None:
         for j in positions:
@@ -57,6 +58,23 @@ class RequestStats:
                 self.num_accepted_tokens_per_pos.extend([0] * (j + 1 - len(self.num_accepted_tokens_per_pos)))
             self.num_accepted_tokens_per_pos[j] += 1
         self.num_accepted_tokens += len(positions)
+
+    def add_counters(self, other: "RequestStats") -> None:
+        """Add the counters of another part of the same request (served: the drafter's and the
+        verifier's sessions each count what they did); the request-level fields (mode, tokens,
+        finish reason, times) stay this object's."""
+        for name in _SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        per_pos = other.num_accepted_tokens_per_pos
+        if len(per_pos) > len(self.num_accepted_tokens_per_pos):
+            self.num_accepted_tokens_per_pos.extend([0] * (len(per_pos) - len(self.num_accepted_tokens_per_pos)))
+        for j, n in enumerate(per_pos):
+            self.num_accepted_tokens_per_pos[j] += n
+        for m, n in other.forwards.items():
+            self.forwards[m] = self.forwards.get(m, 0) + n
+        for m, sec in other.seconds.items():
+            self.seconds[m] = self.seconds.get(m, 0.0) + sec
+        self.drafter_fallback |= other.drafter_fallback
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -119,3 +137,10 @@ class RequestStats:
             + " ".join(f"{m}={self.forwards[m]} ({self.seconds[m]:.2f}s)" for m in MODELS if self.forwards[m])
         )
         return "\n".join(lines)
+
+
+# counters a request's parts add up (RequestStats.add_counters)
+_SUMMED = (
+    "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_rejected_tokens", "num_cycle_tokens",
+    "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted",
+)

@@ -19,7 +19,10 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "model_fingerprint", "resolve_model_dir"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "load_tokenizer", "model_fingerprint", "resolve_model_dir"]
+
+#: Files one of which a directory holds when it has a tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 #: Config entries that say how or where a model was loaded, not what it is.
@@ -64,15 +67,17 @@ def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16") -> Path:
 
 def load_causal_lm(
     spec: str, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal LM and its tokenizer, in eval mode with gradients off.
 
     ``spec`` is a built-in model name (``viasd.models.embedded.BUILTIN_MODELS``) or the path of
-    a local Hugging Face directory (config.json + weights + tokenizer). Only the architectures
+    a local Hugging Face directory (config.json + weights + tokenizer; a directory without
+    tokenizer files, such as a test model saved with ``save_pretrained``, gives a tokenizer
+    of None and is driven with token ids). Only the architectures
     in :data:`SUPPORTED_ARCHITECTURES` are accepted; anything else raises
     :class:`ModelLoadError` naming its ``model_type``. Attention is ``sdpa``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     dt = torch_dtype(dtype)
     path = resolve_model_dir(spec, dt)
@@ -90,7 +95,7 @@ def load_causal_lm(
         model = AutoModelForCausalLM.from_pretrained(
             path, config=config, dtype=dt, attn_implementation="sdpa"
         )
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = _tokenizer_at(path)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model {spec!r} from {path}: {exc}") from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -102,6 +107,24 @@ def load_causal_lm(
     model.eval()
     model.requires_grad_(False)
     return model, tokenizer
+
+
+def _tokenizer_at(path: Path) -> PreTrainedTokenizerBase | None:
+    from transformers import AutoTokenizer
+
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_tokenizer(spec: str, *, dtype: str | torch.dtype = "bfloat16") -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a model (built-in name or local directory) without loading its weights;
+    None for a directory without tokenizer files."""
+    path = resolve_model_dir(spec, torch_dtype(dtype))
+    try:
+        return _tokenizer_at(path)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec!r} from {path}: {exc}") from exc
 
 
 def model_fingerprint(model: PreTrainedModel) -> str:
