@@ -85,6 +85,7 @@ class _Request:
     drafted: bool  # the drafter takes part (sd, via) and has not failed
     drafter_open: bool = False
     verifier_open: bool = False
+    opening: asyncio.Future | None = None  # the Open calls: never cancelled half-way (see _close)
     previous: ipb.Outcome | None = None  # the last outcome, committed by the drafter on the next Propose
     drafter_stats: ipb.RequestStats | None = None  # each side's counters as of its last reply
     verifier_stats: ipb.RequestStats | None = None
@@ -209,10 +210,10 @@ class Coordinator:
         calls = [self._call(req, "verifier", "Open", open_request(verify_seed))]
         if req.drafted:
             calls.append(self._call(req, "drafter", "Open", open_request(draft_seed)))
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        req.verifier_open = not isinstance(results[0], BaseException)
-        if req.drafted:
-            req.drafter_open = not isinstance(results[1], BaseException)
+        # shielded: a request cancelled while opening must still learn what it opened, to close it
+        req.opening = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
+        results = await asyncio.shield(req.opening)
+        self._opened(req, results)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, BackendError):
                 raise result
@@ -220,6 +221,11 @@ class Coordinator:
             raise results[0]
         if req.drafted and not req.drafter_open:
             self._fall_back(req, results[1])
+
+    @staticmethod
+    def _opened(req: _Request, results: list) -> None:
+        req.verifier_open = not isinstance(results[0], BaseException)
+        req.drafter_open = len(results) > 1 and not isinstance(results[1], BaseException)
 
     def _fall_back(self, req: _Request, exc: BackendError) -> None:
         """The drafter failed: go on as `ar` (or fail when fallback is off)."""
@@ -254,6 +260,12 @@ class Coordinator:
 
     async def _close(self, req: _Request) -> None:
         """Close whatever is open, ignoring errors (Close is idempotent on both sides)."""
+        if req.opening is not None:  # (cancelled while opening: let the Open calls finish first)
+            try:
+                self._opened(req, await asyncio.wait_for(asyncio.shield(req.opening), self.rpc_timeout_s))
+            except Exception as exc:
+                log.warning("request %s: open did not finish (%s); closing both sides anyway", req.request_id, exc)
+                req.verifier_open, req.drafter_open = True, req.params.mode != Mode.AR
         calls = []
         if req.verifier_open:
             calls.append(self._call(req, "verifier", "Close", ipb.CloseRequest(request_id=req.request_id)))

@@ -231,6 +231,26 @@ def test_cancelled_stream_closes_both_sessions(server, aio, pipeline):
     assert pipeline.coordinator.active_requests() == 0
 
 
+@pytest.mark.parametrize("delay", [0.0, 0.002, 0.02])
+def test_cancelled_while_opening_leaves_no_session(aio, pipeline, delay):
+    """Cancelled before, during or just after the Open calls: whatever was opened is closed."""
+
+    async def run():
+        gen = pipeline.coordinator.generate(f"early-{delay}", PROMPTS[0], parse_params(mode="sd", max_tokens=50))
+        task = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(delay)
+        task.cancel()
+        try:
+            await task
+        except (asyncio.CancelledError, StopAsyncIteration):
+            pass
+        await gen.aclose()
+        return await pipeline.session_counts()
+
+    assert aio.run(run()) == {"drafter": 0, "verifier": [0]}
+    assert pipeline.coordinator.active_requests() == 0
+
+
 def test_finished_requests_leave_no_session(server, aio, pipeline):
     _, _, stub = server
     aio.run(collect(stub, request(PROMPTS[1], mode="sd", gamma=3)))

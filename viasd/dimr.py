@@ -667,10 +667,6 @@ class SearchResult:
     baseline: TrialRecord | None = None  # the evenly spaced mask, when it was trial 0
 
     @property
-    def best(self) -> TrialRecord:
-        return next(r for r in self.trials if r.value == self.value and tuple(r.skipped) == self.mask.skipped)
-
-    @property
     def num_pruned(self) -> int:
         return sum(r.pruned and not r.duplicate for r in self.trials)
 
@@ -1243,6 +1239,7 @@ def run_dimr(
                              alpha1=alpha1, alpha2=alpha2, rewrite=region_b == "rewrite")
         result = search_mask(vq, ref, ratio=ratio, trials=trials, objective=obj, seed=seed, theta=theta, keep=keep,
                              rungs=rungs, eta=eta, progress=progress, log=lambda m: print(m, file=sys.stderr))
+        # the search's wall time: forward costs, trials, and the reference pass (once, on the first ratio)
         seconds = time.perf_counter() - t_ratio + (ref_s if ratio == ratios[0] else 0.0)
         extra: dict[str, Any] = {"command": command, "reference_seconds": round(ref_s, 3)}
         if held is not None:
