@@ -163,8 +163,8 @@ class PipelineDeployment:
 
 
 class GRPCStatus(Exception):
-    """Raised after a status is set on Serve's gRPC context: a plain exception Ray can carry back
-    to the proxy (the original one, e.g. InvalidParameterError, need not survive pickling)."""
+    """Raised after a status is set on Serve's gRPC context: the proxy takes the status from the
+    context, so the exception itself only has to end the call."""
 
 
 def _set_status(grpc_context, code: grpc.StatusCode, details: str, metadata=()) -> None:

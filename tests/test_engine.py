@@ -197,6 +197,16 @@ def test_bad_params_name_the_field(values, field):
     assert info.value.field == field and field in str(info.value)
 
 
+@pytest.mark.parametrize("error", [InvalidParameterError("gamma", "must be <= 32"), MaskError("7 layers, model has 6", "engine.mask")])
+def test_typed_errors_survive_pickling(error):
+    """Ray and multiprocessing carry errors by pickle: the field and message must come through."""
+    import pickle
+
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error)
+    assert (back.field, back.message, str(back)) == (error.field, error.message, str(error))
+
+
 def test_bad_requests_to_the_engine(tiny_pair):
     verifier, drafter = tiny_pair
     engine = make_engine(tiny_pair)

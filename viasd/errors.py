@@ -22,6 +22,9 @@ class InvalidParameterError(ViaSDError, ValueError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self):  # pickles (Ray, multiprocessing) by its two fields, not by the joined message
+        return (InvalidParameterError, (self.field, self.message))
+
 
 class ModelLoadError(ViaSDError):
     """A model could not be found, verified, converted or loaded."""
@@ -36,3 +39,6 @@ class MaskError(InvalidParameterError):
 
     def __init__(self, message: str, field: str = "mask"):
         super().__init__(field, message)
+
+    def __reduce__(self):
+        return (MaskError, (self.message, self.field))
