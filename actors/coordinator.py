@@ -17,6 +17,12 @@ Every internal RPC has a deadline. When the drafter fails (any RPC error) and
 `drafter_fallback` is on, the request goes on as `ar` against the verifier, whose session is
 still consistent (it commits its own outcomes), and its stats say `drafter_fallback`.
 
+Each request keeps the stubs it was opened with until it ends, so that a backend replaced while
+it runs (`set_backends`, after the pipeline rebuilt a dead actor) never sees a request it did not
+open: requests in flight on a dead verifier fail with UNAVAILABLE, later ones use the new one.
+`on_unavailable(component)` is called whenever an RPC finds a backend down or past its deadline
+(the pipeline's supervisor wakes up on it).
+
 `Coordinator` is a plain asyncio class: usable in-process, in a Ray actor or a Serve replica.
 Its gRPC channels are made on first use, in the event loop that uses them.
 """
@@ -26,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -91,6 +97,8 @@ class _Request:
     verifier_stats: ipb.RequestStats | None = None
     fallback: bool = False
     rpc: RpcTotals = field(default_factory=RpcTotals)
+    verifier: internal_pb2_grpc.VerifierServiceStub | None = None  # the backends it was opened on
+    drafter: internal_pb2_grpc.DrafterServiceStub | None = None
 
 
 class Coordinator:
@@ -106,6 +114,7 @@ class Coordinator:
         eos_token_ids: Sequence[int] = (),
         rpc_timeout_s: float = 60.0,
         drafter_fallback: bool = True,
+        on_unavailable: Callable[[str], None] | None = None,
     ):
         self.verifier_address = verifier_address
         self.drafter_address = drafter_address
@@ -114,9 +123,10 @@ class Coordinator:
         self.eos_token_ids = tuple(eos_token_ids)
         self.rpc_timeout_s = rpc_timeout_s
         self.drafter_fallback = drafter_fallback
+        self.on_unavailable = on_unavailable
         self.totals = RpcTotals()
         self._active: dict[str, _Request] = {}
-        self._channels: list[grpc.aio.Channel] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}  # "verifier" / "drafter" -> its channel
         self._verifier: internal_pb2_grpc.VerifierServiceStub | None = None
         self._drafter: internal_pb2_grpc.DrafterServiceStub | None = None
 
@@ -132,12 +142,15 @@ class Coordinator:
         merged stats. Cancelling the consumer (or `aclose()`) closes both sessions."""
         prompt = check_request(prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context,
                                has_drafter=self.drafter_address is not None)
+        if params.mode != Mode.AR and self.drafter_address is None:  # (the n-gram proposer runs on the drafter too)
+            raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs the pipeline's drafter; it has none")
         if not request_id:
             raise InvalidParameterError("request_id", "must not be empty")
         if request_id in self._active:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         self._connect()
-        req = _Request(request_id, params, len(prompt), drafted=params.mode != Mode.AR)
+        req = _Request(request_id, params, len(prompt), drafted=params.mode != Mode.AR, verifier=self._verifier,
+                       drafter=self._drafter)
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
         limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
         self._active[request_id] = req
@@ -154,36 +167,60 @@ class Coordinator:
         finally:
             # finished, cancelled, failed or abandoned: free both sides' caches. After the last
             # chunk, so that a Close queued behind other requests' forwards does not delay it;
-            # a consumer iterating to the end (or `aclose()`) sees the sessions closed.
-            self._active.pop(request_id, None)
-            await asyncio.shield(self._close(req))
+            # a consumer iterating to the end (or `aclose()`) sees the sessions closed. The id stays
+            # taken until both Close calls are done (even when this task is cancelled meanwhile), so
+            # that a new request reusing it cannot meet the old session on a backend.
+            closing = asyncio.ensure_future(self._close(req))
+            closing.add_done_callback(lambda _: self._active.pop(request_id, None))
+            await asyncio.shield(closing)
 
     async def close(self) -> None:
         """Close the channels (requests still running fail)."""
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
-        self._channels, self._verifier, self._drafter = [], None, None
+        self._channels, self._verifier, self._drafter = {}, None, None
+
+    async def set_backends(self, verifier_address: str | None = None, drafter_address: str | None = None) -> None:
+        """Point new requests at a rebuilt verifier and / or drafter. Requests in flight keep the
+        stubs they were opened with; a replaced channel closes once they are done with it (or
+        after the RPC deadline)."""
+        old = []
+        if verifier_address:
+            self.verifier_address, self._verifier = verifier_address, None
+            old.append(self._channels.pop("verifier", None))
+        if drafter_address:
+            self.drafter_address, self._drafter = drafter_address, None
+            old.append(self._channels.pop("drafter", None))
+        self._connect()
+        for channel in old:
+            if channel is not None:
+                asyncio.ensure_future(channel.close(grace=self.rpc_timeout_s))
 
     # ---------------------------------------------------------------- one request
 
     def _connect(self) -> None:
-        if self._verifier is not None:
-            return
-        channel = grpc.aio.insecure_channel(self.verifier_address, options=GRPC_OPTIONS)
-        self._channels.append(channel)
-        self._verifier = internal_pb2_grpc.VerifierServiceStub(channel)
-        if self.drafter_address:
+        if self._verifier is None:
+            channel = grpc.aio.insecure_channel(self.verifier_address, options=GRPC_OPTIONS)
+            self._channels["verifier"] = channel
+            self._verifier = internal_pb2_grpc.VerifierServiceStub(channel)
+        if self.drafter_address and self._drafter is None:
             channel = grpc.aio.insecure_channel(self.drafter_address, options=GRPC_OPTIONS)
-            self._channels.append(channel)
+            self._channels["drafter"] = channel
             self._drafter = internal_pb2_grpc.DrafterServiceStub(channel)
 
     async def _call(self, req: _Request, component: str, method: str, request, timeout: float | None = None):
-        stub = self._drafter if component == "drafter" else self._verifier
+        stub = req.drafter if component == "drafter" else req.verifier
         t0 = time.perf_counter()
         try:
             response = await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise BackendError(component, exc.code().name, exc.details() or "") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            if isinstance(exc, grpc.aio.UsageError):  # its channel was closed: the backend was replaced
+                err = BackendError(component, "UNAVAILABLE", f"{component} was replaced: {exc}")
+            else:
+                err = BackendError(component, exc.code().name, exc.details() or "")
+            if err.unavailable and self.on_unavailable is not None:
+                self.on_unavailable(component)
+            raise err from None
         seconds = time.perf_counter() - t0
         sent, received = request.ByteSize(), response.ByteSize()
         for t in (req.rpc, self.totals):

@@ -68,7 +68,12 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         if not 1 <= request.k <= MAX_GAMMA:
             raise InvalidParameterError("k", f"must be in 1..{MAX_GAMMA}, got {request.k}")
         previous = outcome_from_proto(request.previous) if request.HasField("previous") else None
-        return await self._work.submit(self._propose, request.request_id, session, previous, request.k)
+        for other in self.sessions.values():  # drafting ahead (overlap) yields the thread to any Propose
+            other.stop.set()
+        response = await self._work.submit(self._propose, request.request_id, session, previous, request.k)
+        if session.params.overlap and response.draft:  # draft the next block while the verifier checks this one
+            self._work.submit(session.draft_ahead).add_done_callback(_log_failure)
+        return response
 
     def _propose(self, request_id: str, session: DraftSession, previous: Outcome | None, k: int) -> ipb.ProposeResponse:
         """On the worker thread: commit, draft, serialise (p can be megabytes)."""
@@ -81,11 +86,19 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
     @rpc
     async def Close(self, request: ipb.CloseRequest, context) -> ipb.CloseResponse:
         # a Propose still running keeps its own reference; the cache goes when it finishes
-        return ipb.CloseResponse(existed=self.sessions.pop(request.request_id, None) is not None)
+        session = self.sessions.pop(request.request_id, None)
+        if session is not None:
+            session.stop.set()  # (a block being drafted ahead stops after its next token)
+        return ipb.CloseResponse(existed=session is not None)
 
     def shutdown(self) -> None:
         self.sessions.clear()
         self._work.shutdown()
+
+
+def _log_failure(done) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.warning("drafting ahead failed: %s", done.exception())
 
 
 def set_threads(threads: int | None, cpus: float) -> None:
@@ -110,7 +123,8 @@ class DrafterActor:
 
         config = EngineConfig.model_validate(engine)
         set_threads(config.threads, cpus)
-        model, _ = load_causal_lm(config.drafter, dtype=config.dtype, device=device)
+        model, _ = load_causal_lm(config.drafter, dtype=config.dtype, device=device,
+                                  trust_remote_code=config.trust_remote_code)
         lm = MaskedLM(model)
         self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype)
         self.server, port = await start_server(

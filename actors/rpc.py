@@ -47,6 +47,10 @@ class SessionNotFound(KeyError):
     """No session with this request id (never opened, already closed, or the actor restarted)."""
 
 
+class PeerUnavailable(RuntimeError):
+    """A process this call depends on (another verifier rank) is dead: the caller sees UNAVAILABLE."""
+
+
 async def start_server(add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0):
     """A started grpc.aio server with the servicers `add` registers; returns (server, bound port)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -68,7 +72,8 @@ def advertised_host(bind_host: str) -> str:
 
 
 def rpc(method):
-    """Map a servicer method's exceptions to gRPC status codes (NOT_FOUND, INVALID_ARGUMENT, INTERNAL)."""
+    """Map a servicer method's exceptions to gRPC status codes (NOT_FOUND, INVALID_ARGUMENT,
+    UNAVAILABLE, INTERNAL)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
@@ -78,6 +83,8 @@ def rpc(method):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc))
         except InvalidParameterError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except PeerUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except Exception as exc:  # a bug or a broken model: the caller sees INTERNAL with the cause

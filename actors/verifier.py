@@ -29,6 +29,7 @@ import ray
 from viasd.actors.drafter import set_threads
 from viasd.actors.rpc import (
     InOrder,
+    PeerUnavailable,
     SessionNotFound,
     advertised_host,
     decode_probs,
@@ -36,7 +37,7 @@ from viasd.actors.rpc import (
     rpc,
     start_server,
 )
-from viasd.config import CachePolicy, EngineConfig, GenerationParams
+from viasd.config import CachePolicy, EngineConfig, GenerationParams, Proposer
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
@@ -81,7 +82,8 @@ class VerifierCore:
             if p is not None and tuple(p.shape) != (len(draft), self.lm.vocab_size):
                 raise InvalidParameterError(
                     "probs", f"shape {tuple(p.shape)} does not match {len(draft)} draft tokens x {self.lm.vocab_size}")
-            if p is None and not session.sampler.greedy:
+            if p is None and not session.sampler.greedy and session.params.proposer == Proposer.MODEL:
+                # (n-gram blocks come without p: it is a point mass at the draft tokens)
                 raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
             outcome = session.check(draft, p)
         else:
@@ -95,6 +97,19 @@ class VerifierCore:
     def shutdown(self) -> None:
         self.sessions.clear()
         self.work.shutdown()
+
+
+def _future(ref) -> asyncio.Future:
+    """An asyncio future of a Ray ObjectRef (or of anything awaitable, e.g. a test's stand-in)."""
+    return asyncio.wrap_future(ref.future()) if hasattr(ref, "future") else asyncio.ensure_future(ref)
+
+
+def _actor_died(exc: BaseException | None) -> bool:
+    if exc is None:
+        return False
+    from ray.exceptions import RayActorError
+
+    return isinstance(exc, RayActorError)
 
 
 def _comparable(op: str, result):
@@ -118,8 +133,17 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         seq = work.issue()
         refs = [f.call.remote(seq, op, *args) for f in self.followers]
         local = work.enqueue(seq, getattr(self.core, op), *args, *local_args)  # no await since issue(): no gap
-        results = await asyncio.gather(local, *refs, return_exceptions=True)
+        calls = [local, *(_future(ref) for ref in refs)]
+        if refs:  # a dead rank fails the call at once: rank 0 may wait forever in a collective with it
+            await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
+            for rank, call in enumerate(calls[1:], start=1):
+                if call.done() and _actor_died(call.exception()):
+                    raise PeerUnavailable(f"verifier rank {rank} is down ({type(call.exception()).__name__})")
+        results = await asyncio.gather(*calls, return_exceptions=True)
         mine, others = results[0], results[1:]
+        for rank, other in enumerate(others, start=1):  # (rank 0's collective may fail first: the peer is gone)
+            if _actor_died(other if isinstance(other, BaseException) else None):
+                raise PeerUnavailable(f"verifier rank {rank} is down ({type(other).__name__})")
         if isinstance(mine, BaseException):
             raise mine
         for rank, other in enumerate(others, start=1):
@@ -176,7 +200,10 @@ class VerifierWorker:
         config = EngineConfig.model_validate(engine)
         set_threads(config.threads, cpus)
         self.rank = rank
-        model, tokenizer = load_causal_lm(config.verifier, dtype=config.dtype, device=device)
+        # sharded ranks load on the host and move only their shards to the device (shard_model)
+        model, tokenizer = load_causal_lm(config.verifier, dtype=config.dtype,
+                                          device=device if world_size == 1 else "cpu",
+                                          trust_remote_code=config.trust_remote_code)
         mask, mask_source = resolve_mask(config, model)  # on the unsharded weights (fingerprint)
         eos = eos_ids(tokenizer, model)
         if world_size > 1:

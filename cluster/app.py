@@ -188,6 +188,7 @@ def deployment_options(config: ServeConfig) -> dict[str, Any]:
     return {
         "autoscaling_config": config.autoscaling.serve_config(),
         "max_ongoing_requests": limits.max_concurrent_requests + limits.max_queued_requests + 8,
+        "graceful_shutdown_timeout_s": limits.drain_timeout_s,
         "ray_actor_options": {"num_cpus": config.ray.replica_num_cpus},
     }
 

@@ -57,6 +57,12 @@ class Limits(BaseModel):
     request_timeout_s: float | None = Field(
         None, gt=0, description="End-to-end timeout of an HTTP request at Serve's proxy; none: no limit."
     )
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="On SIGTERM: how long requests in flight may still run after the server stops accepting new "
+        "ones; the standalone gRPC server then ends the rest with finish reason 'abort'. Under Serve: the "
+        "replica's graceful_shutdown_timeout_s.",
+    )
 
 
 class Autoscaling(BaseModel):

@@ -13,9 +13,23 @@
   the drafter's and the verifier's sessions.
 
 `serve_grpc` adds the standard gRPC health service (grpcio-health-checking): "" and
-"viasd.v1.GenerationService" report SERVING once the server has started.
+"viasd.v1.GenerationService" report SERVING once the server has started. Requests larger than
+4 MiB are refused (RESOURCE_EXHAUSTED; the internal services allow 256 MB); a message that does
+not parse (malformed UTF-8) is INVALID_ARGUMENT naming the field (cluster/guard.py). With an
+`admission` (cluster/server.py), at most `max_concurrent_requests` decode and
+`max_queued_requests` wait; past that RESOURCE_EXHAUSTED at once.
 
-Standalone: ``python -m viasd.cluster.grpc_server --config pipeline.json --port 50051``.
+Standalone server lifecycle: every pipeline runs under `Pipeline.supervise` (a dead drafter is
+restarted, a dead verifier rank rebuilds the group; health NOT_SERVING meanwhile). On SIGTERM /
+SIGINT it stops accepting (health NOT_SERVING, new calls UNAVAILABLE), lets the requests in
+flight finish for up to `--drain-timeout-s` (`Limits.drain_timeout_s`), ends the rest with a
+last message of finish reason `abort`, then stops the actors and the Ray it started.
+
+Standalone: ``python -m viasd.cluster.grpc_server --config pipeline.json --port 50051``, with
+optional TLS / mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``,
+``--require-client-cert``) and a bearer token (``--token-file`` or env ``VIASD_API_TOKEN``), see
+cluster/security.py. Ray Serve's gRPC proxy can do neither, so this server is the TLS and
+authentication endpoint of the gRPC API.
 """
 
 from __future__ import annotations
@@ -33,8 +47,10 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from viasd.actors.coordinator import BackendError
-from viasd.actors.rpc import GRPC_OPTIONS
+from viasd.cluster.guard import MAX_REQUEST_ID_CHARS, PUBLIC_MAX_MESSAGE_BYTES, Aborted, Calls, abortable, \
+    parse_request, until_aborted
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
+from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
 from viasd.config import Mode
 from viasd.errors import InvalidParameterError
 from viasd.llm import IncrementalDetokenizer, encode_prompt
@@ -51,11 +67,17 @@ INVALID_FIELD_KEY = "viasd-invalid-field"
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """GenerationService over named pipelines; requests naming no model go to `default`."""
 
-    def __init__(self, pipelines: dict[str, Pipeline], default: str):
+    def __init__(self, pipelines: dict[str, Pipeline], default: str, *, admission=None):
         if default not in pipelines:
             raise ValueError(f"default pipeline {default!r} is not among {sorted(pipelines)}")
         self.pipelines = pipelines
         self.default = default
+        self.admission = admission  # cluster.server.Admission, or None: no limit (Serve applies its own)
+        self.calls = Calls()
+
+    def in_flight(self) -> int:
+        """Generate calls running (or waiting for admission) on the grpc.aio methods."""
+        return len(self.calls)
 
     def pipeline(self, name: str) -> Pipeline:
         try:
@@ -70,6 +92,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         pipeline = self.pipeline(request.model)
         params = params_from_proto(request.params, pipeline.config.mode)
         prompt_ids = await _prompt_ids(request, pipeline.tokenizer)
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidParameterError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
         request_id = request.request_id or uuid.uuid4().hex
         detok = IncrementalDetokenizer(pipeline.tokenizer) if pipeline.tokenizer is not None else None
         async with aclosing(pipeline.coordinator.generate(request_id, prompt_ids, params)) as chunks:
@@ -93,16 +117,40 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     # ---------------------------------------------------------------- grpc.aio methods
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext):
+        if self.calls.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        abort = self.calls.enter()
+        admitted = False
         try:
+            if isinstance(request, bytes):  # registered by serve_grpc: parsed here, bad fields named
+                request = parse_request(request, pb.GenerateRequest)
+            if not request.request_id:  # named now, so that an aborted stream can say which request ended
+                request = _with_id(request)
+            if self.admission is not None:
+                await until_aborted(self.admission.enter(), abort)
+                admitted = True
             async with aclosing(self.generate(request)) as responses:
-                async for response in responses:
+                async for response in abortable(responses, abort):
                     yield response
+        except Aborted:
+            yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_ABORT)
         except Exception as exc:
             await abort_with(context, exc)
+        finally:
+            if admitted:
+                self.admission.leave()
+            self.calls.leave(abort)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
         return await self.list_models(request)
+
+
+def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    named = pb.GenerateRequest()
+    named.CopyFrom(request)
+    named.request_id = uuid.uuid4().hex
+    return named
 
 
 async def _prompt_ids(request: pb.GenerateRequest, tokenizer) -> list[int]:
@@ -119,6 +167,10 @@ async def _prompt_ids(request: pb.GenerateRequest, tokenizer) -> list[int]:
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     """(status code, details, trailing metadata) of an error raised by a servicer core."""
+    from viasd.cluster.server import RequestError
+
+    if isinstance(exc, RequestError) and exc.status == 429:  # admission: the queue is full
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ()
     if isinstance(exc, InvalidParameterError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ((INVALID_FIELD_KEY, exc.field),)
     if isinstance(exc, BackendError):
@@ -136,14 +188,51 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> N
     await context.abort(code, details, trailing_metadata=metadata)
 
 
-async def serve_grpc(servicer: GenerationServicer, port: int, host: str = "127.0.0.1") -> grpc.aio.Server:
+#: Client keepalive pings are accepted every 30 s even while no data flows (gRPC's default, 5
+#: minutes, would end the connection of a client pinging more often: viasd.client pings every 60 s).
+#: Public messages are bounded (PUBLIC_MAX_MESSAGE_BYTES, 4 MiB): only the internal services need 256 MB.
+SERVER_OPTIONS = [
+    ("grpc.max_receive_message_length", PUBLIC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", PUBLIC_MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 30_000),
+]
+
+
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+    """GenerationService with Generate receiving raw bytes (parsed by `guard.parse_request`, so that
+    a malformed message is INVALID_ARGUMENT naming the field, not UNKNOWN)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+
+
+def set_health(health, serving: bool) -> None:
+    """Report both health services SERVING or NOT_SERVING (from synchronous callbacks; ignored by the
+    health servicer once it entered graceful shutdown)."""
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", SERVICE_NAME):
+        asyncio.ensure_future(health.set(service, status))
+
+
+async def serve_grpc(servicer: GenerationServicer, port: int, host: str = "127.0.0.1",
+                     security: GRPCSecurity | None = None) -> grpc.aio.Server:
     """Start a grpc.aio server with GenerationService and the health service on host:port (0: a
-    free port). The bound port is `server.viasd_port`, the health servicer `server.viasd_health`."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    generation_pb2_grpc.add_GenerationServiceServicer_to_server(servicer, server)
+    free port). The bound port is `server.viasd_port`, the health servicer `server.viasd_health`.
+    `security` (cluster/security.py) adds TLS / mutual TLS and bearer-token authentication;
+    None: plaintext, no authentication."""
+    security = security or GRPCSecurity(token_env=None)
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
+    add_generation_service(servicer, server)
     health = grpc_health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.server_credentials()
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if not bound:
         raise RuntimeError(f"cannot bind the gRPC server to {host}:{port}")
     await server.start()
@@ -164,6 +253,9 @@ async def _main(args: argparse.Namespace) -> None:
 
     raw = json.loads(open(args.config).read()) if args.config else {}
     configs = [PipelineConfig.parse(c) for c in (raw if isinstance(raw, list) else [raw])]
+    limits = limits_from_args(args)
+    security = security_from_args(args)
+    description = security.describe()  # reads the token and the files now: fail before Ray starts
     started_ray = not ray.is_initialized()
     if started_ray:
         if args.ray_address:
@@ -175,29 +267,75 @@ async def _main(args: argparse.Namespace) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     pipelines = {}
+    supervisors = []
     try:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
-        server = await serve_grpc(GenerationServicer(pipelines, configs[0].name), args.port, args.host)
-        log.info("GenerationService on %s:%d (models: %s)", args.host, server.viasd_port, ", ".join(pipelines))
+        from viasd.cluster.server import Admission
+
+        admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
+        servicer = GenerationServicer(pipelines, configs[0].name, admission=admission)
+        server = await serve_grpc(servicer, args.port, args.host, security)
+        for pipeline in pipelines.values():
+            supervisors.append(asyncio.ensure_future(pipeline.supervise(
+                lambda ok: set_health(server.viasd_health, ok))))
+        log.info("GenerationService on %s:%d (models: %s; %s)", args.host, server.viasd_port, ", ".join(pipelines),
+                 description)
         print(f"serving on {args.host}:{server.viasd_port}", flush=True)
         await stop.wait()
-        log.info("stopping: draining requests")
+        log.info("stopping: %d request(s) in flight, draining for up to %.0fs", servicer.in_flight(),
+                 limits.drain_timeout_s)
         await server.viasd_health.enter_graceful_shutdown()
+        aborted = await servicer.calls.drain(limits.drain_timeout_s)
+        log.info("drained; %d request(s) aborted", aborted)
         await server.stop(grace=5.0)
     finally:
+        for task in supervisors:
+            task.cancel()
         for pipeline in pipelines.values():
             await pipeline.shutdown()
         if started_ray:
             ray.shutdown()
 
 
+def limits_from_args(args: argparse.Namespace):
+    """cluster.config.Limits of the standalone server's flags (InvalidParameterError names a bad one)."""
+    from viasd.cluster.config import Limits
+    from viasd.config import invalid_from_validation
+
+    values = {"max_concurrent_requests": args.max_concurrent_requests, "max_queued_requests": args.max_queued_requests,
+              "drain_timeout_s": args.drain_timeout_s}
+    try:
+        return Limits.model_validate({k: v for k, v in values.items() if v is not None})
+    except Exception as exc:
+        raise invalid_from_validation(exc) from None
+
+
+def security_from_args(args: argparse.Namespace) -> GRPCSecurity:
+    """GRPCSecurity of the standalone server's flags (InvalidParameterError names a bad one)."""
+    return GRPCSecurity.parse(tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, client_ca_file=args.tls_client_ca,
+                              require_client_cert=args.require_client_cert, token_file=args.token_file)
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m viasd.cluster.grpc_server", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m viasd.cluster.grpc_server", description=__doc__.splitlines()[0],
+                                 allow_abbrev=False)  # "--token" must not pass for "--token-file"
     ap.add_argument("--config", help="JSON file: one PipelineConfig object, or a list (the first is the default)")
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
+    lim = ap.add_argument_group("limits (cluster.config.Limits; defaults there)")
+    lim.add_argument("--max-concurrent-requests", type=int, help="requests decoding at once")
+    lim.add_argument("--max-queued-requests", type=int, help="requests waiting; past it RESOURCE_EXHAUSTED")
+    lim.add_argument("--drain-timeout-s", type=float,
+                     help="on SIGTERM: seconds in-flight requests may still run before they are aborted")
+    sec = ap.add_argument_group("security (cluster/security.py; default: plaintext, no authentication)")
+    sec.add_argument("--tls-cert", help="PEM certificate chain of the server: turns TLS on (with --tls-key)")
+    sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    sec.add_argument("--tls-client-ca", help="PEM CA bundle verifying client certificates (mutual TLS)")
+    sec.add_argument("--require-client-cert", action="store_true", help="refuse clients without a certificate")
+    sec.add_argument("--token-file", help=f"file holding the bearer token every call must present (default: env "
+                                          f"{TOKEN_ENV}; unset: no authentication)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_main(ap.parse_args(argv)))
 

@@ -30,8 +30,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from viasd.config import GenerationParams
+
+#: Largest request body (the public gRPC service's message limit too: cluster.guard.PUBLIC_MAX_MESSAGE_BYTES)
+MAX_BODY_BYTES = 4 * 1024 * 1024
 
 # GenerationParams fields that OpenAI names the same way; the rest are via-sd extensions
 OPENAI_PARAMS = ("max_tokens", "temperature", "top_p", "seed")
@@ -210,6 +214,15 @@ def build_http_app():
 
     app = FastAPI(title="via-sd", description="OpenAI-compatible API of a via-sd pipeline", version="1")
 
+    @app.middleware("http")
+    async def _limit_body(request: Request, call_next):
+        """Bodies past MAX_BODY_BYTES (by their Content-Length) are refused with 413 before they are read."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return JSONResponse(error_body(413, f"body: {length} bytes, more than the {MAX_BODY_BYTES} allowed",
+                                           "body"), status_code=413)
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid_body(request: Request, exc: RequestValidationError):
         err = exc.errors()[0] if exc.errors() else {}
@@ -218,7 +231,15 @@ def build_http_app():
         msg = err.get("msg", "invalid request body")
         if err.get("type") == "extra_forbidden":
             msg = "unknown parameter"
+        if err.get("type") == "json_invalid":  # loc is a character position: the body as a whole is at fault
+            field, msg = "body", f"not valid JSON ({msg}, at character {loc[0] if loc else '?'})"
         return JSONResponse(error_body(400, f"{field}: {msg}" if field else msg, field), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # e.g. a body that is not UTF-8
+        field = "body" if exc.status_code == 400 else None
+        message = f"body: {exc.detail}" if field else str(exc.detail)
+        return JSONResponse(error_body(exc.status_code, message, field), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):

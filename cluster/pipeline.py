@@ -10,6 +10,14 @@ hops stay on it), starts the actors, lets every verifier rank load and shard the
 (they rendezvous on rank 0's node), starts the gRPC services and connects a `Coordinator` to
 them in the calling event loop. Ray must already be initialised (`ray.init`, or inside a Serve
 replica). Autoscaling adds pipelines; each is independent.
+
+Faults: `probe()` asks every actor for its session count under a deadline; `heal()` replaces a
+dead drafter (a new actor in bundle 0) or, when any verifier rank died, the whole verifier group
+(new ranks in the same bundles, a new rendezvous), and points the coordinator at the new
+services. `supervise(on_health)` runs both in a loop (woken at once when a request finds a
+backend UNAVAILABLE) and reports health down / up around a rebuild. While the drafter is down,
+requests finish as `ar` (`drafter_fallback`); requests in flight on a dead verifier fail with
+UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -74,6 +82,16 @@ class PipelineConfig(BaseModel):
     drafter_fallback: bool = Field(
         True, description="When the drafter fails, finish the request as 'ar' instead of failing it."
     )
+    rebuild_actors: bool = Field(
+        True,
+        description="Under `Pipeline.supervise`: replace a drafter or verifier rank that died (a new actor in its "
+        "bundle; a dead rank rebuilds the whole verifier group).",
+    )
+    health_check_period_s: float = Field(
+        5.0, gt=0.0,
+        description="How often `Pipeline.supervise` probes every actor; a backend found down by a request wakes it "
+        "at once.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "PipelineConfig":
@@ -111,6 +129,43 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
 
 
+def _place(pg, index: int, cpus: float, gpus: float) -> dict:
+    return dict(num_cpus=cpus, num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
+
+
+async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
+    """A DrafterActor in bundle 0, loaded and serving: (handle, info with its address)."""
+    drafter = DrafterActor.options(**_place(pg, 0, config.drafter_cpus, config.drafter_gpus)).remote()
+    actors.append(drafter)
+    info = await drafter.start.remote(
+        config.engine.model_dump(mode="json"), host=config.bind_host,
+        device="cuda" if config.drafter_gpus > 0 else "cpu", cpus=config.drafter_cpus,
+        probs_dtype=config.draft_probs_dtype)
+    return drafter, info
+
+
+async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
+    """The verifier ranks in their bundles, loaded, sharded, rank 0 serving: (ranks, rank 0's info
+    with every rank's pid, address, tokenizer)."""
+    first = 1 if config.engine.drafter is not None else 0
+    ranks = [VerifierWorker.options(**_place(pg, first + r, config.verifier_cpus_per_rank,
+                                             config.verifier_gpus_per_rank)).remote()
+             for r in range(config.tp_size)]
+    actors += ranks
+    rdv = await ranks[0].rendezvous.remote() if config.tp_size > 1 else {}
+    device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
+    engine = config.engine.model_dump(mode="json")
+    infos = await asyncio.gather(*(
+        rank.setup.remote(engine, rank=r, world_size=config.tp_size, tp_backend=config.tp_backend, device=device,
+                          cpus=config.verifier_cpus_per_rank, **rdv)
+        for r, rank in enumerate(ranks)))
+    address = await ranks[0].serve.remote(ranks[1:], host=config.bind_host, check_ranks=config.check_ranks)
+    tokenizer = await ranks[0].tokenizer.remote()
+    info = {**infos[0], "rank_pids": [i["pid"] for i in infos]}  # rank 0's facts; every rank's process
+    return ranks, info, address, tokenizer
+
+
 class Pipeline:
     """A running pipeline: its actors, their placement group, its coordinator and tokenizer."""
 
@@ -124,12 +179,15 @@ class Pipeline:
         self.placement = placement
         self.drafter_info = drafter_info
         self.verifier_info = verifier_info
+        self.rebuilds = {"drafter": 0, "verifier": 0}  # actors replaced by `heal`
+        self._wake = asyncio.Event()  # a request found a backend down: probe now
+        self._healing = asyncio.Lock()
+        self._stopping = False  # set by shutdown: nothing is rebuilt any more
 
     @classmethod
     async def start(cls, config: PipelineConfig) -> "Pipeline":
         if not ray.is_initialized():
             raise RuntimeError("Pipeline.start needs a running Ray (ray.init(...), or a Serve replica)")
-        engine = config.engine.model_dump(mode="json")
         has_drafter = config.engine.drafter is not None
         bundles = ([_bundle(config.drafter_cpus, config.drafter_gpus)] if has_drafter else []) + [
             _bundle(config.verifier_cpus_per_rank, config.verifier_gpus_per_rank)
@@ -138,38 +196,15 @@ class Pipeline:
         actors: list = []
         try:
             await asyncio.wait_for(pg.ready(), config.start_timeout_s)
-
-            def place(index: int, cpus: float, gpus: float):
-                return dict(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    pg, placement_group_bundle_index=index))
-
-            drafter = None
-            first = 1 if has_drafter else 0
+            starts = [_start_verifier(config, pg, actors)]
             if has_drafter:
-                drafter = DrafterActor.options(**place(0, config.drafter_cpus, config.drafter_gpus)).remote()
-                actors.append(drafter)
-            ranks = [VerifierWorker.options(**place(first + r, config.verifier_cpus_per_rank,
-                                                    config.verifier_gpus_per_rank)).remote()
-                     for r in range(config.tp_size)]
-            actors += ranks
-            rdv = await ranks[0].rendezvous.remote() if config.tp_size > 1 else {}
-            device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
-            setups = [
-                rank.setup.remote(engine, rank=r, world_size=config.tp_size, tp_backend=config.tp_backend, device=device,
-                                  cpus=config.verifier_cpus_per_rank, **rdv)
-                for r, rank in enumerate(ranks)
-            ]
-            if has_drafter:
-                setups.append(drafter.start.remote(
-                    engine, host=config.bind_host, device="cuda" if config.drafter_gpus > 0 else "cpu",
-                    cpus=config.drafter_cpus, probs_dtype=config.draft_probs_dtype))
-            infos = await asyncio.wait_for(asyncio.gather(*setups), config.start_timeout_s)
-            verifier_info, drafter_info = infos[0], (infos[-1] if has_drafter else None)
+                starts.append(_start_drafter(config, pg, actors))
+            results = await asyncio.wait_for(asyncio.gather(*starts), config.start_timeout_s)
+            (ranks, verifier_info, address, tokenizer), (drafter, drafter_info) = results[0], (
+                results[1] if has_drafter else (None, None))
             if drafter_info and drafter_info["vocab_size"] != verifier_info["vocab_size"]:
                 raise ValueError(f"drafter vocabulary ({drafter_info['vocab_size']}) differs from the verifier's "
                                  f"({verifier_info['vocab_size']}); the pair must share a tokenizer")
-            address = await ranks[0].serve.remote(ranks[1:], host=config.bind_host, check_ranks=config.check_ranks)
-            tokenizer = await ranks[0].tokenizer.remote()
             max_context = context_limit(verifier_info["max_position_embeddings"],
                                         drafter_info["max_position_embeddings"] if drafter_info else None,
                                         config.engine.max_context)
@@ -189,8 +224,10 @@ class Pipeline:
             raise
         log.info("pipeline %r up: verifier %s (TP=%d, %s), drafter %s", config.name, address, config.tp_size,
                  config.tp_backend, drafter_info["address"] if drafter_info else None)
-        return cls(config, coordinator=coordinator, tokenizer=tokenizer, drafter=drafter, ranks=ranks, placement=pg,
-                   drafter_info=drafter_info, verifier_info=verifier_info)
+        pipeline = cls(config, coordinator=coordinator, tokenizer=tokenizer, drafter=drafter, ranks=ranks,
+                       placement=pg, drafter_info=drafter_info, verifier_info=verifier_info)
+        coordinator.on_unavailable = pipeline._backend_down
+        return pipeline
 
     def info(self) -> dict:
         """What ListModels reports about this pipeline."""
@@ -212,8 +249,95 @@ class Pipeline:
         drafter = await self.drafter.num_sessions.remote() if self.drafter is not None else 0
         return {"drafter": drafter, "verifier": list(ranks)}
 
+    def _backend_down(self, component: str) -> None:
+        self._wake.set()
+
+    async def probe(self, timeout_s: float = 10.0) -> dict[str, str | None]:
+        """{"drafter": error or None, "verifier": error or None}: every actor answers in time."""
+
+        async def ask(actors: list) -> str | None:
+            try:
+                await asyncio.wait_for(asyncio.gather(*(a.num_sessions.remote() for a in actors)), timeout_s)
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck actor: reported
+                return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            return None
+
+        drafter, verifier = await asyncio.gather(
+            ask([self.drafter]) if self.drafter is not None else asyncio.sleep(0), ask(self.ranks))
+        return {"drafter": drafter, "verifier": verifier}
+
+    async def heal(self, probe: dict[str, str | None] | None = None) -> list[str]:
+        """Replace what `probe` found down (probing first when not given); returns what was rebuilt."""
+        async with self._healing:
+            if self._stopping:
+                return []
+            probe = probe or await self.probe()
+            rebuilt = []
+            if probe["verifier"]:
+                log.warning("pipeline %r: verifier group down (%s); rebuilding it", self.config.name,
+                            probe["verifier"])
+                for rank in self.ranks:
+                    ray.kill(rank)
+                actors: list = []
+                try:
+                    ranks, info, address, _ = await asyncio.wait_for(
+                        _start_verifier(self.config, self.placement, actors), self.config.start_timeout_s)
+                except BaseException:
+                    for actor in actors:
+                        ray.kill(actor)
+                    raise
+                self.ranks, self.verifier_info = ranks, info
+                await self.coordinator.set_backends(verifier_address=address)
+                self.rebuilds["verifier"] += 1
+                rebuilt.append("verifier")
+            if probe["drafter"] and self.drafter is not None:
+                log.warning("pipeline %r: drafter down (%s); restarting it", self.config.name, probe["drafter"])
+                ray.kill(self.drafter)
+                actors = []
+                try:
+                    drafter, info = await asyncio.wait_for(
+                        _start_drafter(self.config, self.placement, actors), self.config.start_timeout_s)
+                except BaseException:
+                    for actor in actors:
+                        ray.kill(actor)
+                    raise
+                self.drafter, self.drafter_info = drafter, info
+                await self.coordinator.set_backends(drafter_address=info["address"])
+                self.rebuilds["drafter"] += 1
+                rebuilt.append("drafter")
+            return rebuilt
+
+    async def supervise(self, on_health=None) -> None:
+        """Probe every `health_check_period_s` (or at once when a request found a backend down) and
+        rebuild what died; `on_health(False)` before a rebuild of the verifier group (requests would
+        fail), `on_health(True)` after it. Runs until cancelled."""
+        on_health = on_health or (lambda healthy: None)
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.config.health_check_period_s)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if self._stopping:
+                return
+            probe = await self.probe()
+            if not (probe["drafter"] or probe["verifier"]):
+                continue
+            if probe["verifier"]:
+                on_health(False)
+            if not self.config.rebuild_actors:
+                continue
+            try:
+                await self.heal(probe)
+            except Exception:  # noqa: BLE001 - stay down, try again on the next period
+                log.exception("pipeline %r: rebuild failed", self.config.name)
+                continue
+            on_health(True)
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Stop the servers, leave the process group, kill the actors, free the placement group."""
+        self._stopping = True
+        self._wake.set()
         await self.coordinator.close()
         actors = ([self.drafter] if self.drafter is not None else []) + self.ranks
         try:

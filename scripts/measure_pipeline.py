@@ -25,6 +25,12 @@ CASES = {
     "via": dict(mode="via"),
     "sd-t0.7": dict(mode="sd", temperature=0.7, seed=1),
     "via-t0.7": dict(mode="via", temperature=0.7, seed=1),
+    # issue 9: drafting ahead on the drafter actor while the verifier actor verifies
+    "sd-overlap": dict(mode="sd", overlap=True),
+    "via-overlap": dict(mode="via", region_b="escalate", overlap=True),
+    "via-escalate": dict(mode="via", region_b="escalate"),
+    "sd-hybrid": dict(mode="sd", proposer="hybrid"),
+    "sd-hybrid-overlap": dict(mode="sd", proposer="hybrid", overlap=True),
 }
 
 

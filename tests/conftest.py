@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
+import threading
 
 import pytest
 import torch
@@ -79,3 +81,45 @@ def ray_session():
     yield ray
     if started:
         ray.shutdown()
+
+
+# ------------------------------------------------------------------ served pipelines (Ray + gRPC tests)
+
+LOOP_TIMEOUT_S = 120  # any single step (pipeline start, one request) fails after this
+
+
+class Loop:
+    """One event loop in a thread: grpc.aio channels and the pipelines live in it for a module."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro, timeout: float = LOOP_TIMEOUT_S):
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout), self.loop).result(timeout + 5)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def aio():
+    loop = Loop()
+    yield loop
+    loop.close()
+
+
+def save_tiny_pair(root, tokenizer=None):
+    """A float32 tiny LLaMA pair saved as HF directories (eos_token_id 2 in their configs; with
+    `tokenizer` saved beside each), and the EngineConfig that loads it through the normal loader."""
+    from viasd.config import EngineConfig
+
+    verifier = tiny_model("llama", dtype=torch.float32)
+    for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
+        model.save_pretrained(root / name)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(root / name)
+    return EngineConfig(verifier=str(root / "verifier"), drafter=str(root / "drafter"), dtype="float32",
+                        mask=(1, 0, 1, 0, 1, 1), threads=1)

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from conftest import drafter_from, tiny_model
+from conftest import save_tiny_pair
 from test_serve import _free_port
 from viasd.cluster.config import parse_serve_config
 from viasd.config import parse_params
@@ -30,14 +30,7 @@ PARAMS = dict(mode="sd", gamma=4, max_tokens=48, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
-    import torch
-
-    root = tmp_path_factory.mktemp("autoscale-models")
-    verifier = tiny_model("llama", dtype=torch.float32)
-    verifier.save_pretrained(root / "verifier")
-    drafter_from(verifier).save_pretrained(root / "drafter")
-    engine = {"verifier": str(root / "verifier"), "drafter": str(root / "drafter"), "dtype": "float32",
-              "mask": [1, 0, 1, 0, 1, 1], "threads": 1}
+    engine = save_tiny_pair(tmp_path_factory.mktemp("autoscale-models")).model_dump(mode="json")
     return parse_serve_config({
         "pipelines": [{"name": "tiny", "engine": engine, "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
         "http": {"port": _free_port()},

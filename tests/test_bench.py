@@ -91,7 +91,8 @@ def test_matched_baseline_is_min_p_at_alpha1_and_aliases_ar_only_when_greedy():
 
 def test_every_method_runs_interleaved_and_the_results_hold_the_schema(bench, tmp_path):
     specs, groups = suite_methods("main")
-    res = run(bench, specs + ["via:cache_policy=shared", "via:slim_bonus=true", "via:mask=random"],
+    res = run(bench, specs + ["via:cache_policy=shared", "via:slim_bonus=true", "via:mask=random",
+                              "sd:proposer=hybrid:adaptive_gamma=true", "hf-lookup"],
               repeats=2, groups=groups, out=tmp_path, meta={"command": "test"})
     jsonschema.validate(res, RESULT_SCHEMA)
     on_disk = json.loads((tmp_path / "results.json").read_text())
@@ -119,7 +120,8 @@ def test_every_method_runs_interleaved_and_the_results_hold_the_schema(bench, tm
     assert s["via"]["tier_fractions"] and s["sd"]["rejection_rate"] is not None
     assert s["ar"]["speedup_vs_ar"]["median"] == pytest.approx(1.0) and s["hf"]["speedup_vs_hf"]["median"] == 1.0
     # greedy, float32, lossless: our sd and both HF decoders reproduce our ar token for token
-    for label in ("sd", "hf", "hf-assisted", "hf-assisted:draft=fixed"):
+    for label in ("sd", "hf", "hf-assisted", "hf-assisted:draft=fixed", "sd:proposer=hybrid:adaptive_gamma=true",
+                  "hf-lookup"):
         assert s[label]["agreement_with_ar"]["exact"] == 1.0, label
     # memory: RSS sampled; the shared policy holds less KV than the separate one, ar the least
     assert all(r["peak_rss_bytes"] >= r["rss_start_bytes"] > 0 for r in res["runs"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from reference import reference_decode
-from viasd.config import CachePolicy, parse_params
+from viasd.config import parse_params
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.runtime import LayerMask

@@ -6,7 +6,6 @@ ties between batched and step-by-step forwards (DESIGN.md, "Exactness and precis
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

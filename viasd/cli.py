@@ -187,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="our ar / sd / via, HF generate / assisted and matched baselines, interleaved")
-    bench.add_argument("--suite", default=None, choices=["main", "ablations", "quick"],
+    bench.add_argument("--suite", default=None, choices=["main", "ablations", "proposers", "quick"],
                        help="a named set of methods and plots (default: main, unless --methods is given)")
     bench.add_argument("--methods", "--modes", dest="methods", default=None,
                        help="methods, comma-separated (';' when a spec has commas): ar, sd, via, hf, hf-assisted, "

@@ -9,11 +9,13 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from viasd.errors import InvalidParameterError
 
 MAX_GAMMA = 32
+MAX_STOP_TOKEN_IDS = 1024  # each committed token is checked against them
+MIN_TEMPERATURE = 1e-4  # below it logits / temperature overflows float32 into inf (and NaN probabilities)
 
 
 class Mode(str, Enum):
@@ -37,6 +39,14 @@ class Rule(str, Enum):
     LOSSLESS = "lossless"  # min(1, q/p), residual norm(max(0, q - p)): output ~ q exactly
     LOSSY = "lossy"  # the (alpha, beta) relaxation of the paper's appendix A
     OVERSHOOT = "overshoot"  # overshoot ceiling of seed 003: the draft's excess over q/l is capped
+
+
+class Proposer(str, Enum):
+    """Who proposes the draft block (viasd.proposers)."""
+
+    MODEL = "model"  # the drafter model p
+    NGRAM = "ngram"  # prompt lookup: copy what followed the latest earlier match of the last n tokens (no model)
+    HYBRID = "hybrid"  # n-gram when the context has a match, else the drafter model
 
 
 class CachePolicy(str, Enum):
@@ -77,6 +87,25 @@ class GenerationParams(BaseModel):
     slim_bonus: bool = Field(
         False, description="When q' accepts the whole block, also commit a bonus token sampled from q'_{gamma+1}."
     )
+    proposer: Proposer = Field(
+        Proposer.MODEL, description="Draft proposer: 'model' (drafter p), 'ngram' (prompt lookup), 'hybrid' (n-gram first)."
+    )
+    ngram_max: int = Field(
+        3, ge=1, le=8, description="Prompt lookup: longest suffix n-gram matched in the context (tries n..1)."
+    )
+    draft_confidence: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="Adaptive drafting: end a model-drafted block after a token whose drafter probability "
+        "(temperature 1) is below this; 0 disables.",
+    )
+    adaptive_gamma: bool = Field(
+        False, description="Adapt the block length per request from its acceptance: +2 after a fully accepted "
+        "block, -1 otherwise, within [1, gamma].",
+    )
+    overlap: bool = Field(
+        False, description="Overlap drafting and verification (PEARL-style): draft the next block from the "
+        "optimistic prefix while the verifier checks this one; keep it where the outcome agrees.",
+    )
     rule: Rule = Field(Rule.LOSSLESS, description="Acceptance rule of the full verifier: lossless, lossy, overshoot.")
     lossy_alpha: float = Field(
         0.0, ge=0.0, lt=1.0, description="Lossy rule: accept x with probability min(1, q(x) / ((1 - alpha) p(x)))."
@@ -87,9 +116,17 @@ class GenerationParams(BaseModel):
         1.0, gt=0.0, le=1.0, description="Overshoot rule: the draft's probability is capped at q(x)/l (l=1: lossless)."
     )
     stop_token_ids: tuple[int, ...] | None = Field(
-        None, description="Token ids that end generation; default: the tokenizer's end-of-sequence tokens."
+        None, max_length=MAX_STOP_TOKEN_IDS,
+        description="Token ids that end generation (at most 1024); default: the tokenizer's end-of-sequence tokens.",
     )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
+
+    @field_validator("temperature")
+    @classmethod
+    def _check_temperature(cls, v: float) -> float:
+        if 0.0 < v < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v}")
+        return v
 
     @model_validator(mode="after")
     def _check_thresholds(self) -> "GenerationParams":
@@ -143,10 +180,11 @@ class EngineConfig(BaseModel):
         description="Drafter p (same tokenizer as the verifier): built-in name or local directory; None serves 'ar' only.",
     )
     dtype: str = Field("bfloat16", description="Weight dtype: bfloat16, float16, float32 or float64.")
-    mask: tuple[int, ...] | None = Field(
+    mask: tuple[int, ...] | str | None = Field(
         None,
-        description="Layer mask z of the slim verifier: one 0 (skip) / 1 (keep) per verifier layer. "
-        "None: skip round(skip_ratio * L) layers spread evenly (first and last kept).",
+        description="Layer mask z of the slim verifier: one 0 (skip) / 1 (keep) per verifier layer, or the path "
+        "of a DIMR artifact (.json; its model fingerprint is checked against the verifier). None: the shipped "
+        "DIMR mask of a built-in verifier at skip_ratio, else round(skip_ratio * L) layers spread evenly.",
     )
     skip_ratio: float = Field(0.45, ge=0.0, lt=1.0, description="Share of verifier layers q' skips when no mask is given.")
     cache_policy: CachePolicy = Field(
@@ -157,12 +195,19 @@ class EngineConfig(BaseModel):
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the models run: cpu, cuda or cuda:N.")
+    trust_remote_code: bool = Field(
+        False,
+        description="Run Python code shipped with a model directory (config auto_map). Off: only the built-in "
+        "LLaMA / Qwen2 code runs; turn on only for model directories you trust.",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
         if self.dtype not in ("bfloat16", "float16", "float32", "float64"):
             raise ValueError(f"dtype must be bfloat16, float16, float32 or float64, got {self.dtype!r}")
-        if self.mask is not None and any(v not in (0, 1) for v in self.mask):
+        if isinstance(self.mask, str) and not self.mask.endswith(".json"):
+            raise ValueError("mask must be a 0/1 list or the path of a DIMR artifact (.json)")
+        if isinstance(self.mask, tuple) and any(v not in (0, 1) for v in self.mask):
             raise ValueError("mask entries must be 0 (skip) or 1 (keep)")
         return self
 

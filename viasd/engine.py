@@ -19,16 +19,19 @@ drafted token, then the rewrite or the verification), so the same seed gives the
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from viasd.config import CachePolicy, GenerationParams, Mode, RegionB
+from viasd.config import CachePolicy, GenerationParams, Mode, Proposer, RegionB
 from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
 from viasd.metrics import RequestStats
+from viasd.proposers import GammaPolicy, ngram_lookup
 from viasd.rules import Region, first_non_accept, gate, rule_from_params, verify
 from viasd.runtime import KVCache, LayerMask, MaskedLM
 from viasd.sampling import Sampler
@@ -123,8 +126,8 @@ def check_request(
         raise InvalidParameterError("prompt", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
     if max_context is not None and len(prompt) >= max_context:
         raise InvalidParameterError("prompt", f"{len(prompt)} tokens leave no room in the context of {max_context}")
-    if params.mode != Mode.AR and not has_drafter:
-        raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter; none is loaded")
+    if params.mode != Mode.AR and not has_drafter and params.proposer != Proposer.NGRAM:
+        raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded")
     return prompt
 
 
@@ -209,32 +212,146 @@ def _commit(seq: list[int], tiers: Sequence[_Tier], outcome: Outcome) -> None:
         tier.pos = min(tier.pos, valid)
 
 
-class DraftSession:
-    """The drafter's side of one request: its cache, its random stream, its copy of the sequence."""
+def block_generator(seed: int, block: int, device) -> torch.Generator:
+    """The drafter's random stream for draft block `block` of a request (used with `overlap`):
+    a block drafted ahead and a block drafted on demand draw the same numbers, so the output
+    depends on the seed only, never on how far the drafter got ahead."""
+    return torch.Generator(device=device).manual_seed((seed * 0x100000001B3 + block) % 2**63)
 
-    def __init__(self, lm: MaskedLM, prompt: Sequence[int], params: GenerationParams, seed: int, stats: RequestStats):
-        self.tier = _Tier("drafter", lm, lm.new_cache())
+
+class DraftSession:
+    """The drafter's side of one request: its proposer (viasd.proposers), its cache, its random
+    stream, its block-length policy, its copy of the sequence. `lm` may be None for `ngram`.
+
+    With `overlap` (PEARL-style), `draft_ahead` drafts the next block from the optimistic prefix
+    (the committed sequence + the block under verification) while the verifier works; `commit`
+    keeps the drafted-ahead tokens that the committed tokens agree with, as the start of the next
+    block. Each kept token was drawn from p given exactly the prefix it ends up on, so the rules
+    see a correct draft; each block has its own seeded stream (`block_generator`), so the output
+    does not depend on timing.
+    """
+
+    def __init__(
+        self, lm: MaskedLM | None, prompt: Sequence[int], params: GenerationParams, seed: int, stats: RequestStats
+    ):
+        if lm is None and params.proposer != Proposer.NGRAM:
+            raise InvalidParameterError("proposer", f"proposer {params.proposer.value!r} needs a drafter model")
+        self.params = params
+        self.tier = _Tier("drafter", lm, lm.new_cache()) if lm is not None else None
+        self.device = lm.device if lm is not None else "cpu"
         self.seq = list(prompt)
         self.sampler = Sampler.from_params(params)
-        self.generator = torch.Generator(device=lm.device).manual_seed(seed)
+        self.seed = seed
+        self.blocks = 0  # blocks proposed so far
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if params.overlap:
+            self.generator = block_generator(seed, 0, self.device)
+        self.gamma = GammaPolicy(params.gamma, params.adaptive_gamma)
         self.stats = stats
+        self.last: list[int] = []  # the block under verification ...
+        self.last_p: list[Tensor] = []  # ... and its p rows [1, V] (sampled only)
+        self.last_from_model = False
+        self.ahead: list[int] = []  # drafted past `last` by draft_ahead ...
+        self.ahead_p: list[Tensor] = []
+        self.ahead_generator: torch.Generator | None = None
+        self.ahead_ended = False  # the drafted-ahead block ended on draft_confidence
+        self.pending: list[int] = []  # drafted tokens the committed sequence agreed with: the next block's start
+        self.pending_p: list[Tensor] = []
+        self.pending_ended = False
+        self.stop = threading.Event()  # set by the verifier side when its outcome is in
 
     def propose(self, k: int) -> tuple[list[int], Tensor | None]:
-        """Sample k draft tokens; return them and p [k, V] (None when greedy: the rules then need
-        only the tokens, since p is one-hot at them)."""
-        draft: list[int] = []
-        p_rows = []
-        for _ in range(k):
-            logits = self.tier.forward(self.seq + draft, 1, self.stats)  # [1, V]
+        """Propose at most k draft tokens; return them and p [k', V], or None when p is a point
+        mass at the draft tokens (greedy sampling, or an n-gram proposal). Fewer than k under
+        adaptive drafting or a short n-gram match; none when the `ngram` proposer finds no match
+        (the verifier then decodes one token itself)."""
+        params, k = self.params, self.gamma.length(k)
+        if params.proposer != Proposer.MODEL:
+            looked_up = ngram_lookup(self.seq, k, params.ngram_max)
+            if looked_up or params.proposer == Proposer.NGRAM:
+                self.stats.ngram_draft_tokens += len(looked_up)
+                self._drop_pending()
+                return self._proposed(looked_up, [], from_model=False)
+        draft, p_rows, ended = self.pending[:k], self.pending_p[:k], self.pending_ended
+        self.stats.overlap_draft_tokens += len(draft)
+        if len(self.pending) > k:  # the rest is not used: it must be fed again later
+            self._drop_pending(keep=k)
+        self.pending, self.pending_p, self.pending_ended = [], [], False
+        if len(draft) < k and not ended:
+            self._draft(draft, p_rows, k, self.generator)
+        return self._proposed(draft, p_rows)
+
+    def _draft(self, draft: list[int], p_rows: list[Tensor], k: int, generator: torch.Generator,
+               stop: threading.Event | None = None) -> bool:
+        """Extend `draft` (after self.seq, or self.seq + self.last when drafting ahead) to k tokens
+        with the drafter model, in place; stop early when `stop` is set (drafting ahead) or below
+        `draft_confidence` (then return True: the block has ended)."""
+        prefix = self.seq + self.last if stop is not None else self.seq
+        # ahead, the first token is always drafted: whether the next block can start from the
+        # drafted-ahead tokens must not depend on timing (the later ones come out the same
+        # whether drafted ahead or on demand: same prefix, same stream)
+        while len(draft) < k and not (stop is not None and stop.is_set() and draft):
+            logits = self.tier.forward(prefix + draft, 1, self.stats)  # [1, V]
             p = self.sampler.probs(logits)  # [1, V]
-            draft.append(int(self.sampler.sample(p, self.generator)[0]))
-            p_rows.append(p)
-        self.stats.num_drafts += 1
-        self.stats.num_draft_tokens += k
-        return draft, None if self.sampler.greedy else torch.cat(p_rows)  # [k], [k, V]
+            draft.append(int(self.sampler.sample(p, generator)[0]))
+            if not self.sampler.greedy:
+                p_rows.append(p)
+            if len(draft) < k and self.params.draft_confidence > 0.0:
+                confidence = float(torch.softmax(logits[0].float(), dim=-1)[draft[-1]])  # p_{T=1}(x~_j)
+                if confidence < self.params.draft_confidence:
+                    return True
+        return False
+
+    def _proposed(self, draft: list[int], p_rows: list[Tensor], from_model: bool = True
+                  ) -> tuple[list[int], Tensor | None]:
+        self.last, self.last_p, self.last_from_model = draft, p_rows, from_model and bool(draft)
+        if draft:
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(draft)
+        self.blocks += 1
+        return draft, torch.cat(p_rows) if p_rows else None  # [k'], [k', V] (None: a point mass)
+
+    def draft_ahead(self) -> None:
+        """Overlap: draft the next block from self.seq + self.last, until `stop` is set (the
+        outcome of `last` is in) or the block is full. Runs beside the verifier's forward."""
+        self.ahead, self.ahead_p = [], []
+        self.ahead_generator = block_generator(self.seed, self.blocks, self.device)
+        if not self.last_from_model:  # (n-gram blocks have no p rows to continue; the lookup is free anyway)
+            return
+        self.ahead_ended = self._draft(self.ahead, self.ahead_p, self.gamma.length(self.params.gamma),
+                                       self.ahead_generator, self.stop)
+
+    def _drop_pending(self, keep: int = 0) -> None:
+        """Forget pending tokens past `keep`: the cache must not count them as fed."""
+        if self.tier is not None:
+            self.tier.pos = min(self.tier.pos, len(self.seq) + keep - 1)
+        self.pending, self.pending_p = self.pending[:keep], self.pending_p[:keep]
+        self.pending_ended = False
 
     def commit(self, outcome: Outcome) -> None:
-        _commit(self.seq, [self.tier], outcome)
+        """Append the committed tokens. With overlap, keep what was drafted past them if they
+        agree with the drafter's own optimistic continuation (last block + drafted ahead)."""
+        self.gamma.update(len(self.last), outcome.num_draft_accepted)
+        committed = outcome.tokens
+        optimistic, optimistic_p = self.last + self.ahead, self.last_p + self.ahead_p
+        if self.params.overlap:
+            if self.ahead and optimistic[: len(committed)] == committed:  # every fed token stays valid
+                self.seq.extend(committed)
+                self.pending = optimistic[len(committed) :]
+                self.pending_p = optimistic_p[len(committed) :] if optimistic_p else []
+                # the next block goes on with the stream it was drafted ahead with; it has ended only
+                # if its low-confidence last token is still pending (not committed already)
+                self.generator, self.pending_ended = self.ahead_generator, self.ahead_ended and bool(self.pending)
+                self._clear_ahead()
+                return
+            self.generator = block_generator(self.seed, self.blocks, self.device)
+        self._clear_ahead()
+        self.pending, self.pending_p, self.pending_ended = [], [], False
+        _commit(self.seq, [self.tier] if self.tier is not None else [], outcome)
+
+    def _clear_ahead(self) -> None:
+        self.ahead, self.ahead_p, self.ahead_generator, self.ahead_ended = [], [], None, False
+        self.stop.clear()
 
 
 class VerifySession:
@@ -272,8 +389,11 @@ class VerifySession:
         return Outcome([int(self.sampler.sample(self.sampler.probs(logits), self.generator)[0])], 0)
 
     def check(self, draft: list[int], p: Tensor | None) -> Outcome:
-        """Verify a draft block (p [k, V], or None when greedy) with the request's mode."""
-        if p is None:  # greedy drafts: p is one-hot at the draft tokens
+        """Verify a draft block (p [k, V], or None when it is a point mass at the draft tokens:
+        greedy or n-gram drafts) with the request's mode; an empty draft decodes one token."""
+        if not draft:
+            return self.decode_one()
+        if p is None:  # p is one-hot at the draft tokens
             draft_t = torch.tensor(draft, device=self.full.lm.device)  # [k]
             p = torch.nn.functional.one_hot(draft_t, self.full.lm.vocab_size).float()  # [k, V]
         return self._check_sd(draft, p) if self.params.mode == Mode.SD else self._check_via(draft, p)
@@ -374,6 +494,8 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
         self.max_context = context_limit(*limits, max_context)
+        # `overlap`: the drafter drafts ahead on this thread while the verifier checks a block
+        self._drafter_thread = ThreadPoolExecutor(1, thread_name_prefix="viasd-drafter")
 
     # ---------------------------------------------------------------- public API
 
@@ -409,7 +531,11 @@ class Engine:
             outcome = req.verify.decode_one()
         else:
             draft, p = req.draft.propose(draft_length(req.params.gamma, remaining, len(req.seq), self.max_context))
-            outcome = req.verify.check(draft, p)
+            ahead = self._drafter_thread.submit(req.draft.draft_ahead) if req.params.overlap else None
+            outcome = req.verify.check(draft, p)  # (an empty draft: one token from q)
+            if ahead is not None:  # overlap: the drafter went on from the optimistic prefix meanwhile
+                req.draft.stop.set()
+                ahead.result()
             req.draft.commit(outcome)
         req.verify.commit(outcome)
         req.seq.extend(outcome.tokens)

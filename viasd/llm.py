@@ -100,11 +100,13 @@ class LLM:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        model, self.tokenizer = load_causal_lm(config.verifier, dtype=config.dtype, device=config.device)
+        model, self.tokenizer = load_causal_lm(config.verifier, dtype=config.dtype, device=config.device,
+                                               trust_remote_code=config.trust_remote_code)
         self.verifier = MaskedLM(model)
         self.drafter = None
         if config.drafter:
-            self.drafter = MaskedLM(load_causal_lm(config.drafter, dtype=config.dtype, device=config.device)[0])
+            self.drafter = MaskedLM(load_causal_lm(config.drafter, dtype=config.dtype, device=config.device,
+                                                   trust_remote_code=config.trust_remote_code)[0])
         layer_mask, self.mask_source = self._mask(mask, model)
         self.engine = Engine(
             self.verifier,

@@ -34,6 +34,8 @@ class RequestStats:
     # speculative cycles (sd, via)
     num_drafts: int = 0  # cycles that drafted a block
     num_draft_tokens: int = 0  # tokens proposed by the drafter
+    ngram_draft_tokens: int = 0  # of which proposed by prompt lookup (proposer ngram / hybrid)
+    overlap_draft_tokens: int = 0  # of which drafted ahead, during the previous verification (overlap)
     num_accepted_tokens: int = 0  # draft tokens committed as drafted
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [gamma]: accepted at block position j
     num_rejected_tokens: int = 0  # draft tokens replaced (rewritten by q' or rejected by q)
@@ -141,6 +143,6 @@ class RequestStats:
 
 # counters a request's parts add up (RequestStats.add_counters)
 _SUMMED = (
-    "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_rejected_tokens", "num_cycle_tokens",
+    "num_drafts", "num_draft_tokens", "ngram_draft_tokens", "overlap_draft_tokens", "num_accepted_tokens", "num_rejected_tokens", "num_cycle_tokens",
     "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted",
 )

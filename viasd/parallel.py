@@ -246,7 +246,8 @@ def _shard_torch(model: nn.Module, group: TPGroup, *, dtensor_runtime: bool = Fa
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    model = model.to(group.device)
+    # the model may still be on the host: each weight moves to the device as it is sharded, so a
+    # rank never holds more than its shards plus one full weight there (a 70B model fits TP ranks)
     mesh = DeviceMesh(group.device_type, list(range(group.world_size)))
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     hooks_before = {id(m): (set(m._forward_pre_hooks), set(m._forward_hooks)) for m in linears}
@@ -260,7 +261,7 @@ def _shard_torch(model: nn.Module, group: TPGroup, *, dtensor_runtime: bool = Fa
         pg = mesh.get_group()
         for m in linears:
             _localize(m, pg, *hooks_before[id(m)], gather=m is model.lm_head)
-    return model
+    return model.to(group.device)  # what is not sharded (embeddings, norms, rotary buffers)
 
 
 def _localize(linear: nn.Linear, pg, pre_hooks_before: set, hooks_before: set, *, gather: bool) -> None:
@@ -362,12 +363,12 @@ def _shard_deepspeed(model: nn.Module, group: TPGroup, *, shm: bool) -> nn.Modul
     vocab = model.lm_head.out_features
     dtype = next(model.parameters()).dtype
     engine = deepspeed.init_inference(
-        model.to(group.device),
+        model,  # may be on the host: AutoTP moves each slice to the device as it shards
         tensor_parallel={"tp_size": group.world_size, "mpu": _MPU(dist.group.WORLD), "tp_group": dist.group.WORLD},
         dtype=dtype,
         replace_with_kernel_inject=False,
     )
-    module = engine.module
+    module = engine.module.to(group.device)
     if not hasattr(module, "model") or not hasattr(module.model, "layers"):
         raise RuntimeError(f"DeepSpeed AutoTP changed the module structure: {type(module).__name__}")
     if not hasattr(module.lm_head, "out_features"):  # LmHeadLinearAllreduce: full logits, no attribute

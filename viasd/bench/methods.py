@@ -5,6 +5,9 @@ A method spec is a head followed by ``:key=value`` overrides::
     ar | sd | via                  our engine in that mode
     hf                             transformers' plain ``model.generate`` (the verifier alone)
     hf-assisted                    transformers' assisted generation (``assistant_model`` = our drafter)
+    hf-lookup                      transformers' prompt lookup decoding (``prompt_lookup_num_tokens`` =
+                                   gamma, ``max_matching_ngram_size`` = ngram_max): the peer of
+                                   ``sd:proposer=ngram``
 
     via:region_b=escalate:gamma=3  any GenerationParams field
     via:mask=random:skip_ratio=0.35  engine overrides: mask, skip_ratio, cache_policy
@@ -32,7 +35,7 @@ from typing import Any
 from viasd.config import GenerationParams, Mode, parse_params
 from viasd.errors import InvalidParameterError
 
-KINDS = ("engine", "hf_generate", "hf_assisted")
+KINDS = ("engine", "hf_generate", "hf_assisted", "hf_lookup")
 HEADS = {
     "ar": ("engine", Mode.AR),
     "sd": ("engine", Mode.SD),
@@ -40,6 +43,7 @@ HEADS = {
     "hf": ("hf_generate", Mode.AR),
     "hf-generate": ("hf_generate", Mode.AR),
     "hf-assisted": ("hf_assisted", Mode.SD),
+    "hf-lookup": ("hf_lookup", Mode.SD),
 }
 ENGINE_KEYS = ("mask", "skip_ratio", "cache_policy")
 HF_DRAFT = ("default", "fixed")
@@ -53,7 +57,7 @@ class Method:
     """One way of decoding: what runs, with which request parameters and engine settings."""
 
     label: str
-    kind: str  # "engine" | "hf_generate" | "hf_assisted"
+    kind: str  # "engine" | "hf_generate" | "hf_assisted" | "hf_lookup"
     params: GenerationParams
     mask: str = "default"
     skip_ratio: float | None = None  # None: the loaded engine's ratio
@@ -257,15 +261,28 @@ def ablation_groups() -> list[Group]:
     ]
 
 
+# issue 9: what makes a third tier pay on a pair like ours, against the paper's `via` and the peers
+PROPOSER_METHODS = (
+    "ar", "sd", "via", "via:region_b=escalate", "hf-assisted", "hf-lookup",
+    "sd:proposer=ngram", "sd:proposer=hybrid", "sd:draft_confidence=0.4:adaptive_gamma=true",
+    "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true",
+    "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true:overlap=true", "sd:overlap=true",
+    "via:proposer=hybrid:region_b=escalate:draft_confidence=0.4:adaptive_gamma=true",
+)
+
+
 def suite_methods(name: str) -> tuple[list[str], list[Group]]:
-    """The method specs and plot groups of a named suite: main, ablations, quick."""
+    """The method specs and plot groups of a named suite: main, ablations, proposers, quick."""
     main = Group("main", "Methods side by side", "bar", MAIN_METHODS, paper="Table 2")
     if name == "main":
         return list(MAIN_METHODS), [main]
+    if name == "proposers":
+        return list(PROPOSER_METHODS), [Group("proposers", "Proposers and adaptive drafting (issue 9)", "bar",
+                                              PROPOSER_METHODS)]
     if name == "quick":
         return ["ar", "sd", "via", "hf", "hf-assisted"], [Group("main", main.title, "bar", ("ar", "sd", "via", "hf", "hf-assisted"))]
     if name == "ablations":
         groups = ablation_groups()
         specs = ["ar"] + [s for g in groups for s in g.methods]
         return list(dict.fromkeys(specs)), groups
-    raise InvalidParameterError("suite", f"unknown suite {name!r}; known: main, ablations, quick")
+    raise InvalidParameterError("suite", f"unknown suite {name!r}; known: main, ablations, proposers, quick")

@@ -324,7 +324,8 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
     for m in results["methods"]:
         bits = [f"{m['kind']}"]
         if m["kind"] != "engine":
-            bits.append("transformers " + ("assisted generation" if m["kind"] == "hf_assisted" else "generate"))
+            bits.append("transformers " + {"hf_assisted": "assisted generation", "hf_lookup": "prompt lookup"}.get(
+                m["kind"], "generate"))
             if m.get("hf_draft"):
                 bits.append(f"draft={m['hf_draft']}")
         if m.get("mask_info"):

@@ -308,7 +308,7 @@ class Bench:
         from transformers import GenerationConfig
 
         model = self.verifier.model
-        assisted = method.kind == "hf_assisted"
+        assisted, lookup = method.kind == "hf_assisted", method.kind == "hf_lookup"
         if assisted and self.drafter is None:
             raise InvalidParameterError("methods", "hf-assisted needs a drafter")
         n = params.max_tokens
@@ -334,6 +334,9 @@ class Bench:
             if method.hf_draft == "fixed":  # exactly gamma draft tokens a cycle, like our sd / via
                 patches.append(_patched(draft.generation_config, num_assistant_tokens=params.gamma,
                                         num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+        if lookup:  # HF's prompt lookup decoding: the n-gram proposer's peer
+            gen_cfg.prompt_lookup_num_tokens = params.gamma
+            gen_cfg.max_matching_ngram_size = params.ngram_max
         ids = torch.tensor([prompt_ids], device=model.device)
         timer = _FirstTokenTimer()
         if params.seed is not None:
@@ -354,7 +357,7 @@ class Bench:
             "forwards": forwards,
             "seconds": {"drafter": model_seconds.get("drafter", 0.0), "slim": 0.0, "full": model_seconds["full"]},
         }
-        if assisted and forwards["full"]:
+        if (assisted or lookup) and forwards["full"]:
             # every assisted cycle is one verifier forward and commits accepted + 1 tokens
             stats["num_drafts"] = forwards["full"]
             stats["num_cycle_tokens"] = len(tokens)

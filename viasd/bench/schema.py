@@ -86,7 +86,7 @@ METHOD = {
     "required": ["label", "kind", "mode", "params", "alias_of", "matched_baseline", "role"],
     "properties": {
         "label": {"type": "string"},
-        "kind": {"enum": ["engine", "hf_generate", "hf_assisted"]},
+        "kind": {"enum": ["engine", "hf_generate", "hf_assisted", "hf_lookup"]},
         "mode": {"enum": ["ar", "sd", "via"]},
         "params": {"type": "object"},
         "alias_of": {"type": ["string", "null"]},

@@ -66,7 +66,7 @@ def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16") -> Path:
 
 
 def load_causal_lm(
-    spec: str, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu"
+    spec: str, *, dtype: str | torch.dtype = "bfloat16", device: str = "cpu", trust_remote_code: bool = False
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal LM and its tokenizer, in eval mode with gradients off.
 
@@ -76,13 +76,21 @@ def load_causal_lm(
     of None and is driven with token ids). Only the architectures
     in :data:`SUPPORTED_ARCHITECTURES` are accepted; anything else raises
     :class:`ModelLoadError` naming its ``model_type``. Attention is ``sdpa``.
+
+    Only safetensors weights are read (``use_safetensors=True``): a directory holding only pickled
+    weights (``pytorch_model.bin``, which can run code when unpickled) raises ModelLoadError.
+    Python code shipped with a model (``auto_map`` in its config) runs only with
+    ``trust_remote_code=True`` (``EngineConfig.trust_remote_code``, off by default).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dt = torch_dtype(dtype)
     path = resolve_model_dir(spec, dt)
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights; only safetensors are loaded (pickled "
+                             f"*.bin / *.pt weights can execute code: convert them with safetensors first)")
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # unknown model_type, malformed JSON, ...
         raise ModelLoadError(f"cannot read the config of {path}: {exc}") from exc
     model_type = getattr(config, "model_type", None)
@@ -93,9 +101,10 @@ def load_causal_lm(
         )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dt, attn_implementation="sdpa"
+            path, config=config, dtype=dt, attn_implementation="sdpa", use_safetensors=True,
+            trust_remote_code=trust_remote_code,
         )
-        tokenizer = _tokenizer_at(path)
+        tokenizer = _tokenizer_at(path, trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"cannot load model {spec!r} from {path}: {exc}") from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -109,12 +118,12 @@ def load_causal_lm(
     return model, tokenizer
 
 
-def _tokenizer_at(path: Path) -> PreTrainedTokenizerBase | None:
+def _tokenizer_at(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
     from transformers import AutoTokenizer
 
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(path)
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def load_tokenizer(spec: str, *, dtype: str | torch.dtype = "bfloat16") -> PreTrainedTokenizerBase | None:

@@ -15,7 +15,9 @@ Imports protobuf and pydantic only (no grpc, no torch): the light client install
 
 from __future__ import annotations
 
-from viasd.config import GenerationParams, Mode, RegionB, Rule, parse_params
+from collections.abc import Collection
+
+from viasd.config import GenerationParams, Mode, Proposer, RegionB, Rule, parse_params
 from viasd.errors import InvalidParameterError
 from viasd.metrics import MODELS, RequestStats
 from viasd.v1 import generation_pb2 as pb
@@ -27,22 +29,27 @@ __all__ = [
 
 MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA}
 REGION_B_TO_PB = {RegionB.REWRITE: pb.REGION_B_REWRITE, RegionB.ESCALATE: pb.REGION_B_ESCALATE}
+PROPOSER_TO_PB = {Proposer.MODEL: pb.PROPOSER_MODEL, Proposer.NGRAM: pb.PROPOSER_NGRAM,
+                  Proposer.HYBRID: pb.PROPOSER_HYBRID}
 RULE_TO_PB = {Rule.LOSSLESS: pb.RULE_LOSSLESS, Rule.LOSSY: pb.RULE_LOSSY, Rule.OVERSHOOT: pb.RULE_OVERSHOOT}
 FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                 "abort": pb.FINISH_REASON_ABORT}
 _MODE_FROM_PB = {v: k for k, v in MODE_TO_PB.items()}
 _REGION_B_FROM_PB = {v: k for k, v in REGION_B_TO_PB.items()}
 _RULE_FROM_PB = {v: k for k, v in RULE_TO_PB.items()}
+_PROPOSER_FROM_PB = {v: k for k, v in PROPOSER_TO_PB.items()}
 _FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 # proto3 `optional` scalars of GenerationParams: presence says whether the client set them
 _OPTIONAL = (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "slim_bonus",
-    "lossy_alpha", "lossy_beta", "overshoot_ceiling", "ignore_eos",
+    "lossy_alpha", "lossy_beta", "overshoot_ceiling", "ignore_eos", "ngram_max", "draft_confidence", "adaptive_gamma",
+    "overlap",
 )
 # RequestStats counters with the same name on both sides
 _STATS_INTS = (
-    "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens",
+    "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "ngram_draft_tokens", "overlap_draft_tokens",
+    "num_accepted_tokens",
     "num_rejected_tokens", "num_bonus_tokens", "num_cycle_tokens", "slim_accepted", "slim_rewritten", "escalations",
     "escalated_tokens", "full_accepted",
 )
@@ -61,17 +68,20 @@ def _enum(value: int, table: dict, field: str):
         raise InvalidParameterError(field, f"unknown value {value}") from None
 
 
-def params_to_proto(params: GenerationParams) -> pb.GenerationParams:
-    """Every field set explicitly: the message of a fully resolved request."""
+def params_to_proto(params: GenerationParams, only: Collection[str] | None = None) -> pb.GenerationParams:
+    """Every field set explicitly (the message of a fully resolved request), or with `only` just
+    the named fields (a client's request: the fields it left out take the server's defaults)."""
+    names = set(GenerationParams.model_fields) if only is None else set(only)
     msg = pb.GenerationParams(
-        mode=MODE_TO_PB[params.mode],
-        region_b=REGION_B_TO_PB[params.region_b],
-        rule=RULE_TO_PB[params.rule],
-        stop_token_ids=list(params.stop_token_ids or ()),
+        mode=MODE_TO_PB[params.mode] if "mode" in names else pb.MODE_UNSPECIFIED,
+        region_b=REGION_B_TO_PB[params.region_b] if "region_b" in names else pb.REGION_B_UNSPECIFIED,
+        rule=RULE_TO_PB[params.rule] if "rule" in names else pb.RULE_UNSPECIFIED,
+        proposer=PROPOSER_TO_PB[params.proposer] if "proposer" in names else pb.PROPOSER_UNSPECIFIED,
+        stop_token_ids=list(params.stop_token_ids or ()) if "stop_token_ids" in names else [],
     )
     for name in _OPTIONAL:
         value = getattr(params, name)
-        if value is not None:
+        if value is not None and name in names:
             setattr(msg, name, value)
     return msg
 
@@ -84,6 +94,8 @@ def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.
         values["region_b"] = _enum(msg.region_b, _REGION_B_FROM_PB, "region_b")
     if msg.rule != pb.RULE_UNSPECIFIED:
         values["rule"] = _enum(msg.rule, _RULE_FROM_PB, "rule")
+    if msg.proposer != pb.PROPOSER_UNSPECIFIED:
+        values["proposer"] = _enum(msg.proposer, _PROPOSER_FROM_PB, "proposer")
     if msg.stop_token_ids:
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
     return parse_params(values)

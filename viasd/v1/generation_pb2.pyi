@@ -20,6 +20,13 @@ class RegionB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REGION_B_REWRITE: _ClassVar[RegionB]
     REGION_B_ESCALATE: _ClassVar[RegionB]
 
+class Proposer(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_UNSPECIFIED: _ClassVar[Proposer]
+    PROPOSER_MODEL: _ClassVar[Proposer]
+    PROPOSER_NGRAM: _ClassVar[Proposer]
+    PROPOSER_HYBRID: _ClassVar[Proposer]
+
 class Rule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RULE_UNSPECIFIED: _ClassVar[Rule]
@@ -40,6 +47,10 @@ MODE_VIA: Mode
 REGION_B_UNSPECIFIED: RegionB
 REGION_B_REWRITE: RegionB
 REGION_B_ESCALATE: RegionB
+PROPOSER_UNSPECIFIED: Proposer
+PROPOSER_MODEL: Proposer
+PROPOSER_NGRAM: Proposer
+PROPOSER_HYBRID: Proposer
 RULE_UNSPECIFIED: Rule
 RULE_LOSSLESS: Rule
 RULE_LOSSY: Rule
@@ -58,7 +69,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos")
+    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +88,11 @@ class GenerationParams(_message.Message):
     OVERSHOOT_CEILING_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MAX_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     max_tokens: int
     temperature: float
@@ -95,7 +111,12 @@ class GenerationParams(_message.Message):
     overshoot_ceiling: float
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    proposer: Proposer
+    ngram_max: int
+    draft_confidence: float
+    adaptive_gamma: bool
+    overlap: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt", "messages", "prompt_token_ids", "params")
@@ -126,7 +147,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("mode", "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "num_rejected_tokens", "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted", "mean_acceptance_length", "rejection_rate", "forwards", "seconds", "time_to_first_token", "total_seconds", "drafter_fallback", "num_cycle_tokens")
+    __slots__ = ("mode", "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "num_rejected_tokens", "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted", "mean_acceptance_length", "rejection_rate", "forwards", "seconds", "time_to_first_token", "total_seconds", "drafter_fallback", "num_cycle_tokens", "ngram_draft_tokens", "overlap_draft_tokens")
     class ForwardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +184,8 @@ class RequestStats(_message.Message):
     TOTAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     NUM_CYCLE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OVERLAP_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     prompt_tokens: int
     generated_tokens: int
@@ -185,7 +208,9 @@ class RequestStats(_message.Message):
     total_seconds: float
     drafter_fallback: bool
     num_cycle_tokens: int
-    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_rejected_tokens: _Optional[int] = ..., num_bonus_tokens: _Optional[int] = ..., slim_accepted: _Optional[int] = ..., slim_rewritten: _Optional[int] = ..., escalations: _Optional[int] = ..., escalated_tokens: _Optional[int] = ..., full_accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rejection_rate: _Optional[float] = ..., forwards: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[_Mapping[str, float]] = ..., time_to_first_token: _Optional[float] = ..., total_seconds: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., num_cycle_tokens: _Optional[int] = ...) -> None: ...
+    ngram_draft_tokens: int
+    overlap_draft_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_rejected_tokens: _Optional[int] = ..., num_bonus_tokens: _Optional[int] = ..., slim_accepted: _Optional[int] = ..., slim_rewritten: _Optional[int] = ..., escalations: _Optional[int] = ..., escalated_tokens: _Optional[int] = ..., full_accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rejection_rate: _Optional[float] = ..., forwards: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[_Mapping[str, float]] = ..., time_to_first_token: _Optional[float] = ..., total_seconds: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., num_cycle_tokens: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., overlap_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")

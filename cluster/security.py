@@ -1,0 +1,172 @@
+"""TLS, mutual TLS and bearer-token authentication of the standalone gRPC server.
+
+    security = GRPCSecurity(tls_cert_file="server.pem", tls_key_file="server.key", token_file="token")
+    server = await serve_grpc(servicer, 50051, "0.0.0.0", security=security)
+
+* TLS: the server presents `tls_cert_file` / `tls_key_file` (PEM). Mutual TLS: `client_ca_file`
+  verifies client certificates; `require_client_cert` refuses a client without one.
+* Bearer token: every call except the standard health service must carry the metadata
+  ``authorization: Bearer <token>``; the value is compared in constant time
+  (`hmac.compare_digest`) and a missing or wrong token ends the call with UNAUTHENTICATED. The
+  health service stays open so that load balancers and Kubernetes probes need no secret (it tells
+  only whether the server is serving). The token comes from a file (`token_file`) or an
+  environment variable (`token_env`, default ``VIASD_API_TOKEN``), never from a command-line
+  literal, which any user of the machine could read in ``ps``.
+
+Ray Serve's gRPC proxy has no TLS and no interceptors: the standalone server
+(``python -m viasd.cluster.grpc_server``) is the endpoint that does TLS and authentication.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+from typing import Any
+
+import grpc
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from viasd.config import invalid_from_validation
+from viasd.errors import InvalidParameterError
+
+TOKEN_ENV = "VIASD_API_TOKEN"
+AUTH_KEY = "authorization"  # gRPC metadata keys are lower case
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without a token
+
+
+class GRPCSecurity(BaseModel):
+    """Transport security and authentication of the standalone gRPC server (all off by default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate chain the server presents; with tls_key_file it turns TLS on."
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file.")
+    client_ca_file: Path | None = Field(
+        None, description="PEM CA bundle that verifies client certificates (mutual TLS); needs TLS."
+    )
+    require_client_cert: bool = Field(
+        False, description="Refuse clients that present no certificate signed by client_ca_file (mutual TLS)."
+    )
+    token_file: Path | None = Field(
+        None, description="File holding the bearer token every call must present (surrounding whitespace ignored)."
+    )
+    token_env: str | None = Field(
+        TOKEN_ENV, description="Environment variable holding the bearer token when token_file is not set; "
+        "None: do not read the environment."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "GRPCSecurity":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_key_file: TLS needs both tls_cert_file and tls_key_file")
+        if self.client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("client_ca_file: mutual TLS needs TLS (tls_cert_file and tls_key_file)")
+        if self.require_client_cert and self.client_ca_file is None:
+            raise ValueError("require_client_cert: needs client_ca_file to verify client certificates")
+        return self
+
+    @classmethod
+    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> "GRPCSecurity":
+        """Validate, raising InvalidParameterError that names the bad field."""
+        try:
+            return cls.model_validate({**(values or {}), **overrides})
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            if not first.get("loc"):  # the cross-field check: its message starts with the field
+                field, _, message = first["msg"].removeprefix("Value error, ").partition(": ")
+                raise InvalidParameterError(field, message) from None
+            raise invalid_from_validation(exc) from None
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
+
+    def token(self) -> str | None:
+        """The bearer token (from token_file, else token_env), or None: authentication off."""
+        if self.token_file is not None:
+            try:
+                token = self.token_file.read_text().strip()
+            except OSError as exc:
+                raise InvalidParameterError("token_file", f"cannot read {self.token_file}: {exc.strerror}") from None
+            if not token:
+                raise InvalidParameterError("token_file", f"{self.token_file} is empty")
+            return token
+        if self.token_env:
+            return os.environ.get(self.token_env, "").strip() or None
+        return None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials of the server port, or None (plaintext)."""
+        if not self.tls:
+            return None
+        cert, key = _read(self.tls_cert_file, "tls_cert_file"), _read(self.tls_key_file, "tls_key_file")
+        client_ca = _read(self.client_ca_file, "client_ca_file") if self.client_ca_file is not None else None
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=client_ca, require_client_auth=self.require_client_cert
+        )
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        token = self.token()
+        return [BearerTokenInterceptor(token)] if token else []
+
+    def describe(self) -> str:
+        """One line for the server's log: what protects the port (never the token itself)."""
+        tls = "plaintext"
+        if self.tls:
+            tls = "mutual TLS" if self.require_client_cert else "TLS" + (" (client certs optional)"
+                                                                      if self.client_ca_file else "")
+        source = f"file {self.token_file}" if self.token_file else f"env {self.token_env}"
+        auth = f"bearer token from {source}" if self.token() else "no authentication"
+        return f"{tls}, {auth}"
+
+
+def _read(path: Path, field: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise InvalidParameterError(field, f"cannot read {path}: {exc.strerror}") from None
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Ends every call whose ``authorization`` metadata is not ``Bearer <token>`` with
+    UNAUTHENTICATED (the health service excepted, see OPEN_SERVICES)."""
+
+    def __init__(self, token: str):
+        if not token:
+            raise ValueError("an empty bearer token would let every caller in")
+        self._expected = f"Bearer {token}".encode()
+
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        method = handler_call_details.method or ""
+        if method.startswith(OPEN_SERVICES):
+            return await continuation(handler_call_details)
+        presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == AUTH_KEY), None)
+        if presented is not None and hmac.compare_digest(_as_bytes(presented), self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # an unknown method: let gRPC answer UNIMPLEMENTED
+            return None
+        return _denying(handler, "missing bearer token" if presented is None else "invalid bearer token")
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def _denying(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
+
+    async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
+
+    kind = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }[(handler.request_streaming, handler.response_streaming)]
+    return kind(deny, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)

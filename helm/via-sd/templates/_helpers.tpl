@@ -1,0 +1,106 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "via-sd.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name; KubeRay appends suffixes (-raycluster-xxxxx, -head-svc), so keep it short. */}}
+{{- define "via-sd.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "via-sd.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select this release's pods (NetworkPolicy, PodDisruptionBudget, metrics Service). */}}
+{{- define "via-sd.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "via-sd.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "via-sd.labels" -}}
+helm.sh/chart: {{ include "via-sd.chart" . }}
+{{ include "via-sd.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "via-sd.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* The one pipeline this release serves (values.schema.json allows exactly one). */}}
+{{- define "via-sd.pipeline" -}}
+{{- toJson (first .Values.serve.pipelines) }}
+{{- end }}
+
+{{/*
+GPUs of one worker pod = one whole pipeline: tp_size verifier ranks x verifier_gpus_per_rank + drafter_gpus,
+rounded up (a fractional drafter share still needs a whole device in Kubernetes).
+*/}}
+{{- define "via-sd.workerGPUs" -}}
+{{- $p := include "via-sd.pipeline" . | fromJson }}
+{{- $tp := int (default 1 $p.tp_size) }}
+{{- $g := addf (mulf $tp (default 0 $p.verifier_gpus_per_rank)) (default 0 $p.drafter_gpus) }}
+{{- ceil $g | int }}
+{{- end }}
+
+{{/*
+The application's args: the ServeConfig (cluster/config.py) of `serve`, with what Kubernetes decides set here:
+the HTTP proxy binds 0.0.0.0, the internal drafter / verifier servers advertise the pod IP (0.0.0.0), and a
+mask artifact (mask.artifact, a mounted ConfigMap) becomes the verifier's mask (its fingerprint checked on load).
+*/}}
+{{- define "via-sd.serveArgs" -}}
+{{- $cfg := deepCopy .Values.serve }}
+{{- $http := default dict $cfg.http }}
+{{- $_ := set $http "host" "0.0.0.0" }}
+{{- $_ := set $cfg "http" $http }}
+{{- $p := include "via-sd.pipeline" . | fromJson }}
+{{- if not (hasKey $p "bind_host") }}
+{{- $_ := set $p "bind_host" "0.0.0.0" }}
+{{- end }}
+{{- if .Values.mask.artifact }}
+{{- $engine := default dict $p.engine }}
+{{- $_ := set $engine "mask" "/etc/viasd/mask/mask.json" }}
+{{- $_ := set $p "engine" $engine }}
+{{- end }}
+{{- $_ := set $cfg "pipelines" (list $p) }}
+{{- toJson $cfg }}
+{{- end }}
+
+{{/* Ports of the serving config (ServeConfig defaults when unset). */}}
+{{- define "via-sd.httpPort" -}}
+{{- (default dict .Values.serve.http).port | default 8000 | int }}
+{{- end }}
+{{- define "via-sd.grpcPort" -}}
+{{- (default dict .Values.serve.grpc).port | default 9000 | int }}
+{{- end }}
+{{- define "via-sd.grpcEnabled" -}}
+{{- $g := default dict .Values.serve.grpc }}
+{{- if hasKey $g "enabled" }}{{ $g.enabled }}{{ else }}true{{ end }}
+{{- end }}
+{{- define "via-sd.routePrefix" -}}
+{{- (default dict .Values.serve.http).route_prefix | default "/" }}
+{{- end }}
+
+{{/* Autoscaling bounds (ServeConfig defaults when unset): worker pods = pipelines = Serve replicas. */}}
+{{- define "via-sd.minReplicas" -}}
+{{- $a := default dict .Values.serve.autoscaling }}
+{{- if hasKey $a "min_replicas" }}{{ $a.min_replicas | int }}{{ else }}1{{ end }}
+{{- end }}
+{{- define "via-sd.maxReplicas" -}}
+{{- (default dict .Values.serve.autoscaling).max_replicas | default 1 | int }}
+{{- end }}
+{{- define "via-sd.initialReplicas" -}}
+{{- $a := default dict .Values.serve.autoscaling }}
+{{- if and (hasKey $a "initial_replicas") (ne $a.initial_replicas nil) }}{{ $a.initial_replicas | int }}{{ else }}{{ include "via-sd.minReplicas" . }}{{ end }}
+{{- end }}

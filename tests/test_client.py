@@ -1,0 +1,732 @@
+"""The client SDK (`viasd.client`) and its CLI against a real server: the tiny LLaMA pair through
+real Ray actors (the session's Ray, conftest.ray_session), the coordinator and the public
+GenerationService on loopback (`serve_grpc`, the same function the standalone server runs),
+started in this process so that the suite pays for one pipeline only.
+
+* importing viasd.client (and its CLI) imports neither torch nor Ray (a fresh interpreter);
+* bad parameters raise InvalidParameterError naming the field before any network I/O;
+* streamed tokens, finish reason and statistics == the in-process `LLM` (sync and asyncio);
+* the asyncio client with 16 concurrent streams (one seed each) == their sequential runs;
+* closing a stream, breaking out of it or leaving its `with` / `async with` block cancels the
+  request on the server: the drafter's and the verifier's sessions drop to 0;
+* a deadline expires with DeadlineExceeded; server-side INVALID_ARGUMENT is InvalidArgument
+  naming the field;
+* retries: UNAVAILABLE before the first token is retried (a server that comes up late, a
+  server that refuses the first attempt), never after a token arrived (a server killed or
+  failing mid-stream: an error, no duplicate tokens, one call on the server);
+* TLS and mutual TLS with certificates made here; a missing or wrong bearer token is
+  Unauthenticated while the health service stays open; the security settings of the server;
+* the `viasd-client` CLI: generate / chat / models / health, --json, exit codes;
+* the standalone server as a real process (`python -m viasd.cluster.grpc_server`, its own Ray on
+  loopback) with TLS and a token file: a client started before it retries until it is up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import aclosing
+from pathlib import Path
+
+import grpc
+import pytest
+
+from conftest import save_tiny_pair
+from viasd.client import (
+    NO_RETRY, AsyncClient, Cancelled, Client, DeadlineExceeded, InvalidArgument, InvalidParameterError, RetryPolicy,
+    RPCError, TLSConfig, Unauthenticated, Unavailable,
+)
+from viasd.config import EngineConfig, parse_params
+
+TIMEOUT_S = 120
+PROMPT = [5, 17, 3, 88, 41, 9]
+VIA = dict(mode="via", gamma=4, alpha1=0.9, alpha2=0.7)  # thresholds that exercise all three tiers
+CASES = {
+    "ar-greedy": dict(mode="ar"),
+    "sd-sampled": dict(mode="sd", gamma=4, temperature=0.8, top_k=40, seed=12),
+    "via-greedy": dict(VIA),
+    "via-sampled": dict(VIA, temperature=1.0, seed=13),
+}
+LONG = dict(mode="ar", max_tokens=500, ignore_eos=True)  # still running when the test acts on it
+COUNTERS = ("generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
+            "num_rejected_tokens", "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations",
+            "escalated_tokens", "full_accepted", "forwards", "finish_reason")
+FAST_RETRY = RetryPolicy(max_attempts=30, initial_backoff_s=0.05, max_backoff_s=0.3)
+TOKEN = "s3cret-token"
+
+
+# ------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture(scope="module")
+def engine_config(tmp_path_factory) -> EngineConfig:
+    return save_tiny_pair(tmp_path_factory.mktemp("client-models"))
+
+
+@pytest.fixture(scope="module")
+def llm(engine_config):
+    from viasd.llm import LLM
+
+    return LLM(engine_config)
+
+
+@pytest.fixture(scope="module")
+def pipeline(ray_session, aio, engine_config):
+    from viasd.cluster.pipeline import Pipeline, PipelineConfig
+
+    config = PipelineConfig(name="tiny", engine=engine_config, drafter_cpus=0.5, verifier_cpus_per_rank=0.5,
+                            rpc_timeout_s=60)
+    p = aio.run(Pipeline.start(config))
+    yield p
+    aio.run(p.shutdown())
+
+
+@pytest.fixture(scope="module")
+def servicer(pipeline):
+    from viasd.cluster.grpc_server import GenerationServicer
+
+    return GenerationServicer({"tiny": pipeline}, default="tiny")
+
+
+class Servers:
+    """Starts servers on the test loop and stops every one still running at teardown."""
+
+    def __init__(self, aio):
+        self.aio = aio
+        self.running = []
+
+    def start(self, servicer, port: int = 0, security=None):
+        from viasd.cluster.grpc_server import serve_grpc
+
+        server = self.aio.run(serve_grpc(servicer, port, security=security))
+        self.running.append(server)
+        return server, f"127.0.0.1:{server.viasd_port}"
+
+    def stop(self, server, grace: float | None = None):
+        self.aio.run(server.stop(grace))
+        self.running.remove(server)
+
+    def stop_all(self):
+        for server in list(self.running):
+            self.stop(server)
+
+
+@pytest.fixture(scope="module")
+def servers(aio):
+    s = Servers(aio)
+    yield s
+    s.stop_all()
+
+
+@pytest.fixture(scope="module")
+def target(servers, servicer) -> str:
+    """The plaintext GenerationService the tests share."""
+    return servers.start(servicer)[1]
+
+
+@pytest.fixture
+def client(target):
+    with Client(target, timeout=TIMEOUT_S) as c:
+        yield c
+
+
+def reference(llm, prompt, **params):
+    return llm.complete(prompt, parse_params(**{"max_tokens": 24, **params}))
+
+
+def idle(aio, pipeline, timeout_s: float = 30) -> bool:
+    """Wait until no request is open anywhere in the pipeline (sessions and coordinator)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (aio.run(pipeline.session_counts()) == {"drafter": 0, "verifier": [0]}
+                and pipeline.coordinator.active_requests() == 0):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def open_sessions(aio, pipeline) -> dict:
+    return aio.run(pipeline.session_counts())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def retries(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "viasd.client" and "retry" in r.getMessage()]
+
+
+# ------------------------------------------------------------------ light import, validation before I/O
+
+
+def test_client_imports_neither_torch_nor_ray():
+    code = ("import sys, viasd.client, viasd.client.cli\n"
+            "print([m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(prompt="x", temperature=-1), "temperature"),
+    (dict(prompt="x", gamma=99), "gamma"),
+    (dict(prompt="x", alpha1=0.3, alpha2=0.4), "alpha2"),
+    (dict(prompt="x", mode="fast"), "mode"),
+    (dict(prompt="x", no_such_param=1), "no_such_param"),
+    (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt"),
+    (dict(), "prompt"),
+    (dict(messages=[{"role": "robot", "content": "y"}]), "messages.0"),
+    (dict(prompt_token_ids=[]), "prompt_token_ids"),
+    (dict(prompt_token_ids=[1, -2]), "prompt_token_ids"),
+    (dict(prompt="x", timeout=-1), "timeout"),
+], ids=["temperature", "gamma", "alpha2", "mode", "unknown", "two-inputs", "no-input", "role", "empty-ids",
+        "negative-id", "timeout"])
+def test_bad_parameters_fail_before_any_network_io(kwargs, field):
+    """Nothing listens on the target: a bad value must be reported by the client itself."""
+    client = Client(f"127.0.0.1:{free_port()}", retry=NO_RETRY)
+    try:
+        kwargs = dict(kwargs)
+        prompt = kwargs.pop("prompt", None)
+        with pytest.raises(InvalidParameterError) as err:
+            client.generate(prompt, **kwargs)
+        assert err.value.field == field and not isinstance(err.value, RPCError), err.value
+        assert str(err.value).startswith(f"{field}:")
+        with pytest.raises(Unavailable):  # the same client does reach the network with good values
+            client.complete("x", max_tokens=2)
+    finally:
+        client.close()
+
+
+def test_retry_policy_backoff_is_exponential_capped_and_jittered():
+    policy = RetryPolicy(max_attempts=6, initial_backoff_s=0.1, max_backoff_s=0.5, multiplier=2.0, jitter=0.5)
+    for retry, full in [(1, 0.1), (2, 0.2), (3, 0.4), (4, 0.5), (5, 0.5)]:
+        delays = {policy.backoff(retry) for _ in range(50)}
+        assert all(full * 0.5 <= d <= full for d in delays) and len(delays) > 1
+    assert RetryPolicy(jitter=0.0).backoff(2) == 0.5
+    with pytest.raises(InvalidParameterError):
+        RetryPolicy(max_attempts=0)
+
+
+def test_cancel_stops_the_retries():
+    """cancel() during the backoff between attempts ends the stream at once with Cancelled."""
+    slow = RetryPolicy(max_attempts=100, initial_backoff_s=2.0, max_backoff_s=2.0, jitter=0.0)
+    with Client(f"127.0.0.1:{free_port()}", retry=slow) as client:
+        stream = client.generate("x", max_tokens=2)
+        threading.Timer(0.3, stream.cancel).start()
+        t0 = time.monotonic()
+        with pytest.raises(Cancelled):
+            list(stream)
+        assert time.monotonic() - t0 < 1.5
+
+
+# ------------------------------------------------------------------ results equal the in-process engine
+
+
+def assert_same(result, ref, what=""):
+    assert result.token_ids == ref.token_ids, what
+    assert result.finish_reason == ref.finish_reason, what
+    for name in COUNTERS:
+        assert getattr(result.stats, name) == getattr(ref.stats, name), (what, name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stream_equals_in_process(client, llm, case):
+    ref = reference(llm, PROMPT, **CASES[case])
+    chunks = list(client.generate(prompt_token_ids=PROMPT, max_tokens=24, **CASES[case]))
+    assert len(chunks) > 1 and all(c.finish_reason is None and c.stats is None for c in chunks[:-1])
+    assert len({c.request_id for c in chunks}) == 1
+    assert [t for c in chunks for t in c.token_ids] == ref.token_ids
+    assert_same(client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES[case]), ref, case)
+
+
+def test_unset_parameters_take_the_servers_defaults(client, llm):
+    """Only the fields the caller set travel: mode unset -> the pipeline's default mode (via)."""
+    got = client.complete(prompt_token_ids=PROMPT, max_tokens=24)
+    assert got.stats.mode == "via"
+    assert_same(got, reference(llm, PROMPT, mode="via"))
+
+
+def test_async_client_16_concurrent_streams_equal_their_sequential_runs(aio, target, llm):
+    settings = [dict(VIA, temperature=1.0, seed=200 + i) if i % 2 else dict(mode="sd", gamma=3, temperature=0.9,
+                                                                            seed=200 + i) for i in range(16)]
+    prompts = [PROMPT, [60] * 12]
+    expected = [reference(llm, prompts[i % 2], **s) for i, s in enumerate(settings)]
+
+    async def all_at_once():
+        async with AsyncClient(target, timeout=TIMEOUT_S) as client:
+            return await asyncio.gather(*(client.complete(prompt_token_ids=prompts[i % 2], request_id=f"s{i}",
+                                                          max_tokens=24, **s) for i, s in enumerate(settings)))
+
+    results = aio.run(all_at_once())
+    for i, (got, ref) in enumerate(zip(results, expected)):
+        assert got.request_id == f"s{i}"
+        assert_same(got, ref, f"stream {i}")
+    assert len({tuple(r.token_ids) for r in results}) > 1  # different seeds, different outputs
+
+
+def test_models_and_health(client):
+    (m,) = client.models()
+    assert (m.name, m.num_layers, m.skipped_layers, m.tensor_parallel_size, m.max_context, m.default_mode) == (
+        "tiny", 6, (1, 3), 1, 512, "via")
+    assert client.health() == "SERVING" and client.health("viasd.v1.GenerationService") == "SERVING"
+    with pytest.raises(RPCError) as err:
+        client.health("no.such.Service")
+    assert err.value.code == "NOT_FOUND"
+
+
+def test_server_side_invalid_argument_names_the_field(client, aio):
+    async def on_async():
+        async with AsyncClient(client.target, timeout=TIMEOUT_S) as c:
+            with pytest.raises(InvalidArgument) as err:
+                await c.complete(prompt_token_ids=[1, 500])
+            return err.value
+
+    assert aio.run(on_async()).field == "prompt"
+    for kwargs, field in [(dict(prompt_token_ids=[1, 500]), "prompt"),  # outside the 96-token vocabulary
+                          (dict(prompt="def f():"), "prompt"),  # these test models have no tokenizer
+                          (dict(prompt_token_ids=[1], model="nope"), "model")]:
+        with pytest.raises(InvalidArgument) as err:
+            client.complete(**kwargs)
+        e = err.value
+        assert isinstance(e, InvalidParameterError) and isinstance(e, RPCError), e
+        assert (e.field, e.code) == (field, "INVALID_ARGUMENT") and str(e).startswith(f"{field}: ") and e.message
+
+
+# ------------------------------------------------------------------ cancellation, deadlines
+
+
+def test_closing_a_stream_cancels_the_request_on_the_server(client, aio, pipeline):
+    # close()
+    stream = client.generate(prompt_token_ids=PROMPT, **dict(LONG, mode="sd"))
+    next(stream), next(stream)
+    assert open_sessions(aio, pipeline) == {"drafter": 1, "verifier": [1]}
+    stream.close()
+    assert idle(aio, pipeline)
+    # leaving the `with` block (an exception inside it)
+    with pytest.raises(KeyError):
+        with client.generate(prompt_token_ids=PROMPT, **dict(LONG, mode="sd")) as stream:
+            next(stream)
+            assert open_sessions(aio, pipeline) == {"drafter": 1, "verifier": [1]}
+            raise KeyError("caller's error")
+    assert idle(aio, pipeline)
+    # breaking out of a for loop over the stream (dropped: CPython closes it at once)
+    for i, chunk in enumerate(client.generate(prompt_token_ids=PROMPT, **LONG)):
+        if i == 2:
+            break
+    assert idle(aio, pipeline)
+
+
+def test_cancel_from_another_thread_ends_the_iteration(client, aio, pipeline):
+    stream = client.generate(prompt_token_ids=PROMPT, **LONG)
+    next(stream)
+    threading.Timer(0.2, stream.cancel).start()
+    with pytest.raises(Cancelled):
+        for _ in stream:
+            pass
+    assert idle(aio, pipeline)
+
+
+def test_async_stream_closed_by_async_with_cancels_on_the_server(aio, target, pipeline):
+    async def run():
+        async with AsyncClient(target) as client:
+            async with client.generate(prompt_token_ids=PROMPT, **dict(LONG, mode="via")) as stream:
+                async for _ in stream:
+                    mid = await pipeline.session_counts()
+                    break
+            return mid
+
+    assert aio.run(run()) == {"drafter": 1, "verifier": [1]}
+    assert idle(aio, pipeline)
+
+
+def test_deadline_expires_with_deadline_exceeded(client, aio, pipeline):
+    t0 = time.monotonic()
+    with pytest.raises(DeadlineExceeded) as err:
+        for _ in client.generate(prompt_token_ids=PROMPT, timeout=0.3, **LONG):
+            pass
+    assert err.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 10
+    assert idle(aio, pipeline)  # the server ended the request too
+
+    async def on_async():
+        async with AsyncClient(client.target, timeout=0.3) as c:  # the client-wide default deadline
+            return await c.complete(prompt_token_ids=PROMPT, **LONG)
+
+    with pytest.raises(DeadlineExceeded):
+        aio.run(on_async())
+    assert idle(aio, pipeline)
+
+
+# ------------------------------------------------------------------ retries
+
+
+def test_unavailable_before_the_first_token_is_retried_until_the_server_is_up(aio, servers, servicer, llm, caplog):
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    port = free_port()
+    late = []
+    timer = threading.Timer(1.0, lambda: late.append(servers.start(servicer, port)[0]))
+    timer.start()
+    try:
+        with Client(f"127.0.0.1:{port}", retry=FAST_RETRY, timeout=TIMEOUT_S) as client:
+            got = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["via-sampled"])
+    finally:
+        timer.join()
+        for server in late:
+            servers.stop(server)
+    assert_same(got, reference(llm, PROMPT, **CASES["via-sampled"]))
+    assert retries(caplog), "the first attempts met a closed port"
+    with Client(f"127.0.0.1:{port}", retry=NO_RETRY) as client, pytest.raises(Unavailable):
+        client.models()  # and without retries the closed port is an error at once
+
+
+class Flaky:
+    """A GenerationServicer wrapper that fails chosen calls with UNAVAILABLE: before the first
+    response (`fail_first` calls) or after the first response (`fail_after_first`)."""
+
+    def __init__(self, servicer, fail_first: int = 0, fail_after_first: bool = False):
+        self.servicer = servicer
+        self.fail_first = fail_first
+        self.fail_after_first = fail_after_first
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.servicer, name)
+
+    async def Generate(self, request, context):
+        self.calls += 1
+        if self.calls <= self.fail_first:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+        async with aclosing(self.servicer.Generate(request, context)) as responses:
+            async for response in responses:
+                yield response
+                if self.fail_after_first:
+                    await asyncio.sleep(0.05)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "lost the verifier")
+
+
+def test_server_unavailable_status_before_the_first_token_is_retried(aio, servers, servicer, llm, caplog):
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    flaky = Flaky(servicer, fail_first=2)
+    server, address = servers.start(flaky)
+    try:
+        with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client:
+            got = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
+    finally:
+        servers.stop(server)
+    assert_same(got, reference(llm, PROMPT, **CASES["sd-sampled"]))
+    assert flaky.calls == 3 and len(retries(caplog)) == 2
+
+
+def test_unavailable_after_the_first_token_is_never_retried(aio, servers, servicer, pipeline, llm, caplog):
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    ref = reference(llm, PROMPT, **LONG)
+    flaky = Flaky(servicer, fail_after_first=True)
+    server, address = servers.start(flaky)
+    got = []
+    try:
+        with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client, pytest.raises(Unavailable) as err:
+            for chunk in client.generate(prompt_token_ids=PROMPT, **LONG):
+                got.extend(chunk.token_ids)
+    finally:
+        servers.stop(server)
+    assert "lost the verifier" in str(err.value)
+    assert flaky.calls == 1 and not retries(caplog)
+    assert got and got == ref.token_ids[: len(got)]  # what arrived, once, in order
+    assert idle(aio, pipeline)
+
+
+def test_server_killed_mid_stream_is_an_error_without_duplicates(aio, servers, servicer, pipeline, llm, caplog):
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    ref = reference(llm, PROMPT, **LONG)
+    server, address = servers.start(servicer)
+    got = []
+    with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client:
+        stream = client.generate(prompt_token_ids=PROMPT, **LONG)
+        got.extend(next(stream).token_ids)
+        servers.stop(server)  # no grace: every open call is ended
+        with pytest.raises(RPCError) as err:
+            for chunk in stream:
+                got.extend(chunk.token_ids)
+    assert isinstance(err.value, (Unavailable, Cancelled)), err.value
+    assert not retries(caplog)
+    assert 0 < len(got) < len(ref.token_ids) and got == ref.token_ids[: len(got)]
+    assert idle(aio, pipeline)
+
+
+# ------------------------------------------------------------------ TLS, mutual TLS, bearer token
+
+
+def _certificates(root: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate signed by it,
+    and a second CA with its own client certificate (trusted by nobody)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    paths: dict[str, Path] = {}
+
+    def write(name: str, cert, key) -> None:
+        paths[f"{name}.pem"] = root / f"{name}.pem"
+        paths[f"{name}.pem"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        paths[f"{name}.key"] = root / f"{name}.key"
+        paths[f"{name}.key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+
+    def make(name: str, issuer=None, *, ca=False, server=False):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        issuer_cert, issuer_key = issuer or (None, key)
+        builder = (x509.CertificateBuilder().subject_name(subject)
+                   .issuer_name(issuer_cert.subject if issuer_cert else subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        if not ca:
+            usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        cert = builder.sign(issuer_key, hashes.SHA256())
+        write(name, cert, key)
+        return cert, key
+
+    ca = make("ca", ca=True)
+    make("server", ca, server=True)
+    make("client", ca)
+    other = make("other-ca", ca=True)
+    make("other-client", other)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> dict[str, Path]:
+    pytest.importorskip("cryptography")
+    return _certificates(tmp_path_factory.mktemp("certs"))
+
+
+def test_tls_with_a_bearer_token(servers, servicer, certs, llm, tmp_path):
+    from viasd.cluster.security import GRPCSecurity
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
+                            token_file=token_file)
+    server, address = servers.start(servicer, security=security)
+    tls = TLSConfig(ca_file=certs["ca.pem"])
+    ref = reference(llm, PROMPT, **CASES["via-greedy"])
+    try:
+        with Client(address, tls=tls, token=TOKEN, timeout=TIMEOUT_S) as client:
+            assert_same(client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["via-greedy"]), ref)
+            assert [m.name for m in client.models()] == ["tiny"]
+        with Client(address.replace("127.0.0.1", "localhost"), tls=tls, token=TOKEN, timeout=TIMEOUT_S) as client:
+            assert [m.name for m in client.models()] == ["tiny"]  # the DNS name of the certificate
+        for token, message in [(None, "missing bearer token"), ("wrong", "invalid bearer token"),
+                               (TOKEN + "x", "invalid bearer token")]:
+            with Client(address, tls=tls, token=token, retry=NO_RETRY, timeout=TIMEOUT_S) as client:
+                with pytest.raises(Unauthenticated, match=message):
+                    client.complete(prompt_token_ids=PROMPT, max_tokens=4)
+                with pytest.raises(Unauthenticated):
+                    client.models()
+                assert client.health() == "SERVING"  # the health service needs no token
+        with Client(address, token=TOKEN, retry=NO_RETRY, timeout=10) as plaintext, pytest.raises(Unavailable):
+            plaintext.models()  # a plaintext client cannot talk to a TLS port
+        untrusted = TLSConfig(ca_file=certs["other-ca.pem"])
+        with Client(address, tls=untrusted, token=TOKEN, retry=NO_RETRY, timeout=10) as client, \
+                pytest.raises(Unavailable):
+            client.models()  # the server's certificate is not signed by the CA this client trusts
+    finally:
+        servers.stop(server)
+
+
+def test_mutual_tls(aio, servers, servicer, certs, llm):
+    from viasd.cluster.security import GRPCSecurity
+
+    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
+                            client_ca_file=certs["ca.pem"], require_client_cert=True, token_env=None)
+    server, address = servers.start(servicer, security=security)
+    ref = reference(llm, PROMPT, **CASES["sd-sampled"])
+    try:
+        tls = TLSConfig(ca_file=certs["ca.pem"], cert_file=certs["client.pem"], key_file=certs["client.key"])
+        with Client(address, tls=tls, timeout=TIMEOUT_S) as client:
+            assert_same(client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"]), ref)
+
+        async def on_async():
+            async with AsyncClient(address, tls=tls, timeout=TIMEOUT_S) as client:
+                return await client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
+
+        assert_same(aio.run(on_async()), ref)
+        for bad in [TLSConfig(ca_file=certs["ca.pem"]),  # no client certificate
+                    TLSConfig(ca_file=certs["ca.pem"], cert_file=certs["other-client.pem"],
+                              key_file=certs["other-client.key"])]:  # signed by a CA the server does not trust
+            with Client(address, tls=bad, retry=NO_RETRY, timeout=10) as client, pytest.raises(Unavailable):
+                client.models()
+    finally:
+        servers.stop(server)
+
+
+def test_server_security_settings(tmp_path, monkeypatch, certs):
+    from viasd.cluster.grpc_server import main
+    from viasd.cluster.security import GRPCSecurity
+
+    token_file = tmp_path / "token"
+    token_file.write_text(f"  {TOKEN}\n")
+    assert GRPCSecurity(token_file=token_file).token() == TOKEN
+    monkeypatch.setenv("VIASD_API_TOKEN", "from-env")
+    assert GRPCSecurity().token() == "from-env" and GRPCSecurity(token_env=None).token() is None
+    assert GRPCSecurity(token_file=token_file).token() == TOKEN  # the file wins
+    sec = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"], token_file=token_file)
+    assert TOKEN not in sec.describe() and TOKEN not in repr(sec) and sec.describe().startswith("TLS")
+    token_file.write_text("\n")
+    for values, field in [(dict(token_file=token_file), "token_file"),
+                          (dict(token_file=tmp_path / "missing"), "token_file")]:
+        with pytest.raises(InvalidParameterError) as err:
+            GRPCSecurity.parse(values).token()
+        assert err.value.field == field
+    for values, field in [(dict(tls_cert_file="a.pem"), "tls_key_file"),
+                          (dict(client_ca_file="ca.pem"), "client_ca_file"),
+                          (dict(require_client_cert=True), "require_client_cert"),
+                          (dict(tls_cert_file="a", tls_key_file="b", nope=1), "nope")]:
+        with pytest.raises(InvalidParameterError) as err:
+            GRPCSecurity.parse(values)
+        assert err.value.field == field
+    with pytest.raises(SystemExit):  # no flag takes the token itself: it would show in `ps`
+        main(["--token", TOKEN])
+    for name, info in GRPCSecurity.model_fields.items():
+        assert info.description, name
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    script = Path(sys.executable).with_name("viasd-client")  # the console script pyproject installs
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "viasd.client.cli"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, **(env or {})})
+
+
+def test_cli_generate_models_health_json(target, llm):
+    ref = reference(llm, PROMPT, **CASES["sd-sampled"])
+    res = _cli("--target", target, "--json", "generate", "--prompt-ids", ",".join(map(str, PROMPT)),
+               "--max-tokens", "24", "--mode", "sd", "--gamma", "4", "--temperature", "0.8", "--top-k", "40",
+               "--seed", "12")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["token_ids"] == ref.token_ids and out["finish_reason"] == ref.finish_reason
+    assert out["stats"]["num_accepted_tokens"] == ref.stats.num_accepted_tokens
+
+
+def test_cli_in_process(target, certs, servers, servicer, capsys, tmp_path, monkeypatch):
+    from viasd.client.cli import main
+
+    assert main(["--target", target, "--json", "models"]) == 0
+    assert json.loads(capsys.readouterr().out)["models"][0]["name"] == "tiny"
+    assert main(["--target", target, "health"]) == 0 and capsys.readouterr().out.strip() == "SERVING"
+    assert main(["--target", target, "generate", "--prompt-ids", "5,17,3", "--max-tokens", "4", "--stats"]) == 0
+    assert "tokens in" in capsys.readouterr().err
+    # errors: client-side (exit 2, nothing sent), server-side INVALID_ARGUMENT (exit 2), unreachable (exit 1)
+    assert main(["--target", target, "--json", "generate", "x", "--temperature", "-1"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"]["field"] == "temperature"
+    assert main(["--target", target, "--json", "chat", "hello", "--system", "be brief"]) == 2  # no chat template
+    error = json.loads(capsys.readouterr().out)["error"]
+    assert error["code"] == "INVALID_ARGUMENT" and error["field"] in ("prompt", "messages")
+    assert main(["--target", f"127.0.0.1:{free_port()}", "--retries", "0", "models"]) == 1
+    assert "Unavailable" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # no flag takes the token itself (nor abbreviates --token-file)
+        main(["--target", target, "--token", TOKEN, "models"])
+    # TLS and the token from the environment or a file
+    from viasd.cluster.security import GRPCSecurity
+
+    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
+                            token_env="VIASD_TEST_SERVER_TOKEN")
+    monkeypatch.setenv("VIASD_TEST_SERVER_TOKEN", TOKEN)
+    server, address = servers.start(servicer, security=security)
+    try:
+        tls = ["--target", address, "--ca-file", str(certs["ca.pem"]), "--retries", "0"]
+        monkeypatch.delenv("VIASD_API_TOKEN", raising=False)
+        assert main([*tls, "models"]) == 1 and "Unauthenticated" in capsys.readouterr().err
+        monkeypatch.setenv("VIASD_API_TOKEN", TOKEN)
+        assert main([*tls, "--json", "models"]) == 0
+        assert json.loads(capsys.readouterr().out)["models"][0]["name"] == "tiny"
+        monkeypatch.delenv("VIASD_API_TOKEN")
+        (tmp_path / "token").write_text(TOKEN)
+        assert main([*tls, "--token-file", str(tmp_path / "token"), "health"]) == 0
+    finally:
+        servers.stop(server)
+
+
+# ------------------------------------------------------------------ the standalone server process
+
+
+def test_standalone_server_process_with_tls_and_token(engine_config, llm, certs, tmp_path, caplog):
+    """`python -m viasd.cluster.grpc_server` as a real process (its own Ray on loopback) with TLS
+    and a token file: a client started before it retries until it is up, then streams the
+    in-process result; a wrong token is refused; SIGTERM ends it cleanly."""
+    import signal
+
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    config = tmp_path / "pipeline.json"
+    config.write_text(json.dumps({"name": "tiny", "engine": engine_config.model_dump(mode="json"),
+                                  "drafter_cpus": 0.5, "verifier_cpus_per_rank": 0.5}))
+    (tmp_path / "token").write_text(TOKEN)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIASD_API_TOKEN")}
+    env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_enable_worker_prestart="0", PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "viasd.cluster.grpc_server", "--config", str(config), "--port", str(port),
+           "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
+           "--token-file", str(tmp_path / "token")]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    output: list[str] = []
+    reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+    reader.start()
+    tls = TLSConfig(ca_file=certs["ca.pem"])
+    retry = RetryPolicy(max_attempts=10_000, initial_backoff_s=0.2, max_backoff_s=1.0)
+    ref = reference(llm, PROMPT, **CASES["via-sampled"])
+    try:
+        with Client(f"127.0.0.1:{port}", tls=tls, token=TOKEN, retry=retry, timeout=240) as client:
+            stream = client.generate(prompt_token_ids=PROMPT, max_tokens=24, **CASES["via-sampled"])
+
+            def watch():  # a server that dies while starting ends the retries
+                proc.wait()
+                stream.cancel()
+
+            threading.Thread(target=watch, daemon=True).start()
+            chunks = list(stream)
+            assert [t for c in chunks for t in c.token_ids] == ref.token_ids, "".join(output)
+            assert chunks[-1].stats.num_accepted_tokens == ref.stats.num_accepted_tokens
+        assert retries(caplog), "the client was started before the server"
+        with Client(f"127.0.0.1:{port}", tls=tls, token="wrong", retry=NO_RETRY, timeout=30) as client:
+            with pytest.raises(Unauthenticated):
+                client.models()
+            assert client.health() == "SERVING"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, "".join(output)
+        reader.join(10)
+        log = "".join(output)
+        assert "TLS, bearer token from file" in log and TOKEN not in log
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
