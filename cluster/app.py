@@ -75,8 +75,12 @@ class PipelineDeployment:
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called after the constructor: this replica's own FastAPI app."""
+        from viasd.cluster.security import read_token
+
         app = build_http_app()
         app.state.server = self.server  # the routes find the replica's server here
+        http = self.config.http
+        app.state.token = read_token(http.token_file, http.token_env, field="http.token_file")
         return app
 
     # ------------------------------------------------------------------ gRPC (Serve's gRPC proxy)

@@ -32,6 +32,14 @@ class HTTPOptions(BaseModel):
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds; 0.0.0.0 inside a container.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of Serve's proxy.")
     route_prefix: str = Field("/", pattern=r"^/", description="Route prefix of the application (the default pipeline).")
+    token_file: str | None = Field(
+        None, description="File holding the bearer token every API request must present (Authorization: Bearer); "
+        "/health and /metrics stay open. Read by each replica."
+    )
+    token_env: str | None = Field(
+        "VIASD_API_TOKEN", description="Environment variable holding the token when token_file is unset (the Helm "
+        "chart sets it from a Secret); unset or empty: no authentication. null: never read the environment."
+    )
 
 
 class GRPCOptions(BaseModel):

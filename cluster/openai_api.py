@@ -208,8 +208,13 @@ def error_body(status: int, message: str, param: str | None = None, kind: str = 
 # ------------------------------------------------------------------------------------ the routes
 
 
+OPEN_PATHS = ("/health", "/metrics")  # served without a token (probes, Prometheus)
+
+
 def build_http_app():
-    """The FastAPI app; its routes read the replica's `OpenAIServer` from `app.state.server`."""
+    """The FastAPI app; its routes read the replica's `OpenAIServer` from `app.state.server` and
+    the bearer token (None: no authentication) from `app.state.token`."""
+    from viasd.cluster.security import bearer_ok
     from viasd.cluster.server import RequestError
 
     app = FastAPI(title="via-sd", description="OpenAI-compatible API of a via-sd pipeline", version="1")
@@ -221,6 +226,19 @@ def build_http_app():
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
             return JSONResponse(error_body(413, f"body: {length} bytes, more than the {MAX_BODY_BYTES} allowed",
                                            "body"), status_code=413)
+        return await call_next(request)
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next):
+        """With a token configured (app.state.token), every route but /health and /metrics needs
+        `Authorization: Bearer <token>` (constant-time comparison); else 401 in OpenAI's shape."""
+        token = getattr(request.app.state, "token", None)
+        if token and not request.url.path.rstrip("/").endswith(OPEN_PATHS):
+            presented = request.headers.get("authorization")
+            if not bearer_ok(presented, token):
+                message = "missing bearer token" if presented is None else "invalid bearer token"
+                return JSONResponse(error_body(401, message, None, "authentication_error"), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

@@ -1,4 +1,5 @@
-"""TLS, mutual TLS and bearer-token authentication of the standalone gRPC server.
+"""TLS, mutual TLS and bearer-token authentication of the standalone gRPC server (and the bearer
+token of the HTTP API: `read_token`, `bearer_ok`, used by cluster/openai_api.py).
 
     security = GRPCSecurity(tls_cert_file="server.pem", tls_key_file="server.key", token_file="token")
     server = await serve_grpc(servicer, 50051, "0.0.0.0", security=security)
@@ -86,17 +87,7 @@ class GRPCSecurity(BaseModel):
 
     def token(self) -> str | None:
         """The bearer token (from token_file, else token_env), or None: authentication off."""
-        if self.token_file is not None:
-            try:
-                token = self.token_file.read_text().strip()
-            except OSError as exc:
-                raise InvalidParameterError("token_file", f"cannot read {self.token_file}: {exc.strerror}") from None
-            if not token:
-                raise InvalidParameterError("token_file", f"{self.token_file} is empty")
-            return token
-        if self.token_env:
-            return os.environ.get(self.token_env, "").strip() or None
-        return None
+        return read_token(self.token_file, self.token_env)
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         """TLS credentials of the server port, or None (plaintext)."""
@@ -123,6 +114,28 @@ class GRPCSecurity(BaseModel):
         return f"{tls}, {auth}"
 
 
+def read_token(token_file: str | Path | None, token_env: str | None, field: str = "token_file") -> str | None:
+    """A bearer token from a file (surrounding whitespace ignored), else from the environment
+    variable `token_env`; None when neither is set: authentication off."""
+    if token_file is not None:
+        path = Path(token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise InvalidParameterError(field, f"cannot read {path}: {exc.strerror}") from None
+        if not token:
+            raise InvalidParameterError(field, f"{path} is empty")
+        return token
+    if token_env:
+        return os.environ.get(token_env, "").strip() or None
+    return None
+
+
+def bearer_ok(presented: str | bytes | None, token: str) -> bool:
+    """Whether an ``authorization`` value is ``Bearer <token>``, compared in constant time."""
+    return presented is not None and hmac.compare_digest(_as_bytes(presented), f"Bearer {token}".encode())
+
+
 def _read(path: Path, field: str) -> bytes:
     try:
         return path.read_bytes()
@@ -137,14 +150,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str):
         if not token:
             raise ValueError("an empty bearer token would let every caller in")
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method or ""
         if method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
         presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == AUTH_KEY), None)
-        if presented is not None and hmac.compare_digest(_as_bytes(presented), self._expected):
+        if bearer_ok(presented, self._token):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: let gRPC answer UNIMPLEMENTED

@@ -9,8 +9,10 @@
    With TP=1 they must be equal. With TP>1 in bf16 the sharded sums round differently from the
    unsharded ones, so near-ties may flip (DESIGN.md, "Exactness and precision"): the check then
    requires the first --tp-prefix tokens to agree and reports full agreement; --dtype float32
-   makes it exact again.
-3. Prints aggregate tokens/s at 1, 4 and 8 concurrent streams (scripts/serve_throughput.py).
+   makes it exact again. `sd:overlap=true` is checked the same way: the drafter actor drafts the
+   next block on its own GPU share while the verifier verifies (issue 9; tokens must not change).
+3. Prints aggregate tokens/s at 1, 4 and 8 concurrent streams (scripts/serve_throughput.py) for
+   sd, sd with overlap, sd with the hybrid proposer and adaptive drafting, via and ar.
 
 Exit status 0 when every check passes. Meant to finish in well under 10 minutes on one node.
 """
@@ -56,7 +58,7 @@ def main() -> int:
 
     import openai
 
-    from serve_throughput import run_level
+    from serve_throughput import mode_params, run_level
     from viasd.cluster import launch
     from viasd.cluster.config import parse_serve_config
     from viasd.config import parse_params
@@ -93,14 +95,14 @@ def main() -> int:
         assert info["tensor_parallel_size"] == args.tp, info
         ref = LLM(config.pipelines[0].engine.model_copy(update={"device": "cpu" if cpu else "cuda:0"}))
         checks = []
-        for mode in ("sd", "via"):
+        for mode in ("sd", "via", "sd:overlap=true"):  # overlap: the drafter actor drafts ahead on its own GPU share
             for prompt in PROMPTS:
                 ids = ref.encode(prompt)
-                want = ref.complete(ids, parse_params(mode=mode, max_tokens=args.max_tokens)).token_ids
+                want = ref.complete(ids, parse_params(**mode_params(mode), max_tokens=args.max_tokens)).token_ids
                 got, text = [], []
                 for chunk in client.completions.create(
                     model=info["name"], prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
-                    extra_body={"mode": mode, "return_token_ids": True},
+                    extra_body={**mode_params(mode), "return_token_ids": True},
                 ):
                     got.extend(chunk.choices[0].model_extra.get("token_ids") or [])
                     text.append(chunk.choices[0].text)
@@ -116,7 +118,8 @@ def main() -> int:
         if not cpu:
             torch.cuda.empty_cache()
         report["throughput"] = []
-        for mode in ("sd", "via", "ar"):
+        for mode in ("sd", "sd:overlap=true", "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true",
+                     "via", "ar"):
             run_level(client, info["name"], mode, 1, 8)  # warm-up
             for c in levels:
                 r = run_level(client, info["name"], mode, c, args.max_tokens)

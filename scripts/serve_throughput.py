@@ -35,12 +35,22 @@ PROMPTS = [
 ]
 
 
+def mode_params(spec: str) -> dict:
+    """'sd' -> {mode: sd}; 'sd:overlap=true:proposer=hybrid' -> request parameters (bench-style specs)."""
+    head, *parts = spec.split(":")
+    params: dict = {"mode": head}
+    for part in parts:
+        key, value = part.split("=", 1)
+        params[key] = {"true": True, "false": False}.get(value, value)
+    return params
+
+
 def one_stream(client, model: str, prompt: str, mode: str, max_tokens: int, out: dict) -> None:
     t0 = time.perf_counter()
     ttft, tokens, text = None, 0, []
     stream = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        extra_body={"mode": mode, "ignore_eos": True, "return_token_ids": True},
+        extra_body={**mode_params(mode), "ignore_eos": True, "return_token_ids": True},
     )
     for chunk in stream:
         ids = chunk.choices[0].model_extra.get("token_ids") or []

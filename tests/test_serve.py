@@ -53,16 +53,22 @@ def models_dir(tmp_path_factory):
     return root
 
 
+TOKEN = "serve-test-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
 @pytest.fixture(scope="module")
 def config(models_dir):
     from viasd.models import embedded
+
+    (models_dir / "token").write_text(TOKEN + "\n")
 
     engine = {"verifier": embedded.TEST_MODEL, "drafter": str(models_dir / "drafter"),
               "dtype": "float32", "skip_ratio": 0.3, "threads": 1}
     return parse_serve_config({
         "pipelines": [{"name": "smol", "engine": engine}],
         "default_params": {"max_tokens": MAX_TOKENS},
-        "http": {"port": _free_port()},
+        "http": {"port": _free_port(), "token_file": str(models_dir / "token")},
         "grpc": {"port": _free_port()},
         "limits": {"max_concurrent_requests": 4, "max_queued_requests": 8},
         "metrics": {"ray_export": False},
@@ -92,7 +98,7 @@ def service(config, ray_session):
 @pytest.fixture(scope="module")
 def client(service):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=service.http + "/v1", api_key="unused", max_retries=0, timeout=CALL_TIMEOUT)
+    return openai.OpenAI(base_url=service.http + "/v1", api_key=TOKEN, max_retries=0, timeout=CALL_TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +197,7 @@ def test_bad_input_is_http_400_naming_the_field(service, extra, field):
     import requests
 
     body = {"prompt": "x", "max_tokens": 4, **extra}
-    r = requests.post(service.http + "/v1/completions", json=body, timeout=CALL_TIMEOUT)
+    r = requests.post(service.http + "/v1/completions", json=body, headers=AUTH, timeout=CALL_TIMEOUT)
     assert r.status_code == (404 if field == "model" else 400), r.text
     err = r.json()["error"]
     assert err["param"] == field and field in err["message"]
@@ -209,7 +215,8 @@ def test_a_client_that_goes_away_aborts_the_request_everywhere(service):
     import requests
 
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True, "mode": "via"}
-    with requests.post(service.http + "/v1/completions", json=body, stream=True, timeout=CALL_TIMEOUT) as r:
+    with requests.post(service.http + "/v1/completions", json=body, headers=AUTH, stream=True,
+                       timeout=CALL_TIMEOUT) as r:
         assert r.status_code == 200
         first = next(line for line in r.iter_lines() if line)
         assert first.startswith(b"data: {")
@@ -220,6 +227,19 @@ def test_a_client_that_goes_away_aborts_the_request_everywhere(service):
             break
         assert time.monotonic() < deadline, health
         time.sleep(0.5)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}])
+def test_api_needs_the_bearer_token_health_and_metrics_do_not(service, headers):
+    import requests
+
+    for method, path in (("post", "/v1/completions"), ("get", "/v1/models")):
+        r = requests.request(method, service.http + path, json={"prompt": "x", "max_tokens": 2}, headers=headers,
+                             timeout=CALL_TIMEOUT)
+        assert r.status_code == 401, (path, r.text)
+        assert r.json()["error"]["type"] == "authentication_error" and r.headers["WWW-Authenticate"] == "Bearer"
+    for path in ("/health", "/metrics"):
+        assert requests.get(service.http + path, headers=headers, timeout=30).status_code == 200
 
 
 def test_health(service):
