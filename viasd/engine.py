@@ -1,9 +1,10 @@
 """One engine, three modes: `ar` (q alone), `sd` (p -> q, two-tier), `via` (p -> q' -> q, VIA-SD).
 
-The whole VIA-SD decode cycle is `Engine._via_cycle`; the acceptance rules it applies live in
-`viasd.rules`. One cycle, for a committed prefix x of length n (DESIGN.md, "The decode cycle"):
+The whole VIA-SD decode cycle is `Engine._cycle`; the acceptance rules it applies live in
+`viasd.rules`, the draft proposers and block-length policy in `viasd.proposers`. One cycle, for a committed prefix x of length n (DESIGN.md, "The decode cycle"):
 
-1. draft:        the drafter p samples x~_1..x~_gamma, keeping p_1..p_gamma;
+1. draft:        the drafter p samples x~_1..x~_gamma, keeping p_1..p_gamma (or prompt lookup
+                 proposes them, p a point mass; `overlap`: drafted ahead during the last verify);
 2. slim verify:  one masked forward of q' over the block gives q'_1..q'_{gamma+1};
 3. gate:         r_i = q'_i(x~_i) / max_v q'_i(v); accept while r_i >= alpha1; at the first
                  position i with alpha2 <= r_i < alpha1 commit a token from q'_i (rewrite); with
