@@ -221,6 +221,8 @@ def app_builder(args: dict[str, Any]):
 
 def http_options(config: ServeConfig) -> dict[str, Any]:
     opts: dict[str, Any] = {"host": config.http.host, "port": config.http.port}
+    if config.http.tls_cert_file:  # Serve's proxy (uvicorn) then serves HTTPS only
+        opts.update(ssl_certfile=config.http.tls_cert_file, ssl_keyfile=config.http.tls_key_file)
     if config.limits.request_timeout_s:
         opts["request_timeout_s"] = config.limits.request_timeout_s
     return opts

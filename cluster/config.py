@@ -40,6 +40,16 @@ class HTTPOptions(BaseModel):
         "VIASD_API_TOKEN", description="Environment variable holding the token when token_file is unset (the Helm "
         "chart sets it from a Secret); unset or empty: no authentication. null: never read the environment."
     )
+    tls_cert_file: str | None = Field(
+        None, description="PEM certificate chain of the HTTP proxy; with tls_key_file it serves HTTPS only."
+    )
+    tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> "HTTPOptions":
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("http.tls_key_file: HTTPS needs both tls_cert_file and tls_key_file")
+        return self
 
 
 class GRPCOptions(BaseModel):

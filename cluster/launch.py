@@ -74,7 +74,8 @@ def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> En
         serve.run(build_app(config, name), name=apps[name], route_prefix=routes[name], blocking=False)
     _wait_running(list(apps.values()), blocking_timeout_s)
     host = config.http.host if config.http.host not in ("0.0.0.0", "::") else "127.0.0.1"
-    base = f"http://{host}:{config.http.port}{config.http.route_prefix.rstrip('/')}"
+    scheme = "https" if config.http.tls_cert_file else "http"
+    base = f"{scheme}://{host}:{config.http.port}{config.http.route_prefix.rstrip('/')}"
     grpc_addr = f"{host}:{config.grpc.port}" if config.grpc.enabled else None
     return Endpoints(base, grpc_addr, apps, routes)
 
