@@ -12,40 +12,24 @@ stream (``aclose()``, leaving the ``async with`` block) cancels the call on the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator
 from typing import Any, Callable
 
 import grpc
 
 from viasd.v1 import generation_pb2 as pb
-from viasd.v1 import generation_pb2_grpc
 
 from .common import (
-    DEFAULT_TARGET, HEALTH_CHECK, Chunk, Completion, Deadline, Keepalive, ModelInfo, RetryPolicy, TLSConfig,
-    build_request, call_metadata, channel_options, decode_health_response, encode_health_request, resolve_tls,
+    Chunk, Completion, Deadline, Endpoint, ModelInfo, build_request,
 )
 from .errors import Cancelled, error_from_rpc
 from .sync import _retry_delay
 
 
-class AsyncClient:
+class AsyncClient(Endpoint):
     """An asyncio client of one endpoint; the arguments are `Client`'s."""
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, tls: bool | TLSConfig | None = None, token: str | None = None,
-                 timeout: float | None = None, retry: RetryPolicy = RetryPolicy(),
-                 keepalive: Keepalive | None = Keepalive(), metadata: Mapping[str, str] | Iterable = (),
-                 options: Iterable[tuple[str, Any]] = ()):
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry
-        self._metadata = call_metadata(token, metadata)
-        tls = resolve_tls(tls)
-        opts = channel_options(retry, keepalive, tls, options)
-        self._channel = (grpc.aio.secure_channel(target, tls.credentials(), opts) if tls
-                         else grpc.aio.insecure_channel(target, opts))
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
-        self._health = self._channel.unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
-                                                 response_deserializer=decode_health_response)
+    _grpc = grpc.aio
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
                  **kwargs: Any) -> "AsyncGenerateStream":

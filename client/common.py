@@ -20,6 +20,7 @@ from viasd.config import GenerationParams, parse_params
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.v1 import generation_pb2 as pb
+from viasd.v1 import generation_pb2_grpc
 from viasd.v1.convert import finish_from_proto, mode_from_proto, params_to_proto, stats_from_proto
 
 from .errors import DeadlineExceeded
@@ -284,6 +285,29 @@ class ModelInfo:
 # than by grpcio-health-checking, which the light install does not have:
 #   HealthCheckRequest {string service = 1;}   HealthCheckResponse {ServingStatus status = 1;}
 HEALTH_STATUS = {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}
+
+
+class Endpoint:
+    """What `Client` and `AsyncClient` share: one channel to `target` with its options, the call
+    metadata, the stubs. `_grpc` is where the channel comes from (grpc, or grpc.aio)."""
+
+    _grpc: Any = grpc
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, tls: bool | TLSConfig | None = None, token: str | None = None,
+                 timeout: float | None = None, retry: RetryPolicy = RetryPolicy(),
+                 keepalive: Keepalive | None = Keepalive(), metadata: Mapping[str, str] | Iterable = (),
+                 options: Iterable[tuple[str, Any]] = ()):
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry
+        self._metadata = call_metadata(token, metadata)
+        tls = resolve_tls(tls)
+        opts = channel_options(retry, keepalive, tls, options)
+        self._channel = (self._grpc.secure_channel(target, tls.credentials(), opts) if tls
+                         else self._grpc.insecure_channel(target, opts))
+        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
+        self._health = self._channel.unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
+                                                 response_deserializer=decode_health_response)
 
 
 def encode_health_request(service: str) -> bytes:

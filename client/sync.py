@@ -15,24 +15,22 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import grpc
 
 from viasd.v1 import generation_pb2 as pb
-from viasd.v1 import generation_pb2_grpc
 
 from .common import (
-    DEFAULT_TARGET, HEALTH_CHECK, Chunk, Completion, Deadline, Keepalive, ModelInfo, RetryPolicy, TLSConfig,
-    build_request, call_metadata, channel_options, decode_health_response, encode_health_request, resolve_tls,
+    Chunk, Completion, Deadline, Endpoint, ModelInfo, RetryPolicy, build_request,
 )
 from .errors import Cancelled, error_from_rpc
 
 log = logging.getLogger("viasd.client")
 
 
-class Client:
+class Client(Endpoint):
     """A blocking client of one endpoint (a channel; thread-safe, reuse it for many calls).
 
     target: ``host:port`` (any gRPC target string). tls: None / False (plaintext), True (system
@@ -43,21 +41,7 @@ class Client:
     gRPC channel arguments, appended last.
     """
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, tls: bool | TLSConfig | None = None, token: str | None = None,
-                 timeout: float | None = None, retry: RetryPolicy = RetryPolicy(),
-                 keepalive: Keepalive | None = Keepalive(), metadata: Mapping[str, str] | Iterable = (),
-                 options: Iterable[tuple[str, Any]] = ()):
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry
-        self._metadata = call_metadata(token, metadata)
-        tls = resolve_tls(tls)
-        opts = channel_options(retry, keepalive, tls, options)
-        self._channel = (grpc.secure_channel(target, tls.credentials(), opts) if tls
-                         else grpc.insecure_channel(target, opts))
-        self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
-        self._health = self._channel.unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
-                                                 response_deserializer=decode_health_response)
+    _grpc = grpc
 
     # ---------------------------------------------------------------- calls
 
