@@ -226,3 +226,36 @@ def test_sampled_overlap_is_reproducible_and_its_pending_rows_are_the_drafters(t
             assert row[0, token] > 0
             checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("mode", ["sd", "via"])
+def test_overlap_tokens_do_not_depend_on_how_far_the_drafter_got_ahead(tiny_pair, mode):
+    """The two extremes of timing, played sequentially: the outcome arrives before drafting ahead
+    starts (stop already set) or after the whole next block was drafted (never set). Same seed,
+    same tokens."""
+    from viasd.engine import DraftSession, VerifySession, request_seeds
+    from viasd.metrics import RequestStats
+
+    verifier, drafter = tiny_pair
+    mask = LayerMask.from_skipped((1, 3), verifier.num_layers)
+    params = parse_params(mode=mode, overlap=True, temperature=1.0, seed=3, gamma=3, alpha1=0.9, alpha2=0.7)
+
+    def run(verifier_first: bool) -> tuple[list[int], int]:
+        stats = RequestStats()
+        draft_seed, verify_seed = request_seeds(params.seed)
+        ds = DraftSession(drafter, PROMPTS[1], params, draft_seed, stats)
+        vs = VerifySession(verifier, mask, "separate", PROMPTS[1], params, verify_seed, stats)
+        for _ in range(25):
+            draft, p = ds.propose(3)
+            if verifier_first:
+                ds.stop.set()
+            ds.draft_ahead()
+            outcome = vs.check(draft, p)
+            ds.commit(outcome)
+            vs.commit(outcome)
+        return vs.seq, stats.overlap_draft_tokens
+
+    fast, fast_reused = run(verifier_first=True)
+    slow, slow_reused = run(verifier_first=False)
+    assert fast == slow
+    assert slow_reused > fast_reused  # the slow verifier really let the drafter run ahead further
