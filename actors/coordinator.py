@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
-from viasd.actors.rpc import GRPC_OPTIONS
+from viasd.actors.rpc import InternalTLS, open_channel
 from viasd.config import GenerationParams, Mode
 from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, resolve_seed
 from viasd.errors import InvalidParameterError, ViaSDError
@@ -115,8 +115,10 @@ class Coordinator:
         rpc_timeout_s: float = 60.0,
         drafter_fallback: bool = True,
         on_unavailable: Callable[[str], None] | None = None,
+        tls: InternalTLS | None = None,
     ):
         self.verifier_address = verifier_address
+        self.tls = tls  # mutual TLS to both services (actors/rpc.py), or None: plaintext
         self.drafter_address = drafter_address
         self.vocab_size = vocab_size
         self.max_context = max_context
@@ -200,11 +202,11 @@ class Coordinator:
 
     def _connect(self) -> None:
         if self._verifier is None:
-            channel = grpc.aio.insecure_channel(self.verifier_address, options=GRPC_OPTIONS)
+            channel = open_channel(self.verifier_address, self.tls)
             self._channels["verifier"] = channel
             self._verifier = internal_pb2_grpc.VerifierServiceStub(channel)
         if self.drafter_address and self._drafter is None:
-            channel = grpc.aio.insecure_channel(self.drafter_address, options=GRPC_OPTIONS)
+            channel = open_channel(self.drafter_address, self.tls)
             self._channels["drafter"] = channel
             self._drafter = internal_pb2_grpc.DrafterServiceStub(channel)
 

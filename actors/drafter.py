@@ -20,6 +20,7 @@ from viasd.actors.rpc import (
     SessionNotFound,
     advertised_host,
     encode_probs,
+    internal_tls,
     outcome_from_proto,
     rpc,
     start_server,
@@ -117,8 +118,9 @@ class DrafterActor:
         self.servicer: DrafterServicer | None = None
 
     async def start(self, engine: dict, *, host: str = "127.0.0.1", device: str = "cpu", cpus: float = 1.0,
-                    probs_dtype: str = "auto") -> dict:
-        """Load the model, start the server; return its address and the model's facts."""
+                    probs_dtype: str = "auto", tls: dict | None = None) -> dict:
+        """Load the model, start the server (mutual TLS with `tls`, an InternalTLS); return its
+        address and the model's facts."""
         from viasd.models.loader import load_causal_lm
 
         config = EngineConfig.model_validate(engine)
@@ -128,7 +130,8 @@ class DrafterActor:
         lm = MaskedLM(model)
         self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype)
         self.server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s), host)
+            lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s), host,
+            tls=internal_tls(tls))
         address = f"{advertised_host(host)}:{port}"
         log.info("drafter %s serving on %s (pid %d)", config.drafter, address, os.getpid())
         return {

@@ -12,6 +12,10 @@ Draft probabilities (``DraftProbs``) travel as raw little-endian bytes, row-majo
   lossless rule is only approximately lossless. Opt-in; measured in docs/SERVING.md.
 
 Greedy requests ship no probabilities at all (p is one-hot at the draft tokens).
+
+The internal servers are plaintext on `PipelineConfig.bind_host` (loopback by default) unless the
+pipeline sets `internal_tls` (`InternalTLS`): then every server requires a client certificate
+signed by the pipeline's CA and every channel presents one (mutual TLS).
 """
 
 from __future__ import annotations
@@ -20,11 +24,13 @@ import asyncio
 import functools
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable
 
 import grpc
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 
 from viasd.engine import Outcome
 from viasd.errors import InvalidParameterError
@@ -51,11 +57,66 @@ class PeerUnavailable(RuntimeError):
     """A process this call depends on (another verifier rank) is dead: the caller sees UNAVAILABLE."""
 
 
-async def start_server(add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0):
-    """A started grpc.aio server with the servicers `add` registers; returns (server, bound port)."""
+class InternalTLS(BaseModel):
+    """Mutual TLS between the coordinator and the drafter / verifier services.
+
+    One identity for the pipeline: every internal server presents `cert_file` and requires the
+    client to present a certificate signed by `ca_file`; every channel presents `cert_file` and
+    verifies the server against `ca_file` under the name `server_name` (not the dialled IP, which
+    changes whenever Ray places an actor on another node). The certificate therefore needs both
+    extended key usages (serverAuth, clientAuth) and `server_name` as a DNS SAN. The files are
+    read by each actor on its own node (a Kubernetes Secret mounted on every Ray pod).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    cert_file: Path = Field(..., description="PEM certificate chain every internal server and client presents.")
+    key_file: Path = Field(..., description="PEM private key of cert_file.")
+    ca_file: Path = Field(..., description="PEM CA bundle that verifies the peer's certificate, in both directions.")
+    server_name: str = Field(
+        "viasd-internal", min_length=1,
+        description="DNS name the servers' certificate carries; clients check it instead of the dialled address.",
+    )
+
+    def _read(self, name: str) -> bytes:
+        path = getattr(self, name)
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise InvalidParameterError(f"internal_tls.{name}", f"cannot read {path}: {exc.strerror}") from None
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self._read("key_file"), self._read("cert_file"))],
+                                           root_certificates=self._read("ca_file"), require_client_auth=True)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        credentials = grpc.ssl_channel_credentials(root_certificates=self._read("ca_file"),
+                                                   private_key=self._read("key_file"),
+                                                   certificate_chain=self._read("cert_file"))
+        options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", self.server_name)]
+        return grpc.aio.secure_channel(address, credentials, options=options)
+
+
+def internal_tls(value: "InternalTLS | dict | None") -> InternalTLS | None:
+    """An InternalTLS from its JSON form (how it crosses a Ray call), or None."""
+    if value is None or isinstance(value, InternalTLS):
+        return value
+    return InternalTLS.model_validate(value)
+
+
+def open_channel(address: str, tls: InternalTLS | None = None) -> grpc.aio.Channel:
+    """A channel to an internal service: plaintext, or mutual TLS with `tls`."""
+    return tls.channel(address) if tls is not None else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+
+
+async def start_server(add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0,
+                       tls: InternalTLS | None = None):
+    """A started grpc.aio server with the servicers `add` registers, plaintext or (with `tls`)
+    requiring client certificates; returns (server, bound port)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     add(server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     if not bound:
         raise RuntimeError(f"cannot bind a gRPC server to {host}:{port}")
     await server.start()

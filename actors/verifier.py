@@ -33,6 +33,7 @@ from viasd.actors.rpc import (
     SessionNotFound,
     advertised_host,
     decode_probs,
+    internal_tls,
     outcome_to_proto,
     rpc,
     start_server,
@@ -226,11 +227,14 @@ class VerifierWorker:
             "pid": os.getpid(),
         }
 
-    async def serve(self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True) -> str:
-        """Rank 0: start VerifierService, driving `followers` (ranks 1..N-1); return its address."""
+    async def serve(self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True,
+                    tls: dict | None = None) -> str:
+        """Rank 0: start VerifierService (mutual TLS with `tls`, an InternalTLS), driving
+        `followers` (ranks 1..N-1); return its address."""
         servicer = VerifierServicer(self.core, followers, check_ranks=check_ranks)
         self.server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s), host)
+            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s), host,
+            tls=internal_tls(tls))
         address = f"{advertised_host(host)}:{port}"
         log.info("verifier rank 0 serving on %s with %d follower rank(s)", address, len(followers))
         return address

@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from viasd.actors.coordinator import Coordinator
 from viasd.actors.drafter import DrafterActor
+from viasd.actors.rpc import InternalTLS
 from viasd.actors.verifier import VerifierWorker
 from viasd.config import EngineConfig, Mode, invalid_from_validation
 from viasd.engine import context_limit
@@ -66,6 +67,11 @@ class PipelineConfig(BaseModel):
     )
     bind_host: str = Field(
         "127.0.0.1", description="Interface the internal gRPC servers bind; 0.0.0.0 advertises the node's IP."
+    )
+    internal_tls: InternalTLS | None = Field(
+        None,
+        description="Mutual TLS on the internal drafter / verifier services (certificate, key, CA, server name); "
+        "None: plaintext, for loopback or a trusted pod network.",
     )
     rpc_timeout_s: float = Field(
         60.0, gt=0.0, description="Deadline of every internal RPC (Open, Propose, Verify, Close)."
@@ -134,6 +140,10 @@ def _place(pg, index: int, cpus: float, gpus: float) -> dict:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
 
 
+def _tls_json(config: PipelineConfig) -> dict | None:
+    return config.internal_tls.model_dump(mode="json") if config.internal_tls else None
+
+
 async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
     """A DrafterActor in bundle 0, loaded and serving: (handle, info with its address)."""
     drafter = DrafterActor.options(**_place(pg, 0, config.drafter_cpus, config.drafter_gpus)).remote()
@@ -141,7 +151,7 @@ async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
     info = await drafter.start.remote(
         config.engine.model_dump(mode="json"), host=config.bind_host,
         device="cuda" if config.drafter_gpus > 0 else "cpu", cpus=config.drafter_cpus,
-        probs_dtype=config.draft_probs_dtype)
+        probs_dtype=config.draft_probs_dtype, tls=_tls_json(config))
     return drafter, info
 
 
@@ -160,7 +170,8 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
         rank.setup.remote(engine, rank=r, world_size=config.tp_size, tp_backend=config.tp_backend, device=device,
                           cpus=config.verifier_cpus_per_rank, **rdv)
         for r, rank in enumerate(ranks)))
-    address = await ranks[0].serve.remote(ranks[1:], host=config.bind_host, check_ranks=config.check_ranks)
+    address = await ranks[0].serve.remote(ranks[1:], host=config.bind_host, check_ranks=config.check_ranks,
+                                          tls=_tls_json(config))
     tokenizer = await ranks[0].tokenizer.remote()
     info = {**infos[0], "rank_pids": [i["pid"] for i in infos]}  # rank 0's facts; every rank's process
     return ranks, info, address, tokenizer
@@ -216,6 +227,7 @@ class Pipeline:
                 eos_token_ids=verifier_info["eos_token_ids"],
                 rpc_timeout_s=config.rpc_timeout_s,
                 drafter_fallback=config.drafter_fallback,
+                tls=config.internal_tls,
             )
         except BaseException:
             for actor in actors:
@@ -250,6 +262,10 @@ class Pipeline:
         return {"drafter": drafter, "verifier": list(ranks)}
 
     def _backend_down(self, component: str) -> None:
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Make `supervise` probe (and rebuild what is down) now instead of at its next period."""
         self._wake.set()
 
     async def probe(self, timeout_s: float = 10.0) -> dict[str, str | None]:

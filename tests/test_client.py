@@ -24,8 +24,6 @@ started in this process so that the suite pays for one pipeline only.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import json
 import logging
 import os
@@ -40,6 +38,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from certs import make_certificates
 from conftest import save_tiny_pair
 from viasd.client import (
     NO_RETRY, AsyncClient, Cancelled, Client, DeadlineExceeded, InvalidArgument, InvalidParameterError, RetryPolicy,
@@ -468,57 +467,9 @@ def test_server_killed_mid_stream_is_an_error_without_duplicates(aio, servers, s
 # ------------------------------------------------------------------ TLS, mutual TLS, bearer token
 
 
-def _certificates(root: Path) -> dict[str, Path]:
-    """A CA, a server certificate for 127.0.0.1 / localhost and a client certificate signed by it,
-    and a second CA with its own client certificate (trusted by nobody)."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    paths: dict[str, Path] = {}
-
-    def write(name: str, cert, key) -> None:
-        paths[f"{name}.pem"] = root / f"{name}.pem"
-        paths[f"{name}.pem"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        paths[f"{name}.key"] = root / f"{name}.key"
-        paths[f"{name}.key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                           serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
-
-    def make(name: str, issuer=None, *, ca=False, server=False):
-        key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        issuer_cert, issuer_key = issuer or (None, key)
-        builder = (x509.CertificateBuilder().subject_name(subject)
-                   .issuer_name(issuer_cert.subject if issuer_cert else subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if server:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        if not ca:
-            usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
-            builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        cert = builder.sign(issuer_key, hashes.SHA256())
-        write(name, cert, key)
-        return cert, key
-
-    ca = make("ca", ca=True)
-    make("server", ca, server=True)
-    make("client", ca)
-    other = make("other-ca", ca=True)
-    make("other-client", other)
-    return paths
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> dict[str, Path]:
-    pytest.importorskip("cryptography")
-    return _certificates(tmp_path_factory.mktemp("certs"))
+    return make_certificates(tmp_path_factory.mktemp("certs"))
 
 
 def test_tls_with_a_bearer_token(servers, servicer, certs, llm, tmp_path):
