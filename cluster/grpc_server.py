@@ -29,7 +29,10 @@ Standalone: ``python -m viasd.cluster.grpc_server --config pipeline.json --port 
 optional TLS / mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``,
 ``--require-client-cert``) and a bearer token (``--token-file`` or env ``VIASD_API_TOKEN``), see
 cluster/security.py. Ray Serve's gRPC proxy can do neither, so this server is the TLS and
-authentication endpoint of the gRPC API.
+authentication endpoint of the gRPC API. ``--http-port`` adds the OpenAI-compatible HTTP API
+(`serve_http`: uvicorn in this process) under the same TLS settings, the same token, the same
+admission limits and the same drain; it is the endpoint for mutual TLS on HTTP, which Serve's
+HTTP proxy cannot require (it passes no client-certificate requirement to uvicorn).
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from viasd.actors.coordinator import BackendError
-from viasd.cluster.guard import MAX_REQUEST_ID_CHARS, PUBLIC_MAX_MESSAGE_BYTES, Aborted, Calls, abortable, \
-    parse_request, until_aborted
+from viasd.cluster.guard import MAX_REQUEST_ID_CHARS, PUBLIC_MAX_MESSAGE_BYTES, SHUTTING_DOWN, Aborted, Calls, \
+    abortable, parse_request, until_aborted
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
 from viasd.config import Mode
@@ -119,14 +122,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext):
         if self.calls.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         abort = self.calls.enter()
         admitted = False
         try:
             if isinstance(request, bytes):  # registered by serve_grpc: parsed here, bad fields named
                 request = parse_request(request, pb.GenerateRequest)
             if not request.request_id:  # named now, so that an aborted stream can say which request ended
-                request = _with_id(request)
+                request = named_request(request)
             if self.admission is not None:
                 await until_aborted(self.admission.enter(), abort)
                 admitted = True
@@ -134,7 +137,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                 async for response in abortable(responses, abort):
                     yield response
         except Aborted:
-            yield pb.GenerateResponse(request_id=request.request_id, finish_reason=pb.FINISH_REASON_ABORT)
+            yield abort_response(request.request_id)
         except Exception as exc:
             await abort_with(context, exc)
         finally:
@@ -146,7 +149,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         return await self.list_models(request)
 
 
-def _with_id(request: pb.GenerateRequest) -> pb.GenerateRequest:
+def abort_response(request_id: str) -> pb.GenerateResponse:
+    """The last message of a stream ended by a drain that ran out of time."""
+    return pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
+
+
+def named_request(request: pb.GenerateRequest) -> pb.GenerateRequest:
+    """The request with a fresh id, so that an aborted stream can say which request ended."""
     named = pb.GenerateRequest()
     named.CopyFrom(request)
     named.request_id = uuid.uuid4().hex
@@ -243,6 +252,61 @@ async def serve_grpc(servicer: GenerationServicer, port: int, host: str = "127.0
     return server
 
 
+async def serve_http(servers: dict, default: str, port: int, host: str = "127.0.0.1",
+                     security: GRPCSecurity | None = None):
+    """Start the OpenAI-compatible HTTP API (cluster/openai_api.py) over `servers` (pipeline name ->
+    cluster.server.ReplicaServer) on host:port (0: a free port) with uvicorn in this event loop:
+    the default pipeline at /, every other one under /<name> (as under Serve). `security` gives
+    HTTPS (tls_cert_file / tls_key_file), client certificates (client_ca_file: verified when
+    presented, required with require_client_cert — mutual TLS) and the bearer token.
+    Returns the uvicorn server; its bound port is `server.viasd_port`, its task `server.viasd_task`."""
+    import socket
+    import ssl
+
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    from viasd.cluster.openai_api import build_http_app
+
+    security = security or GRPCSecurity(token_env=None)
+    token = security.token()
+
+    def app_of(server):
+        app = build_http_app()
+        app.state.server = server
+        app.state.token = token
+        return app
+
+    routes = [Mount(f"/{name}", app=app_of(srv)) for name, srv in servers.items() if name != default]
+    routes.append(Mount("/", app=app_of(servers[default])))
+    tls: dict = {}
+    if security.tls:
+        tls = {"ssl_certfile": str(security.tls_cert_file), "ssl_keyfile": str(security.tls_key_file)}
+        if security.client_ca_file is not None:
+            tls["ssl_ca_certs"] = str(security.client_ca_file)
+            tls["ssl_cert_reqs"] = ssl.CERT_REQUIRED if security.require_client_cert else ssl.CERT_OPTIONAL
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise RuntimeError(f"cannot bind the HTTP server to {host}:{port}: {exc.strerror}") from None
+    config = uvicorn.Config(Starlette(routes=routes), lifespan="off", access_log=False, log_level="warning",
+                            timeout_graceful_shutdown=5, **tls)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # the standalone server handles SIGTERM / SIGINT itself
+    server.viasd_task = asyncio.ensure_future(server.serve(sockets=[sock]))
+    while not server.started:
+        if server.viasd_task.done():  # failed to start (a bad certificate file): raise its error
+            server.viasd_task.result()
+            raise RuntimeError("the HTTP server stopped while starting")
+        await asyncio.sleep(0.01)
+    server.viasd_port = sock.getsockname()[1]
+    return server
+
+
 # ---------------------------------------------------------------- standalone
 
 
@@ -268,28 +332,41 @@ async def _main(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     pipelines = {}
     supervisors = []
+    http = None
     try:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
-        from viasd.cluster.server import Admission
+        from viasd.cluster.server import Admission, ReplicaServer
 
         admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
         servicer = GenerationServicer(pipelines, configs[0].name, admission=admission)
         server = await serve_grpc(servicer, args.port, args.host, security)
+        http_servers = {}
+        if args.http_port is not None:  # the HTTP API shares the admission limits with gRPC
+            http_servers = {name: ReplicaServer(p, name, admission=admission) for name, p in pipelines.items()}
+            http = await serve_http(http_servers, configs[0].name, args.http_port, args.host, security)
         for pipeline in pipelines.values():
             supervisors.append(asyncio.ensure_future(pipeline.supervise(
                 lambda ok: set_health(server.viasd_health, ok))))
         log.info("GenerationService on %s:%d (models: %s; %s)", args.host, server.viasd_port, ", ".join(pipelines),
                  description)
         print(f"serving on {args.host}:{server.viasd_port}", flush=True)
+        if http is not None:
+            scheme = "https" if security.tls else "http"
+            log.info("OpenAI-compatible HTTP API on %s://%s:%d", scheme, args.host, http.viasd_port)
+            print(f"http on {args.host}:{http.viasd_port}", flush=True)
         await stop.wait()
-        log.info("stopping: %d request(s) in flight, draining for up to %.0fs", servicer.in_flight(),
-                 limits.drain_timeout_s)
+        in_flight = servicer.in_flight() + sum(len(s.calls) for s in http_servers.values())
+        log.info("stopping: %d request(s) in flight, draining for up to %.0fs", in_flight, limits.drain_timeout_s)
         await server.viasd_health.enter_graceful_shutdown()
-        aborted = await servicer.calls.drain(limits.drain_timeout_s)
-        log.info("drained; %d request(s) aborted", aborted)
+        aborted = await asyncio.gather(servicer.calls.drain(limits.drain_timeout_s),
+                                       *(s.drain(limits.drain_timeout_s) for s in http_servers.values()))
+        log.info("drained; %d request(s) aborted", sum(aborted))
         await server.stop(grace=5.0)
     finally:
+        if http is not None:  # stops accepting, closes idle connections, then its task ends
+            http.should_exit = True
+            await http.viasd_task
         for task in supervisors:
             task.cancel()
         for pipeline in pipelines.values():
@@ -323,6 +400,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--config", help="JSON file: one PipelineConfig object, or a list (the first is the default)")
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--http-port", type=int, default=None,
+                    help="also serve the OpenAI-compatible HTTP API on this port (0: a free one), with the same TLS, "
+                         "token, limits and drain (default: gRPC only)")
     ap.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
     lim = ap.add_argument_group("limits (cluster.config.Limits; defaults there)")
     lim.add_argument("--max-concurrent-requests", type=int, help="requests decoding at once")

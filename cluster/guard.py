@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 from viasd.errors import InvalidParameterError
 
 PUBLIC_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+SHUTTING_DOWN = "the server is shutting down"  # why a draining server refuses a request
 MAX_REQUEST_ID_CHARS = 256  # echoed in every response: bounded
 
 T = TypeVar("T")

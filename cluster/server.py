@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from viasd.cluster.guard import SHUTTING_DOWN, Aborted, Calls, until_aborted
 from viasd.config import GenerationParams, parse_params
 from viasd.errors import InvalidParameterError
 from viasd.llm import IncrementalDetokenizer, encode_prompt
@@ -151,11 +152,21 @@ class Job:
         self._admitted = False
         self._closed = False
         self._generated = 0
+        self._abort = server.calls.enter()  # set when a drain runs out of time: end with `abort`
 
     async def start(self) -> None:
         """Admit the request and wait for its first step, so that a request the pipeline refuses
         fails before any response header is sent (and streams then start with real tokens)."""
-        await self.server.admission.enter()
+        try:
+            await until_aborted(self.server.admission.enter(), self._abort)
+        except Aborted:  # drained while waiting for a slot
+            await self.aclose(record=False)
+            err = RequestError(503, SHUTTING_DOWN, kind="service_unavailable")
+            self.server.count_error(err)
+            raise err from None
+        except BaseException:
+            await self.aclose(record=False)
+            raise
         self._admitted = True
         self._gen = self.server.pipeline.coordinator.generate(self.id, self.prompt_ids, self.params)
         try:
@@ -173,9 +184,15 @@ class Job:
         if self.finish_reason is not None:
             return None
         try:
-            chunk = await self._gen.__anext__()
+            chunk = await until_aborted(self._gen.__anext__(), self._abort)
         except StopAsyncIteration:  # the pipeline ended without a final chunk: aborted
             self.finish_reason = "abort"
+            self._timer.finish(None, "abort")
+            return Piece("", [], "abort", self.stats)
+        except Aborted:  # the server drained and this request's time is up
+            self.finish_reason = "abort"
+            self.stats = {"prompt_tokens": len(self.prompt_ids), "generated_tokens": self._generated,
+                          "finish_reason": "abort", "stopped_by": "drain"}
             self._timer.finish(None, "abort")
             return Piece("", [], "abort", self.stats)
         ids = [int(t) for t in chunk.token_ids]
@@ -221,13 +238,15 @@ class Job:
                 self._timer.finish(None, "abort")
             if self._admitted:
                 self.server.admission.leave()
+            self.server.calls.leave(self._abort)
 
 
 class ReplicaServer:
     """Serves one pipeline: validation, admission, tokenization, streaming and metrics."""
 
     def __init__(self, pipeline, name: str, *, default_params: dict[str, Any] | None = None,
-                 max_concurrent_requests: int = 4, max_queued_requests: int = 16, metrics=None):
+                 max_concurrent_requests: int = 4, max_queued_requests: int = 16, metrics=None,
+                 admission: Admission | None = None):
         from viasd.cluster.metrics import ServingMetrics
 
         self.pipeline = pipeline
@@ -239,8 +258,19 @@ class ReplicaServer:
         self.default_params = {**base, **(default_params or {})}
         parse_params(self.default_params)  # fail at start-up, not on the first request
         self.metrics = metrics or ServingMetrics(name)
-        self.admission = Admission(max_concurrent_requests, max_queued_requests, self.metrics.set_queue)
+        # its own limits, or an admission shared with other entry points (the standalone server's gRPC)
+        self.admission = admission or Admission(max_concurrent_requests, max_queued_requests, self.metrics.set_queue)
         self.metrics.set_queue(0, 0)
+        self.calls = Calls()  # every request in flight on this replica, HTTP and gRPC: for `drain`
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (HTTP 503 / gRPC UNAVAILABLE), let the running ones finish for up to
+        `timeout_s`, then end the rest with finish reason `abort`; returns how many were aborted."""
+        return await self.calls.drain(timeout_s)
+
+    def check_accepting(self) -> None:
+        if self.calls.draining:
+            raise RequestError(503, SHUTTING_DOWN, kind="service_unavailable")
 
     def count_error(self, err: RequestError) -> None:
         self.metrics.error(_STATUS.get(err.status, "internal"))
@@ -262,6 +292,7 @@ class ReplicaServer:
         from viasd.cluster.openai_api import _stops, param_values, unsupported
 
         try:
+            self.check_accepting()
             bad = unsupported(body)
             if bad:
                 raise InvalidParameterError(*bad)
