@@ -11,6 +11,12 @@ serves it two ways:
 
 Autoscaling adds or removes whole pipelines (Serve's autoscaling_config from the ServeConfig).
 
+Faults are repaired inside the replica first: the replica runs `Pipeline.supervise`, which
+restarts a dead drafter and rebuilds a dead verifier group in the pipeline's own placement group,
+as the standalone server does. Serve's health check (`check_health`) reports the replica
+unhealthy — and Serve replaces it, pipeline and all — only when the pipeline stays down for longer
+than a rebuild may take (`PipelineConfig.start_timeout_s`), or when rebuilding is turned off.
+
     serve.start(http_options=..., grpc_options=grpc_options(config))
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
 
@@ -21,12 +27,17 @@ pipeline other than the default one), and `grpcOptions.grpcServicerFunctions: [G
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import time
+import uuid
 from typing import Any
 
 import grpc
 from ray import serve
 
+from viasd.cluster import drain
 from viasd.cluster.config import ServeConfig, load_serve_config, parse_serve_config
 from viasd.cluster.metrics import ServingMetrics
 from viasd.cluster.openai_api import build_http_app
@@ -71,6 +82,14 @@ class PipelineDeployment:
         from viasd.cluster.grpc_server import GenerationServicer
 
         self.servicer = GenerationServicer({pc.name: self.pipeline}, pc.name)
+        self._supervisor = None  # repairs the pipeline in place (actors backend, rebuild_actors on)
+        if hasattr(self.pipeline, "supervise") and pc.rebuild_actors:
+            self._supervisor = asyncio.ensure_future(self.pipeline.supervise())
+        self._rebuild_grace_s = pc.start_timeout_s
+        self._down_since: float | None = None
+        # `viasd drain` / SIGTERM of `viasd serve` (cluster/drain.py): drain, then end the rest with `abort`
+        self._replica_id = f"{pc.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._drain_watch = asyncio.ensure_future(drain.watch(self._replica_id, self.server.drain))
         logger.info("pipeline %s ready: %s", pc.name, self.pipeline.info())
 
     def __serve_build_asgi_app__(self):
@@ -90,22 +109,36 @@ class PipelineDeployment:
         admission limits and metrics; errors become status codes on Serve's gRPC context."""
         from contextlib import aclosing
 
-        from viasd.cluster.grpc_server import status_of
+        from viasd.cluster.grpc_server import abort_response, named_request, status_of
+        from viasd.cluster.guard import SHUTTING_DOWN, Aborted, abortable, until_aborted
         from viasd.v1.convert import finish_from_proto, stats_from_proto
 
         srv = self.server
+        if srv.calls.draining:
+            srv.metrics.error("unavailable")
+            _set_status(grpc_context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            raise GRPCStatus(SHUTTING_DOWN)
+        abort = srv.calls.enter()  # set when a drain runs out of time: end with `abort`
         try:
-            await srv.admission.enter()
-        except RequestError as exc:
-            srv.metrics.error("rejected")
-            _set_status(grpc_context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-            raise GRPCStatus(str(exc)) from None
+            await until_aborted(srv.admission.enter(), abort)
+        except BaseException as exc:
+            srv.calls.leave(abort)
+            if not isinstance(exc, (RequestError, Aborted)):
+                raise
+            full = isinstance(exc, RequestError)  # the queue is full; else drained while waiting
+            code, details = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) if full else (
+                grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            srv.metrics.error("rejected" if full else "unavailable")
+            _set_status(grpc_context, code, details)
+            raise GRPCStatus(details) from None
         timer = srv.metrics.timer()
         finished = False
         try:
             request = self._with_defaults(request)
+            if not request.request_id:
+                request = named_request(request)
             async with aclosing(self.servicer.generate(request)) as responses:
-                async for response in responses:
+                async for response in abortable(responses, abort):
                     timer.tokens(len(response.token_ids))
                     if response.finish_reason:
                         finished = True
@@ -113,6 +146,10 @@ class PipelineDeployment:
                         stats = stats_from_proto(response.stats, reason) if response.HasField("stats") else None
                         timer.finish(stats, reason)
                     yield response
+        except Aborted:  # drained and out of time: the stream's last message says so
+            finished = True
+            timer.finish(None, "abort")
+            yield abort_response(request.request_id)
         except Exception as exc:
             code, details, metadata = status_of(exc)
             srv.metrics.error("invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else
@@ -124,6 +161,7 @@ class PipelineDeployment:
             if not finished:  # the client cancelled the call
                 timer.finish(None, "abort")
             srv.admission.leave()
+            srv.calls.leave(abort)
 
     def _with_defaults(self, request):
         """The request with the config's default_params filled into the fields it left unset, so
@@ -155,12 +193,42 @@ class PipelineDeployment:
 
     # ------------------------------------------------------------------ Serve hooks
 
-    async def check_health(self) -> None:
+    async def pipeline_status(self) -> dict:
+        """For operators (through a Serve handle): this replica's process, its actors' processes,
+        what the supervisor rebuilt, and the health detail."""
+        pipeline = self.pipeline
         ok, detail = await self.server.health()
-        if not ok:
-            raise RuntimeError(f"pipeline {self.name} unhealthy: {detail.get('error')}")
+        pids = {}
+        if getattr(pipeline, "drafter_info", None) is not None:
+            pids["drafter"] = pipeline.drafter_info["pid"]
+        if getattr(pipeline, "verifier_info", None) is not None:
+            pids["verifier"] = pipeline.verifier_info.get("rank_pids", [])
+        return {"replica_pid": os.getpid(), "healthy": ok, "health": detail, "pids": pids,
+                "rebuilds": dict(getattr(pipeline, "rebuilds", {}))}
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: raises when the pipeline is down and its supervisor has not
+        brought it back within a rebuild's time (start_timeout_s); Serve then replaces the replica."""
+        ok, detail = await self.server.health()
+        if ok:
+            self._down_since = None
+            return
+        now = time.monotonic()
+        self._down_since = self._down_since or now
+        if self._supervisor is not None and not self._supervisor.done():
+            self.pipeline.wake()  # probe and rebuild now rather than at the next period
+            if now - self._down_since < self._rebuild_grace_s:
+                logger.warning("pipeline %s down for %.0fs, being rebuilt in place: %s", self.name,
+                               now - self._down_since, detail.get("error"))
+                return
+        raise RuntimeError(f"pipeline {self.name} unhealthy: {detail.get('error')}")
 
     async def __del__(self):
+        if getattr(self, "_supervisor", None) is not None:
+            self._supervisor.cancel()
+        if getattr(self, "_drain_watch", None) is not None:
+            self._drain_watch.cancel()
+            await drain.unregister(self._replica_id)
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:
             await pipeline.shutdown()

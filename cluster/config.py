@@ -77,9 +77,9 @@ class Limits(BaseModel):
     )
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600,
-        description="On SIGTERM: how long requests in flight may still run after the server stops accepting new "
-        "ones; the standalone gRPC server then ends the rest with finish reason 'abort'. Under Serve: the "
-        "replica's graceful_shutdown_timeout_s.",
+        description="On SIGTERM (standalone server, `viasd serve`) or `viasd drain` (a pod's preStop hook): how "
+        "long requests in flight may still run after new ones are refused; the rest then end with finish reason "
+        "'abort'. Also the replicas' graceful_shutdown_timeout_s when Serve itself stops one.",
     )
 
 

@@ -50,6 +50,7 @@ def _ray_init(config: ServeConfig) -> None:
     per_pipeline = 4 * max(p.tp_size for p in config.pipelines) + 2  # drafter, verifier ranks, coordinator, ingress
     num_cpus = config.ray.num_cpus or per_pipeline * config.autoscaling.max_replicas * len(config.pipelines)
     ray.init(
+        address="local",  # a new local Ray, never a cluster some other process started on this machine
         num_cpus=num_cpus,
         include_dashboard=config.ray.include_dashboard,
         _node_ip_address="127.0.0.1",
@@ -100,13 +101,24 @@ def _wait_running(apps: list[str], timeout_s: float | None) -> None:
         time.sleep(0.5)
 
 
+def drain(config: ServeConfig) -> dict:
+    """Drain every replica (cluster/drain.py): new requests refused, running ones given
+    limits.drain_timeout_s, the rest ended with finish reason `abort`."""
+    from viasd.cluster import drain as draining
+
+    return draining.drain(config.limits.drain_timeout_s)
+
+
 def stop() -> None:
     """Shut Serve and the Ray this process started down."""
     import ray
     from ray import serve
 
+    from viasd.cluster import drain as draining
+
     try:
         serve.shutdown()
+        draining.reset()
     finally:
         ray.shutdown()
 
@@ -132,7 +144,12 @@ def serve_forever(config: ServeConfig) -> int:
         print("[viasd] serving; Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
         while not stop_event.wait(0.5):
             pass
-        print("[viasd] shutting down", file=sys.stderr, flush=True)
+        print(f"[viasd] draining for up to {config.limits.drain_timeout_s:g}s", file=sys.stderr, flush=True)
+        result = drain(config)
+        aborted = sum(result["reports"].values())
+        print(f"[viasd] drained {len(result['reports'])} replica(s), {aborted} request(s) aborted"
+              + (f", no report from {result['missing']}" if result["missing"] else "") + "; shutting down",
+              file=sys.stderr, flush=True)
     finally:
         stop()
     return 0

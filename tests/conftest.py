@@ -111,6 +111,16 @@ def aio():
     loop.close()
 
 
+def process_alive(proc) -> bool:
+    """A psutil.Process that still runs (a zombie or a vanished one does not)."""
+    import psutil
+
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def save_tiny_pair(root, tokenizer=None):
     """A float32 tiny LLaMA pair saved as HF directories (eos_token_id 2 in their configs; with
     `tokenizer` saved beside each), and the EngineConfig that loads it through the normal loader."""

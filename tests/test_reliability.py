@@ -24,7 +24,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import drafter_from, save_tiny_pair, tiny_model
+from conftest import drafter_from, process_alive, save_tiny_pair, tiny_model
 from test_pipeline import collect
 from viasd.config import EngineConfig, parse_params
 from viasd.v1 import generation_pb2 as pb
@@ -607,9 +607,10 @@ def test_drain_lets_requests_finish_then_aborts_the_rest(aio, own_server, pipeli
 
 
 def test_sigterm_drains_the_standalone_server(tmp_path, llm):
-    """`python -m viasd.cluster.grpc_server` under SIGTERM: health turns NOT_SERVING and new calls
-    are refused, a short request in flight finishes, a long one is ended with finish reason
-    `abort` once --drain-timeout-s is spent, the process exits 0 and leaves no child process."""
+    """`python -m viasd.cluster.grpc_server --http-port 0` under SIGTERM: health turns NOT_SERVING
+    and new calls are refused, a short request in flight finishes, a long one on gRPC and one on
+    HTTP are ended with finish reason `abort` once --drain-timeout-s is spent, the process exits 0
+    and leaves no child process."""
     import threading
 
     import torch
@@ -628,7 +629,8 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     stderr = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "viasd.cluster.grpc_server", "--config", str(tmp_path / "pipeline.json"),
-                             "--port", "0", "--drain-timeout-s", "2"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                             "--port", "0", "--http-port", "0", "--drain-timeout-s", "2"], stdout=subprocess.PIPE,
+                            stderr=stderr, text=True,
                             env=env, start_new_session=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
@@ -638,8 +640,28 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
                    timeout=240)
         assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
         address = next(x for x in lines if x.startswith("serving on ")).split()[-1]
+        wait_until("the HTTP API is up", lambda: any(x.startswith("http on ") for x in lines), timeout=30)
+        http_base = "http://" + next(x for x in lines if x.startswith("http on ")).split()[-1]
         children = psutil.Process(proc.pid).children(recursive=True)
         assert children  # Ray's processes and the actors
+        http_events: list[str] = []
+        http_started = threading.Event()
+
+        def http_stream():  # a long stream on the HTTP API: drained like the gRPC one
+            import requests
+
+            body = {"prompt": [5, 6, 7], "max_tokens": 6000, "ignore_eos": True, "mode": "ar", "stream": True,
+                    "return_token_ids": True}
+            with requests.post(http_base + "/v1/completions", json=body, stream=True, timeout=TIMEOUT_S) as r:
+                for line in r.iter_lines():
+                    if line:
+                        http_events.append(line.decode())
+                        http_started.set()
+            http_started.set()
+
+        http_thread = threading.Thread(target=http_stream)
+        http_thread.start()
+        assert http_started.wait(TIMEOUT_S)
 
         async def scenario():
             async with grpc.aio.insecure_channel(address) as channel:
@@ -658,16 +680,20 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
                 return [first_long, *await read_all(long)], [first_short, *await read_all(short)], refused
 
         long, short, (kind, got) = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
+        http_thread.join(TIMEOUT_S)
         assert kind == "error" and got.code() == grpc.StatusCode.UNAVAILABLE, got
+        assert http_events[-1] == "data: [DONE]"
+        last = json.loads(http_events[-2].removeprefix("data: "))
+        assert last["choices"][0]["finish_reason"] == "abort" and last["viasd_stats"]["stopped_by"] == "drain"
         assert short[-1].finish_reason == pb.FINISH_REASON_LENGTH and sum(len(r.token_ids) for r in short) == 8
         assert long[-1].finish_reason == pb.FINISH_REASON_ABORT and long[-1].request_id == "long"
         n = sum(len(r.token_ids) for r in long)
         assert 0 < n < 6000
         assert [t for r in long for t in r.token_ids] == llm_prefix(tmp_path, [5, 6, 7], n)
         assert proc.wait(timeout=120) == 0, (tmp_path / "server.log").read_text()[-3000:]
-        wait_until("no child process left", lambda: not [c for c in children if _alive(c)], timeout=60)
+        wait_until("no child process left", lambda: not [c for c in children if process_alive(c)], timeout=60)
         log = (tmp_path / "server.log").read_text()
-        assert "drained; 1 request(s) aborted" in log, log[-3000:]
+        assert "drained; 2 request(s) aborted" in log, log[-3000:]  # the gRPC stream and the HTTP one
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -681,13 +707,6 @@ def llm_prefix(models: Path, prompt: list[int], n: int) -> list[int]:
 
     engine = LLM(EngineConfig(verifier=str(models / "verifier"), drafter=None, dtype="float32", threads=1))
     return engine.complete(prompt, parse_params(mode="ar", max_tokens=n, ignore_eos=True)).token_ids
-
-
-def _alive(proc) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # ------------------------------------------------------------------ bad input over HTTP (OpenAI API), property-based

@@ -314,6 +314,40 @@ def test_metrics_expose_the_counters_after_requests(service, client):
     assert ("viasd_num_requests_waiting", (("model", "smol"),)) in s
 
 
+# ------------------------------------------------------------------------------------- faults (last: kills an actor)
+
+
+def test_a_killed_drafter_is_restarted_inside_the_replica(service, client, reference):
+    """Supervision under Serve: the replica's own supervisor restarts the dead drafter in the
+    pipeline's placement group; Serve does not replace the replica (same process), and requests
+    after the restart are drafted again and equal the engine."""
+    import signal
+
+    from ray import serve
+
+    handle = serve.get_app_handle(service.apps["smol"])
+    before = handle.pipeline_status.remote().result(timeout_s=CALL_TIMEOUT)
+    os.kill(before["pids"]["drafter"], signal.SIGKILL)
+    # a request at once: finishes, drafted or (the drafter gone) as `ar`; greedy, so the same text
+    want_text, _ = _expected(reference, "sd", prompt=PROMPT)
+    got = client.completions.create(model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body={"mode": "sd"})
+    assert got.choices[0].text == want_text
+    deadline = time.monotonic() + 120
+    while True:
+        after = handle.pipeline_status.remote().result(timeout_s=CALL_TIMEOUT)
+        if after["rebuilds"]["drafter"] >= 1 and after["healthy"]:
+            break
+        assert time.monotonic() < deadline, after
+        time.sleep(0.5)
+    assert after["replica_pid"] == before["replica_pid"]  # repaired in place, not replaced
+    assert after["pids"]["drafter"] != before["pids"]["drafter"]
+    assert after["pids"]["verifier"] == before["pids"]["verifier"]
+    want_text, _ = _expected(reference, "via", prompt=PROMPT)
+    got = client.completions.create(model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, extra_body={"mode": "via"})
+    assert got.choices[0].text == want_text
+    assert not got.model_extra["viasd_stats"]["drafter_fallback"]
+
+
 # ------------------------------------------------------------------------ no Ray needed below
 
 
@@ -339,22 +373,28 @@ def test_admission_refuses_past_the_queue():
     asyncio.run(run())
 
 
-def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
-    """ReplicaServer over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
+def _tiny_local_config(tmp_path):
+    """A PipelineConfig of a tiny random float32 pair saved under tmp_path (no tokenizer)."""
     import torch
 
     from conftest import drafter_from, tiny_model
-    from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.metrics import parse_exposition, total
-    from viasd.cluster.openai_api import CompletionRequest
     from viasd.cluster.pipeline import PipelineConfig
-    from viasd.cluster.server import ReplicaServer, RequestError
 
     v = tiny_model("llama", dtype=torch.float32)
     v.save_pretrained(tmp_path / "v")
     drafter_from(v).save_pretrained(tmp_path / "d")
-    config = PipelineConfig(name="tiny", engine={"verifier": str(tmp_path / "v"), "drafter": str(tmp_path / "d"),
-                                                  "dtype": "float32"})
+    return PipelineConfig(name="tiny", engine={"verifier": str(tmp_path / "v"), "drafter": str(tmp_path / "d"),
+                                                "dtype": "float32"})
+
+
+def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
+    """ReplicaServer over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
+    from viasd.cluster.local import LocalPipeline
+    from viasd.cluster.metrics import parse_exposition, total
+    from viasd.cluster.openai_api import CompletionRequest
+    from viasd.cluster.server import ReplicaServer, RequestError
+
+    config = _tiny_local_config(tmp_path)
 
     async def run():
         pipeline = await LocalPipeline.start(config)
@@ -379,6 +419,56 @@ def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
         assert total(samples, "viasd_request_errors_total", status="invalid") == 1
         assert total(samples, "viasd_request_success_total", finished_reason="length") == 2
         assert total(samples, "viasd_num_requests_running") == 0
+        await pipeline.shutdown()
+
+    asyncio.run(run())
+
+
+def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
+    """ReplicaServer.drain (what `viasd drain` runs in every Serve replica), on the in-process
+    pipeline: a request that ends within the timeout ends normally, new requests are 503, and
+    with the timeout spent a running request and one waiting for admission end with `abort`."""
+    from viasd.cluster.local import LocalPipeline
+    from viasd.cluster.metrics import parse_exposition, total
+    from viasd.cluster.openai_api import CompletionRequest
+    from viasd.cluster.server import ReplicaServer, RequestError
+
+    config = _tiny_local_config(tmp_path)
+
+    async def run():
+        pipeline = await LocalPipeline.start(config)
+        server = ReplicaServer(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
+        short = await server.open_openai(CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"),
+                                         chat=False)
+        drained = asyncio.ensure_future(server.drain(60.0))
+        await asyncio.sleep(0)
+        with pytest.raises(RequestError) as info:
+            await server.open_openai(CompletionRequest(prompt=[1, 2, 3]), chat=False)
+        assert info.value.status == 503 and "shutting down" in str(info.value)
+        pieces = [p async for p in short]
+        await short.aclose()
+        assert pieces[-1].finish_reason == "length" and sum(len(p.token_ids) for p in pieces) == 12
+        assert await drained == 0
+
+        server = ReplicaServer(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
+        long = await server.open_openai(CompletionRequest(prompt=[1, 2, 3], max_tokens=400, ignore_eos=True,
+                                                          mode="via"), chat=False)
+        first = await long.__anext__()
+        queued = asyncio.ensure_future(server.open_openai(CompletionRequest(prompt=[4, 5]), chat=False))
+        while server.admission.waiting == 0:  # the second request waits for the one slot
+            await asyncio.sleep(0.01)
+        aborted = await server.drain(0.0)
+        rest = [p async for p in long]
+        await long.aclose()
+        with pytest.raises(RequestError) as info:
+            await queued
+        assert aborted == 2 and info.value.status == 503
+        assert rest[-1].finish_reason == "abort" and rest[-1].stats["stopped_by"] == "drain"
+        assert 0 < len(first.token_ids) + sum(len(p.token_ids) for p in rest) < 400
+        assert (server.admission.running, server.admission.waiting, len(server.calls)) == (0, 0, 0)
+        samples = parse_exposition(server.metrics.exposition()[0].decode())
+        assert total(samples, "viasd_request_success_total", finished_reason="abort") == 1
+        assert pipeline.coordinator.active_requests() == 0
         await pipeline.shutdown()
 
     asyncio.run(run())

@@ -5,6 +5,7 @@
     viasd models list | fetch NAME... | convert NAME...
     viasd dimr --ratio 0.45 --trials 100 --out mask.json   search the slim verifier's layer mask
     viasd serve [--config serve.yaml]            Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
+    viasd drain [--timeout-s 30]                 drain every replica of the running cluster (preStop hook)
 """
 
 from __future__ import annotations
@@ -174,6 +175,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve_forever(config)
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    from viasd.cluster.drain import main as drain_main
+
+    return drain_main(["--address", args.address, "--timeout-s", str(args.timeout_s)]
+                      + (["--this-node"] if args.this_node else []))
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="viasd", description="VIA-SD multi-tier speculative decoding")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -260,6 +268,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, default=None)
     serve.add_argument("--grpc-port", type=int, default=None)
     serve.set_defaults(func=cmd_serve)
+
+    drain = sub.add_parser("drain", help="drain every Serve replica of the running cluster: refuse new requests, "
+                                         "let running ones finish, end the rest with finish reason 'abort'")
+    drain.add_argument("--address", default="auto", help="Ray cluster address (default: the local one)")
+    drain.add_argument("--timeout-s", type=float, default=30.0,
+                       help="how long requests in flight may still run before they are aborted")
+    drain.add_argument("--this-node", action="store_true",
+                       help="only the replicas on this machine's Ray node (a worker pod going away)")
+    drain.set_defaults(func=cmd_drain)
     return ap
 
 

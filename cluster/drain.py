@@ -1,0 +1,163 @@
+"""Graceful drain of every Serve replica of the cluster, ending what is left with finish reason `abort`.
+
+Ray Serve's own graceful shutdown waits for a replica's requests up to
+`graceful_shutdown_timeout_s` and then kills the replica: streams still running are cut without a
+last message. `drain` does it the way the standalone server does (`guard.Calls.drain`), in every
+replica at once, before Serve is shut down:
+
+    operator (SIGTERM to `viasd serve`, or `viasd drain` in a pod's preStop hook)
+        -> DrainControl.start(timeout_s, node)      an order, for the cluster or for one node
+        -> the watcher of every replica concerned (ReplicaServer.drain): refuse new requests
+           (HTTP 503, gRPC UNAVAILABLE), let the running ones finish for up to timeout_s, end
+           the rest with finish reason `abort`, report how many
+        -> `drain` returns once every concerned replica reported (or the deadline passed)
+
+Replicas register (with their node) when they start and unregister in their destructor, so the
+caller knows whom to wait for. A drained replica keeps refusing requests. The control actor is
+detached (replicas come and go) and lives in the `viasd` namespace; `reset` removes it, so that a
+later start on the same cluster serves again. In Kubernetes (helm/via-sd) the head pod's preStop
+hook drains the cluster (the head going away ends it) and a worker pod's drains its own node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import ray
+
+log = logging.getLogger("viasd.cluster.drain")
+
+CONTROL_NAME = "viasd-drain-control"
+NAMESPACE = "viasd"
+ABORT_GRACE_S = 10.0  # after the drain timeout: time for aborted streams to send their last message
+
+
+@ray.remote(num_cpus=0, max_restarts=0)
+class DrainControl:
+    """The cluster's drain orders: replicas wait on it, the operator issues them (for the whole
+    cluster, or for the replicas of one node when that node's pod is going away)."""
+
+    def __init__(self):
+        self._orders: list[tuple[float, str | None]] = []  # (timeout_s, node IP or None: every node)
+        self._new_order = asyncio.Condition()
+        self._replicas: dict[str, str] = {}  # replica -> its node IP
+        self._reports: dict[int, dict[str, int]] = {}  # order -> replica -> requests aborted
+
+    def register(self, replica: str, node: str) -> None:
+        self._replicas[replica] = node
+
+    def unregister(self, replica: str) -> None:
+        self._replicas.pop(replica, None)
+
+    async def wait(self, node: str, after: int) -> tuple[int, float]:
+        """The first order numbered `after` or later that concerns `node`: (its number, timeout_s)."""
+        async with self._new_order:
+            while True:
+                for i in range(after, len(self._orders)):
+                    timeout_s, target = self._orders[i]
+                    if target in (None, node):
+                        return i, timeout_s
+                after = len(self._orders)
+                await self._new_order.wait()
+
+    async def start(self, timeout_s: float, node: str | None = None) -> tuple[int, list[str]]:
+        """Issue a drain order; returns its number and the replicas it concerns."""
+        async with self._new_order:
+            self._orders.append((timeout_s, node))
+            self._new_order.notify_all()
+        concerned = sorted(r for r, n in self._replicas.items() if node in (None, n))
+        return len(self._orders) - 1, concerned
+
+    def report(self, order: int, replica: str, aborted: int) -> None:
+        self._reports.setdefault(order, {})[replica] = aborted
+
+    def status(self, order: int | None = None) -> dict:
+        return {"replicas": dict(self._replicas), "reports": dict(self._reports.get(order, {}))}
+
+
+def control():
+    """The cluster's DrainControl (created on first use)."""
+    return DrainControl.options(name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True,
+                                lifetime="detached").remote()
+
+
+async def watch(replica: str, drain, retry_s: float = 1.0) -> None:
+    """A replica's watcher: register, and for every drain order that concerns this replica's node
+    run `drain(timeout_s)` (an async callable returning how many requests it aborted) and report.
+    Runs until cancelled; a control actor that went away (`reset`) is looked up again."""
+    node = ray.util.get_node_ip_address()
+    while True:
+        after = 0
+        try:
+            ctl = control()
+            await ctl.register.remote(replica, node)
+            while True:
+                order, timeout_s = await ctl.wait.remote(node, after)
+                log.info("replica %s draining for up to %.0fs", replica, timeout_s)
+                aborted = await drain(timeout_s)
+                log.info("replica %s drained; %d request(s) aborted", replica, aborted)
+                await ctl.report.remote(order, replica, aborted)
+                after = order + 1
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            await asyncio.sleep(retry_s)  # reset, or not reachable yet: look it up again
+
+
+async def unregister(replica: str) -> None:
+    """Take a replica that is going away off the list (without creating a control actor)."""
+    try:
+        await ray.get_actor(CONTROL_NAME, namespace=NAMESPACE).unregister.remote(replica)
+    except (ValueError, ray.exceptions.RayActorError):
+        pass
+
+
+def drain(timeout_s: float, *, node: str | None = None, poll_s: float = 0.2) -> dict:
+    """Drain every replica (or those on the node with IP `node`), blocking until each reported or
+    the deadline passed: {"replicas", "reports" (replica -> requests aborted), "missing"}."""
+    ctl = control()
+    order, replicas = ray.get(ctl.start.remote(timeout_s, node))
+    deadline = time.monotonic() + timeout_s + ABORT_GRACE_S + 5.0
+    while True:
+        status = ray.get(ctl.status.remote(order))
+        missing = [r for r in replicas if r not in status["reports"] and r in status["replicas"]]
+        if not missing or time.monotonic() > deadline:
+            return {"replicas": replicas, "reports": status["reports"], "missing": missing}
+        time.sleep(poll_s)
+
+
+def reset() -> None:
+    """Remove the control actor (after Serve shut down), so that a later start serves again."""
+    try:
+        ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE))
+    except ValueError:  # none
+        pass
+
+
+def _this_node() -> str:
+    """The IP of the Ray node this driver joined (the raylet's address, as replicas see it)."""
+    me = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == me)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`viasd drain`: join the running cluster and drain its replicas (a Kubernetes preStop hook)."""
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(prog="viasd drain", description=main.__doc__)
+    ap.add_argument("--address", default="auto", help="Ray cluster address (default: the local one, 'auto')")
+    ap.add_argument("--timeout-s", type=float, default=30.0,
+                    help="how long requests in flight may still run before they are aborted")
+    ap.add_argument("--this-node", action="store_true",
+                    help="only the replicas on this machine's Ray node (a worker pod going away)")
+    args = ap.parse_args(argv)
+    if args.timeout_s < 0:
+        ap.error("--timeout-s: must be >= 0")
+    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+    try:
+        result = drain(args.timeout_s, node=_this_node() if args.this_node else None)
+    finally:
+        ray.shutdown()
+    print(json.dumps(result), flush=True)
+    return 0 if not result["missing"] else 1
