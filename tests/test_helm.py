@@ -97,9 +97,11 @@ def matches(selector: dict, labels: dict) -> bool:
 
 
 def everything() -> dict:
-    """A preset with every optional part on: token and TLS Secrets, object-store init step, mask, metrics."""
+    """A preset with every optional part on: token, TLS and internal TLS Secrets, object-store init step, mask,
+    metrics."""
     return merged(preset("values-qwen-72b.yaml"), {
         "auth": {"tokenSecret": {"name": "viasd-api-token"}}, "tls": {"secretName": "viasd-tls"},
+        "internalTLS": {"secretName": "viasd-internal-tls"},
         "mask": {"artifact": (ROOT / "viasd" / "masks" / "qwen2.5-coder-1.5b-instruct-r0.45.json").read_text()},
         "serviceMonitor": {"enabled": True}, "cacheDir": "/home/ray/.cache/via-sd",
         "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
@@ -396,6 +398,23 @@ def test_secrets_are_referenced_never_inlined(chart):
             chart.render(merged(preset("values-qwen-72b.yaml"), helm.parse_set_string(expr)), name="rel")
 
 
+def test_internal_tls_secret_is_mounted_and_named_in_the_pipeline(chart):
+    docs = render(chart, everything())
+    (pipeline,) = app_args(docs)["pipelines"]
+    assert pipeline["internal_tls"] == {"cert_file": "/etc/viasd/internal-tls/tls.crt",
+                                        "key_file": "/etc/viasd/internal-tls/tls.key",
+                                        "ca_file": "/etc/viasd/internal-tls/ca.crt"}
+    from viasd.cluster.config import parse_serve_config
+
+    assert parse_serve_config(app_args(docs)).pipelines[0].internal_tls.server_name == "viasd-internal"
+    for template in pod_specs(one(docs, "RayService")).values():
+        assert {"name": "internal-tls", "mountPath": "/etc/viasd/internal-tls", "readOnly": True} in \
+            container(template)["volumeMounts"]
+        assert {"name": "internal-tls", "secret": {"secretName": "viasd-internal-tls", "defaultMode": 0o440}} in \
+            template["spec"]["volumes"]
+    assert "internal_tls" not in app_args(render(chart, preset("values-qwen-72b.yaml")))["pipelines"][0]
+
+
 def test_pods_run_as_non_root(chart):
     rs = one(render(chart, preset("values-llama2-70b.yaml")), "RayService")
     for template in pod_specs(rs).values():
@@ -404,6 +423,29 @@ def test_pods_run_as_non_root(chart):
         sc = container(template)["securityContext"]
         assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
     assert rs["spec"]["rayClusterConfig"]["autoscalerOptions"]["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_pods_drain_their_replicas_before_they_stop(chart):
+    """preStop: the head drains the whole cluster, a worker its own node, for the serving config's
+    drain timeout; a grace period too short for it is refused at render time."""
+    for values, timeout in ((preset("values-llama2-70b.yaml"), "30"),
+                            (merged(preset("values-llama2-70b.yaml"), {"serve": {"limits": {"drain_timeout_s": 0}}}), "0"),
+                            ({"serve": {"limits": {"drain_timeout_s": 120}}, "terminationGracePeriodSeconds": 135}, "120")):
+        rs = one(render(chart, values), "RayService")
+        for node, template in pod_specs(rs).items():
+            command = container(template)["lifecycle"]["preStop"]["exec"]["command"]
+            assert command[:4] == ["python", "-m", "viasd.cli", "drain"]
+            args = command[4:]
+            assert args[args.index("--timeout-s") + 1] == timeout
+            assert ("--this-node" in args) == (node == "worker")
+            assert template["spec"]["terminationGracePeriodSeconds"] >= float(timeout) + 15
+    # the command parses with the CLI's own parser
+    from viasd.cli import build_parser
+
+    args = build_parser().parse_args(command[3:])
+    assert args.func.__name__ == "cmd_drain" and args.this_node
+    with pytest.raises(Exception, match="terminationGracePeriodSeconds"):
+        chart.render({"serve": {"limits": {"drain_timeout_s": 60}}, "terminationGracePeriodSeconds": 60}, name="rel")
 
 
 def test_model_storage_pvc_and_object_store(chart):

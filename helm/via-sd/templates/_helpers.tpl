@@ -56,8 +56,9 @@ rounded up (a fractional drafter share still needs a whole device in Kubernetes)
 
 {{/*
 The application's args: the ServeConfig (cluster/config.py) of `serve`, with what Kubernetes decides set here:
-the HTTP proxy binds 0.0.0.0, the internal drafter / verifier servers advertise the pod IP (0.0.0.0), and a
-mask artifact (mask.artifact, a mounted ConfigMap) becomes the verifier's mask (its fingerprint checked on load).
+the HTTP proxy binds 0.0.0.0, the internal drafter / verifier servers advertise the pod IP (0.0.0.0) and, with
+internalTLS.secretName, use the mounted certificates for mutual TLS; a mask artifact (mask.artifact, a mounted
+ConfigMap) becomes the verifier's mask (its fingerprint checked on load).
 */}}
 {{- define "via-sd.serveArgs" -}}
 {{- $cfg := deepCopy .Values.serve }}
@@ -67,6 +68,9 @@ mask artifact (mask.artifact, a mounted ConfigMap) becomes the verifier's mask (
 {{- $p := include "via-sd.pipeline" . | fromJson }}
 {{- if not (hasKey $p "bind_host") }}
 {{- $_ := set $p "bind_host" "0.0.0.0" }}
+{{- end }}
+{{- if and .Values.internalTLS.secretName (not $p.internal_tls) }}
+{{- $_ := set $p "internal_tls" (dict "cert_file" "/etc/viasd/internal-tls/tls.crt" "key_file" "/etc/viasd/internal-tls/tls.key" "ca_file" "/etc/viasd/internal-tls/ca.crt") }}
 {{- end }}
 {{- if .Values.mask.artifact }}
 {{- $engine := default dict $p.engine }}
@@ -103,4 +107,16 @@ mask artifact (mask.artifact, a mounted ConfigMap) becomes the verifier's mask (
 {{- define "via-sd.initialReplicas" -}}
 {{- $a := default dict .Values.serve.autoscaling }}
 {{- if and (hasKey $a "initial_replicas") (ne $a.initial_replicas nil) }}{{ $a.initial_replicas | int }}{{ else }}{{ include "via-sd.minReplicas" . }}{{ end }}
+{{- end }}
+
+{{/* Drain timeout (ServeConfig Limits.drain_timeout_s, default 30); the pod's grace period must cover
+it plus the time aborted streams take to end (viasd.cluster.drain.ABORT_GRACE_S = 10) and a margin. */}}
+{{- define "via-sd.drainTimeout" -}}
+{{- $l := default dict .Values.serve.limits }}
+{{- $t := 30 }}
+{{- if hasKey $l "drain_timeout_s" }}{{ $t = $l.drain_timeout_s }}{{ end }}
+{{- if lt (int .Values.terminationGracePeriodSeconds) (add (ceil $t | int) 15) }}
+{{- fail (printf "terminationGracePeriodSeconds (%v) must be at least serve.limits.drain_timeout_s + 15 (%v): the preStop drain would be cut" .Values.terminationGracePeriodSeconds (add (ceil $t | int) 15)) }}
+{{- end }}
+{{- $t }}
 {{- end }}

@@ -55,6 +55,9 @@ volumeMounts:
   {{- if $v.tls.secretName }}
   - {name: tls, mountPath: /etc/viasd/tls, readOnly: true}
   {{- end }}
+  {{- if $v.internalTLS.secretName }}
+  - {name: internal-tls, mountPath: /etc/viasd/internal-tls, readOnly: true}
+  {{- end }}
 {{- $probeArgs := list "--node" $node }}
 {{- $ready := "live" }}
 {{- if eq $node "worker" }}
@@ -62,6 +65,12 @@ volumeMounts:
 {{- $grpc := ternary (include "via-sd.grpcPort" $root) "0" (eq (include "via-sd.grpcEnabled" $root) "true") }}
 {{- $probeArgs = concat $probeArgs (list "--http-port" (include "via-sd.httpPort" $root) "--grpc-port" $grpc "--route" (include "via-sd.routePrefix" $root) "--app" ($v.serve.app_name | default "viasd")) }}
 {{- end }}
+# before the pod stops: drain the replicas (the whole cluster from the head, which ends it; this
+# node's from a worker): new requests refused, running ones finished or ended with `abort`
+lifecycle:
+  preStop:
+    exec:
+      command: {{ concat (list "python" "-m" "viasd.cli" "drain" "--timeout-s" (include "via-sd.drainTimeout" $root)) (ternary (list "--this-node") (list) (eq $node "worker")) | toJson }}
 livenessProbe:
   exec:
     command: ["python", "/etc/viasd/probe/probe.py", "live", "--node", {{ $node | quote }}]
@@ -112,6 +121,12 @@ readinessProbe:
 - name: tls
   secret:
     secretName: {{ $v.tls.secretName }}
+    defaultMode: 0440
+{{- end }}
+{{- if $v.internalTLS.secretName }}
+- name: internal-tls
+  secret:
+    secretName: {{ $v.internalTLS.secretName }}
     defaultMode: 0440
 {{- end }}
 {{- end }}
