@@ -27,7 +27,7 @@ import logging
 from typing import Any, Literal
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -35,9 +35,8 @@ from viasd.actors.coordinator import Coordinator
 from viasd.actors.drafter import DrafterActor
 from viasd.actors.rpc import InternalTLS
 from viasd.actors.verifier import VerifierWorker
-from viasd.config import EngineConfig, Mode, invalid_from_validation
+from viasd.config import EngineConfig, Mode, validate_named
 from viasd.engine import context_limit
-from viasd.errors import InvalidParameterError
 
 log = logging.getLogger("viasd.cluster.pipeline")
 
@@ -121,14 +120,7 @@ class PipelineConfig(BaseModel):
     @classmethod
     def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> "PipelineConfig":
         """Validate, raising InvalidParameterError that names the bad field (dotted for engine.*)."""
-        try:
-            return cls.model_validate({**(values or {}), **overrides})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            if not first.get("loc"):  # the cross-field check above: its message starts with the field
-                field, _, message = first["msg"].removeprefix("Value error, ").partition(": ")
-                raise InvalidParameterError(field, message) from None
-            raise invalid_from_validation(exc) from None
+        return validate_named(cls, {**(values or {}), **overrides})
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -282,6 +274,17 @@ class Pipeline:
             ask([self.drafter]) if self.drafter is not None else asyncio.sleep(0), ask(self.ranks))
         return {"drafter": drafter, "verifier": verifier}
 
+    async def _start_in_place(self, start):
+        """`start(config, placement, actors)` in this pipeline's placement group within
+        start_timeout_s; on failure the actors it created are killed."""
+        actors: list = []
+        try:
+            return await asyncio.wait_for(start(self.config, self.placement, actors), self.config.start_timeout_s)
+        except BaseException:
+            for actor in actors:
+                ray.kill(actor)
+            raise
+
     async def heal(self, probe: dict[str, str | None] | None = None) -> list[str]:
         """Replace what `probe` found down (probing first when not given); returns what was rebuilt."""
         async with self._healing:
@@ -294,14 +297,7 @@ class Pipeline:
                             probe["verifier"])
                 for rank in self.ranks:
                     ray.kill(rank)
-                actors: list = []
-                try:
-                    ranks, info, address, _ = await asyncio.wait_for(
-                        _start_verifier(self.config, self.placement, actors), self.config.start_timeout_s)
-                except BaseException:
-                    for actor in actors:
-                        ray.kill(actor)
-                    raise
+                ranks, info, address, _ = await self._start_in_place(_start_verifier)
                 self.ranks, self.verifier_info = ranks, info
                 await self.coordinator.set_backends(verifier_address=address)
                 self.rebuilds["verifier"] += 1
@@ -309,14 +305,7 @@ class Pipeline:
             if probe["drafter"] and self.drafter is not None:
                 log.warning("pipeline %r: drafter down (%s); restarting it", self.config.name, probe["drafter"])
                 ray.kill(self.drafter)
-                actors = []
-                try:
-                    drafter, info = await asyncio.wait_for(
-                        _start_drafter(self.config, self.placement, actors), self.config.start_timeout_s)
-                except BaseException:
-                    for actor in actors:
-                        ray.kill(actor)
-                    raise
+                drafter, info = await self._start_in_place(_start_drafter)
                 self.drafter, self.drafter_info = drafter, info
                 await self.coordinator.set_backends(drafter_address=info["address"])
                 self.rebuilds["drafter"] += 1

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from viasd.config import invalid_from_validation
+from viasd.config import validate_named
 from viasd.errors import InvalidParameterError
 
 TOKEN_ENV = "VIASD_API_TOKEN"
@@ -72,14 +72,7 @@ class GRPCSecurity(BaseModel):
     @classmethod
     def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> "GRPCSecurity":
         """Validate, raising InvalidParameterError that names the bad field."""
-        try:
-            return cls.model_validate({**(values or {}), **overrides})
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            if not first.get("loc"):  # the cross-field check: its message starts with the field
-                field, _, message = first["msg"].removeprefix("Value error, ").partition(": ")
-                raise InvalidParameterError(field, message) from None
-            raise invalid_from_validation(exc) from None
+        return validate_named(cls, {**(values or {}), **overrides})
 
     @property
     def tls(self) -> bool:

@@ -7,11 +7,13 @@ pydantic, so the light client install can validate a request before it touches t
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from viasd.errors import InvalidParameterError
+
+M = TypeVar("M", bound=BaseModel)
 
 MAX_GAMMA = 32
 MAX_STOP_TOKEN_IDS = 1024  # each committed token is checked against them
@@ -165,6 +167,19 @@ def invalid_from_validation(exc: ValidationError) -> InvalidParameterError:
     if not field:  # a model-level validator: find the field it talks about
         field = next((name for key, name in _CROSS_FIELD.items() if key in msg), "params")
     return InvalidParameterError(field, msg.removeprefix("Value error, "))
+
+
+def validate_named(model: type[M], values: dict[str, Any]) -> M:
+    """`model.model_validate(values)`, raising InvalidParameterError that names the bad field. A
+    model-level (cross-field) validator states its field first: "field: what is wrong"."""
+    try:
+        return model.model_validate(values)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if not first.get("loc"):
+            field, _, message = first["msg"].removeprefix("Value error, ").partition(": ")
+            raise InvalidParameterError(field, message) from None
+        raise invalid_from_validation(exc) from None
 
 
 class EngineConfig(BaseModel):
