@@ -144,6 +144,10 @@ class Coordinator:
         merged stats. Cancelling the consumer (or `aclose()`) closes both sessions."""
         prompt = check_request(prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context,
                                has_drafter=self.drafter_address is not None)
+        if params.mode == Mode.AUTO:
+            raise InvalidParameterError(
+                "mode", "mode 'auto' runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
+                "serves 'ar', 'sd' and 'via'")
         if params.mode != Mode.AR and self.drafter_address is None:  # (the n-gram proposer runs on the drafter too)
             raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs the pipeline's drafter; it has none")
         if not request_id:

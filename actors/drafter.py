@@ -59,8 +59,9 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         params = params_from_proto(request.params)
         prompt = list(request.prompt_token_ids)
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        # no forward here: the prompt is prefilled by the first Propose
-        self.sessions[request.request_id] = DraftSession(self.lm, prompt, params, request.seed, stats)
+        session = DraftSession(self.lm, prompt, params, request.seed, stats)
+        await self._work.submit(session.prefill)  # the prompt but its last token, as in-process
+        self.sessions[request.request_id] = session
         return ipb.OpenResponse(request_id=request.request_id)
 
     @rpc

@@ -64,8 +64,9 @@ class VerifierCore:
         if request_id in self.sessions:
             raise InvalidParameterError("request_id", f"{request_id!r} is already open on the verifier")
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        # no forward here: the first Verify feeds the prompt
-        self.sessions[request_id] = VerifySession(self.lm, self.mask, self.cache_policy, prompt, params, seed, stats)
+        session = VerifySession(self.lm, self.mask, self.cache_policy, prompt, params, seed, stats)
+        session.prefill()  # the prompt but its last token, as the in-process scheduler prefills it
+        self.sessions[request_id] = session
 
     def verify(self, request_id: str, draft: list[int], probs: bytes | None, with_stats: bool = False):
         """Check a draft block (decode one token when `draft` is empty) and commit the outcome.

@@ -2,8 +2,9 @@
 
 Same interface as `viasd.cluster.pipeline.Pipeline` (`coordinator.generate`, `tokenizer`,
 `info()`, `shutdown()`), for CPU development and as the reference the served output is compared
-with. The engine is single-threaded: requests take turns one decode step at a time on one worker
-thread, so concurrent streams interleave fairly and the event loop never blocks.
+with. The engine's steps run on one worker thread: each `next()` of a stream runs one engine step
+for every request in flight (continuous batching, viasd.scheduler) unless that stream already
+has a chunk waiting, so concurrent streams decode together and the event loop never blocks.
 """
 
 from __future__ import annotations

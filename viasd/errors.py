@@ -42,3 +42,11 @@ class MaskError(InvalidParameterError):
 
     def __reduce__(self):
         return (MaskError, (self.message, self.field))
+
+
+class CapacityError(InvalidParameterError):
+    """A request does not fit the engine's capacity (KV cache rows or positions): the message
+    names the limit (``field``) and its value, so a client knows what to shorten or configure."""
+
+    def __reduce__(self):
+        return (CapacityError, (self.field, self.message))

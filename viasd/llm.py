@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from viasd.config import EngineConfig, GenerationParams
-from viasd.engine import Engine, GenerationResult
+from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.metrics import RequestStats
+from viasd.precision import LinearReport, optimize_linears, resolve_dtype
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -100,14 +101,25 @@ class LLM:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        model, self.tokenizer = load_causal_lm(config.verifier, dtype=config.dtype, device=config.device,
+        self.dtype_choice = resolve_dtype(config.dtype, config.device)  # `auto`: what runs fastest here
+        dtype = self.dtype_choice.dtype
+        model, self.tokenizer = load_causal_lm(config.verifier, dtype=dtype, device=config.device,
                                                trust_remote_code=config.trust_remote_code)
+        layer_mask, self.mask_source = self._mask(mask, model)  # (fingerprint of the weights as loaded)
+
+        def pack(m):  # prepacked CPU kernels (viasd.precision), before MaskedLM takes the modules
+            return optimize_linears(m, dtype, config.device) if config.packed_linears else LinearReport("off")
+
+        reports = [pack(model)]
         self.verifier = MaskedLM(model)
         self.drafter = None
         if config.drafter:
-            self.drafter = MaskedLM(load_causal_lm(config.drafter, dtype=config.dtype, device=config.device,
-                                                   trust_remote_code=config.trust_remote_code)[0])
-        layer_mask, self.mask_source = self._mask(mask, model)
+            drafter = load_causal_lm(config.drafter, dtype=dtype, device=config.device,
+                                     trust_remote_code=config.trust_remote_code)[0]
+            reports.append(pack(drafter))
+            self.drafter = MaskedLM(drafter)
+        self.kernels = {"linear_method": reports[0].method, "linears_swapped": sum(len(r.swapped) for r in reports),
+                        "linear_extra_bytes": sum(r.extra_bytes for r in reports)}
         self.engine = Engine(
             self.verifier,
             self.drafter,
@@ -115,7 +127,16 @@ class LLM:
             cache_policy=config.cache_policy,
             eos_token_ids=eos_ids(self.tokenizer, model),
             max_context=config.max_context,
+            max_batch=config.max_batch,
+            max_seq_len=config.max_seq_len,
+            kv_cache_gib=config.kv_cache_gib,
+            prefill_chunk=config.prefill_chunk,
+            cost_cache_dir=cost_cache_dir(),
         )
+
+    def runtime_info(self) -> dict:
+        """How this engine runs here: the dtype choice (and why), the CPU capability, the kernels."""
+        return {**self.dtype_choice.as_dict(), **self.kernels}
 
     def _mask(self, mask, model) -> tuple[LayerMask, str]:
         return resolve_mask(self.config, model, mask)

@@ -53,6 +53,11 @@ class RequestStats:
     time_to_first_token: float | None = None
     total_seconds: float = 0.0
     drafter_fallback: bool = False  # served: the drafter failed and the request went on as `ar`
+    prefill_forwards: int = 0  # prompt chunks through a tier (not in `forwards`)
+    prefill_seconds: float = 0.0
+    plans: dict[str, int] = field(default_factory=dict)  # `auto`: steps per plan ("ar", "sd:k=3", ...)
+    queue_seconds: float = 0.0  # from submission to admission into the batch
+    kv_bytes: int = 0  # valid keys/values the request held in every tier when it finished
 
     def count_accepted(self, positions: range) -> None:
         for j in positions:

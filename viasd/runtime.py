@@ -1,18 +1,26 @@
-"""Layer-masked execution of a Hugging Face decoder-only LM, with per-layer key/value caches.
+"""Layer-masked, batched execution of a Hugging Face decoder-only LM, with slot key/value caches.
 
 The slim verifier q' of VIA-SD is the full verifier q run with a layer mask z in {0,1}^L
-(z_l = 0: layer l is bypassed). Both run on the same weights through `MaskedLM.forward`:
+(z_l = 0: layer l is bypassed). Both run on the same weights through `MaskedLM.forward_batch`,
+over B ragged rows (row b feeds T_b tokens at positions start_b .. start_b + T_b - 1):
 
-    h_0 = embed(x)                                   # [1, T, H]
+    h_0 = embed(x)                                   # [B, T, H], rows right-padded to T = max T_b
     h_l = layer_l(h_{l-1})  if z_l = 1 else h_{l-1}  # skipped layers do not run and write no cache
-    logits = lm_head(norm(h_L))                      # [T, V]
+    logits_b = lm_head(norm(h_L[b, T_b - k_b : T_b]))  # [k_b, V]: only the positions asked for
 
-Rotary embeddings and the causal mask are computed once per forward and shared by every kept
-layer; positions are explicit (`start + arange(T)`), never inferred from a cache length, so that
-layer 0 may be skipped.
+Query t of row b attends to keys 0 .. start_b + t of its own row (a boolean mask [B, 1, T, S]);
+rotary embeddings use explicit per-row positions, never a cache length, so layer 0 may be skipped.
+Padding never reaches a real row: pad queries sit after every real query of their row, their
+keys and values are never written to the cache, and the cache starts zeroed, so a masked-out
+key is finite and contributes exactly 0 to a real row.
 
-`KVCache` keeps keys/values per layer with its own valid length, so layers can be rolled back
-independently; the two cache policies of DESIGN.md are built from it in `viasd.engine`.
+`SlotKVCache` holds the keys/values of up to `max_rows` sequences for a subset of layers, each
+(layer, row) with its own valid length: a forward appends to the kept layers of its rows only,
+a rollback just sets a length, a finished request frees its row. Storage is preallocated per
+layer as [rows, H_kv, len, D] and grows by doubling (rows and length) up to the configured
+capacity, so one request on a large-capacity engine holds one row, not all of them. It is the
+single cache interface of the engine (docs/BATCHING.md, "Caches"): a paged cache can take
+its place behind `SlotKVCache.batch` / `RowCache`.
 """
 
 from __future__ import annotations
@@ -23,78 +31,195 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from viasd.errors import MaskError, ModelLoadError
+from viasd.errors import CapacityError, MaskError, ModelLoadError
 
 # config.model_type values whose decoder blocks are model.model.layers with the LLaMA layer API
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 
 
-class KVCache:
-    """Keys and values of one sequence for a subset of layers; every layer has its own length.
+class SlotKVCache:
+    """Keys and values of up to `max_rows` sequences (rows) for a subset of layers.
 
-    Storage grows by doubling (amortised O(1) appends, no per-step torch.cat); `crop` only moves
-    a length, so a rollback costs nothing. The object is duck-type compatible with the
-    `past_key_values.update(k, v, layer_idx)` call that transformers' attention modules make.
+    Every (layer, row) has its own valid length. `batch(...)` gives the object a forward hands
+    to transformers' attention modules (`past_key_values.update(k, v, layer_idx)`).
     """
 
-    def __init__(self, layers: Iterable[int], num_layers: int):
+    def __init__(self, layers: Iterable[int], num_layers: int, *, max_rows: int = 1, max_len: int | None = None):
         self.layers = tuple(sorted(set(layers)))
         if any(not 0 <= i < num_layers for i in self.layers):
             raise MaskError(f"cache layers {self.layers} out of range for a {num_layers}-layer model")
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         self.num_layers = num_layers
-        self._k: list[Tensor | None] = [None] * num_layers  # each [1, H_kv, capacity, D]
+        self.max_rows = max_rows
+        self.max_len = max_len  # None: unbounded (grows as needed)
+        self._k: list[Tensor | None] = [None] * num_layers  # each [rows_cap, H_kv, len_cap, D]
         self._v: list[Tensor | None] = [None] * num_layers
-        self._len = [0] * num_layers
+        self._len = [[0] * max_rows for _ in range(num_layers)]  # [L][row]
+        self._free = list(range(max_rows))  # free rows, lowest first
 
-    def length(self, layer: int) -> int:
-        return self._len[layer]
+    # ------------------------------------------------------------ rows
 
-    def lengths(self) -> dict[int, int]:
-        return {i: self._len[i] for i in self.layers}
+    def alloc(self) -> int:
+        """A free row (the lowest), all of its layers at length 0."""
+        if not self._free:
+            raise CapacityError("rows", f"all {self.max_rows} cache rows are in use")
+        row = self._free.pop(0)
+        for lens in self._len:
+            lens[row] = 0
+        return row
 
-    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
-        """Roll the given layers (default: all of this cache's layers) back to `length` positions."""
+    def free(self, row: int) -> None:
+        """Give a row back (its contents are left in place and overwritten by the next owner)."""
+        if row in self._free or not 0 <= row < self.max_rows:
+            raise ValueError(f"row {row} is not allocated")
+        for lens in self._len:
+            lens[row] = 0
+        self._free.append(row)
+        self._free.sort()
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.max_rows - len(self._free)
+
+    def row(self, row: int) -> "RowCache":
+        return RowCache(self, row)
+
+    # ------------------------------------------------------------ lengths
+
+    def length(self, row: int, layer: int) -> int:
+        return self._len[layer][row]
+
+    def crop(self, row: int, length: int, layers: Iterable[int] | None = None) -> None:
+        """Roll the given layers (default: all of this cache's layers) of a row back to `length`."""
         for i in self.layers if layers is None else layers:
-            self._len[i] = min(self._len[i], length)
+            self._len[i][row] = min(self._len[i][row], length)
 
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """Append key/value [1, H_kv, T, D] to layer `layer_idx`; return the layer's whole valid K/V."""
-        if layer_idx not in self.layers:
-            raise MaskError(f"layer {layer_idx} has no slot in this cache (layers {self.layers})")
-        n, t = self._len[layer_idx], key.shape[2]
-        k_buf, v_buf = self._k[layer_idx], self._v[layer_idx]
-        if k_buf is None or n + t > k_buf.shape[2]:
-            cap = max(64, 2 * (n + t))
-            shape = (key.shape[0], key.shape[1], cap, key.shape[3])
-            new_k, new_v = key.new_empty(shape), value.new_empty(shape)
-            if k_buf is not None and n:
-                new_k[:, :, :n] = k_buf[:, :, :n]
-                new_v[:, :, :n] = v_buf[:, :, :n]
-            self._k[layer_idx], self._v[layer_idx] = k_buf, v_buf = new_k, new_v
-        k_buf[:, :, n : n + t] = key
-        v_buf[:, :, n : n + t] = value
-        self._len[layer_idx] = n + t
-        return k_buf[:, :, : n + t], v_buf[:, :, : n + t]
-
-    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        """The valid keys and values of one layer, each [1, H_kv, length, D] (views)."""
-        n = self._len[layer]
+    def kv(self, row: int, layer: int) -> tuple[Tensor, Tensor]:
+        """The valid keys and values of one row and layer, each [1, H_kv, length, D] (views)."""
         if self._k[layer] is None:
             raise MaskError(f"layer {layer} holds no keys yet")
-        return self._k[layer][:, :, :n], self._v[layer][:, :, :n]
+        n = self._len[layer][row]
+        return self._k[layer][row : row + 1, :, :n], self._v[layer][row : row + 1, :, :n]
 
-    def nbytes(self) -> int:
-        """Bytes of the valid entries (not the reserved capacity)."""
+    def nbytes(self, row: int | None = None) -> int:
+        """Bytes of the valid entries of one row (or of all rows)."""
         total = 0
         for i in self.layers:
-            if self._k[i] is not None:
-                k = self._k[i]
-                total += 2 * k.shape[0] * k.shape[1] * self._len[i] * k.shape[3] * k.element_size()
+            k = self._k[i]
+            if k is not None:
+                n = self._len[i][row] if row is not None else sum(self._len[i])
+                total += 2 * k.shape[1] * n * k.shape[3] * k.element_size()
         return total
 
+    def reserved_bytes(self) -> int:
+        """Bytes of the storage allocated so far (all rows and layers, valid or not)."""
+        return sum(2 * k.numel() * k.element_size() for k in self._k if k is not None)
+
+    # ------------------------------------------------------------ forwards
+
+    def batch(self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> "_BatchWrite":
+        """The cache view of one forward: row b = rows[b] appends lengths[b] tokens at starts[b]."""
+        return _BatchWrite(self, list(rows), list(starts), list(lengths))
+
+    def _ensure(self, layer: int, like: Tensor, rows_needed: int, len_needed: int) -> None:
+        """Allocate or grow layer storage (doubling, zero-filled) to hold rows_needed x len_needed."""
+        if self.max_len is not None and len_needed > self.max_len:
+            raise CapacityError("max_seq_len", f"{len_needed} positions exceed the cache's {self.max_len} per row")
+        k = self._k[layer]
+        if k is not None and rows_needed <= k.shape[0] and len_needed <= k.shape[2]:
+            return
+        old_rows, old_len = (0, 0) if k is None else (k.shape[0], k.shape[2])
+        rows_cap = min(self.max_rows, max(old_rows, 1 << (rows_needed - 1).bit_length()))
+        len_cap = max(old_len, 64, 1 << (len_needed - 1).bit_length())
+        if self.max_len is not None:
+            len_cap = min(len_cap, self.max_len)
+        shape = (rows_cap, like.shape[1], len_cap, like.shape[3])
+        new_k = like.new_zeros(shape)  # zeros: a never-written position is finite (see module docstring)
+        new_v = like.new_zeros(shape)
+        if k is not None:
+            new_k[:old_rows, :, :old_len] = k
+            new_v[:old_rows, :, :old_len] = self._v[layer]
+        self._k[layer], self._v[layer] = new_k, new_v
+
     def __repr__(self) -> str:
-        lens = sorted(set(self.lengths().values()))
-        return f"KVCache(layers={len(self.layers)}/{self.num_layers}, lengths={lens})"
+        return f"SlotKVCache(layers={len(self.layers)}/{self.num_layers}, rows={self.rows_in_use}/{self.max_rows})"
+
+
+class _BatchWrite:
+    """What one batched forward gives the attention modules as `past_key_values`.
+
+    `update(key, value, layer_idx)` writes the real tokens of every row (never the padding) and
+    returns the keys/values the queries attend to, [B, H_kv, S, D] with S = max_b start_b + T_b.
+    """
+
+    def __init__(self, cache: SlotKVCache, rows: list[int], starts: list[int], lengths: list[int]):
+        self.cache, self.rows, self.starts, self.lengths = cache, rows, starts, lengths
+        self.span = max(s + n for s, n in zip(starts, lengths))  # S
+        self.contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+        if len(rows) > 1:  # flat indices of the real tokens: dst (row, pos) <- src (b, t)
+            b_idx = [b for b, n in enumerate(lengths) for _ in range(n)]
+            t_idx = [t for n in lengths for t in range(n)]
+            self.src_b, self.src_t = torch.tensor(b_idx), torch.tensor(t_idx)  # [N], [N]
+            self.dst_row = torch.tensor([rows[b] for b in b_idx])  # [N]
+            self.dst_pos = torch.tensor([starts[b] + t for b, t in zip(b_idx, t_idx)])  # [N]
+            self.row_index = torch.tensor(rows)  # [B]
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """key/value [B, H_kv, T, D] -> the rows' keys/values [B, H_kv, S, D]."""
+        cache = self.cache
+        if layer_idx not in cache.layers:
+            raise MaskError(f"layer {layer_idx} has no slot in this cache (layers {cache.layers})")
+        lens = cache._len[layer_idx]
+        cache._ensure(layer_idx, key, max(self.rows) + 1, self.span)
+        k_buf, v_buf = cache._k[layer_idx], cache._v[layer_idx]
+        if len(self.rows) == 1:
+            row, start, n = self.rows[0], self.starts[0], self.lengths[0]
+            k_buf[row, :, start : start + n] = key[0, :, :n]
+            v_buf[row, :, start : start + n] = value[0, :, :n]
+        else:
+            dev = k_buf.device
+            src_b, src_t = self.src_b.to(dev), self.src_t.to(dev)
+            dst_row, dst_pos = self.dst_row.to(dev), self.dst_pos.to(dev)
+            k_buf[dst_row, :, dst_pos] = key[src_b, :, src_t]  # [N, H_kv, D]
+            v_buf[dst_row, :, dst_pos] = value[src_b, :, src_t]
+        for row, start, n in zip(self.rows, self.starts, self.lengths):
+            lens[row] = start + n
+        if self.contiguous:  # a view, no copy
+            r0, r1 = self.rows[0], self.rows[0] + len(self.rows)
+            return k_buf[r0:r1, :, : self.span], v_buf[r0:r1, :, : self.span]
+        idx = self.row_index.to(k_buf.device)
+        return k_buf[:, :, : self.span].index_select(0, idx), v_buf[:, :, : self.span].index_select(0, idx)
+
+
+@dataclass(frozen=True)
+class RowCache:
+    """One sequence's view of a `SlotKVCache`: its row, with the single-sequence API."""
+
+    store: SlotKVCache
+    row: int
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.store.layers
+
+    def length(self, layer: int) -> int:
+        return self.store.length(self.row, layer)
+
+    def lengths(self) -> dict[int, int]:
+        return {i: self.store.length(self.row, i) for i in self.store.layers}
+
+    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
+        self.store.crop(self.row, length, layers)
+
+    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
+        return self.store.kv(self.row, layer)
+
+    def nbytes(self) -> int:
+        return self.store.nbytes(self.row)
+
+    def release(self) -> None:
+        self.store.free(self.row)
 
 
 @dataclass(frozen=True)
@@ -128,7 +253,7 @@ class LayerMask:
         """Skip round(ratio * L) layers spread evenly over layers 1..L-2 (first and last kept).
 
         A placeholder until a DIMR-searched mask is given: on real models an evenly spread mask
-        agrees far less with the full model than a searched one (DESIGN.md, measured figures).
+        agrees far less with the full model than a searched one (docs/DIMR.md).
         """
         if not 0.0 <= ratio < 1.0:
             raise MaskError(f"skip ratio must be in [0, 1), got {ratio}", field="skip_ratio")
@@ -160,6 +285,16 @@ class LayerMask:
         return f"LayerMask(skipped={list(self.skipped)}, L={self.num_layers})"
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of a batched forward: feed `tokens` at positions start.., return `num_logits` rows."""
+
+    tokens: Sequence[int]  # [T_b]
+    start: int  # position of tokens[0]; the row's cache layers must hold exactly `start` positions
+    num_logits: int  # logits for the last num_logits positions (0: none, a prefill chunk)
+    cache_row: int | None = None  # the row of the SlotKVCache (None: no cache)
+
+
 class MaskedLM:
     """Runs a transformers causal LM (LLaMA / Qwen2 family) layer by layer with an optional mask."""
 
@@ -181,57 +316,99 @@ class MaskedLM:
         self.dtype = next(model.parameters()).dtype
         self.device = next(model.parameters()).device
 
-    def new_cache(self, mask: LayerMask | None = None) -> KVCache:
-        return KVCache(self.all_layers if mask is None else mask.kept, self.num_layers)
-
     @property
     def all_layers(self) -> tuple[int, ...]:
         return tuple(range(self.num_layers))
+
+    def kv_bytes_per_token(self, mask: LayerMask | None = None) -> int:
+        """Bytes of keys + values one position costs in the layers `mask` keeps (all by default)."""
+        cfg = self.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        layers = self.num_layers if mask is None else len(mask.kept)
+        return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    def new_store(self, mask: LayerMask | None = None, *, max_rows: int = 1, max_len: int | None = None) -> SlotKVCache:
+        """An empty cache for the layers `mask` keeps (all by default)."""
+        return SlotKVCache(self.all_layers if mask is None else mask.kept, self.num_layers,
+                           max_rows=max_rows, max_len=max_len)
+
+    def new_cache(self, mask: LayerMask | None = None) -> RowCache:
+        """A one-sequence cache (a one-row store)."""
+        store = self.new_store(mask)
+        return store.row(store.alloc())
 
     @torch.inference_mode()
     def forward(
         self,
         tokens: Tensor,
         start: int,
-        cache: KVCache | None = None,
+        cache: RowCache | None = None,
         mask: LayerMask | None = None,
         num_logits: int | None = None,
     ) -> Tensor:
-        """Logits [num_logits or T, V] (float32, float64 for a float64 model) for `tokens` [T] at positions start..start+T-1.
-
-        With a cache, every kept layer must hold exactly `start` positions (the caller crops
-        first); the forward appends T positions to each kept layer and to no other.
-        """
+        """Logits [num_logits or T, V] (float32, float64 for a float64 model) for one sequence's
+        `tokens` [T] at positions start..start+T-1: `forward_batch` with one row."""
         assert tokens.ndim == 1, f"tokens must be [T], got {tuple(tokens.shape)}"
         t = tokens.shape[0]
+        row = Row(tokens.tolist(), start, t if num_logits is None else num_logits,
+                  None if cache is None else cache.row)
+        return self.forward_batch([row], None if cache is None else cache.store, mask)[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, rows: Sequence[Row], cache: SlotKVCache | None = None,
+                      mask: LayerMask | None = None) -> list[Tensor]:
+        """One forward over ragged rows; returns each row's logits [num_logits_b, V] (float32, or
+        float64 for a float64 model).
+
+        With a cache, every kept layer of each row must hold exactly `start_b` positions (the
+        caller crops first); the forward appends T_b positions to each kept layer of each row and
+        to no other layer. Without a cache every row starts at 0.
+        """
         layers = self.all_layers if mask is None else mask.kept
         if mask is not None and mask.num_layers != self.num_layers:
             raise MaskError(f"mask has {mask.num_layers} entries but the model has {self.num_layers} layers")
-        if cache is not None:
-            stale = {i: cache.length(i) for i in layers if cache.length(i) != start}
-            if stale:
-                raise RuntimeError(f"cache layers not at position {start}: {stale}")
-        elif start != 0:
+        if cache is None and any(r.start != 0 for r in rows):
             raise RuntimeError("a forward without cache must start at position 0")
-
-        positions = torch.arange(start, start + t, device=self.device).unsqueeze(0)  # [1, T]
-        hidden = self.embed(tokens.to(self.device).unsqueeze(0))  # [1, T, H]
-        rope = self.rotary(hidden, positions)  # (cos, sin), each [1, T, D]
+        b, t = len(rows), max(len(r.tokens) for r in rows)
+        lengths = [len(r.tokens) for r in rows]
+        if min(lengths) < 1 or any(not 0 <= r.num_logits <= n for r, n in zip(rows, lengths)):
+            raise ValueError(f"rows need >= 1 token and 0 <= num_logits <= tokens: {[(n, r.num_logits) for r, n in zip(rows, lengths)]}")
+        dev = self.device
+        ids = torch.zeros(b, t, dtype=torch.long)  # [B, T], right-padded with token 0
+        for i, r in enumerate(rows):
+            ids[i, : lengths[i]] = torch.as_tensor(list(r.tokens), dtype=torch.long)
+        starts = torch.tensor([r.start for r in rows])  # [B]
+        positions = (starts[:, None] + torch.arange(t)[None, :]).to(dev)  # [B, T]
+        hidden = self.embed(ids.to(dev))  # [B, T, H]
+        rope = self.rotary(hidden, positions)  # (cos, sin), each [B, T, D]
+        span = max(r.start + n for r, n in zip(rows, lengths))  # S: keys the longest row sees
         attn_mask = None
-        if t > 1:  # query i attends to keys 0..start+i
-            keys = torch.arange(start + t, device=self.device)  # [S]
-            attn_mask = (keys.unsqueeze(0) <= positions.squeeze(0).unsqueeze(1))[None, None]  # [1, 1, T, S]
+        if b > 1 or t > 1:  # query t of row b attends to keys 0..start_b + t of its row
+            keys = torch.arange(span, device=dev)  # [S]
+            attn_mask = (keys[None, None, :] <= positions[:, :, None])[:, None]  # [B, 1, T, S]
+        view = None
+        if cache is not None:
+            for r in rows:
+                stale = {i: cache.length(r.cache_row, i) for i in layers if cache.length(r.cache_row, i) != r.start}
+                if stale:
+                    raise RuntimeError(f"cache row {r.cache_row}: layers not at position {r.start}: {stale}")
+            view = cache.batch([r.cache_row for r in rows], [r.start for r in rows], lengths)
         for i in layers:
             hidden = self.layers[i](
                 hidden,
                 attention_mask=attn_mask,
                 position_ids=positions,
-                past_key_values=cache,
-                use_cache=cache is not None,
+                past_key_values=view,
+                use_cache=view is not None,
                 position_embeddings=rope,
             )
-        if num_logits is not None:
-            hidden = hidden[:, -num_logits:]
-        hidden = self.norm(hidden)
-        logits = self.lm_head(hidden)[0]  # [T, V]
-        return logits if logits.dtype == torch.float64 else logits.float()
+        wanted = [(i, n - r.num_logits, n) for i, (r, n) in enumerate(zip(rows, lengths)) if r.num_logits]
+        out: list[Tensor] = [hidden.new_empty(0, self.vocab_size)] * b
+        if wanted:
+            picked = torch.cat([hidden[i, lo:hi] for i, lo, hi in wanted])[None]  # [1, N, H] (3-d, as the
+            logits = self.lm_head(self.norm(picked))[0]  # [N, V]   tensor-parallel heads expect)
+            logits = logits if logits.dtype == torch.float64 else logits.float()
+            for (i, _, _), part in zip(wanted, logits.split([r.num_logits for r in rows if r.num_logits])):
+                out[i] = part
+        return out

@@ -4,17 +4,21 @@ matched baselines of seed 003, side by side on the same prompts, pair and seeds,
     viasd bench                                   # the main suite on 5 HumanEval prompts, greedy
     viasd bench --suite ablations --prompts 3 --max-tokens 64
     viasd bench --methods "ar;sd;via:region_b=escalate:gamma=3" --workload prompts.jsonl
+    viasd bench --suite load --concurrency 1,2,4,8,16 --max-tokens 128   # throughput under concurrency
 
 Python API (already loaded models; no tokenizer needed when prompts carry token ids)::
 
     from viasd.bench import Bench, Prompt, parse_methods, run_suite
     bench = Bench(verifier, drafter)              # MaskedLM objects, or Bench.from_llm(llm)
     results = run_suite(bench, parse_methods("ar,sd,via", base), [Prompt("p0", ids=[1, 2, 3])], base)
+    load = run_load(bench, concurrency=[1, 4, 16], methods=["ar", "via", "ar@batch1", "generate_batch", "roofline"])
 
 The outputs (``--out``): results.json (every raw run, the summary, the environment, the exact
 command), results.md (the tables), one PNG per plot group. Modules: `methods` (the registry and
 suites), `workloads` (HumanEval, JSONL), `runner` (the interleaved loop), `execution` (pass@1 in a
-sandboxed subprocess), `report` (summaries, targets, Markdown), `plots` (matplotlib).
+sandboxed subprocess), `report` (summaries, targets, Markdown), `plots` (matplotlib), `load` (the
+load suite: continuous batching under concurrency against transformers' generate_batch and the
+bare batched forward).
 """
 
 from __future__ import annotations
@@ -32,13 +36,14 @@ from typing import Any
 
 from viasd.bench.methods import Group, Method, matched_baseline, parse_method, parse_methods, suite_methods
 from viasd.bench.report import markdown, summarize, targets
+from viasd.bench.load import run_load
 from viasd.bench.runner import Bench
 from viasd.bench.workloads import Prompt, humaneval, load_jsonl, load_workload
 from viasd.config import EngineConfig, GenerationParams
 
 __all__ = [
     "Bench", "Group", "Method", "Prompt", "environment", "humaneval", "load_jsonl", "load_workload",
-    "matched_baseline", "parse_method", "parse_methods", "rerender", "run_bench", "run_suite", "suite_methods",
+    "matched_baseline", "parse_method", "parse_methods", "rerender", "run_bench", "run_load", "run_suite", "suite_methods",
     "write_outputs",
 ]
 
@@ -195,6 +200,7 @@ def run_bench(args, config: EngineConfig, params: GenerationParams) -> int:
         "suite": None if spec else (suite or "main"),
         "engine": config.model_dump(mode="json"),
         "device": str(llm.verifier.device),
+        "runtime": llm.runtime_info(),  # the dtype `auto` chose and why, CPU capability, kernels
         "default_mask": {"skipped_layers": list(llm.engine.mask.skipped), "source": bench.default_mask_source},
         "searched_masks": {str(k): {"skipped_layers": list(m.skipped), "source": s}
                            for k, (m, s) in sorted(bench.searched_masks.items())},

@@ -40,6 +40,7 @@ HEADS = {
     "ar": ("engine", Mode.AR),
     "sd": ("engine", Mode.SD),
     "via": ("engine", Mode.VIA),
+    "auto": ("engine", Mode.AUTO),
     "hf": ("hf_generate", Mode.AR),
     "hf-generate": ("hf_generate", Mode.AR),
     "hf-assisted": ("hf_assisted", Mode.SD),

@@ -15,7 +15,7 @@ Definitions (every figure is recomputed from the raw runs stored beside it in re
 * agreement (T = 0 only): the share of generated tokens before the first difference from `ar`'s
   output on the same prompt (the verifier's greedy output), and the share of identical outputs.
 * memory: the peak RSS of the process during the run, its growth during the run, and the bytes of
-  every KV cache the request held at its end (KVCache.nbytes(): valid entries, all tiers).
+  every KV cache row the request held at its end (RequestStats.kv_bytes: valid entries, all tiers).
 * CPU ms per token: this process's CPU time (all threads) per generated token: less sensitive than
   wall time to other processes taking the cores, more to threads spinning while they wait.
 """

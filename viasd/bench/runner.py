@@ -27,7 +27,7 @@ import torch
 from viasd.bench.methods import Method, matched_baseline, parse_method, random_mask_skipped
 from viasd.bench.workloads import Prompt
 from viasd.config import CachePolicy, GenerationParams, Mode
-from viasd.engine import Engine
+from viasd.engine import Engine, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.runtime import LayerMask, MaskedLM
 
@@ -118,26 +118,6 @@ def _patched(obj: Any, **values: Any) -> Iterator[None]:
     finally:
         for k, v in old.items():
             setattr(obj, k, v)
-
-
-@contextlib.contextmanager
-def _record_caches(lms: Sequence[MaskedLM]) -> Iterator[list]:
-    """Collect the KVCache objects a request creates (to report their bytes afterwards)."""
-    made: list = []
-    for lm in lms:
-        orig = type(lm).new_cache
-
-        def new_cache(mask=None, lm=lm, orig=orig):
-            c = orig(lm, mask)
-            made.append(c)
-            return c
-
-        lm.new_cache = new_cache
-    try:
-        yield made
-    finally:
-        for lm in lms:
-            del lm.new_cache
 
 
 def _sync(device: torch.device) -> None:
@@ -238,7 +218,8 @@ class Bench:
         key = (mask.keep, policy)
         if key not in self._engines:
             self._engines[key] = Engine(self.verifier, self.drafter, mask=mask, cache_policy=policy,
-                                        eos_token_ids=self.eos_token_ids, max_context=self.max_context)
+                                        eos_token_ids=self.eos_token_ids, max_context=self.max_context,
+                                        cost_cache_dir=cost_cache_dir())
         return self._engines[key], info
 
     # ------------------------------------------------------------------ prompts and text
@@ -287,20 +268,17 @@ class Bench:
 
     def _run_engine(self, method: Method, prompt_ids: list[int], params: GenerationParams) -> dict:
         engine, _ = self.engine_for(method)
-        lms = [m for m in (self.verifier, self.drafter) if m is not None]
-        with _record_caches(lms) as caches:
-            _sync(self.verifier.device)
-            t0 = time.perf_counter()
-            res = engine.complete(prompt_ids, params)
-            _sync(self.verifier.device)
-            seconds = time.perf_counter() - t0
-        unique = {id(c): c for c in caches}.values()  # the shared policy reuses q's cache for q'
+        _sync(self.verifier.device)
+        t0 = time.perf_counter()
+        res = engine.complete(prompt_ids, params)
+        _sync(self.verifier.device)
+        seconds = time.perf_counter() - t0
         stats = res.stats.to_dict()
         return {
             "tokens": list(res.token_ids),
             "seconds": seconds,
             "time_to_first_token": stats["time_to_first_token"],
-            "kv_bytes": sum(c.nbytes() for c in unique),
+            "kv_bytes": stats["kv_bytes"],  # valid entries of every tier's row when it finished
             "stats": stats,
         }
 

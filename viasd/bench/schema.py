@@ -87,7 +87,7 @@ METHOD = {
     "properties": {
         "label": {"type": "string"},
         "kind": {"enum": ["engine", "hf_generate", "hf_assisted", "hf_lookup"]},
-        "mode": {"enum": ["ar", "sd", "via"]},
+        "mode": {"enum": ["ar", "sd", "via", "auto"]},
         "params": {"type": "object"},
         "alias_of": {"type": ["string", "null"]},
         "matched_baseline": {"type": ["string", "null"]},

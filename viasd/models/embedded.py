@@ -52,6 +52,7 @@ __all__ = [
     "EmbeddedModel",
     "cache_dir_for",
     "cache_root",
+    "concrete_dtype",
     "convert_gguf",
     "ensure_local",
     "fetch",
@@ -71,7 +72,7 @@ MANIFEST_FORMAT = 1
 #: Architectures (``config.model_type``) the conversion accepts.
 CONVERTIBLE_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 #: Canonical dtype names, and the spellings accepted for them.
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = ("bfloat16", "float16", "float32", "float64")
 _DTYPE_ALIASES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -81,6 +82,9 @@ _DTYPE_ALIASES = {
     "float32": "float32",
     "fp32": "float32",
     "float": "float32",
+    "float64": "float64",
+    "fp64": "float64",
+    "double": "float64",
 }
 _CHUNK = 8 << 20  # bytes read at a time when hashing / assembling
 
@@ -211,8 +215,18 @@ def normalize_dtype(dtype: str | torch.dtype) -> str:
         return _DTYPE_ALIASES[key]
     except KeyError:
         raise ModelLoadError(
-            f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}"
+            f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)} (or auto)"
         ) from None
+
+
+def concrete_dtype(dtype: str | torch.dtype, device: str = "cpu") -> str:
+    """:func:`normalize_dtype`, with ``auto`` first resolved for ``device`` by
+    :func:`viasd.precision.resolve_dtype`: a converted cache is never named after ``auto``."""
+    if str(dtype).lower() == "auto":
+        from viasd.precision import resolve_dtype
+
+        return resolve_dtype("auto", device).dtype
+    return normalize_dtype(dtype)
 
 
 def torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -241,8 +255,9 @@ def cache_root() -> Path:
 
 
 def cache_dir_for(name: str, dtype: str = "bfloat16") -> Path:
-    """Where the converted Hugging Face directory of built-in ``name`` in ``dtype`` lives."""
-    return cache_root() / f"{name}-{normalize_dtype(dtype)}"
+    """Where the converted Hugging Face directory of built-in ``name`` in ``dtype`` lives
+    (``auto``: the dtype it resolves to on CPU)."""
+    return cache_root() / f"{name}-{concrete_dtype(dtype)}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,7 +605,9 @@ _convert: Callable[[Path, Path, str], None] = convert_gguf
 
 
 def ensure_local(name: str, dtype: str = "bfloat16") -> Path:
-    """The converted Hugging Face directory of built-in model ``name`` in ``dtype``.
+    """The converted Hugging Face directory of built-in model ``name`` in ``dtype`` (``auto``:
+    the dtype it resolves to on CPU, :func:`concrete_dtype`; the loader resolves it per device
+    before calling).
 
     Returns at once when the cache holds a valid conversion. Otherwise locates the packages'
     part files (metadata only), verifies the sha256 of the (assembled) GGUF file and converts it,
@@ -598,7 +615,7 @@ def ensure_local(name: str, dtype: str = "bfloat16") -> Path:
     message gives the install command) and :class:`ChecksumError` on a digest mismatch.
     """
     model = _get_model(name)
-    dtype = normalize_dtype(dtype)
+    dtype = concrete_dtype(dtype)
     root = cache_root()
     target = root / f"{name}-{dtype}"
     if _is_valid(target, model, dtype):

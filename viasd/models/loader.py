@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from viasd.errors import ModelLoadError
-from viasd.models.embedded import BUILTIN_MODELS, ensure_local, normalize_dtype, torch_dtype
+from viasd.models.embedded import BUILTIN_MODELS, concrete_dtype, ensure_local, torch_dtype
 from viasd.runtime import SUPPORTED_ARCHITECTURES  # what MaskedLM can run
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,11 +46,12 @@ _VOLATILE_CONFIG_KEYS = (
 _FINGERPRINT_BYTES = 4096
 
 
-def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16") -> Path:
-    """The local Hugging Face directory for ``spec``: a built-in name (converted on first use,
-    see :func:`~viasd.models.embedded.ensure_local`) or a path to a directory with config.json."""
+def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16", device: str = "cpu") -> Path:
+    """The local Hugging Face directory for ``spec``: a built-in name (converted on first use into
+    the cache of the concrete dtype, ``auto`` resolved for ``device``, see
+    :func:`~viasd.models.embedded.ensure_local`) or a path to a directory with config.json."""
     if spec in BUILTIN_MODELS:
-        return ensure_local(spec, normalize_dtype(dtype))
+        return ensure_local(spec, concrete_dtype(dtype, device))
     path = Path(spec).expanduser()
     if not path.is_dir():
         raise ModelLoadError(
@@ -81,10 +82,15 @@ def load_causal_lm(
     weights (``pytorch_model.bin``, which can run code when unpickled) raises ModelLoadError.
     Python code shipped with a model (``auto_map`` in its config) runs only with
     ``trust_remote_code=True`` (``EngineConfig.trust_remote_code``, off by default).
+
+    ``dtype`` is a dtype name, a torch dtype or ``auto``, resolved for ``device`` by
+    :func:`viasd.precision.resolve_dtype` (cached per process); the model's parameters are in the
+    concrete dtype. Callers that record the choice call ``resolve_dtype`` themselves and pass
+    ``choice.dtype`` here.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    dt = torch_dtype(dtype)
+    dt = torch_dtype(concrete_dtype(dtype, device))
     path = resolve_model_dir(spec, dt)
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"{path} has no *.safetensors weights; only safetensors are loaded (pickled "
@@ -129,7 +135,7 @@ def _tokenizer_at(path: Path, trust_remote_code: bool = False) -> PreTrainedToke
 def load_tokenizer(spec: str, *, dtype: str | torch.dtype = "bfloat16") -> PreTrainedTokenizerBase | None:
     """The tokenizer of a model (built-in name or local directory) without loading its weights;
     None for a directory without tokenizer files."""
-    path = resolve_model_dir(spec, torch_dtype(dtype))
+    path = resolve_model_dir(spec, concrete_dtype(dtype))
     try:
         return _tokenizer_at(path)
     except Exception as exc:

@@ -27,7 +27,7 @@ __all__ = [
     "mode_from_proto", "finish_from_proto",
 ]
 
-MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA}
+MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA, Mode.AUTO: pb.MODE_AUTO}
 REGION_B_TO_PB = {RegionB.REWRITE: pb.REGION_B_REWRITE, RegionB.ESCALATE: pb.REGION_B_ESCALATE}
 PROPOSER_TO_PB = {Proposer.MODEL: pb.PROPOSER_MODEL, Proposer.NGRAM: pb.PROPOSER_NGRAM,
                   Proposer.HYBRID: pb.PROPOSER_HYBRID}
@@ -44,7 +44,7 @@ _FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 _OPTIONAL = (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "slim_bonus",
     "lossy_alpha", "lossy_beta", "overshoot_ceiling", "ignore_eos", "ngram_max", "draft_confidence", "adaptive_gamma",
-    "overlap",
+    "overlap", "auto_lossy",
 )
 # RequestStats counters with the same name on both sides
 _STATS_INTS = (

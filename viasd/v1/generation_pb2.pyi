@@ -13,6 +13,7 @@ class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODE_AR: _ClassVar[Mode]
     MODE_SD: _ClassVar[Mode]
     MODE_VIA: _ClassVar[Mode]
+    MODE_AUTO: _ClassVar[Mode]
 
 class RegionB(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -44,6 +45,7 @@ MODE_UNSPECIFIED: Mode
 MODE_AR: Mode
 MODE_SD: Mode
 MODE_VIA: Mode
+MODE_AUTO: Mode
 REGION_B_UNSPECIFIED: RegionB
 REGION_B_REWRITE: RegionB
 REGION_B_ESCALATE: RegionB
@@ -69,7 +71,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap")
+    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap", "auto_lossy")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,7 @@ class GenerationParams(_message.Message):
     DRAFT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_GAMMA_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
+    AUTO_LOSSY_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     max_tokens: int
     temperature: float
@@ -116,7 +119,8 @@ class GenerationParams(_message.Message):
     draft_confidence: float
     adaptive_gamma: bool
     overlap: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ...) -> None: ...
+    auto_lossy: bool
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ..., auto_lossy: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt", "messages", "prompt_token_ids", "params")

@@ -1,0 +1,183 @@
+"""`mode: auto` (viasd.planner over viasd.costs): the plan each step is the one with the most
+expected tokens per second, and lossless plans keep the output exact.
+
+* greedy `auto` equals greedy `ar` token for token (float64), whatever the cost curves make it
+  choose (sd with several k, n-gram drafts, plain ar), alone and batched beside fixed modes;
+* sampled `auto` follows q (chi-square on the first committed token), the drafter's law is rejected;
+* `auto` runs `via` only when the request allows a lossy plan;
+* the planner: no speculation when it cannot pay, longer blocks as acceptance rises, shorter
+  blocks when the batch makes the verifier's forward expensive; the profiled cost model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from viasd.config import parse_params
+from viasd.costs import Acceptance, CostModel, profile
+from viasd.engine import Engine
+from viasd.errors import InvalidParameterError
+from viasd.planner import Plan, RowState, choose, goodput
+from viasd.runtime import LayerMask
+
+PROMPTS = [[5, 17, 3, 88, 41, 9], [33, 34, 35, 33, 34, 35, 33, 34, 35, 33], [1, 2, 3]]
+
+# full forward dear and flat in tokens, drafter cheap: speculation pays
+SPECULATE = CostModel({"full": [(1, 1.0), (64, 1.3)], "slim": [(1, 0.5), (64, 0.7)], "drafter": [(1, 0.05), (64, 0.6)]})
+# every forward linear in tokens and the drafter as dear as the verifier: it never pays
+NEVER = CostModel({"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.6), (64, 38.0)], "drafter": [(1, 1.0), (64, 64.0)]})
+# the drafter dear, the verifier flat: only the free n-gram drafts pay
+NGRAM = CostModel({"full": [(1, 1.0), (64, 1.3)], "slim": [(1, 0.6), (64, 0.8)], "drafter": [(1, 5.0), (64, 300.0)]})
+
+
+def _engine(pair, costs, **kw):
+    verifier, drafter = pair
+    return Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), costs=costs, **kw)
+
+
+@pytest.mark.parametrize("costs, expect", [(SPECULATE, "sd"), (NEVER, "ar"), (NGRAM, "ngram")],
+                         ids=["speculate", "never", "ngram"])
+def test_greedy_auto_equals_greedy_ar(tiny_pair, costs, expect):
+    engine = _engine(tiny_pair, costs)
+    kinds = set()
+    for prompt in PROMPTS:
+        ar = engine.complete(prompt, parse_params(mode="ar", max_tokens=40)).token_ids
+        auto = engine.complete(prompt, parse_params(mode="auto", max_tokens=40))
+        assert auto.token_ids == ar
+        kinds |= {label.split(":")[0] for label in auto.stats.plans}
+        assert sum(auto.stats.plans.values()) == auto.stats.num_drafts + auto.stats.plans.get("ar", 0)
+    assert expect in kinds
+    if expect == "ar":
+        assert kinds == {"ar"}
+
+
+def test_auto_batched_beside_fixed_modes_equals_ar(tiny_pair):
+    engine = _engine(tiny_pair, SPECULATE, max_batch=6)
+    alone = {i: _engine(tiny_pair, SPECULATE).complete(p, parse_params(mode="ar", max_tokens=30)).token_ids
+             for i, p in enumerate(PROMPTS)}
+    handles = {engine.submit(p, parse_params(mode="auto", max_tokens=30)): i for i, p in enumerate(PROMPTS)}
+    others = [engine.submit(p, parse_params(mode=m, max_tokens=30, temperature=1.0, seed=3))
+              for p in PROMPTS for m in ("via", "sd")]
+    while engine.scheduler.has_work():
+        engine.step()
+    for h, i in handles.items():
+        assert sum((c.token_ids for c in h.chunks), []) == alone[i]
+    assert all(h.chunks[-1].finished for h in others)
+
+
+def test_sampled_auto_follows_q(tiny_pair):
+    verifier, drafter = tiny_pair
+    engine = _engine(tiny_pair, SPECULATE, max_batch=16)
+    n, prompt = 3000, PROMPTS[0]
+    handles = [engine.submit(prompt, parse_params(mode="auto", max_tokens=1, gamma=2, temperature=1.0, seed=s))
+               for s in range(n)]
+    while engine.scheduler.has_work():
+        engine.step()
+    assert sum(h.stats.plans.get("sd:k=1", 0) + h.stats.plans.get("sd:k=2", 0) for h in handles) > n // 2
+    firsts = torch.tensor([h.chunks[0].token_ids[0] for h in handles])
+    counts = torch.bincount(firsts, minlength=verifier.vocab_size).double()
+
+    def pvalue(law):
+        expected = law * n
+        big = expected >= 5
+        obs = torch.cat([counts[big], counts[~big].sum()[None]])
+        exp = torch.cat([expected[big], expected[~big].sum()[None]])
+        return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+    q = torch.softmax(verifier.forward(torch.tensor(prompt), 0)[-1], -1)
+    p = torch.softmax(drafter.forward(torch.tensor(prompt), 0)[-1], -1)
+    assert pvalue(q) > 1e-3 and pvalue(p) < 1e-6
+
+
+def test_auto_runs_via_only_when_lossy_plans_are_allowed(tiny_pair):
+    # the slim verifier nearly free, q linear in its tokens, via cycles known to escalate rarely:
+    # via is the best plan when allowed, sd never beats ar
+    cheap_slim = CostModel({"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.01), (64, 0.02)],
+                            "drafter": [(1, 0.05), (64, 0.6)]})
+    engine = _engine(tiny_pair, cheap_slim)
+    engine.scheduler.via_tokens, engine.scheduler.via_escalation = 3.0, 0.1
+    lossless = engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=30))
+    lossy = engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=30, auto_lossy=True))
+    assert not any(k.startswith("via") for k in lossless.stats.plans) and lossless.stats.forwards["slim"] == 0
+    assert any(k.startswith("via") for k in lossy.stats.plans) and lossy.stats.forwards["slim"] > 0
+
+
+def test_auto_without_a_drafter_uses_ngram_or_ar(tiny_pair):
+    verifier, _ = tiny_pair
+    engine = Engine(verifier, None, costs=NGRAM)
+    ar = engine.complete(PROMPTS[1], parse_params(mode="ar", max_tokens=30)).token_ids
+    auto = engine.complete(PROMPTS[1], parse_params(mode="auto", max_tokens=30))
+    assert auto.token_ids == ar and set(k.split(":")[0] for k in auto.stats.plans) <= {"ar", "ngram"}
+
+
+def test_auto_refuses_overlap_and_adaptive_gamma():
+    for extra in (dict(overlap=True), dict(adaptive_gamma=True)):
+        with pytest.raises(InvalidParameterError) as info:
+            parse_params(mode="auto", **extra)
+        assert info.value.field == "mode"
+
+
+# ------------------------------------------------------------------ the planner
+
+
+def _row(rate: float, gamma: int = 5, **kw) -> RowState:
+    acc = Acceptance()
+    acc.model = [rate] * 8
+    return RowState(fixed=None, gamma=gamma, acceptance=acc, **kw)
+
+
+def test_planner_speculates_only_when_it_pays():
+    assert choose(NEVER, [_row(0.9)]) == [Plan("ar")]
+    assert choose(SPECULATE, [_row(0.9)])[0].kind == "sd"
+    assert choose(SPECULATE, [_row(0.0)]) == [Plan("ar")]  # nothing is ever accepted
+
+
+def test_planner_block_length_grows_with_acceptance():
+    ks = [choose(SPECULATE, [_row(rate)])[0].k for rate in (0.3, 0.6, 0.95)]
+    assert ks == sorted(ks) and ks[-1] == 5 and ks[0] < ks[-1]
+
+
+def test_planner_shortens_blocks_when_the_batch_makes_verification_dear():
+    # the full forward's cost grows with its tokens: 16 rows of 6 tokens cost far more than 16 of 2
+    linear_full = CostModel({"full": [(1, 1.0), (16, 1.2), (96, 12.0)], "slim": [(1, 0.5), (96, 6.0)],
+                             "drafter": [(1, 0.05), (16, 0.1), (96, 1.0)]})
+    alone = choose(linear_full, [_row(0.7)])[0].k
+    batch = choose(linear_full, [_row(0.7) for _ in range(16)])
+    assert max(p.k for p in batch) < alone
+    assert goodput(linear_full, [_row(0.7)] * 16, batch) >= goodput(linear_full, [_row(0.7)] * 16, [Plan("sd", alone)] * 16)
+
+
+def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
+    m = CostModel({"full": [(1, 1.0), (3, 2.0), (5, 6.0)]})
+    assert m.seconds("full", 0) == 0.0 and m.seconds("full", 2) == pytest.approx(1.5)
+    assert m.seconds("full", 4) == pytest.approx(4.0) and m.seconds("full", 7) == pytest.approx(10.0)
+    verifier, drafter = tiny_pair
+    mask = LayerMask.from_skipped((1, 3), verifier.num_layers)
+    prof = profile(verifier, drafter, mask, grid=(1, 2, 4), repeats=1, cache_dir=tmp_path)
+    assert set(prof.grid) == {"full", "slim", "drafter"} and all(len(v) == 3 for v in prof.grid.values())
+    assert all(s > 0 for v in prof.grid.values() for _, s in v) and prof.profile_seconds > 0
+    again = profile(verifier, drafter, mask, grid=(1, 2, 4), repeats=1, cache_dir=tmp_path)
+    assert again.grid == prof.grid and again.profile_seconds == prof.profile_seconds  # read from the cache
+    other = profile(verifier, drafter, LayerMask.from_skipped((2,), verifier.num_layers), grid=(1, 2, 4),
+                    repeats=1, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["skipped"] == [2]
+
+
+def test_auto_crosses_the_wire_and_the_actor_pipeline_refuses_it_clearly():
+    import asyncio
+
+    from viasd.actors.coordinator import Coordinator
+    from viasd.v1.convert import params_from_proto, params_to_proto
+
+    params = parse_params(mode="auto", auto_lossy=True, max_tokens=7)
+    assert params_from_proto(params_to_proto(params)) == params
+    coordinator = Coordinator("127.0.0.1:1", "127.0.0.1:2", vocab_size=96)
+
+    async def first_chunk():
+        return await coordinator.generate("r1", [1, 2, 3], params).__anext__()
+
+    with pytest.raises(InvalidParameterError) as info:
+        asyncio.run(first_chunk())
+    assert info.value.field == "mode" and "local" in info.value.message

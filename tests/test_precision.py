@@ -1,0 +1,180 @@
+"""dtype: auto (viasd.precision) and the prepacked CPU linears: behaviour, not timing (the flag
+reader and the probe timer are monkeypatched)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from viasd import precision as P
+from viasd.config import EngineConfig, parse_engine_config
+from viasd.errors import InvalidParameterError, ModelLoadError
+
+from conftest import save_tiny_pair, tiny_model
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A clean per-process cache, restored afterwards."""
+    P._reset_cache()
+    yield monkeypatch
+    P._reset_cache()
+
+
+def _cpu(monkeypatch, *, flags, onednn=True, capability="AVX512", bf16_s=0.001, f32_s=0.002):
+    calls = []
+    monkeypatch.setattr(P, "cpu_bf16_flags", lambda: set(flags))
+    monkeypatch.setattr(P, "_onednn_bf16_enabled", lambda: onednn)
+    monkeypatch.setattr(P, "cpu_capability", lambda: capability)
+
+    def probe(name, *a, **k):
+        calls.append(name)
+        return {"bfloat16": bf16_s, "float32": f32_s}[name]
+
+    monkeypatch.setattr(P, "probe_matmul", probe)
+    return calls
+
+
+def test_auto_picks_bf16_with_native_bf16_and_a_probe_not_slower(fresh):
+    calls = _cpu(fresh, flags={"avx512_bf16"}, bf16_s=0.001, f32_s=0.002)
+    choice = P.resolve_dtype("auto", "cpu")
+    assert (choice.dtype, choice.reason, choice.native_bf16) == ("bfloat16", "native-bf16", True)
+    assert choice.cpu_capability == "AVX512" and choice.probe_seconds == {"bfloat16": 0.001, "float32": 0.002}
+    assert choice.torch_dtype is torch.bfloat16
+    assert P.resolve_dtype("auto", "cpu") == choice and sorted(calls) == ["bfloat16", "float32"]  # probed once
+    d = choice.as_dict()
+    assert d["dtype"] == "bfloat16" and d["dtype_requested"] == "auto" and d["cpu_capability"] == "AVX512"
+
+
+def test_auto_amx_counts_as_native(fresh):
+    _cpu(fresh, flags={"amx_bf16"})
+    assert P.resolve_dtype("auto").dtype == "bfloat16"
+
+
+def test_auto_stays_float32_when_the_probe_is_slower(fresh):
+    _cpu(fresh, flags={"avx512_bf16"}, bf16_s=0.003, f32_s=0.002)
+    choice = P.resolve_dtype("auto", "cpu")
+    assert (choice.dtype, choice.reason) == ("float32", "native-bf16-probe-slower")
+
+
+@pytest.mark.parametrize("kw", [dict(flags=set()), dict(flags={"avx512_bf16"}, onednn=False),
+                                dict(flags={"avx512_bf16"}, capability="AVX2")])
+def test_auto_is_float32_without_native_bf16(fresh, kw):
+    calls = _cpu(fresh, **kw)
+    choice = P.resolve_dtype("auto", "cpu")
+    assert (choice.dtype, choice.reason, choice.native_bf16) == ("float32", "no-native-bf16", False)
+    assert calls == [] and choice.probe_seconds == {}  # no probe without native bf16
+
+
+@pytest.mark.parametrize("name,want", [("bfloat16", "bfloat16"), ("bf16", "bfloat16"), ("float16", "float16"),
+                                       ("float32", "float32"), ("float64", "float64"), (torch.float32, "float32")])
+def test_explicit_dtypes_pass_through(fresh, name, want):
+    calls = _cpu(fresh, flags=set())
+    choice = P.resolve_dtype(name, "cpu")
+    assert (choice.dtype, choice.reason, choice.requested) == (want, "requested", want) and calls == []
+
+
+def test_auto_on_cuda_is_bf16_without_probing(fresh, monkeypatch):
+    calls = _cpu(fresh, flags=set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert P.resolve_dtype("auto", "cuda").dtype == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (7, 0))
+    assert P.resolve_dtype("auto", "cuda:1").dtype == "float16"
+    assert calls == []
+
+
+def test_unknown_dtype_raises():
+    with pytest.raises(ModelLoadError, match="int8"):
+        P.resolve_dtype("int8")
+
+
+def test_probe_runs_and_times_a_product():
+    assert 0.0 < P.probe_matmul("float32", shape=(2, 16, 8), repeats=2) < 1.0
+
+
+def test_engine_config_dtype_defaults_to_auto_and_validates():
+    assert EngineConfig().dtype == "auto"
+    for name in ("auto", "bfloat16", "float16", "float32", "float64"):
+        assert EngineConfig(dtype=name).dtype == name
+    with pytest.raises(InvalidParameterError) as exc:
+        parse_engine_config(dtype="bogus")
+    assert exc.value.field == "dtype" and "auto" in exc.value.message
+
+
+def test_engine_config_bogus_dtype_is_an_invalid_parameter():
+    from pydantic import ValidationError
+
+    with pytest.raises((InvalidParameterError, ValidationError), match="dtype"):
+        EngineConfig(dtype="bogus")
+
+
+def test_auto_loads_a_tiny_model_in_the_concrete_dtype(fresh, tmp_path):
+    from viasd.models.loader import load_causal_lm
+
+    save_tiny_pair(tmp_path)
+    for native, want in ((False, torch.float32), (True, torch.bfloat16)):
+        P._reset_cache()
+        _cpu(fresh, flags={"avx512_bf16"} if native else set())
+        model, tok = load_causal_lm(str(tmp_path / "verifier"), dtype="auto")
+        assert tok is None and next(model.parameters()).dtype is want
+
+
+def test_auto_never_names_a_cache_auto(fresh, tmp_path, monkeypatch):
+    from viasd.models import embedded as E
+
+    monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
+    _cpu(fresh, flags=set())
+    assert E.cache_dir_for(E.TEST_MODEL, "auto").name == f"{E.TEST_MODEL}-float32"
+    assert E.concrete_dtype("auto") == "float32" and E.concrete_dtype("bf16") == "bfloat16"
+    seen = []
+    monkeypatch.setattr(E, "_is_valid", lambda target, model, dtype: seen.append((target.name, dtype)) or True)
+    assert E.ensure_local(E.TEST_MODEL, "auto").name == f"{E.TEST_MODEL}-float32"
+    assert seen == [(f"{E.TEST_MODEL}-float32", "float32")]
+
+
+# ------------------------------------------------------------------------------------------------
+# optimize_linears
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_optimize_linears_keeps_outputs_and_shared_weights(arch, dtype, tol):
+    from viasd.runtime import MaskedLM
+
+    if dtype is torch.bfloat16 and not P._onednn_bf16_enabled():
+        pytest.skip("oneDNN bf16 not available on this CPU")
+    model = tiny_model(arch, dtype=dtype).eval()
+    ids = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(1))
+    plain = MaskedLM(model).forward(ids, 0)
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    report = P.optimize_linears(model, dtype, "cpu")
+    assert report.method == "mkldnn_packed" and sorted(report.swapped) == sorted(linears)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params  # same parameters, not copies
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert report.extra_bytes == sum(model.get_submodule(n).weight.numel() * dtype.itemsize for n in linears)
+    lm = MaskedLM(model)
+    fast = lm.forward(ids, 0)
+    assert torch.allclose(fast, plain, atol=tol * plain.abs().max().item(), rtol=0)
+    cache = lm.new_cache()  # cached decode steps go through the same modules
+    lm.forward(ids[:5], 0, cache)
+    step = lm.forward(ids[5:], 5, cache)
+    assert torch.allclose(step, plain[5:], atol=tol * plain.abs().max().item(), rtol=0)
+    assert report.as_dict()["linears_swapped"] == len(linears)
+
+
+def test_optimize_linears_is_a_no_op_off_cpu_and_for_float64():
+    model = tiny_model("llama", dtype=torch.float64)
+    assert P.optimize_linears(model, torch.float64).swapped == []
+    assert P.optimize_linears(model, None, "cuda").method == "none"
+    assert any(type(m) is torch.nn.Linear for m in model.modules())
+
+
+def test_packed_linear_falls_back_for_other_inputs():
+    lin = torch.nn.Linear(8, 4, dtype=torch.float32).requires_grad_(False)
+    packed = P.packed_linear_class()(lin)
+    x = torch.randn(3, 8)
+    assert torch.allclose(packed(x), lin(x), atol=1e-6)

@@ -1,0 +1,152 @@
+"""The engine's own cost curve: forward seconds per tier, profiled at start, and the running
+acceptance estimates that say what a speculative plan buys (issue "Never slower").
+
+Forward cost is modelled as a function of the tokens one forward carries, M = sum_b T_b (the
+rows' new tokens: every weight matmul is [M, H] x [H, H']): `seconds(tier, M)` interpolates a
+measured grid linearly and extrapolates from its last two points. Rows add a little attention
+work on top, which the grid (one row of M tokens at a short cached length) does not see; on a
+CPU the matmuls dominate. The grid is measured once per (model fingerprint, device, dtype,
+threads, mask) and cached as JSON under the model cache (viasd.models.embedded.cache_root).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from viasd.runtime import LayerMask, MaskedLM, Row
+
+GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per profiled forward
+PREFIX = 32  # cached positions each profiled forward attends to
+
+
+@dataclass
+class CostModel:
+    """Seconds of one forward of each tier ("drafter", "slim", "full") against its token count."""
+
+    grid: dict[str, list[tuple[int, float]]]  # tier -> [(M, seconds)], M ascending
+    key: dict = field(default_factory=dict)  # what the figures were measured for
+    profile_seconds: float = 0.0  # wall time the profile took (0 when read from the cache)
+
+    def seconds(self, tier: str, tokens: float) -> float:
+        """Interpolated forward seconds of `tier` carrying `tokens` tokens (0 tokens: 0 s)."""
+        if tokens <= 0:
+            return 0.0
+        pts = self.grid[tier]
+        for (m0, s0), (m1, s1) in zip(pts, pts[1:]):
+            if tokens <= m1:
+                return s0 + (s1 - s0) * (max(tokens, m0) - m0) / (m1 - m0)
+        (m0, s0), (m1, s1) = pts[-2], pts[-1]
+        return s1 + (s1 - s0) * (tokens - m1) / (m1 - m0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls({k: [tuple(p) for p in v] for k, v in d["grid"].items()}, d.get("key", {}),
+                   d.get("profile_seconds", 0.0))
+
+    def break_even(self, tier_draft: str, tier_verify: str, k: int) -> float:
+        """Tokens one cycle of k drafted tokens must commit to beat `ar` at batch 1:
+        (k drafter forwards + one verify forward of k + 1 tokens) / one full forward of 1 token."""
+        cycle = k * self.seconds(tier_draft, 1) + self.seconds(tier_verify, k + 1)
+        return cycle / self.seconds("full", 1)
+
+
+def _time_forward(lm: MaskedLM, mask: LayerMask | None, tokens: int, repeats: int) -> float:
+    """Best-of-`repeats` seconds of one forward of `tokens` tokens after PREFIX cached ones."""
+    store = lm.new_store(mask, max_rows=1, max_len=PREFIX + tokens)
+    row = store.alloc()
+    prefix = [(7 * i + 3) % lm.vocab_size for i in range(PREFIX)]
+    lm.forward_batch([Row(prefix, 0, 0, row)], store, mask)
+    block = [(11 * i + 5) % lm.vocab_size for i in range(tokens)]
+    best = float("inf")
+    for _ in range(repeats):
+        store.crop(row, PREFIX)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+        t0 = time.perf_counter()
+        lm.forward_batch([Row(block, PREFIX, 1, row)], store, mask)
+        if lm.device.type == "cuda":
+            torch.cuda.synchronize(lm.device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def profile_key(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, grid: Sequence[int]) -> dict:
+    """What a cost profile depends on: the models (fingerprints), device, dtype, threads, mask."""
+    from viasd.models.loader import model_fingerprint
+
+    return {
+        "verifier": model_fingerprint(verifier.model)[:16],
+        "drafter": model_fingerprint(drafter.model)[:16] if drafter is not None else None,
+        "device": str(verifier.device), "dtype": str(verifier.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "skipped": list(mask.skipped), "grid": list(grid),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def profile(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, *, grid: Sequence[int] = GRID,
+            repeats: int = 2, cache_dir: Path | None = None) -> CostModel:
+    """Measure (or read from the cache) the forward seconds of every tier over `grid` tokens."""
+    key = profile_key(verifier, drafter, mask, grid)
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+        path = Path(cache_dir) / f"costs-{digest}.json"
+        if path.exists():
+            try:
+                return CostModel.from_dict(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError):
+                pass  # a damaged cache file is measured again
+    t0 = time.perf_counter()
+    tiers = {"full": (verifier, None), "slim": (verifier, mask)}
+    if drafter is not None:
+        tiers["drafter"] = (drafter, None)
+    for lm, m in tiers.values():  # one untimed forward each: first-call allocations stay out of the figures
+        _time_forward(lm, m, 1, 1)
+    table = {name: [(n, _time_forward(lm, m, n, repeats)) for n in grid] for name, (lm, m) in tiers.items()}
+    model = CostModel(table, key, time.perf_counter() - t0)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(model.to_dict(), indent=1))
+    return model
+
+
+class Acceptance:
+    """Running estimates of what speculation buys one request (exponential moving averages,
+    starting from the engine-wide estimate): per draft position j, the probability that the
+    verifier accepts the drafted token given it reached j, for model drafts and n-gram drafts."""
+
+    DECAY = 0.8  # weight of the past in each update
+
+    def __init__(self, prior: "Acceptance | None" = None, positions: int = 8):
+        self.model = list(prior.model) if prior else [0.6] * positions  # [gamma]
+        self.ngram = list(prior.ngram) if prior else [0.5] * positions
+
+    def update(self, kind: str, drafted: int, accepted: int) -> None:
+        """A block of `drafted` tokens of which the first `accepted` were accepted."""
+        rates = self.model if kind == "model" else self.ngram
+        for j in range(min(drafted, len(rates))):
+            if j > accepted:
+                break  # not reached: no evidence
+            hit = 1.0 if j < accepted else 0.0
+            rates[j] = self.DECAY * rates[j] + (1 - self.DECAY) * hit
+
+    def expected_tokens(self, kind: str, k: int) -> float:
+        """E[tokens committed by a cycle of k drafts] = 1 + sum_{i=1..k} prod_{j<=i} a_j."""
+        rates, total, reach = (self.model if kind == "model" else self.ngram), 1.0, 1.0
+        for j in range(k):
+            reach *= rates[min(j, len(rates) - 1)]
+            total += reach
+        return total
+
+    def to_dict(self) -> dict:
+        return {"model": [round(a, 4) for a in self.model], "ngram": [round(a, 4) for a in self.ngram]}

@@ -1,0 +1,120 @@
+"""`mode: auto`: each step, pick every auto row's plan for the most expected committed tokens per
+second of step time (vLLM's dynamic speculative decoding / SmartSpec goodput, over three tiers).
+
+Plans (`Plan`): `ar` (no speculation), `sd` with k model-drafted tokens, `ngram` with k looked-up
+tokens (when the context has a match; no drafter forward), and, only when the request allows a
+lossy plan (`auto_lossy`), `via` with k drafted tokens gated by the slim verifier. Every lossless
+plan commits tokens distributed exactly as q (greedy: exactly `ar`'s tokens), so the choice only
+changes speed.
+
+The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], with
+  E[tokens]       = 1 + sum_{i=1..k} prod_{j<=i} a_j        (a: the row's running acceptance)
+  E[step seconds] = sum_r C_drafter(rows drafting in round r) + C_slim(sum_via (k+1))
+                    + C_full(sum_ar 1 + sum_sd (k+1) + sum_via P_esc (k+1))
+from the profiled cost curves (viasd.costs). Rows with a fixed mode count with their own plan.
+The plans are chosen by coordinate ascent from the best uniform assignment (every auto row on
+the same plan, where it has it: a drafting round costs about the same for one row as for all,
+so single-row moves alone would never leave `ar`); each row in turn takes the plan that
+maximises the batch's goodput given the others; two passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from viasd.costs import Acceptance, CostModel
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one row does this step."""
+
+    kind: str  # "ar" | "sd" | "ngram" | "via"
+    k: int = 0  # draft tokens (0 for ar)
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.kind == "ar" else f"{self.kind}:k={self.k}"
+
+
+@dataclass
+class RowState:
+    """What the planner knows of one row."""
+
+    fixed: Plan | None  # a request with an explicit mode: its plan, not chosen
+    gamma: int  # the most draft tokens allowed this step
+    acceptance: Acceptance
+    ngram_match: int = 0  # tokens the n-gram lookup would propose now (0: no match)
+    has_drafter: bool = True
+    lossy: bool = False  # the request allows `via`
+    via_tokens: float = 2.0  # running mean of tokens a via cycle commits
+    via_escalation: float = 0.5  # running probability that a via cycle escalates to q
+
+    def candidates(self) -> list[Plan]:
+        if self.fixed is not None:
+            return [self.fixed]
+        plans = [Plan("ar")]
+        if self.has_drafter:
+            plans += [Plan("sd", k) for k in range(1, self.gamma + 1)]
+            if self.lossy:
+                plans.append(Plan("via", self.gamma))
+        if self.ngram_match:
+            plans += [Plan("ngram", k) for k in range(1, min(self.gamma, self.ngram_match) + 1)]
+        return plans
+
+
+def expected_tokens(row: RowState, plan: Plan) -> float:
+    if plan.kind == "ar":
+        return 1.0
+    if plan.kind == "via":
+        return row.via_tokens
+    return row.acceptance.expected_tokens("ngram" if plan.kind == "ngram" else "model", plan.k)
+
+
+def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
+    """Expected seconds of one step in which row i runs plans[i] (module docstring)."""
+    drafting = sorted((p.k for p in plans if p.kind in ("sd", "via")), reverse=True)
+    seconds = 0.0
+    for r in range(drafting[0] if drafting else 0):
+        seconds += costs.seconds("drafter", sum(1 for k in drafting if k > r))
+    slim_tokens = sum(p.k + 1 for p in plans if p.kind == "via")
+    full_tokens = sum(1 if p.kind == "ar" else p.k + 1 for p in plans if p.kind != "via")
+    full_tokens += sum(row.via_escalation * (p.k + 1) for row, p in zip(rows, plans) if p.kind == "via")
+    return seconds + costs.seconds("slim", slim_tokens) + costs.seconds("full", full_tokens)
+
+
+def goodput(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
+    """Expected committed tokens per second of step time."""
+    seconds = step_seconds(costs, rows, plans)
+    return sum(expected_tokens(r, p) for r, p in zip(rows, plans)) / seconds if seconds > 0 else 0.0
+
+
+def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[Plan]:
+    """Every row's plan for this step (module docstring)."""
+    plans = _best_uniform(costs, rows)
+    for _ in range(passes):
+        for i, row in enumerate(rows):
+            if row.fixed is not None:
+                continue
+            best, best_value = plans[i], -1.0
+            for plan in row.candidates():
+                plans[i] = plan
+                value = goodput(costs, rows, plans)
+                if value > best_value + 1e-12:
+                    best, best_value = plan, value
+            plans[i] = best
+    return plans
+
+
+def _best_uniform(costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
+    """The best assignment that gives every auto row the same plan (or `ar` where it lacks it)."""
+    options = {p for r in rows if r.fixed is None for p in r.candidates()} | {Plan("ar")}
+    best, best_value = None, -1.0
+    for option in sorted(options, key=lambda p: (p.kind, p.k)):
+        plans = [r.fixed if r.fixed is not None else (option if option in r.candidates() else Plan("ar"))
+                 for r in rows]
+        value = goodput(costs, rows, plans)
+        if value > best_value:
+            best, best_value = plans, value
+    return best

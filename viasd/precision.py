@@ -1,0 +1,315 @@
+"""Which weight dtype a model runs in: ``dtype: auto`` and what it picked.
+
+:func:`resolve_dtype` turns a requested dtype (``EngineConfig.dtype``) into a concrete one and
+says why, as a :class:`DtypeChoice`:
+
+* an explicit dtype (``bfloat16``, ``float16``, ``float32``, ``float64``) passes through
+  (reason ``requested``);
+* ``auto`` on CUDA is ``bfloat16`` (``float16`` on a GPU without bf16);
+* ``auto`` on CPU is ``bfloat16`` when the CPU has native bf16 arithmetic (AVX-512 BF16 or AMX
+  BF16, see :func:`native_bf16`) *and* a short measured probe (a ``[6, 1536] x [1536, 4096]``
+  ``F.linear``, best of a few, a few ms in all, :func:`probe_matmul`) is not slower in bf16
+  than in float32; else ``float32``. Without native bf16, oneDNN/ATen widen every bf16 tile to
+  float32 on the fly: one-token steps may still gain from reading half the bytes, but
+  multi-token blocks and prefill lose (docs/benchmarks/cpu/kernels/results.md), so ``auto``
+  stays in float32 there.
+
+The CPU check and the probe run once per process (cached); :func:`resolve_dtype` is cheap to
+call again, so a caller can resolve once, load every tier with ``choice.dtype`` and record
+``choice.as_dict()`` in its stats.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "AUTO",
+    "DTYPE_NAMES",
+    "PROBE_SHAPE",
+    "DtypeChoice",
+    "cpu_bf16_flags",
+    "cpu_capability",
+    "native_bf16",
+    "optimize_linears",
+    "probe_matmul",
+    "resolve_dtype",
+]
+
+AUTO = "auto"
+#: The concrete dtypes a config may name (``auto`` resolves to one of them).
+DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
+#: (M, K, N) of the probe product: a 6-token block through a 1536 -> 4096 projection.
+PROBE_SHAPE = (6, 1536, 4096)
+#: Runs of the probe per dtype (after one warm-up); the best one counts.
+PROBE_REPEATS = 5
+#: CPU flags (``/proc/cpuinfo`` spelling) that mean native bf16 dot products.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The dtype a model is loaded in, and why.
+
+    ``dtype``: the concrete dtype name (``bfloat16`` / ``float16`` / ``float32`` / ``float64``).
+    ``requested``: what the configuration asked for (``auto`` or a dtype name).
+    ``reason``: ``requested``, ``cuda``, ``cuda-no-bf16``, ``native-bf16``,
+    ``native-bf16-probe-slower``, ``no-native-bf16`` or ``device``.
+    ``cpu_capability``: ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...)
+    on CPU, else None. ``native_bf16``: the CPU check of :func:`native_bf16` (None where it did
+    not run). ``probe_seconds``: best time of the probe product per dtype name (empty where no
+    probe ran).
+    """
+
+    dtype: str
+    requested: str
+    device: str
+    reason: str
+    cpu_capability: str | None = None
+    native_bf16: bool | None = None
+    probe_seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch
+
+        return getattr(torch, self.dtype)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: what stats, bench results and ``/v1/models`` record."""
+        return {
+            "dtype": self.dtype,
+            "dtype_requested": self.requested,
+            "dtype_reason": self.reason,
+            "device": self.device,
+            "cpu_capability": self.cpu_capability,
+            "native_bf16": self.native_bf16,
+            "dtype_probe_seconds": dict(self.probe_seconds),
+        }
+
+
+def _canonical(requested: str) -> str:
+    """Canonical dtype name of ``requested`` (aliases of :mod:`viasd.models.embedded`), or auto."""
+    from viasd.models.embedded import normalize_dtype
+
+    key = str(requested).removeprefix("torch.").lower()
+    return AUTO if key == AUTO else normalize_dtype(key)
+
+
+def cpu_capability() -> str:
+    """``torch.backends.cpu.get_cpu_capability()``: the ATen kernels in use (honours
+    ``ATEN_CPU_CAPABILITY``)."""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+def cpu_bf16_flags() -> set[str]:
+    """Which of :data:`BF16_FLAGS` the CPU reports: ``/proc/cpuinfo`` on Linux, else
+    ``torch.cpu.get_capabilities()`` (cpuinfo) where torch has it; empty when neither says."""
+    found: set[str] = set()
+    if platform.system() == "Linux":
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("flags"):
+                        found = {flag for flag in line.split(":", 1)[1].split() if flag in BF16_FLAGS}
+                        break
+            return found
+        except OSError:
+            pass
+    try:
+        import torch
+
+        caps = torch.cpu.get_capabilities()  # torch >= 2.6
+        found = {flag for flag in BF16_FLAGS if caps.get(flag)}
+    except Exception:  # noqa: BLE001 - an older torch, or a platform cpuinfo does not know
+        pass
+    return found
+
+
+def _onednn_bf16_enabled() -> bool:
+    """oneDNN may use bf16 instructions: False when ``ONEDNN_MAX_CPU_ISA`` caps it below
+    AVX-512, or where torch has no oneDNN."""
+    import torch
+
+    try:
+        return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively: it reports AVX-512 BF16 or AMX BF16, oneDNN may
+    use them, and ATen's kernels are not capped below AVX-512 (``ATEN_CPU_CAPABILITY``)."""
+    return bool(cpu_bf16_flags()) and _onednn_bf16_enabled() and cpu_capability().upper().startswith("AVX512")
+
+
+def probe_matmul(dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS) -> float:
+    """Best wall time in seconds of ``F.linear(x [M, K], w [N, K])`` in ``dtype_name`` on CPU,
+    after one warm-up run (a few ms for the default shape)."""
+    import torch
+    import torch.nn.functional as F
+
+    m, k, n = shape
+    dt = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dt)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dt)
+    best = float("inf")
+    with torch.inference_mode():
+        F.linear(x, w)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            F.linear(x, w)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_auto() -> DtypeChoice:
+    """What ``auto`` means on this process's CPU (computed once)."""
+    cap = cpu_capability()
+    native = native_bf16()
+    if not native:
+        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", cap, False)
+    seconds = {name: probe_matmul(name) for name in ("bfloat16", "float32")}
+    if seconds["bfloat16"] <= seconds["float32"]:
+        return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", cap, True, seconds)
+    return DtypeChoice("float32", AUTO, "cpu", "native-bf16-probe-slower", cap, True, seconds)
+
+
+def _cuda_auto(device: str) -> DtypeChoice:
+    import torch
+
+    index = torch.device(device).index
+    try:  # bf16 tensor cores from Ampere (compute capability 8.0) on
+        ok = torch.cuda.get_device_capability(0 if index is None else index) >= (8, 0)
+    except Exception:  # noqa: BLE001 - no CUDA here: loading will say so
+        ok = True
+    return DtypeChoice("bfloat16" if ok else "float16", AUTO, device, "cuda" if ok else "cuda-no-bf16")
+
+
+def resolve_dtype(requested: str | torch.dtype, device: str = "cpu") -> DtypeChoice:
+    """The concrete dtype for ``requested`` (``auto`` or a dtype name / alias / torch dtype) on
+    ``device`` (``cpu``, ``cuda``, ``cuda:N``), see the module docstring. Raises
+    :class:`~viasd.errors.ModelLoadError` for an unknown dtype name."""
+    name = _canonical(requested)
+    device = str(device)
+    kind = device.split(":", 1)[0]
+    cap = cpu_capability() if kind == "cpu" else None
+    if name != AUTO:
+        return DtypeChoice(name, name, device, "requested", cap)
+    if kind == "cpu":
+        return _cpu_auto()
+    if kind == "cuda":
+        return _cuda_auto(device)
+    return DtypeChoice("float32", AUTO, device, "device", cap)
+
+
+def _reset_cache() -> None:
+    """Forget the cached CPU decision (tests)."""
+    _cpu_auto.cache_clear()
+
+
+
+# ------------------------------------------------------------------------------------------------
+# prepacked CPU linears
+
+
+def _packed_linear_class():
+    import torch
+    from torch import nn
+
+    class _PackedLinear(nn.Module):
+        """An ``nn.Linear`` whose weight oneDNN has reordered once into its blocked layout
+        (``torch.ops.mkldnn._reorder_linear_weight``), run by ``torch.ops.mkldnn._linear_pointwise``:
+        the kernel inductor's freezing pass emits for CPU linears. ``weight`` and ``bias`` stay the
+        original parameters (shared, tied and fingerprinted as before); the packed copy is a
+        non-persistent buffer (extra memory: one more copy of the weight)."""
+
+        def __init__(self, linear: nn.Linear):
+            super().__init__()
+            self.in_features, self.out_features = linear.in_features, linear.out_features
+            self.weight = linear.weight
+            self.bias = linear.bias
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
+                                 persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dtype != self.weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
+                return nn.functional.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+        def extra_repr(self) -> str:
+            return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+    return _PackedLinear
+
+
+@functools.lru_cache(maxsize=None)
+def packed_linear_class():
+    """The ``nn.Module`` class :func:`optimize_linears` swaps in (built on first use)."""
+    return _packed_linear_class()
+
+
+@dataclass
+class LinearReport:
+    """What :func:`optimize_linears` did: ``swapped`` module names, ``skipped`` with the
+    reason, ``extra_bytes`` of packed copies, ``method``."""
+
+    method: str
+    swapped: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    extra_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"linear_method": self.method, "linears_swapped": len(self.swapped),
+                "linears_skipped": dict(self.skipped), "linear_extra_bytes": self.extra_bytes}
+
+
+def optimize_linears(model, dtype: str | torch.dtype | None = None, device: str = "cpu", *,
+                     include_lm_head: bool = True) -> LinearReport:
+    """Swap the ``nn.Linear`` modules of a loaded model for oneDNN-prepacked ones (see
+    ``_PackedLinear``), in place, on CPU; a no-op report elsewhere (method ``none``).
+
+    Outputs equal ``F.linear``'s within the dtype's rounding (oneDNN may sum in another order).
+    Weights stay shared (a tied ``lm_head`` keeps pointing at the embedding); each swapped linear
+    costs one more copy of its weight. ``dtype`` defaults to the model's.
+    """
+    import torch
+    from torch import nn
+
+    report = LinearReport("mkldnn_packed")
+    if str(device).split(":", 1)[0] != "cpu" or not torch.backends.mkldnn.is_available():
+        report.method = "none"
+        return report
+    dt = getattr(torch, _canonical(dtype)) if dtype is not None else next(model.parameters()).dtype
+    if dt not in (torch.float32, torch.bfloat16) or (dt == torch.bfloat16 and not _onednn_bf16_enabled()):
+        report.method = "none"
+        report.skipped["*"] = f"oneDNN packed linear not used for {dt} on this CPU"
+        return report
+    cls = packed_linear_class()
+    targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
+    for name, mod in targets:
+        if not include_lm_head and name.split(".")[-1] == "lm_head":
+            report.skipped[name] = "lm_head excluded"
+            continue
+        if mod.weight.dtype != dt or mod.weight.device.type != "cpu":
+            report.skipped[name] = f"weight is {mod.weight.dtype} on {mod.weight.device}"
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.no_grad():
+            packed = cls(mod)
+        setattr(parent, attr, packed)
+        report.swapped.append(name)
+        report.extra_bytes += mod.weight.numel() * mod.weight.element_size()
+    return report

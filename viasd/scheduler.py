@@ -1,0 +1,454 @@
+"""Continuous batching: one engine step advances every running request by one cycle of its mode.
+
+    step():
+      1. admit      waiting requests take free cache rows (FIFO; a full engine queues, never fails);
+      2. prefill    new requests' prompts go through every tier they use, at most `prefill_chunk`
+                    prompt tokens per step in all (chunked prefill), without logits;
+      3. draft      one batched drafter forward per round over the rows still drafting (a row
+                    leaves when its block ends: confidence stop, n-gram, adaptive gamma);
+      4. verify     one batched slim forward over the `via` rows, the gate per row, then one
+                    batched full forward over the `ar` rows, the `sd` blocks and the escalated
+                    `via` rows; the acceptance rules per row with the row's own random stream;
+                    (`overlap` rows draft their next block on a second thread meanwhile)
+      5. commit     per row: append, roll back, stream the chunk; finished rows free their cache
+                    rows at once, and the next step can admit in their place.
+
+`ar`, `sd` and `via` requests, each with its own parameters, share one batch. Every request owns
+its random generators and its cache rows, and a batched forward computes each row as it would
+alone (viasd.runtime), so batch composition never changes a request's tokens. The per-request
+logic lives in viasd.sessions; this module only decides what runs together. It imports neither
+Ray nor gRPC: the served coordinator drives the same sessions over RPC.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
+from viasd.errors import InvalidParameterError
+from viasd.metrics import RequestStats
+from viasd.runtime import LayerMask, MaskedLM
+from viasd.costs import Acceptance, CostModel
+from viasd.planner import Plan, RowState, choose
+from viasd.proposers import ngram_lookup
+from viasd.sessions import DraftSession, Outcome, VerifySession, drive, execute, request_seeds, uses_slim
+
+# a fixed mode's plan at draft length k; the proposer and verification mode of each plan kind
+_FIXED = {Mode.AR: lambda k: Plan("ar"), Mode.SD: lambda k: Plan("sd", k), Mode.VIA: lambda k: Plan("via", k)}
+_PROPOSER = {"sd": None, "via": None, "ngram": Proposer.NGRAM}  # None: the request's own proposer
+_VERIFY_MODE = {"sd": Mode.SD, "ngram": Mode.SD, "via": Mode.VIA}
+
+
+@dataclass
+class Chunk:
+    """Tokens committed by one step of a request; the last chunk carries the finish reason and stats."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" when finished
+    stats: RequestStats | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class GenerationResult:
+    """The whole output of a request."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+
+
+# ---------------------------------------------------------------- request checks and limits
+# Shared by the scheduler and the distributed coordinator (viasd.actors.coordinator), so that a
+# served request is validated, drafted and cut exactly like an in-process one.
+
+
+def context_limit(*limits: int | None) -> int | None:
+    """The context a request may fill: the smallest of the given limits (models' position
+    embeddings, a configured cap), None when none is known."""
+    known = [int(x) for x in limits if x]
+    return min(known) if known else None
+
+
+def check_request(
+    prompt_ids: Sequence[int], params: GenerationParams, *, vocab_size: int, max_context: int | None, has_drafter: bool,
+    context_name: str = "max_context",
+) -> list[int]:
+    """Validate one request (InvalidParameterError naming the field); return the prompt as ints.
+    `context_name` names the limit that sets `max_context` in the error a too-long prompt gets."""
+    if not isinstance(params, GenerationParams):
+        raise InvalidParameterError("params", f"expected GenerationParams, got {type(params).__name__}")
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise InvalidParameterError("prompt", "must contain at least one token")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParameterError("prompt", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
+    if max_context is not None and len(prompt) >= max_context:
+        raise InvalidParameterError(
+            "prompt", f"{len(prompt)} tokens leave no room in the context of {max_context} ({context_name})")
+    if params.mode not in (Mode.AR, Mode.AUTO) and not has_drafter and params.proposer != Proposer.NGRAM:
+        raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded")
+    return prompt
+
+
+def resolve_seed(params: GenerationParams) -> int:
+    """The request's seed, or a fresh random one when it has none."""
+    return params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+
+
+def draft_length(gamma: int, remaining: int, seq_len: int, max_context: int | None) -> int:
+    """Tokens to draft this cycle: gamma, cut to the tokens still allowed and to the context
+    (the verifier scores k + 1 positions past the prefix of seq_len tokens); at least 1."""
+    k = max(1, min(gamma, remaining))
+    if max_context is not None:
+        k = max(1, min(k, max_context - seq_len - 1))
+    return k
+
+
+class RequestLimits:
+    """Stop tokens, max_tokens and the context limit of one request, applied to what each cycle commits."""
+
+    def __init__(
+        self,
+        params: GenerationParams,
+        prompt_len: int,
+        max_context: int | None,
+        eos_token_ids: Sequence[int],
+        stats: RequestStats,
+    ):
+        self.params = params
+        self.max_context = max_context
+        self.stats = stats  # generated_tokens, time_to_first_token, finish_reason, total_seconds are kept here
+        self.budget = params.max_tokens if max_context is None else min(params.max_tokens, max_context - prompt_len)
+        self.stops = tuple(params.stop_token_ids if params.stop_token_ids is not None else eos_token_ids)
+        self.t_start = time.perf_counter()
+
+    @property
+    def remaining(self) -> int:
+        """New tokens still allowed."""
+        return self.budget - self.stats.generated_tokens
+
+    def draft_length(self, seq_len: int) -> int:
+        return draft_length(self.params.gamma, self.remaining, seq_len, self.max_context)
+
+    def chunk(self, new: list[int]) -> Chunk:
+        """Cut a cycle's committed tokens at the first stop token and at the budget; the chunk to stream."""
+        stats, finish = self.stats, None
+        if not self.params.ignore_eos and self.stops:
+            cut = next((j for j, t in enumerate(new) if t in self.stops), None)
+            if cut is not None:
+                new, finish = new[: cut + 1], "stop"
+        produced = stats.generated_tokens + len(new)
+        if produced >= self.budget:
+            new, finish = new[: len(new) - (produced - self.budget)], finish or "length"
+        if stats.time_to_first_token is None and new:
+            stats.time_to_first_token = time.perf_counter() - self.t_start
+        stats.generated_tokens += len(new)
+        if finish is None:
+            return Chunk(new)
+        stats.finish_reason = finish
+        stats.total_seconds = time.perf_counter() - self.t_start
+        return Chunk(new, finish, stats)
+
+
+# ---------------------------------------------------------------- the scheduler
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How much the engine runs at once (docs/BATCHING.md, "Caches")."""
+
+    max_batch: int  # requests decoding together = cache rows per tier
+    max_seq_len: int | None  # positions per cache row (prompt + generated + one draft block); None: unbounded
+    prefill_chunk: int  # prompt tokens prefilled per step, over all new requests
+
+
+class RequestHandle:
+    """One submitted request: its chunks as steps commit them, its state, its error if one."""
+
+    _ids = itertools.count()
+
+    def __init__(self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats):
+        self.id = next(self._ids)
+        self.prompt = prompt
+        self.params = params
+        self.limits = limits
+        self.stats = stats
+        self.chunks: deque[Chunk] = deque()
+        self.finished = False  # the last chunk has been produced (or the request failed / was cancelled)
+        self.cancelled = False
+        self.error: BaseException | None = None
+        self.submitted = time.perf_counter()
+
+    def __repr__(self) -> str:
+        return f"RequestHandle(id={self.id}, mode={self.params.mode.value}, finished={self.finished})"
+
+
+@dataclass(eq=False)
+class _Running:
+    """A request holding cache rows: its sessions and how far its prompt is prefilled."""
+
+    handle: RequestHandle
+    verify: VerifySession
+    draft: DraftSession | None
+    prefilled: bool = False
+    acceptance: Acceptance | None = None  # `auto`: what speculation buys this request (viasd.costs)
+    via_tokens: float = 2.0  # `auto` with lossy plans: running mean of tokens per via cycle ...
+    via_escalation: float = 0.5  # ... and of the probability that a via cycle escalates
+    via_seen: int = 0  # escalations counted so far
+
+    @property
+    def sessions(self) -> list:
+        return [s for s in (self.draft, self.verify) if s is not None]
+
+
+class Scheduler:
+    """Queues requests, admits them into cache rows, and runs engine steps (module docstring)."""
+
+    def __init__(
+        self,
+        verifier: MaskedLM,
+        drafter: MaskedLM | None,
+        mask: LayerMask,
+        cache_policy: CachePolicy,
+        eos_token_ids: Sequence[int],
+        max_context: int | None,
+        capacity: Capacity,
+        context_name: str = "max_context",
+        costs: CostModel | Callable[[], CostModel] | None = None,
+    ):
+        self.verifier, self.drafter, self.mask = verifier, drafter, mask
+        self.cache_policy = CachePolicy(cache_policy)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_context = max_context
+        self.context_name = context_name
+        self.capacity = capacity
+        rows, length = capacity.max_batch, capacity.max_seq_len
+        self.full_store = verifier.new_store(max_rows=rows, max_len=length)
+        self.slim_store = verifier.new_store(mask, max_rows=rows, max_len=length)  # separate policy only
+        self.drafter_store = drafter.new_store(max_rows=rows, max_len=length) if drafter is not None else None
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: list[_Running] = []
+        self._lock = threading.Lock()  # guards _waiting and cancellation; steps are serialised by the caller
+        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="viasd-draft-ahead")  # `overlap`
+        self.acceptance = Acceptance()  # engine-wide running acceptance: the prior of new `auto` requests
+        self.via_tokens, self.via_escalation = 2.0, 0.5  # engine-wide via estimates, the same way
+        self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestHandle:
+        """Validate a request and queue it (InvalidParameterError naming the field)."""
+        prompt = check_request(prompt_ids, params, vocab_size=self.verifier.vocab_size, max_context=self.max_context,
+                               has_drafter=self.drafter is not None, context_name=self.context_name)
+        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
+        limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
+        handle = RequestHandle(prompt, params, limits, stats)
+        with self._lock:
+            self._waiting.append(handle)
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Stop a request: it leaves at the next step boundary and frees its rows."""
+        with self._lock:
+            handle.cancelled = True
+            handle.finished = True
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    def costs(self) -> CostModel:
+        """The cost curves `auto` plans with (profiled on first use when given as a function)."""
+        if callable(self._costs):
+            self._costs = self._costs()
+        if self._costs is None:
+            raise InvalidParameterError("mode", "mode 'auto' needs the engine's cost model; none was given")
+        return self._costs
+
+    def sessions(self, handle: RequestHandle) -> tuple[DraftSession | None, VerifySession] | None:
+        """The sessions of a request holding cache rows (None when it waits or has left)."""
+        r = next((r for r in self._running if r.handle is handle), None)
+        return None if r is None else (r.draft, r.verify)
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> list[tuple[RequestHandle, Chunk]]:
+        """One engine step (module docstring); the chunks it committed, per request.
+
+        Not reentrant: one caller at a time (Engine serialises its callers). If a forward fails,
+        every request of the step gets the error on its handle, leaves, and the error propagates.
+        """
+        self._retire_cancelled()
+        self._admit()
+        batch = list(self._running)
+        try:
+            self._prefill()
+            return self._decode()
+        except BaseException as exc:
+            for r in batch:
+                if r in self._running:
+                    r.handle.error = exc
+                    self._retire(r)
+            raise
+
+    def _retire_cancelled(self) -> None:
+        with self._lock:
+            self._waiting = deque(h for h in self._waiting if not h.cancelled)
+        for r in [r for r in self._running if r.handle.cancelled]:
+            self._retire(r)
+
+    def _admit(self) -> None:
+        while len(self._running) < self.capacity.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    return
+                handle = self._waiting.popleft()
+            handle.stats.queue_seconds = time.perf_counter() - handle.submitted
+            self._running.append(self._open(handle))
+
+    def _open(self, handle: RequestHandle) -> _Running:
+        """The request's sessions, on fresh rows of the tiers it uses."""
+        params, prompt, stats = handle.params, handle.prompt, handle.stats
+        draft_seed, verify_seed = request_seeds(resolve_seed(params))
+        full = self.full_store.row(self.full_store.alloc())
+        slim = None
+        if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
+            slim = self.slim_store.row(self.slim_store.alloc())
+        verify = VerifySession(self.verifier, self.mask, self.cache_policy, prompt, params, verify_seed, stats,
+                               full_cache=full, slim_cache=slim)
+        draft = None
+        if params.mode != Mode.AR:
+            use_model = self.drafter is not None and params.proposer != Proposer.NGRAM
+            row = self.drafter_store.row(self.drafter_store.alloc()) if use_model else None
+            draft = DraftSession(self.drafter if use_model else None, prompt, params, draft_seed, stats, cache=row)
+        acceptance = Acceptance(self.acceptance) if params.mode == Mode.AUTO else None
+        return _Running(handle, verify, draft, prefilled=len(prompt) == 1, acceptance=acceptance,
+                        via_tokens=self.via_tokens, via_escalation=self.via_escalation)
+
+    def _retire(self, r: _Running) -> None:
+        """The request leaves: its KV figure is recorded and its rows are freed."""
+        r.handle.stats.kv_bytes = sum(s.kv_bytes() for s in r.sessions)
+        for s in r.sessions:
+            s.release()
+        self._running.remove(r)
+        r.handle.finished = True
+
+    def _prefill(self) -> None:
+        """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step."""
+        budget, forwards = self.capacity.prefill_chunk, []
+        for r in self._running:
+            if r.prefilled or budget <= 0:
+                continue
+            upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
+            n = min(budget, upto - done)
+            for s in r.sessions:
+                forwards += s.prefill_steps(done + n, n)
+            budget -= n
+            r.prefilled = done + n == upto
+        if forwards:
+            execute(forwards, prefill=True)
+
+    def _decode(self) -> list[tuple[RequestHandle, Chunk]]:
+        """Steps 3-5 over every prefilled request: plan (auto rows), draft, verify, commit."""
+        rows = [r for r in self._running if r.prefilled]
+        if not rows:
+            return []
+        plans = dict(zip(rows, self._plans(rows)))
+        drafting = [r for r in rows if plans[r].kind != "ar"]
+        for r in rows:
+            if r.draft is not None and plans[r].kind == "ar":
+                r.draft.skip()
+        proposals = drive({r: r.draft.propose_steps(plans[r].k, _PROPOSER.get(plans[r].kind)) for r in drafting})
+        ahead = [r for r in drafting if r.handle.params.overlap]
+        running_ahead = None
+        if ahead:  # overlap: draft the next blocks from the optimistic prefixes while the verifier works
+            running_ahead = self._ahead.submit(drive, {r: r.draft.draft_ahead_steps() for r in ahead})
+        try:
+            outcomes: dict[_Running, Outcome] = drive({
+                r: r.verify.check_steps(*proposals[r], _VERIFY_MODE[plans[r].kind]) if r in proposals
+                else r.verify.decode_one_steps()
+                for r in rows
+            })
+        finally:
+            if running_ahead is not None:
+                for r in ahead:
+                    r.draft.stop.set()
+                running_ahead.result()
+        out = []
+        for r in rows:
+            outcome = outcomes[r]
+            if r.draft is not None:
+                r.draft.commit(outcome)
+            r.verify.commit(outcome)
+            self._learn(r, plans[r], proposals.get(r), outcome)
+            chunk = r.handle.limits.chunk(outcome.tokens)
+            out.append((r.handle, chunk))
+            with self._lock:
+                if not r.handle.cancelled:
+                    r.handle.chunks.append(chunk)
+            if chunk.finished:
+                self._retire(r)
+        return out
+
+    def _plans(self, rows: list[_Running]) -> list[Plan]:
+        """This step's plan of every row: its own mode's, or the planner's for `auto` rows."""
+        states = []
+        for r in rows:
+            params, gamma = r.handle.params, r.handle.limits.draft_length(len(r.verify.seq))
+            if params.mode != Mode.AUTO:
+                states.append(RowState(fixed=_FIXED[params.mode](gamma), gamma=gamma, acceptance=self.acceptance))
+                continue
+            match = len(ngram_lookup(r.verify.seq, gamma, params.ngram_max))
+            states.append(RowState(fixed=None, gamma=gamma, acceptance=r.acceptance, ngram_match=match,
+                                   has_drafter=r.draft is not None and r.draft.tier is not None,
+                                   lossy=params.auto_lossy, via_tokens=r.via_tokens, via_escalation=r.via_escalation))
+        if all(s.fixed is not None for s in states):
+            return [s.fixed for s in states]
+        return choose(self.costs(), states)
+
+    def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> None:
+        """Update the running estimates the planner reads, and count the plan in the stats."""
+        stats = r.handle.stats
+        if r.handle.params.mode == Mode.AUTO:
+            stats.plans[plan.label] = stats.plans.get(plan.label, 0) + 1
+        if proposal is None or not proposal[0]:
+            return
+        drafted, accepted = len(proposal[0]), outcome.num_draft_accepted
+        if plan.kind in ("sd", "ngram"):
+            kind = "ngram" if plan.kind == "ngram" else "model"
+            self.acceptance.update(kind, drafted, accepted)  # the engine-wide prior of new requests
+            if r.acceptance is not None:
+                r.acceptance.update(kind, drafted, accepted)
+        elif plan.kind == "via":
+            d = Acceptance.DECAY
+            escalated = float(stats.escalations > r.via_seen)
+            r.via_seen = stats.escalations
+            r.via_tokens = d * r.via_tokens + (1 - d) * len(outcome.tokens)
+            r.via_escalation = d * r.via_escalation + (1 - d) * escalated
+            self.via_tokens = d * self.via_tokens + (1 - d) * len(outcome.tokens)  # engine-wide priors
+            self.via_escalation = d * self.via_escalation + (1 - d) * escalated
+
+    def close(self) -> None:
+        self._ahead.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,516 @@
+"""The per-request pieces of the decode cycle, written once for a batch of any size.
+
+One cycle of VIA-SD, for a committed prefix x of length n:
+
+1. draft:        the drafter p samples x~_1..x~_gamma, keeping p_1..p_gamma (or prompt lookup
+                 proposes them, p a point mass; `overlap`: drafted ahead during the last verify);
+2. slim verify:  one masked forward of q' over the block gives q'_1..q'_{gamma+1};
+3. gate:         r_i = q'_i(x~_i) / max_v q'_i(v); accept while r_i >= alpha1; at the first
+                 position i with alpha2 <= r_i < alpha1 commit a token from q'_i (rewrite); with
+                 r_i < alpha2 escalate;
+4. escalate:     one forward of q over everything it has not seen up to x~_gamma, then the
+                 speculative-sampling rule from position i on;
+5. roll back:    every cache is cut to the committed length; the new tokens are streamed.
+
+`DraftSession` (steps 1 and 5, drafter side) and `VerifySession` (steps 2-5, verifier side)
+are written as *step generators*: where a model must run they ``yield`` a `Forward` (which tier,
+which tokens) and receive its logits. Whoever drives them decides how forwards are batched:
+`drive` runs many requests' generators together, one batched forward per tier and round
+(drafter rounds first, then slim, then full: viasd.scheduler), and `run_alone` one request by
+itself (the served actors). The rules (viasd.rules) and the sampling order are the same either
+way, so a request's tokens do not depend on what it was batched with.
+
+Randomness comes from one `torch.Generator` per request and side, consumed in a fixed order
+(each drafted token, then the rewrite or the verification), so the same seed gives the same
+output alone, in any batch, in-process or served.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from viasd.config import CachePolicy, GenerationParams, Mode, Proposer, RegionB
+from viasd.errors import InvalidParameterError
+from viasd.metrics import RequestStats
+from viasd.proposers import GammaPolicy, ngram_lookup
+from viasd.rules import Region, first_non_accept, gate, rule_from_params, verify
+from viasd.runtime import LayerMask, MaskedLM, Row, RowCache
+from viasd.sampling import Sampler
+
+TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
+
+
+@dataclass
+class Forward:
+    """One request's ask for one forward of one tier: feed `tokens` at `start`, return the
+    logits [num_logits, V] of the last positions."""
+
+    tier: "_Tier"
+    tokens: list[int]  # [T]
+    start: int
+    num_logits: int
+    stats: RequestStats = field(repr=False)
+
+    def __repr__(self) -> str:
+        return f"Forward({self.tier.name}, T={len(self.tokens)}, start={self.start}, logits={self.num_logits})"
+
+
+# A step generator: yields Forwards, is sent their logits [num_logits, V], returns its result.
+Steps = Generator[Forward, Tensor, object]
+
+
+@dataclass
+class _Tier:
+    """One model's view of a request: the layers it runs, its cache row, how much of it is valid.
+
+    `pos` counts the leading positions of the request's sequence whose keys/values in `cache`
+    are valid for this tier; a forward first crops the tier's layers back to `pos`.
+    """
+
+    name: str  # "drafter" | "slim" | "full"
+    lm: MaskedLM
+    cache: RowCache
+    mask: LayerMask | None = None
+    pos: int = 0
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return self.lm.all_layers if self.mask is None else self.mask.kept
+
+    def ask(self, seq: Sequence[int], num_logits: int, stats: RequestStats) -> Forward:
+        """The forward that feeds seq[pos:] and returns logits for the last num_logits positions."""
+        assert 0 <= self.pos <= len(seq) - max(num_logits, 1), (self.pos, len(seq), num_logits)
+        self.cache.crop(self.pos, self.layers)
+        fwd = Forward(self, list(seq[self.pos :]), self.pos, num_logits, stats)
+        self.pos = len(seq)
+        return fwd
+
+    def prefill(self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats) -> Forward | None:
+        """A prefill chunk: feed seq[pos : min(upto, pos + budget)] with no logits (None when done)."""
+        end = min(upto, self.pos + budget)
+        return self.ask(seq[:end], 0, stats) if end > self.pos else None
+
+
+# ---------------------------------------------------------------- driving step generators
+
+
+def execute(forwards: Sequence[Forward], *, prefill: bool = False) -> list[Tensor]:
+    """Run forwards, one `MaskedLM.forward_batch` per (model, mask, cache): the logits of each,
+    in order. Each request's stats get one forward and the batch's wall time for that tier
+    (`prefill`: counted as prefill instead, so `forwards` counts decode forwards only)."""
+    out: list[Tensor | None] = [None] * len(forwards)
+    groups: dict[tuple, list[int]] = {}
+    for i, f in enumerate(forwards):
+        groups.setdefault((id(f.tier.lm), f.tier.mask, id(f.tier.cache.store)), []).append(i)
+    for idx in groups.values():
+        idx.sort(key=lambda i: forwards[i].tier.cache.row)  # adjacent rows: the cache returns views
+        first = forwards[idx[0]].tier
+        rows = [Row(forwards[i].tokens, forwards[i].start, forwards[i].num_logits, forwards[i].tier.cache.row)
+                for i in idx]
+        t0 = time.perf_counter()
+        logits = first.lm.forward_batch(rows, first.cache.store, first.mask)
+        seconds = time.perf_counter() - t0
+        for i, lg in zip(idx, logits):
+            stats = forwards[i].stats
+            if prefill:
+                stats.prefill_seconds += seconds
+                stats.prefill_forwards += 1
+            else:
+                stats.seconds[first.name] += seconds
+                stats.forwards[first.name] += 1
+            out[i] = lg
+    return out  # type: ignore[return-value]
+
+
+def drive(generators: dict, *, stop: threading.Event | None = None) -> dict:
+    """Run step generators together (key -> generator); return key -> result.
+
+    Each round runs the pending forwards of the earliest tier in TIER_ORDER as one batched
+    forward per cache: every drafting round first (rows leave as their blocks end), then one slim
+    forward over the `via` rows, then one full forward over the `ar` rows, the `sd` blocks and the
+    escalated `via` rows.
+    """
+    results, pending = {}, {}
+    for key, gen in generators.items():
+        _advance(key, gen, None, pending, results, first=True)
+    while pending:
+        tier = min(TIER_ORDER[f.tier.name] for f in pending.values())
+        keys = [k for k, f in pending.items() if TIER_ORDER[f.tier.name] == tier]
+        logits = execute([pending[k] for k in keys])
+        for key, lg in zip(keys, logits):
+            _advance(key, generators[key], lg, pending, results)
+    return results
+
+
+def _advance(key, gen: Steps, value, pending: dict, results: dict, first: bool = False) -> None:
+    try:
+        pending[key] = next(gen) if first else gen.send(value)
+    except StopIteration as done:
+        pending.pop(key, None)
+        results[key] = done.value
+
+
+def run_alone(steps: Steps):
+    """Run one step generator by itself (batch of one); return its result."""
+    return drive({0: steps})[0]
+
+
+# ---------------------------------------------------------------- outcomes, commits, seeds
+
+
+def request_seeds(seed: int) -> tuple[int, int]:
+    """Seeds of the drafter's and the verifier's random streams for a request seed.
+
+    Each side owns its stream, so the same seed gives the same tokens whether the two sides run
+    in one process (this engine) or in separate actors (the service).
+    """
+    return seed, (seed + 0x9E3779B97F4A7C15) % 2**63
+
+
+@dataclass
+class Outcome:
+    """What the verifier decided for one block (or one `ar` step)."""
+
+    tokens: list[int]  # committed: the accepted draft prefix, then the rewritten / recovered / bonus token(s)
+    num_draft_accepted: int  # how many of `tokens` are draft tokens: caches stay valid up to n + this
+
+
+def _commit(seq: list[int], tiers: Sequence[_Tier], outcome: Outcome) -> None:
+    """Append committed tokens and roll every tier back to the positions that are still valid.
+
+    The last committed token is never counted as seen: the next forward must feed it to get
+    the distribution of the token after it.
+    """
+    valid = len(seq) + outcome.num_draft_accepted
+    seq.extend(outcome.tokens)
+    valid = min(valid, len(seq) - 1)
+    for tier in tiers:
+        tier.pos = min(tier.pos, valid)
+
+
+def block_generator(seed: int, block: int, device) -> torch.Generator:
+    """The drafter's random stream for draft block `block` of a request (used with `overlap`):
+    a block drafted ahead and a block drafted on demand draw the same numbers, so the output
+    depends on the seed only, never on how far the drafter got ahead."""
+    return torch.Generator(device=device).manual_seed((seed * 0x100000001B3 + block) % 2**63)
+
+
+class _Session:
+    """What both sides share: the committed sequence, the tiers, their prefill and release."""
+
+    seq: list[int]
+    tiers: list[_Tier]
+    stats: RequestStats
+
+    def prefill_steps(self, upto: int, budget: int) -> list[Forward]:
+        """Prefill chunks (no logits) of every tier of this side up to `upto` positions, at most
+        `budget` tokens each; [] when prefilled."""
+        return [f for t in self.tiers if (f := t.prefill(self.seq, upto, budget, self.stats)) is not None]
+
+    def prefill(self) -> None:
+        """Prefill every tier with the prompt but its last token, alone (the served actors)."""
+        forwards = self.prefill_steps(len(self.seq) - 1, len(self.seq))
+        if forwards:
+            execute(forwards, prefill=True)
+
+    def release(self) -> None:
+        """Give the tiers' cache rows back (once per distinct row)."""
+        for cache in {(id(t.cache.store), t.cache.row): t.cache for t in self.tiers}.values():
+            cache.release()
+
+    def kv_bytes(self) -> int:
+        """Bytes of valid keys/values this side holds (shared rows counted once)."""
+        return sum(c.nbytes() for c in {(id(t.cache.store), t.cache.row): t.cache for t in self.tiers}.values())
+
+
+class DraftSession(_Session):
+    """The drafter's side of one request: its proposer (viasd.proposers), its cache row, its
+    random stream, its block-length policy, its copy of the sequence. `lm` may be None for `ngram`.
+
+    With `overlap` (PEARL-style), `draft_ahead_steps` drafts the next block from the optimistic
+    prefix (the committed sequence + the block under verification) while the verifier works;
+    `commit` keeps the drafted-ahead tokens that the committed tokens agree with, as the start of
+    the next block. Each kept token was drawn from p given exactly the prefix it ends up on, so
+    the rules see a correct draft; each block has its own seeded stream (`block_generator`), so
+    the output does not depend on timing.
+    """
+
+    def __init__(self, lm: MaskedLM | None, prompt: Sequence[int], params: GenerationParams, seed: int,
+                 stats: RequestStats, cache: RowCache | None = None):
+        if lm is None and params.proposer != Proposer.NGRAM and params.mode != Mode.AUTO:
+            raise InvalidParameterError("proposer", f"proposer {params.proposer.value!r} needs a drafter model")
+        self.params = params
+        self.tier = None
+        if lm is not None and params.proposer != Proposer.NGRAM:
+            self.tier = _Tier("drafter", lm, cache if cache is not None else lm.new_cache())
+        self.tiers = [self.tier] if self.tier is not None else []
+        self.device = lm.device if lm is not None else "cpu"
+        self.seq = list(prompt)
+        self.sampler = Sampler.from_params(params)
+        self.seed = seed
+        self.blocks = 0  # blocks proposed so far
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        if params.overlap:
+            self.generator = block_generator(seed, 0, self.device)
+        self.gamma = GammaPolicy(params.gamma, params.adaptive_gamma)
+        self.stats = stats
+        self.last: list[int] = []  # the block under verification ...
+        self.last_p: list[Tensor] = []  # ... and its p rows [1, V] (sampled only)
+        self.last_from_model = False
+        self.ahead: list[int] = []  # drafted past `last` by draft_ahead ...
+        self.ahead_p: list[Tensor] = []
+        self.ahead_generator: torch.Generator | None = None
+        self.ahead_ended = False  # the drafted-ahead block ended on draft_confidence
+        self.pending: list[int] = []  # drafted tokens the committed sequence agreed with: the next block's start
+        self.pending_p: list[Tensor] = []
+        self.pending_ended = False
+        self.stop = threading.Event()  # set by the verifier side when its outcome is in
+
+    def propose(self, k: int) -> tuple[list[int], Tensor | None]:
+        """`propose_steps` alone."""
+        return run_alone(self.propose_steps(k))
+
+    def propose_steps(self, k: int, proposer: Proposer | None = None) -> Steps:
+        """Propose at most k draft tokens; return them and p [k', V], or None when p is a point
+        mass at the draft tokens (greedy sampling, or an n-gram proposal). Fewer than k under
+        adaptive drafting or a short n-gram match; none when the `ngram` proposer finds no match
+        (the verifier then decodes one token itself). `proposer` overrides the request's (the
+        plan of an `auto` request)."""
+        params, k, proposer = self.params, self.gamma.length(k), proposer or self.params.proposer
+        if proposer != Proposer.MODEL or self.tier is None:
+            looked_up = ngram_lookup(self.seq, k, params.ngram_max)
+            if looked_up or proposer == Proposer.NGRAM or self.tier is None:
+                self.stats.ngram_draft_tokens += len(looked_up)
+                self._drop_pending()
+                return self._proposed(looked_up, [], from_model=False)
+        draft, p_rows, ended = self.pending[:k], self.pending_p[:k], self.pending_ended
+        self.stats.overlap_draft_tokens += len(draft)
+        if len(self.pending) > k:  # the rest is not used: it must be fed again later
+            self._drop_pending(keep=k)
+        self.pending, self.pending_p, self.pending_ended = [], [], False
+        if len(draft) < k and not ended:
+            yield from self._draft_steps(draft, p_rows, k, self.generator)
+        return self._proposed(draft, p_rows)
+
+    def _draft_steps(self, draft: list[int], p_rows: list[Tensor], k: int, generator: torch.Generator,
+                     stop: threading.Event | None = None) -> Steps:
+        """Extend `draft` (after self.seq, or self.seq + self.last when drafting ahead) to k tokens
+        with the drafter model, in place; stop early when `stop` is set (drafting ahead) or below
+        `draft_confidence` (then return True: the block has ended)."""
+        prefix = self.seq + self.last if stop is not None else self.seq
+        # ahead, the first token is always drafted: whether the next block can start from the
+        # drafted-ahead tokens must not depend on timing (the later ones come out the same
+        # whether drafted ahead or on demand: same prefix, same stream)
+        while len(draft) < k and not (stop is not None and stop.is_set() and draft):
+            logits = yield self.tier.ask(prefix + draft, 1, self.stats)  # [1, V]
+            p = self.sampler.probs(logits)  # [1, V]
+            draft.append(int(self.sampler.sample(p, generator)[0]))
+            if not self.sampler.greedy:
+                p_rows.append(p)
+            if len(draft) < k and self.params.draft_confidence > 0.0:
+                confidence = float(torch.softmax(logits[0].float(), dim=-1)[draft[-1]])  # p_{T=1}(x~_j)
+                if confidence < self.params.draft_confidence:
+                    return True
+        return False
+
+    def _proposed(self, draft: list[int], p_rows: list[Tensor], from_model: bool = True
+                  ) -> tuple[list[int], Tensor | None]:
+        self.last, self.last_p, self.last_from_model = draft, p_rows, from_model and bool(draft)
+        if draft:
+            self.stats.num_drafts += 1
+            self.stats.num_draft_tokens += len(draft)
+        self.blocks += 1
+        return draft, torch.cat(p_rows) if p_rows else None  # [k'], [k', V] (None: a point mass)
+
+    def skip(self) -> None:
+        """This cycle proposes nothing (an `auto` request's `ar` step): the verifier decodes alone."""
+        self.last, self.last_p, self.last_from_model = [], [], False
+
+    def draft_ahead(self) -> None:
+        """`draft_ahead_steps` alone."""
+        run_alone(self.draft_ahead_steps())
+
+    def draft_ahead_steps(self) -> Steps:
+        """Overlap: draft the next block from self.seq + self.last, until `stop` is set (the
+        outcome of `last` is in) or the block is full. Runs beside the verifier's forward."""
+        self.ahead, self.ahead_p = [], []
+        self.ahead_generator = block_generator(self.seed, self.blocks, self.device)
+        if not self.last_from_model:  # (n-gram blocks have no p rows to continue; the lookup is free anyway)
+            return
+        self.ahead_ended = yield from self._draft_steps(self.ahead, self.ahead_p, self.gamma.length(self.params.gamma),
+                                                        self.ahead_generator, self.stop)
+
+    def _drop_pending(self, keep: int = 0) -> None:
+        """Forget pending tokens past `keep`: the cache must not count them as fed."""
+        if self.tier is not None:
+            self.tier.pos = min(self.tier.pos, len(self.seq) + keep - 1)
+        self.pending, self.pending_p = self.pending[:keep], self.pending_p[:keep]
+        self.pending_ended = False
+
+    def commit(self, outcome: Outcome) -> None:
+        """Append the committed tokens. With overlap, keep what was drafted past them if they
+        agree with the drafter's own optimistic continuation (last block + drafted ahead)."""
+        self.gamma.update(len(self.last), outcome.num_draft_accepted)
+        committed = outcome.tokens
+        optimistic, optimistic_p = self.last + self.ahead, self.last_p + self.ahead_p
+        if self.params.overlap:
+            if self.ahead and optimistic[: len(committed)] == committed:  # every fed token stays valid
+                self.seq.extend(committed)
+                self.pending = optimistic[len(committed) :]
+                self.pending_p = optimistic_p[len(committed) :] if optimistic_p else []
+                # the next block goes on with the stream it was drafted ahead with; it has ended only
+                # if its low-confidence last token is still pending (not committed already)
+                self.generator, self.pending_ended = self.ahead_generator, self.ahead_ended and bool(self.pending)
+                self._clear_ahead()
+                return
+            self.generator = block_generator(self.seed, self.blocks, self.device)
+        self._clear_ahead()
+        self.pending, self.pending_p, self.pending_ended = [], [], False
+        _commit(self.seq, self.tiers, outcome)
+
+    def _clear_ahead(self) -> None:
+        self.ahead, self.ahead_p, self.ahead_generator, self.ahead_ended = [], [], None, False
+        self.stop.clear()
+
+
+class VerifySession(_Session):
+    """The verifier's side of one request: q and q' (q masked, same weights), the gate and the rules.
+
+    Logits never leave this object: it returns decisions and sampled tokens only. `full_cache`
+    and `slim_cache` are its cache rows (new one-row caches by default); under the shared policy
+    q' uses q's row for the layers it keeps.
+    """
+
+    def __init__(
+        self,
+        lm: MaskedLM,
+        mask: LayerMask,
+        cache_policy: CachePolicy,
+        prompt: Sequence[int],
+        params: GenerationParams,
+        seed: int,
+        stats: RequestStats,
+        full_cache: RowCache | None = None,
+        slim_cache: RowCache | None = None,
+    ):
+        self.params = params
+        self.full = _Tier("full", lm, full_cache if full_cache is not None else lm.new_cache())
+        self.slim = None
+        self.shared = CachePolicy(cache_policy) == CachePolicy.SHARED  # q' writes into q's slots of the kept layers
+        if uses_slim(params):
+            if self.shared:
+                slim_cache = self.full.cache
+            self.slim = _Tier("slim", lm, slim_cache if slim_cache is not None else lm.new_cache(mask), mask)
+        self.tiers = [t for t in (self.slim, self.full) if t is not None]
+        self.seq = list(prompt)
+        self.sampler = Sampler.from_params(params)
+        self.rule = rule_from_params(params)
+        self.generator = torch.Generator(device=lm.device).manual_seed(seed)
+        self.stats = stats
+
+    def prefill_steps(self, upto: int, budget: int) -> list[Forward]:
+        """Prefill q (and q' under the separate policy). Under the shared policy q' reads q's
+        keys/values of the prompt for the layers it keeps: its position follows q's."""
+        if self.slim is None or not self.shared:
+            return super().prefill_steps(upto, budget)
+        forwards = [f for f in [self.full.prefill(self.seq, upto, budget, self.stats)] if f is not None]
+        self.slim.pos = self.full.pos
+        return forwards
+
+    def decode_one(self) -> Outcome:
+        """`decode_one_steps` alone."""
+        return run_alone(self.decode_one_steps())
+
+    def check(self, draft: list[int], p: Tensor | None) -> Outcome:
+        """`check_steps` alone."""
+        return run_alone(self.check_steps(draft, p))
+
+    def decode_one_steps(self) -> Steps:
+        """`ar`: one forward of q, one token."""
+        logits = yield self.full.ask(self.seq, 1, self.stats)  # [1, V]
+        return Outcome([int(self.sampler.sample(self.sampler.probs(logits), self.generator)[0])], 0)
+
+    def check_steps(self, draft: list[int], p: Tensor | None, mode: Mode | None = None) -> Steps:
+        """Verify a draft block (p [k, V], or None when it is a point mass at the draft tokens:
+        greedy or n-gram drafts) with the request's mode (or `mode`, the plan of an `auto`
+        request: sd or via); an empty draft decodes one token."""
+        if not draft:
+            return (yield from self.decode_one_steps())
+        if p is None:  # p is one-hot at the draft tokens
+            draft_t = torch.tensor(draft, device=self.full.lm.device)  # [k]
+            p = torch.nn.functional.one_hot(draft_t, self.full.lm.vocab_size).float()  # [k, V]
+        if (mode or self.params.mode) == Mode.SD:
+            return (yield from self._full_verify_steps(draft, p, 0))
+        return (yield from self._check_via_steps(draft, p))
+
+    def _full_verify_steps(self, draft: list[int], p: Tensor, start: int) -> Steps:
+        """q scores the whole block in one forward; its rule decides positions start..k-1."""
+        k, stats = len(draft), self.stats
+        q = self.sampler.probs((yield self.full.ask(self.seq + draft, k + 1, stats)))  # [k + 1, V]
+        draft_t = torch.tensor(draft[start:], device=q.device)  # [k - start]
+        verdict = verify(self.rule, p[start:].to(device=q.device, dtype=q.dtype), q[start:], draft_t, self.generator)
+        j = verdict.num_accepted
+        stats.count_accepted(range(start, start + j))
+        stats.num_rejected_tokens += 0 if verdict.bonus else 1
+        stats.num_bonus_tokens += int(verdict.bonus)
+        stats.num_cycle_tokens += start + j + 1
+        return Outcome(draft[: start + j] + [verdict.token], start + j)
+
+    def _check_via_steps(self, draft: list[int], p: Tensor) -> Steps:
+        """Steps 2-4 of the VIA-SD cycle: slim-verify with the gate, then rewrite or escalate."""
+        k, params, stats, sampler = len(draft), self.params, self.stats, self.sampler
+        slim_logits = yield self.slim.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        regions = gate(
+            sampler.gate_probs(slim_logits[:k]),  # [k, V]
+            torch.tensor(draft, device=slim_logits.device),
+            params.alpha1,
+            params.alpha2,
+            rewrite=params.region_b == RegionB.REWRITE,
+        )  # [k]
+        i = first_non_accept(regions)  # draft[:i] accepted by q'
+        stats.slim_accepted += i
+        stats.count_accepted(range(i))
+
+        if i == k:  # region A everywhere: the block is committed on q''s word
+            tokens = list(draft)
+            if params.slim_bonus:
+                tokens.append(int(sampler.sample(sampler.probs(slim_logits[k:]), self.generator)[0]))
+                stats.num_bonus_tokens += 1
+            stats.num_cycle_tokens += len(tokens)
+            return Outcome(tokens, k)
+        if regions[i] == Region.REWRITE:  # region B: q' writes position i itself
+            stats.slim_rewritten += 1
+            stats.num_rejected_tokens += 1
+            stats.num_cycle_tokens += i + 1
+            token = int(sampler.sample(sampler.probs(slim_logits[i : i + 1]), self.generator)[0])
+            return Outcome(draft[:i] + [token], i)
+        # region C: q decides positions i..k-1 with the speculative-sampling rule
+        stats.escalations += 1
+        stats.escalated_tokens += k - i
+        outcome = yield from self._full_verify_steps(draft, p, i)
+        stats.full_accepted += outcome.num_draft_accepted - i
+        return outcome
+
+    def commit(self, outcome: Outcome) -> None:
+        """Append the tokens; roll q and q' back. Under the shared policy an escalation made q
+        rewrite the kept layers' slots from its own position on, so after it both tiers hold q's
+        keys/values up to the same valid length."""
+        _commit(self.seq, self.tiers, outcome)
+
+
+def uses_slim(params: GenerationParams) -> bool:
+    """Whether a request may run the slim verifier: `via`, or `auto` allowed lossy plans."""
+    return params.mode == Mode.VIA or (params.mode == Mode.AUTO and params.auto_lossy)
+
+
+def release_all(sessions: Iterable[_Session | None]) -> None:
+    """Release the cache rows of every session given (None entries skipped)."""
+    for s in sessions:
+        if s is not None:
+            s.release()
