@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Batch-1 speed of the continuous-batching engine against the one-request-per-forward engine of
 # BASE (default 2a1269f), two interleaved passes; JSON lines on stdout
-# (docs/benchmarks/cpu/batch1/results.json). Run under flock /tmp/viasd-heavy.lock on a quiet machine.
+# (docs/benchmarks/cpu/batch1/batch1.json). Run under flock /tmp/viasd-heavy.lock on a quiet machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 base="${BASE:-2a1269f}"
