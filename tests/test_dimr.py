@@ -395,10 +395,30 @@ def test_cli_dimr_checks_its_arguments_before_loading_models(capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
-def test_measure_costs_times_every_forward_of_a_cycle(model12):
+def test_measure_costs_times_every_forward_of_a_cycle(model12, monkeypatch):
+    """Each cost is the time of its own forward: on a fake clock that each forward advances by
+    tokens x (1 drafter, 2 slim, 3 full), the costs are exactly those of one drafter token, one
+    slim and one full gamma + 1 block, and one full token, whatever the machine's speed."""
+    import types
+
     lm, dr, _ = model12
-    c = dimr.measure_costs(lm, dr, LayerMask.evenly_spaced(0.45, 12), context=16, repeats=2)
-    assert all(0 < v < 5 for v in c.to_dict().values())
+    mask = LayerMask.evenly_spaced(0.45, 12)
+    now = [0.0]
+    monkeypatch.setattr(dimr, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+
+    def ticking(model, unit_of):
+        forward = model.forward
+
+        def timed(x, pos, cache=None, mask=None, **kw):
+            out = forward(x, pos, cache, mask, **kw)
+            now[0] += len(x) * unit_of(mask)
+            return out
+        return timed
+
+    monkeypatch.setattr(dr, "forward", ticking(dr, lambda m: 1.0))
+    monkeypatch.setattr(lm, "forward", ticking(lm, lambda m: 3.0 if m is None or all(m.keep) else 2.0))
+    c = dimr.measure_costs(lm, dr, mask, gamma=5, context=16, repeats=2)
+    assert c.to_dict() == {"drafter": 1.0, "slim": 12.0, "full": 18.0, "full_token": 3.0}
 
 
 def test_sweep_output_names():

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from conftest import drafter_from, process_alive, save_tiny_pair, tiny_model
@@ -31,7 +32,6 @@ from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc
 from viasd.v1.convert import params_to_proto, stats_from_proto
 
-psutil = pytest.importorskip("psutil")
 
 TIMEOUT_S = 120
 REPO = Path(__file__).resolve().parents[1]
