@@ -41,7 +41,7 @@ from viasd.cluster import drain
 from viasd.cluster.config import ServeConfig, load_serve_config, parse_serve_config
 from viasd.cluster.metrics import ServingMetrics
 from viasd.cluster.openai_api import build_http_app
-from viasd.cluster.server import RequestError, ReplicaServer
+from viasd.cluster.server import RequestError, ReplicaServer, retry_after_metadata
 
 logger = logging.getLogger("viasd.serve")
 
@@ -126,10 +126,10 @@ class PipelineDeployment:
             if not isinstance(exc, (RequestError, Aborted)):
                 raise
             full = isinstance(exc, RequestError)  # the queue is full; else drained while waiting
-            code, details = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) if full else (
-                grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            code, details, metadata = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_metadata()) if full \
+                else (grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN, ())
             srv.metrics.error("rejected" if full else "unavailable")
-            _set_status(grpc_context, code, details)
+            _set_status(grpc_context, code, details, metadata)
             raise GRPCStatus(details) from None
         timer = srv.metrics.timer()
         finished = False
