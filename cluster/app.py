@@ -213,7 +213,8 @@ class PipelineDeployment:
 
     async def pipeline_status(self) -> dict:
         """For operators (through a Serve handle): this replica's process, its actors' processes,
-        what the supervisor rebuilt, and the health detail."""
+        what the supervisor rebuilt, the health detail, and how many requests its pipeline's
+        coordinator has taken (None for the in-process backend)."""
         pipeline = self.pipeline
         ok, detail = await self.server.health()
         pids = {}
@@ -221,8 +222,10 @@ class PipelineDeployment:
             pids["drafter"] = pipeline.drafter_info["pid"]
         if getattr(pipeline, "verifier_info", None) is not None:
             pids["verifier"] = pipeline.verifier_info.get("rank_pids", [])
+        coordinator = getattr(pipeline, "coordinator", None)
         return {"replica_pid": os.getpid(), "healthy": ok, "health": detail, "pids": pids,
-                "rebuilds": dict(getattr(pipeline, "rebuilds", {}))}
+                "rebuilds": dict(getattr(pipeline, "rebuilds", {})),
+                "requests": coordinator.totals.requests if coordinator is not None else None}
 
     async def check_health(self) -> None:
         """Serve's replica health check: raises when the pipeline is down and its supervisor has not
