@@ -209,7 +209,7 @@ def test_killed_verifier_fails_in_flight_requests_and_the_group_is_rebuilt(aio, 
 
 
 @pytest.fixture
-def tp2_server(aio, engine_config):
+def tp2_server(ray_session, aio, engine_config):
     """A second pipeline whose verifier is a TP=2 group (torch backend, gloo), served and supervised
     like `server`; shut down after the test."""
     from viasd.cluster.grpc_server import GenerationServicer, serve_grpc, set_health
