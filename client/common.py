@@ -66,12 +66,15 @@ class TLSConfig:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """Retries of a call that failed with UNAVAILABLE before any response arrived.
+    """Retries of a call that failed before any response arrived with UNAVAILABLE, or with
+    RESOURCE_EXHAUSTED carrying the server's retry hint (its queue is full).
 
     A stream is retried only while it has yielded nothing, so no token is ever produced twice;
     unary calls (models, health) are read-only and retried the same way. The n-th retry waits
     ``min(max_backoff_s, initial_backoff_s * multiplier ** (n - 1))`` scaled by a random factor in
-    ``[1 - jitter, 1]``, never past the call's deadline.
+    ``[1 - jitter, 1]``, and at least the server's hint (trailing metadata ``viasd-retry-after-ms``),
+    never past the call's deadline. A RESOURCE_EXHAUSTED without the hint (gRPC's own refusal of a
+    message past the size limit) would fail again and is not retried.
     """
 
     max_attempts: int = 4  # attempts in all, the first included; 1 disables retries

@@ -16,6 +16,19 @@ import grpc
 from viasd.errors import InvalidParameterError, ViaSDError
 
 INVALID_FIELD_KEY = "viasd-invalid-field"  # trailing metadata of INVALID_ARGUMENT (cluster/grpc_server.py)
+# trailing metadata of RESOURCE_EXHAUSTED when the server's queue is full: milliseconds to wait before
+# trying again (cluster/server.py RETRY_AFTER_KEY; HTTP's Retry-After)
+RETRY_AFTER_KEY = "viasd-retry-after-ms"
+
+
+def retry_after_s(trailing_metadata) -> float | None:
+    """The server's retry hint in seconds (RETRY_AFTER_KEY), or None when it sent none (or junk)."""
+    value = next((v for k, v in trailing_metadata or () if k == RETRY_AFTER_KEY), None)
+    try:
+        ms = float(value) if value is not None else None
+    except ValueError:
+        return None
+    return ms / 1000.0 if ms is not None and 0 <= ms < 3.6e6 else None
 
 
 class RPCError(ViaSDError):
@@ -49,7 +62,8 @@ class PermissionDenied(RPCError):
 
 
 class ResourceExhausted(RPCError):
-    """The server's queue is full (HTTP 429's twin): try again later."""
+    """The server's queue is full (HTTP 429's twin; retried before the first token when the server
+    sends its retry hint), or a message is past the size limit (not retried)."""
 
 
 class Unimplemented(RPCError):

@@ -25,7 +25,7 @@ from viasd.v1 import generation_pb2 as pb
 from .common import (
     Chunk, Completion, Deadline, Endpoint, ModelInfo, RetryPolicy, build_request,
 )
-from .errors import Cancelled, error_from_rpc
+from .errors import Cancelled, error_from_rpc, retry_after_s
 
 log = logging.getLogger("viasd.client")
 
@@ -36,7 +36,7 @@ class Client(Endpoint):
     target: ``host:port`` (any gRPC target string). tls: None / False (plaintext), True (system
     roots) or a TLSConfig. token: bearer token sent with every call. timeout: default deadline of
     every call in seconds (None: none; each call may pass its own). retry: RetryPolicy of
-    UNAVAILABLE before the first response. keepalive: HTTP/2 pings (None: off). metadata: extra
+    UNAVAILABLE (and of RESOURCE_EXHAUSTED from a full queue) before the first response. keepalive: HTTP/2 pings (None: off). metadata: extra
     pairs sent with every call (e.g. ``{"application": "viasd"}`` for Ray Serve). options: raw
     gRPC channel arguments, appended last.
     """
@@ -97,13 +97,25 @@ class Client(Endpoint):
 
 
 def _retry_delay(policy: RetryPolicy, exc: grpc.RpcError, attempt: int, deadline: Deadline) -> float | None:
-    """Seconds to wait before retrying a call that failed with `exc` before any response, or None."""
-    if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= policy.max_attempts:
+    """Seconds to wait before retrying a call that failed with `exc` before any response, or None.
+
+    UNAVAILABLE is retried after the policy's backoff; RESOURCE_EXHAUSTED (the server's queue is
+    full) only when the server sent its retry hint, and after at least that hint."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        hint = 0.0
+    elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        hint = retry_after_s(exc.trailing_metadata())
+        if hint is None:  # not the queue: a message past the size limit would fail again
+            return None
+    else:
         return None
-    delay = policy.backoff(attempt)
+    if attempt >= policy.max_attempts:
+        return None
+    delay = max(policy.backoff(attempt), hint)
     if not deadline.allows(delay):
         return None
-    log.info("UNAVAILABLE (%s), retry %d/%d in %.2fs", exc.details(), attempt, policy.max_attempts - 1, delay)
+    log.info("%s (%s), retry %d/%d in %.2fs", code.name, exc.details(), attempt, policy.max_attempts - 1, delay)
     return delay
 
 

@@ -5,7 +5,10 @@ serves it two ways:
 
 * gRPC, through Serve's gRPC proxy: the public `viasd.v1.GenerationService` (Generate streams,
   ListModels), by `viasd.cluster.grpc_server.GenerationServicer` — the same servicer the
-  standalone gRPC server runs — with this replica's admission limits and metrics around it;
+  standalone gRPC server runs — with this replica's admission limits and metrics around it. The
+  proxy has no interceptors, so each method checks the bearer token itself (the call's
+  ``authorization`` metadata, the same token as HTTP: `http.token_file` / `http.token_env`) and
+  ends a call without it with UNAUTHENTICATED;
 * HTTP, through Serve's HTTP proxy: the OpenAI-compatible FastAPI app of `openai_api`
   (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
@@ -41,7 +44,7 @@ from viasd.cluster import drain
 from viasd.cluster.config import ServeConfig, load_serve_config, parse_serve_config
 from viasd.cluster.metrics import ServingMetrics
 from viasd.cluster.openai_api import build_http_app
-from viasd.cluster.server import RequestError, ReplicaServer
+from viasd.cluster.server import RequestError, ReplicaServer, retry_after_metadata
 
 logger = logging.getLogger("viasd.serve")
 
@@ -80,8 +83,11 @@ class PipelineDeployment:
             max_concurrent_requests=limits.max_concurrent_requests, max_queued_requests=limits.max_queued_requests,
         )
         from viasd.cluster.grpc_server import GenerationServicer
+        from viasd.cluster.security import read_token
 
         self.servicer = GenerationServicer({pc.name: self.pipeline}, pc.name)
+        http = self.config.http  # one token for both ports; None: authentication off
+        self.token = read_token(http.token_file, http.token_env, field="http.token_file")
         self._supervisor = None  # repairs the pipeline in place (actors backend, rebuild_actors on)
         if hasattr(self.pipeline, "supervise") and pc.rebuild_actors:
             self._supervisor = asyncio.ensure_future(self.pipeline.supervise())
@@ -94,13 +100,23 @@ class PipelineDeployment:
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called after the constructor: this replica's own FastAPI app."""
-        from viasd.cluster.security import read_token
-
         app = build_http_app()
         app.state.server = self.server  # the routes find the replica's server here
-        http = self.config.http
-        app.state.token = read_token(http.token_file, http.token_env, field="http.token_file")
+        app.state.token = self.token
         return app
+
+    def _authenticate(self, grpc_context) -> None:
+        """End a gRPC call whose metadata lacks ``authorization: Bearer <token>`` with
+        UNAUTHENTICATED (Serve's proxy runs no interceptor that could)."""
+        from viasd.cluster.security import token_denial
+
+        if self.token is None:
+            return
+        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
+        denial = token_denial(metadata, self.token)
+        if denial is not None:
+            _set_status(grpc_context, grpc.StatusCode.UNAUTHENTICATED, denial)
+            raise GRPCStatus(denial)
 
     # ------------------------------------------------------------------ gRPC (Serve's gRPC proxy)
 
@@ -113,6 +129,7 @@ class PipelineDeployment:
         from viasd.cluster.guard import SHUTTING_DOWN, Aborted, abortable, until_aborted
         from viasd.v1.convert import finish_from_proto, stats_from_proto
 
+        self._authenticate(grpc_context)
         srv = self.server
         if srv.calls.draining:
             srv.metrics.error("unavailable")
@@ -126,10 +143,10 @@ class PipelineDeployment:
             if not isinstance(exc, (RequestError, Aborted)):
                 raise
             full = isinstance(exc, RequestError)  # the queue is full; else drained while waiting
-            code, details = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) if full else (
-                grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+            code, details, metadata = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_metadata()) if full \
+                else (grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN, ())
             srv.metrics.error("rejected" if full else "unavailable")
-            _set_status(grpc_context, code, details)
+            _set_status(grpc_context, code, details, metadata)
             raise GRPCStatus(details) from None
         timer = srv.metrics.timer()
         finished = False
@@ -189,13 +206,15 @@ class PipelineDeployment:
 
     async def ListModels(self, request, grpc_context=None):
         """viasd.v1.GenerationService/ListModels."""
+        self._authenticate(grpc_context)
         return await self.servicer.list_models(request)
 
     # ------------------------------------------------------------------ Serve hooks
 
     async def pipeline_status(self) -> dict:
         """For operators (through a Serve handle): this replica's process, its actors' processes,
-        what the supervisor rebuilt, and the health detail."""
+        what the supervisor rebuilt, the health detail, and how many requests its pipeline's
+        coordinator has taken (None for the in-process backend)."""
         pipeline = self.pipeline
         ok, detail = await self.server.health()
         pids = {}
@@ -203,8 +222,10 @@ class PipelineDeployment:
             pids["drafter"] = pipeline.drafter_info["pid"]
         if getattr(pipeline, "verifier_info", None) is not None:
             pids["verifier"] = pipeline.verifier_info.get("rank_pids", [])
+        coordinator = getattr(pipeline, "coordinator", None)
         return {"replica_pid": os.getpid(), "healthy": ok, "health": detail, "pids": pids,
-                "rebuilds": dict(getattr(pipeline, "rebuilds", {}))}
+                "rebuilds": dict(getattr(pipeline, "rebuilds", {})),
+                "requests": coordinator.totals.requests if coordinator is not None else None}
 
     async def check_health(self) -> None:
         """Serve's replica health check: raises when the pipeline is down and its supervisor has not

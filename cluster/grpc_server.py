@@ -176,10 +176,10 @@ async def _prompt_ids(request: pb.GenerateRequest, tokenizer) -> list[int]:
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
     """(status code, details, trailing metadata) of an error raised by a servicer core."""
-    from viasd.cluster.server import RequestError
+    from viasd.cluster.server import RequestError, retry_after_metadata
 
-    if isinstance(exc, RequestError) and exc.status == 429:  # admission: the queue is full
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), ()
+    if isinstance(exc, RequestError) and exc.status == 429:  # admission: the queue is full; retry later
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_metadata()
     if isinstance(exc, InvalidParameterError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ((INVALID_FIELD_KEY, exc.field),)
     if isinstance(exc, BackendError):

@@ -215,7 +215,7 @@ def build_http_app():
     """The FastAPI app; its routes read the replica's `OpenAIServer` from `app.state.server` and
     the bearer token (None: no authentication) from `app.state.token`."""
     from viasd.cluster.security import bearer_ok
-    from viasd.cluster.server import RequestError
+    from viasd.cluster.server import RETRY_AFTER_S, RequestError
 
     app = FastAPI(title="via-sd", description="OpenAI-compatible API of a via-sd pipeline", version="1")
 
@@ -261,7 +261,7 @@ def build_http_app():
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
         return JSONResponse(error_body(exc.status, str(exc), exc.field, exc.kind), exc.status, headers=headers)
 
     def server(request: Request):

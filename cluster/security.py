@@ -14,8 +14,9 @@ token of the HTTP API: `read_token`, `bearer_ok`, used by cluster/openai_api.py)
   environment variable (`token_env`, default ``VIASD_API_TOKEN``), never from a command-line
   literal, which any user of the machine could read in ``ps``.
 
-Ray Serve's gRPC proxy has no TLS and no interceptors: the standalone server
-(``python -m viasd.cluster.grpc_server``) is the endpoint that does TLS and authentication.
+Ray Serve's gRPC proxy has no TLS and no interceptors: the Serve deployment (cluster/app.py)
+checks the same bearer token itself, from each call's metadata, with `token_denial`; the
+standalone server (``python -m viasd.cluster.grpc_server``) is the endpoint that also does TLS.
 """
 
 from __future__ import annotations
@@ -129,6 +130,15 @@ def bearer_ok(presented: str | bytes | None, token: str) -> bool:
     return presented is not None and hmac.compare_digest(_as_bytes(presented), f"Bearer {token}".encode())
 
 
+def token_denial(metadata, token: str) -> str | None:
+    """Why a gRPC call with this invocation metadata ((key, value) pairs) is refused — "missing
+    bearer token" or "invalid bearer token" — or None when it carries ``Bearer <token>``."""
+    presented = next((v for k, v in metadata or () if k == AUTH_KEY), None)
+    if bearer_ok(presented, token):
+        return None
+    return "missing bearer token" if presented is None else "invalid bearer token"
+
+
 def _read(path: Path, field: str) -> bytes:
     try:
         return path.read_bytes()
@@ -149,13 +159,13 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method or ""
         if method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
-        presented = next((v for k, v in handler_call_details.invocation_metadata or () if k == AUTH_KEY), None)
-        if bearer_ok(presented, self._token):
+        denial = token_denial(handler_call_details.invocation_metadata, self._token)
+        if denial is None:
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: let gRPC answer UNIMPLEMENTED
             return None
-        return _denying(handler, "missing bearer token" if presented is None else "invalid bearer token")
+        return _denying(handler, denial)
 
 
 def _as_bytes(value: str | bytes) -> bytes:

@@ -23,6 +23,17 @@ from viasd.errors import InvalidParameterError
 from viasd.llm import IncrementalDetokenizer, encode_prompt
 
 
+#: Seconds a client refused with 429 / RESOURCE_EXHAUSTED (the queue is full) should wait before it
+#: tries again: HTTP's ``Retry-After`` header and gRPC's trailing metadata RETRY_AFTER_KEY (in ms).
+RETRY_AFTER_S = 1
+RETRY_AFTER_KEY = "viasd-retry-after-ms"  # the client's twin: viasd.client.errors.RETRY_AFTER_KEY
+
+
+def retry_after_metadata() -> tuple[tuple[str, str], ...]:
+    """The trailing metadata of a RESOURCE_EXHAUSTED that tells the client when to try again."""
+    return ((RETRY_AFTER_KEY, str(RETRY_AFTER_S * 1000)),)
+
+
 class RequestError(Exception):
     """A request that cannot be served: HTTP status, the field at fault, OpenAI's error type."""
 

@@ -339,7 +339,9 @@ async def main_async(args) -> int:
             ray.shutdown()
     report["ok"] = ok
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=1))
+        from viasd.bench import provenance
+
+        Path(args.out).write_text(json.dumps({**report, **provenance()}, indent=1))
     print("OK" if ok else "FAILED: requests lost or wrong, or something left open", flush=True)
     return 0 if ok else 1
 

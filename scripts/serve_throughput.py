@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
         model = client.models.list().data[0]
         info = model.model_extra.get("viasd", {})
-        results = {"model": model.id, "pipeline": info, "cpus": os.cpu_count(), "runs": []}
+        from viasd.bench import provenance
+
+        results = {"model": model.id, "pipeline": info, "cpus": os.cpu_count(), **provenance(), "runs": []}
         for mode in args.modes.split(","):
             run_level(client, model.id, mode, 1, 8)  # warm-up
             for c in levels:

@@ -70,7 +70,8 @@ def tiny_pair(request):
 def ray_session():
     """ONE local Ray for the whole test session (started on first use): loopback only, no
     dashboard, logical CPUs so that tests can place a few small actors on a 2-core machine."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     os.environ.setdefault("RAY_enable_worker_prestart", "0")  # actors get their own workers anyway
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")

@@ -113,3 +113,21 @@ def test_load_adds_a_whole_pipeline_and_outputs_stay_exact(service, config):
     assert scaled == 2, f"no second replica after {SCALE_TIMEOUT_S}s of load"
     assert _pipelines() == pipelines_before + 1  # the new replica brought up its own pipeline
     assert results and all(r == want for r in results), "a stream differed from the in-process engine"
+    # both replicas' pipelines served requests: the new one took part of the load
+    served = _requests_per_replica(app)
+    assert len(served) == 2 and all(n > 0 for n in served.values()), served
+
+
+def _requests_per_replica(app: str, calls: int = 64) -> dict[int, int]:
+    """{replica pid: requests its pipeline's coordinator took}, from pipeline_status calls that the
+    router spreads over the replicas (stops once two replicas have answered)."""
+    from ray import serve
+
+    handle = serve.get_app_handle(app)
+    seen: dict[int, int] = {}
+    for _ in range(calls):
+        status = handle.pipeline_status.remote().result(timeout_s=60)
+        seen[status["replica_pid"]] = status["requests"]
+        if len(seen) == 2:
+            break
+    return seen

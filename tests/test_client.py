@@ -219,16 +219,31 @@ def test_retry_policy_backoff_is_exponential_capped_and_jittered():
         RetryPolicy(max_attempts=0)
 
 
-def test_cancel_stops_the_retries():
-    """cancel() during the backoff between attempts ends the stream at once with Cancelled."""
-    slow = RetryPolicy(max_attempts=100, initial_backoff_s=2.0, max_backoff_s=2.0, jitter=0.0)
-    with Client(f"127.0.0.1:{free_port()}", retry=slow) as client:
+def test_cancel_stops_the_retries(caplog):
+    """cancel() during the backoff between attempts ends the stream with Cancelled and makes no
+    further attempt: the backoff is an hour, so a client that slept it out would still be
+    waiting when the join below gives up (a hang guard, not a measurement)."""
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    hour = RetryPolicy(max_attempts=100, initial_backoff_s=3600.0, max_backoff_s=3600.0, jitter=0.0)
+    with Client(f"127.0.0.1:{free_port()}", retry=hour) as client:
         stream = client.generate("x", max_tokens=2)
-        threading.Timer(0.3, stream.cancel).start()
-        t0 = time.monotonic()
-        with pytest.raises(Cancelled):
-            list(stream)
-        assert time.monotonic() - t0 < 1.5
+        out: dict = {}
+
+        def read():
+            try:
+                list(stream)
+            except BaseException as exc:  # noqa: BLE001 - checked below
+                out["error"] = exc
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        while not retries(caplog) and reader.is_alive():  # the first attempt failed: now in the backoff
+            time.sleep(0.05)
+        stream.cancel()
+        reader.join(TIMEOUT_S)
+        assert not reader.is_alive(), "cancel() did not cut the backoff short"
+    assert isinstance(out.get("error"), Cancelled), out
+    assert len(retries(caplog)) == 1  # one attempt, one backoff begun, no second attempt
 
 
 # ------------------------------------------------------------------ results equal the in-process engine
@@ -352,11 +367,12 @@ def test_async_stream_closed_by_async_with_cancels_on_the_server(aio, target, pi
 
 
 def test_deadline_expires_with_deadline_exceeded(client, aio, pipeline):
-    t0 = time.monotonic()
+    got = []
     with pytest.raises(DeadlineExceeded) as err:
-        for _ in client.generate(prompt_token_ids=PROMPT, timeout=0.3, **LONG):
-            pass
-    assert err.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 10
+        for chunk in client.generate(prompt_token_ids=PROMPT, timeout=0.3, **LONG):
+            got.extend(chunk.token_ids)
+    assert err.value.code == "DEADLINE_EXCEEDED"
+    assert len(got) < LONG["max_tokens"]  # ended by the deadline, not by running to completion
     assert idle(aio, pipeline)  # the server ended the request too
 
     async def on_async():
@@ -391,13 +407,17 @@ def test_unavailable_before_the_first_token_is_retried_until_the_server_is_up(ai
 
 
 class Flaky:
-    """A GenerationServicer wrapper that fails chosen calls with UNAVAILABLE: before the first
-    response (`fail_first` calls) or after the first response (`fail_after_first`)."""
+    """A GenerationServicer wrapper that fails chosen calls with `code` (UNAVAILABLE unless told)
+    and trailing `metadata`: before the first response (`fail_first` calls) or after the first
+    response (`fail_after_first`)."""
 
-    def __init__(self, servicer, fail_first: int = 0, fail_after_first: bool = False):
+    def __init__(self, servicer, fail_first: int = 0, fail_after_first: bool = False,
+                 code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, metadata: tuple = ()):
         self.servicer = servicer
         self.fail_first = fail_first
         self.fail_after_first = fail_after_first
+        self.code = code
+        self.metadata = metadata
         self.calls = 0
 
     def __getattr__(self, name):
@@ -406,13 +426,13 @@ class Flaky:
     async def Generate(self, request, context):
         self.calls += 1
         if self.calls <= self.fail_first:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
+            await context.abort(self.code, "warming up", trailing_metadata=self.metadata)
         async with aclosing(self.servicer.Generate(request, context)) as responses:
             async for response in responses:
                 yield response
                 if self.fail_after_first:
                     await asyncio.sleep(0.05)
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "lost the verifier")
+                    await context.abort(self.code, "lost the verifier", trailing_metadata=self.metadata)
 
 
 def test_server_unavailable_status_before_the_first_token_is_retried(aio, servers, servicer, llm, caplog):
@@ -444,6 +464,94 @@ def test_unavailable_after_the_first_token_is_never_retried(aio, servers, servic
     assert flaky.calls == 1 and not retries(caplog)
     assert got and got == ref.token_ids[: len(got)]  # what arrived, once, in order
     assert idle(aio, pipeline)
+
+
+def retry_delays(caplog) -> list[float]:
+    """The delays the client chose, from its retry log lines ("... retry n/m in 0.25s")."""
+    return [float(m.rsplit(" in ", 1)[1].rstrip("s")) for m in retries(caplog)]
+
+
+def test_queue_full_before_the_first_token_is_retried_after_the_servers_hint(aio, servers, servicer, llm, caplog):
+    """RESOURCE_EXHAUSTED with the server's retry hint (viasd-retry-after-ms) is retried; each
+    wait is at least the hint, although the policy's own backoff (<= 0.05 s here) is shorter."""
+    from viasd.client.errors import RETRY_AFTER_KEY
+
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    flaky = Flaky(servicer, fail_first=2, code=grpc.StatusCode.RESOURCE_EXHAUSTED, metadata=((RETRY_AFTER_KEY, "200"),))
+    server, address = servers.start(flaky)
+    try:
+        with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client:
+            got = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
+    finally:
+        servers.stop(server)
+    assert_same(got, reference(llm, PROMPT, **CASES["sd-sampled"]))
+    assert flaky.calls == 3 and all("RESOURCE_EXHAUSTED" in m for m in retries(caplog))
+    assert len(retry_delays(caplog)) == 2 and min(retry_delays(caplog)) >= 0.2
+
+
+@pytest.mark.parametrize("after_first", [False, True], ids=["no-hint", "after-the-first-token"])
+def test_resource_exhausted_without_the_hint_or_after_a_token_is_not_retried(aio, servers, servicer, pipeline, llm,
+                                                                             caplog, after_first):
+    """Without the hint RESOURCE_EXHAUSTED is gRPC's own (a message past the size limit): another
+    attempt would fail the same way. After the first token nothing is retried, hint or not."""
+    from viasd.client import ResourceExhausted
+    from viasd.client.errors import RETRY_AFTER_KEY
+
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    hint = ((RETRY_AFTER_KEY, "10"),) if after_first else ()
+    flaky = Flaky(servicer, fail_first=0 if after_first else 1, fail_after_first=after_first,
+                  code=grpc.StatusCode.RESOURCE_EXHAUSTED, metadata=hint)
+    server, address = servers.start(flaky)
+    got = []
+    try:
+        with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client, pytest.raises(ResourceExhausted):
+            for chunk in client.generate(prompt_token_ids=PROMPT, **LONG):
+                got.extend(chunk.token_ids)
+    finally:
+        servers.stop(server)
+    assert flaky.calls == 1 and not retries(caplog)
+    assert bool(got) == after_first
+    assert idle(aio, pipeline)
+
+
+def test_a_full_queue_of_a_real_server_is_retried_until_a_slot_frees(aio, servers, pipeline, llm, caplog):
+    """The real admission limits (one slot, no queue): while the slot is taken the server answers
+    RESOURCE_EXHAUSTED with its hint, the client waits and tries again, and once the slot is free
+    the call is served, equal to the engine."""
+    from viasd.cluster.grpc_server import GenerationServicer
+    from viasd.cluster.server import RETRY_AFTER_S, Admission
+
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    admission = Admission(1, 0)
+    counting = Flaky(GenerationServicer({"tiny": pipeline}, "tiny", admission=admission))
+    server, address = servers.start(counting)
+    aio.run(admission.enter())  # the one slot is taken, as by a running request
+    out: dict = {}
+
+    def call():
+        try:
+            with Client(address, retry=RetryPolicy(max_attempts=50, initial_backoff_s=0.05, max_backoff_s=0.1),
+                        timeout=TIMEOUT_S) as client:
+                out["got"] = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["via-greedy"])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    worker = threading.Thread(target=call)
+    worker.start()
+    try:
+        while counting.calls < 2 and worker.is_alive():  # refused at least once, then tried again
+            time.sleep(0.05)
+    finally:
+        async def free():
+            admission.leave()
+
+        aio.run(free())
+        worker.join(TIMEOUT_S)
+        servers.stop(server)
+    assert "error" not in out, out.get("error")
+    assert_same(out["got"], reference(llm, PROMPT, **CASES["via-greedy"]))
+    assert counting.calls >= 2 and retry_delays(caplog) and min(retry_delays(caplog)) >= RETRY_AFTER_S
+    assert all("RESOURCE_EXHAUSTED" in m and "max_queued_requests=0" in m for m in retries(caplog))
 
 
 def test_server_killed_mid_stream_is_an_error_without_duplicates(aio, servers, servicer, pipeline, llm, caplog):

@@ -47,9 +47,13 @@ def preset(name: str | None) -> dict:
     return yaml.safe_load((CHART / name).read_text()) if name else {}
 
 
-def render(chart, values: dict | None = None, release: str = "rel") -> list[dict]:
-    """Every object the chart renders with these values (NOTES.txt left out)."""
-    out = chart.render(values or {}, name=release, namespace="serving")
+#: The least a release needs: a token Secret (the chart refuses open public ports, see test_auth_*).
+AUTHED = {"auth": {"tokenSecret": {"name": "viasd-api-token"}}}
+
+
+def render(chart, values: dict | None = None, release: str = "rel", auth: dict | None = AUTHED) -> list[dict]:
+    """Every object the chart renders with these values on top of `auth` (NOTES.txt left out)."""
+    out = chart.render(merged(auth or {}, values or {}), name=release, namespace="serving")
     return [d for path, text in sorted(out.items()) if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
@@ -120,7 +124,7 @@ def all_values() -> list[tuple[str, dict]]:
 
 @pytest.mark.parametrize("name", [None] + PRESETS)
 def test_lint_strict_passes_for_defaults_and_every_preset(name):
-    report = helm.lint(CHART, preset(name) or None, strict=True, namespace="serving", kube_version="v1.30.0")
+    report = helm.lint(CHART, preset(name) or AUTHED, strict=True, namespace="serving", kube_version="v1.30.0")
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []  # 2 warning, 3 error
     assert report["total_charts_linted"] == 1
@@ -132,7 +136,8 @@ def test_lint_catches_a_broken_template(tmp_path):
     shutil.copytree(CHART, broken)
     with open(broken / "templates" / "pdb.yaml", "a") as f:
         f.write("\n{{ .Values.nothing.here }}\n")
-    report = helm.lint(broken, None, strict=True)
+    assert not helm.lint(CHART, AUTHED, strict=True)["errors"]  # the same values pass on the real chart
+    report = helm.lint(broken, AUTHED, strict=True)
     assert report["errors"] or any(m["severity"] == 3 for m in report["messages"])
 
 
@@ -364,6 +369,7 @@ def test_values_schema_refuses_what_the_chart_cannot_serve(chart):
         merged(base, {"modelStorage": {"type": "objectStore", "objectStore": {"uri": ""}}}),
         merged(base, {"podSecurityContext": {"runAsNonRoot": False}}),
     ]
+    render(chart, base)  # the preset itself renders
     for values in bad:
         with pytest.raises(helm.HelmValuesError):
             chart.render(values, name="rel")
@@ -373,6 +379,39 @@ def test_values_schema_refuses_what_the_chart_cannot_serve(chart):
 
 
 SENTINEL = "s3cr3t-VALUE-never-rendered"
+
+
+@pytest.mark.parametrize("values, ports", [
+    ({}, "HTTP 8000 and gRPC 9000"),
+    ({"serve": {"http": {"port": 8080}, "grpc": {"port": 9090}}}, "HTTP 8080 and gRPC 9090"),
+    ({"serve": {"grpc": {"enabled": False}}}, "HTTP 8000"),
+], ids=["defaults", "other-ports", "http-only"])
+def test_auth_chart_refuses_public_ports_without_a_token(chart, values, ports):
+    """Should refuse to render when no token protects the Service's ports and anonymity is not asked for."""
+    with pytest.raises(Exception, match=f"auth.tokenSecret.name: the Service exposes {ports} without authentication"):
+        render(chart, values, auth=None)
+    with pytest.raises(Exception, match="allowAnonymous"):
+        render(chart, merged(values, {"auth": {"allowAnonymous": False}}), auth=None)
+
+
+def test_auth_allow_anonymous_renders_without_a_token(chart):
+    """Should render open ports when auth.allowAnonymous is true, with no token in any pod."""
+    docs = render(chart, {"auth": {"allowAnonymous": True}}, auth=None)
+    for template in pod_specs(one(docs, "RayService")).values():
+        assert "VIASD_API_TOKEN" not in {e["name"] for e in container(template)["env"]}
+    with pytest.raises(helm.HelmValuesError):  # a boolean, not a string that reads as one
+        render(chart, {"auth": {"allowAnonymous": "yes"}}, auth=None)
+
+
+def test_auth_a_token_file_or_secret_is_enough_and_must_be_read(chart):
+    """Should render with serve.http.token_file alone (a mounted file) and refuse a tokenSecret that
+    the serve config would not read (token_env pointing elsewhere)."""
+    docs = render(chart, {"serve": {"http": {"token_file": "/etc/viasd/token/token"}}}, auth=None)
+    assert app_args(docs)["http"]["token_file"] == "/etc/viasd/token/token"
+    with pytest.raises(Exception, match="serve.http.token_env: OTHER would not read the token"):
+        render(chart, {"serve": {"http": {"token_env": "OTHER"}}})
+    with pytest.raises(Exception, match="auth.tokenSecret.name"):
+        render(chart, {"serve": {"http": {"token_env": None}}}, auth=None)
 
 
 def test_secrets_are_referenced_never_inlined(chart):
@@ -445,7 +484,8 @@ def test_pods_drain_their_replicas_before_they_stop(chart):
     args = build_parser().parse_args(command[3:])
     assert args.func.__name__ == "cmd_drain" and args.this_node
     with pytest.raises(Exception, match="terminationGracePeriodSeconds"):
-        chart.render({"serve": {"limits": {"drain_timeout_s": 60}}, "terminationGracePeriodSeconds": 60}, name="rel")
+        render(chart, {"serve": {"limits": {"drain_timeout_s": 60}}, "terminationGracePeriodSeconds": 60})
+    render(chart, {"serve": {"limits": {"drain_timeout_s": 45}}, "terminationGracePeriodSeconds": 60})  # 45 + 15 fits
 
 
 def test_model_storage_pvc_and_object_store(chart):

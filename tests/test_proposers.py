@@ -148,28 +148,46 @@ def _pvalue(counts: np.ndarray, expected_probs: np.ndarray) -> float:
     return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
-def test_sampled_sd_with_lookup_follows_the_verifier():
-    """Lossless with a point-mass p: tokens 1 and 2 ~ q's marginals (1500 seeded requests; the
-    `hybrid` proposer chooses per block between this and the model drafter, each exact)."""
-    verifier = MaskedLM(tiny_model("llama"))
-    engine = Engine(verifier, None)
-    prompt = [5, 17, 3, 88, 5, 17, 3]  # the lookup proposes 88, 5, 17, 3, ...
-    q1, q2 = _exact_marginals(verifier, prompt)
-    n = 1500
+LOOKUP_PROMPT = [29, 71, 70, 12, 29, 71, 70]  # the lookup proposes 12, 29, 71, ...; q(12 | prompt) = 0.26
+
+
+@pytest.mark.parametrize("proposer, n", [("ngram", 1500), ("hybrid", 1000)])
+def test_sampled_sd_with_lookup_follows_the_verifier(proposer, n):
+    """Lossless with a point-mass p: tokens 1 and 2 ~ q's exact marginals (chi-square over n
+    seeded requests). The prompt is chosen so that the proposed token has q(x) = 0.26 and q is
+    spread (entropy 2.6 nats): the near-miss implementation that accepts x with probability q(x)
+    but samples the rejection from q instead of norm(max(0, q - 1_x)) commits x with probability
+    q(x) (2 - q(x)) = 0.45 and must be rejected, as must copying the draft. `hybrid` with a
+    drafter model: blocks after a rejection find no match and are drafted by the model, so both
+    kinds of block are verified and the marginals must still be q's."""
+    from conftest import drafter_from
+
+    v = tiny_model("llama")
+    verifier = MaskedLM(v)
+    engine = Engine(verifier, MaskedLM(drafter_from(v)) if proposer == "hybrid" else None)
+    q1, q2 = _exact_marginals(verifier, LOOKUP_PROMPT)
+    x = LOOKUP_PROMPT[3]
+    assert 0.2 < q1[x] < 0.4 and q1.max() < 0.5  # the case above (the tiny model is seeded)
     counts = np.zeros((2, verifier.vocab_size))
-    lookups = 0
+    lookups = model_drafted = 0
     for seed in range(n):
-        out = engine.complete(prompt, parse_params(mode="sd", proposer="ngram", temperature=1.0, seed=seed,
-                                                    max_tokens=2, gamma=4))
+        out = engine.complete(LOOKUP_PROMPT, parse_params(mode="sd", proposer=proposer, temperature=1.0, seed=seed,
+                                                           max_tokens=2, gamma=2, ignore_eos=True))
         counts[0, out.token_ids[0]] += 1
         counts[1, out.token_ids[1]] += 1
         lookups += out.stats.ngram_draft_tokens
+        model_drafted += out.stats.num_draft_tokens - out.stats.ngram_draft_tokens
     assert lookups >= n  # every request's first block was a lookup
-    assert counts[0, 88] < n * 0.9  # the draft is not simply copied: q decides
+    if proposer == "hybrid":
+        assert model_drafted > n // 10  # and the model drafted blocks too
     assert _pvalue(counts[0], q1) > 1e-3
     assert _pvalue(counts[1], q2) > 1e-3
-    # the same counts against a wrong law (q1 for token 2) must be rejected: the test has power
-    assert _pvalue(counts[1], q1) < 1e-3
+    # near misses must be rejected: the test has power against the bugs that matter
+    resample_from_q = q1 * (1.0 - q1[x])
+    resample_from_q[x] += q1[x]
+    assert _pvalue(counts[0], resample_from_q) < 1e-6
+    assert counts[0, x] < n * 0.4  # the draft is not simply copied: q decides
+    assert _pvalue(counts[1], q1) < 1e-6  # (token 2 is not token 1's law)
 
 
 # ------------------------------------------------------------------ overlap (PEARL-style)

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import grpc
+import psutil
 import pytest
 
 from conftest import drafter_from, process_alive, save_tiny_pair, tiny_model
@@ -31,7 +32,6 @@ from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc
 from viasd.v1.convert import params_to_proto, stats_from_proto
 
-psutil = pytest.importorskip("psutil")
 
 TIMEOUT_S = 120
 REPO = Path(__file__).resolve().parents[1]
@@ -204,12 +204,55 @@ def test_killed_verifier_fails_in_flight_requests_and_the_group_is_rebuilt(aio, 
     """A request between two cycles when the verifier rank dies fails with UNAVAILABLE (not a
     hang); health goes NOT_SERVING while the group is rebuilt, then SERVING; the next request is
     served by the new group and equals the in-process run."""
+    servicer, _, stub, channel = server
+    _kill_a_verifier_rank_mid_requests(aio, pipeline, servicer, stub, channel, llm, rank=0)
+
+
+@pytest.fixture
+def tp2_server(ray_session, aio, engine_config):
+    """A second pipeline whose verifier is a TP=2 group (torch backend, gloo), served and supervised
+    like `server`; shut down after the test."""
+    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc, set_health
+    from viasd.cluster.pipeline import Pipeline, PipelineConfig
+
+    config = PipelineConfig(name="tiny-tp2", engine=engine_config, tp_size=2, drafter_cpus=0.5,
+                            verifier_cpus_per_rank=0.5, rpc_timeout_s=30, health_check_period_s=2.0)
+    pipeline = aio.run(Pipeline.start(config), timeout=300)
+    servicer = GenerationServicer({"tiny-tp2": pipeline}, default="tiny-tp2")
+    srv = aio.run(serve_grpc(servicer, 0))
+
+    async def start():
+        supervisor = asyncio.ensure_future(pipeline.supervise(lambda ok: set_health(srv.viasd_health, ok)))
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.viasd_port}")
+        return supervisor, channel, generation_pb2_grpc.GenerationServiceStub(channel)
+
+    supervisor, channel, stub = aio.run(start())
+    yield pipeline, servicer, stub, channel
+    aio.loop.call_soon_threadsafe(supervisor.cancel)
+    aio.run(channel.close())
+    aio.run(srv.stop(grace=1))
+    aio.run(pipeline.shutdown())
+
+
+def test_killed_follower_rank_of_a_tp2_group_fails_in_flight_requests_and_the_group_is_rebuilt(aio, tp2_server, llm):
+    """SIGKILL of rank 1 (a follower: it serves nothing itself, rank 0 drives it in lockstep) of a
+    TP=2 verifier in the middle of requests: they fail with UNAVAILABLE, rank 0 does not stay
+    stuck in a collective with the dead peer (its old process is gone, the new group serves),
+    health goes NOT_SERVING then SERVING, and a later request equals the in-process engine."""
+    pipeline, servicer, stub, channel = tp2_server
+    assert pipeline.info()["tensor_parallel_size"] == 2 and len(pipeline.verifier_info["rank_pids"]) == 2
+    _kill_a_verifier_rank_mid_requests(aio, pipeline, servicer, stub, channel, llm, rank=1)
+
+
+def _kill_a_verifier_rank_mid_requests(aio, pipeline, servicer, stub, channel, llm, rank: int) -> None:
+    """SIGKILL verifier rank `rank` while two requests stream; check what the public API answers,
+    the health stream, the rebuild, that no old rank survives and that later requests are right."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from viasd.cluster.grpc_server import status_of
 
-    servicer, _, stub, channel = server
-    before, old_pid = pipeline.rebuilds["verifier"], pipeline.verifier_info["pid"]
+    before, old_pids = pipeline.rebuilds["verifier"], list(pipeline.verifier_info["rank_pids"])
+    old_pid, old_procs = old_pids[rank], [psutil.Process(p) for p in old_pids]
     statuses: list[int] = []
 
     async def run():
@@ -246,7 +289,10 @@ def test_killed_verifier_fails_in_flight_requests_and_the_group_is_rebuilt(aio, 
     assert len(errors) == 2 and all(status_of(e)[0] == grpc.StatusCode.UNAVAILABLE for e in errors), errors
     S = health_pb2.HealthCheckResponse
     assert statuses[0] == S.SERVING and S.NOT_SERVING in statuses and statuses[-1] == S.SERVING, statuses
-    assert pipeline.rebuilds["verifier"] == before + 1 and pipeline.verifier_info["pid"] != old_pid
+    assert pipeline.rebuilds["verifier"] == before + 1
+    new_pids = pipeline.verifier_info["rank_pids"]
+    assert len(new_pids) == len(old_pids) and not set(new_pids) & set(old_pids), (old_pids, new_pids)
+    wait_until("every rank of the old group gone", lambda: not any(process_alive(p) for p in old_procs), timeout=60)
     for case in (dict(mode="ar"), dict(mode="via", gamma=4, alpha1=0.9, alpha2=0.7, temperature=1.0, seed=3)):
         tokens, _ = aio.run(collect(stub, request(PROMPTS[0], **case)))
         assert tokens == reference(llm, PROMPTS[0], **case).token_ids, case
@@ -259,17 +305,18 @@ CANCEL_CYCLES = int(os.environ.get("VIASD_CANCEL_CYCLES", "20"))
 RSS_TOLERANCE_MB = 48  # per run, over all processes of the pipeline (allocator noise on 2 cores ~ 10-20 MB)
 
 
-async def cancel_cycle(stub, i: int) -> int:
-    """Start a long sampled request, read 0-2 responses, cancel it; returns responses read."""
+async def cancel_cycle(stub, i: int) -> list:
+    """Start a long sampled request, read 0-2 responses, cancel it; returns what the server sent
+    before the cancel (GenerateResponse messages, or grpc.aio.EOF if its stream had ended)."""
     mode = ("sd", "via", "ar")[i % 3]
     req = request(PROMPTS[i % len(PROMPTS)], request_id=f"cancel-{i}", mode=mode, max_tokens=LONG, ignore_eos=True,
                   temperature=1.0, seed=i)
     call = stub.Generate(req, timeout=TIMEOUT_S)
-    read = i % 3  # 0: cancelled before any token (while opening), 1-2: mid-stream
-    for _ in range(read):
-        await call.read()
+    got = []
+    for _ in range(i % 3):  # 0: cancelled before any token (while opening), 1-2: mid-stream
+        got.append(await call.read())
     call.cancel()
-    return read
+    return got
 
 
 def test_reusing_the_id_of_a_cancelled_request(aio, server, pipeline):
@@ -315,8 +362,15 @@ def test_cancel_cycles_free_every_session_and_memory(aio, server, pipeline):
     assert_idle(aio, pipeline, servicer)
     gc.collect()
     baseline = rss(pids())
-    read = aio.run(cycles(CANCEL_CYCLES, 0), timeout=TIMEOUT_S + 5 * CANCEL_CYCLES)
-    assert sum(1 for r in read if r) >= CANCEL_CYCLES // 2  # most were cancelled mid-stream
+    opened = pipeline.coordinator.totals.requests
+    sent = aio.run(cycles(CANCEL_CYCLES, 0), timeout=TIMEOUT_S + 5 * CANCEL_CYCLES)
+    # what the server did: every cycle that read was streamed tokens of a request still running
+    # (no EOF, no finish reason) when it was cancelled, and each of those reached the coordinator
+    mid_stream = [got for got in sent if got]
+    assert len(mid_stream) == sum(1 for i in range(CANCEL_CYCLES) if i % 3), sent
+    for got in mid_stream:
+        assert all(r is not grpc.aio.EOF and r.token_ids and not r.finish_reason for r in got), got
+    assert pipeline.coordinator.totals.requests - opened >= len(mid_stream)
     assert_idle(aio, pipeline, servicer)
     gc.collect()
     after = rss(pids())

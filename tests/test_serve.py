@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-pytest.importorskip("ray.serve")
+import ray.serve  # noqa: E402,F401  (declared: a missing one fails, it does not skip)
 
 from viasd.cluster.config import load_serve_config, parse_serve_config  # noqa: E402
 from viasd.errors import InvalidParameterError  # noqa: E402
@@ -55,6 +55,7 @@ def models_dir(tmp_path_factory):
 
 TOKEN = "serve-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GRPC_AUTH = (("authorization", f"Bearer {TOKEN}"),)  # the same token in the call's metadata
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,8 @@ def service(config, ray_session):
 
 @pytest.fixture(scope="module")
 def client(service):
-    openai = pytest.importorskip("openai")
+    import openai
+
     return openai.OpenAI(base_url=service.http + "/v1", api_key=TOKEN, max_retries=0, timeout=CALL_TIMEOUT)
 
 
@@ -262,7 +264,7 @@ def test_grpc_generate_through_serves_proxy_equals_the_engine(stub, reference, m
         # max_tokens left unset: the config's default_params apply to gRPC as to HTTP
         params=pb.GenerationParams(mode=getattr(pb, f"MODE_{mode.upper()}"), temperature=0.0),
     )
-    responses = list(stub.Generate(request, timeout=CALL_TIMEOUT))
+    responses = list(stub.Generate(request, timeout=CALL_TIMEOUT, metadata=GRPC_AUTH))
     assert len(responses) > 1
     assert [t for r in responses for t in r.token_ids] == want_ids
     assert "".join(r.text for r in responses) == want_text
@@ -273,7 +275,7 @@ def test_grpc_generate_through_serves_proxy_equals_the_engine(stub, reference, m
 def test_grpc_list_models(stub):
     from viasd.v1 import generation_pb2 as pb
 
-    models = stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT).models
+    models = stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT, metadata=GRPC_AUTH).models
     assert [m.name for m in models] == ["smol"] and models[0].num_layers == 30
 
 
@@ -284,9 +286,35 @@ def test_grpc_bad_input_is_invalid_argument(stub):
 
     request = pb.GenerateRequest(prompt="x", params=pb.GenerationParams(alpha1=2.0))
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(request, timeout=CALL_TIMEOUT))
+        list(stub.Generate(request, timeout=CALL_TIMEOUT, metadata=GRPC_AUTH))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "alpha1" in info.value.details()
+
+
+@pytest.mark.parametrize("metadata, message", [
+    ((), "missing bearer token"),
+    ((("authorization", "Bearer wrong"),), "invalid bearer token"),
+    ((("authorization", TOKEN),), "invalid bearer token"),  # the token without "Bearer "
+    ((("authorization", f"Bearer {TOKEN}x"),), "invalid bearer token"),
+], ids=["none", "wrong", "no-scheme", "longer"])
+def test_grpc_through_serves_proxy_needs_the_same_bearer_token_as_http(service, stub, metadata, message):
+    """Serve's gRPC proxy runs no interceptor: the deployment checks the token of the HTTP API
+    (http.token_file) in each call's metadata and ends the call with UNAUTHENTICATED, before
+    any request reaches the pipeline."""
+    import grpc
+    import requests
+
+    from viasd.v1 import generation_pb2 as pb
+
+    request = pb.GenerateRequest(prompt=PROMPT, params=pb.GenerationParams(mode=pb.MODE_AR, max_tokens=400))
+    for call in (lambda: list(stub.Generate(request, timeout=CALL_TIMEOUT, metadata=metadata)),
+                 lambda: stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT, metadata=metadata)):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
+        assert info.value.details() == message
+    health = requests.get(service.http + "/health", timeout=30).json()
+    assert health["sessions"] == {"drafter": 0, "verifier": [0]} and health["running"] == 0
 
 
 # ------------------------------------------------------------------------------------ metrics

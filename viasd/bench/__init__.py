@@ -121,10 +121,11 @@ def environment(device: str = "cpu") -> dict[str, Any]:
 
     from viasd import __version__
 
-    cpu = platform.processor()
+    cpu, flags = platform.processor(), None
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+        flags = next(line.split(":", 1)[1].split() for line in lines if line.startswith("flags"))
     except (OSError, StopIteration):
         pass
     env = {
@@ -135,6 +136,8 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": cpu,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the kernels torch dispatches to
+        "cpu_flags": sorted(f for f in flags or () if f.startswith(("avx", "amx", "fma", "f16c", "sse4"))),
         "machine": platform.machine(),
         "platform": platform.platform(),
         "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None,
@@ -146,6 +149,15 @@ def environment(device: str = "cpu") -> dict[str, Any]:
         env["gpu"] = torch.cuda.get_device_name(0)
         env["cuda"] = torch.version.cuda
     return env
+
+
+def provenance(device: str = "cpu") -> dict[str, Any]:
+    """What a committed raw file must record beside its figures: the command that made it (this
+    process's argv), the commit and the machine (`environment`)."""
+    import shlex
+    import sys
+
+    return {"command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "environment": environment(device)}
 
 
 def _searched_masks(llm, extra_files: list[str]) -> dict:

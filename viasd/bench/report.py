@@ -288,7 +288,7 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
         "",
         "### Quality and memory",
         "",
-        "| method | pass@1 [95% CI] | vs matched baseline | agreement with ar (prefix / exact) | peak RSS MB (growth) | KV MB "
+        "| method | pass@1 [95% CI] | vs matched baseline | agreement with ar (prefix / exact) | peak RSS MiB (growth) | KV MiB "
         "| CPU ms per token |",
         "|---|---|---|---|---|---|---|",
     ]

@@ -109,6 +109,23 @@ ConfigMap) becomes the verifier's mask (its fingerprint checked on load).
 {{- if and (hasKey $a "initial_replicas") (ne $a.initial_replicas nil) }}{{ $a.initial_replicas | int }}{{ else }}{{ include "via-sd.minReplicas" . }}{{ end }}
 {{- end }}
 
+{{/* The public Service exposes Serve's HTTP and gRPC ports: refuse to render them open to anyone
+unless a token protects them (auth.tokenSecret, read as VIASD_API_TOKEN, or serve.http.token_file)
+or auth.allowAnonymous says so explicitly. */}}
+{{- define "via-sd.checkAuth" -}}
+{{- $http := default dict .Values.serve.http }}
+{{- $env := "VIASD_API_TOKEN" }}
+{{- if hasKey $http "token_env" }}{{ $env = $http.token_env }}{{ end }}
+{{- $ports := printf "HTTP %s" (include "via-sd.httpPort" .) }}
+{{- if eq (include "via-sd.grpcEnabled" .) "true" }}{{ $ports = printf "%s and gRPC %s" $ports (include "via-sd.grpcPort" .) }}{{ end }}
+{{- if and .Values.auth.tokenSecret.name (not $http.token_file) (ne $env "VIASD_API_TOKEN") }}
+{{- fail (printf "serve.http.token_env: %v would not read the token of auth.tokenSecret (VIASD_API_TOKEN)" $env) }}
+{{- end }}
+{{- if not (or .Values.auth.tokenSecret.name $http.token_file .Values.auth.allowAnonymous) }}
+{{- fail (printf "auth.tokenSecret.name: the Service exposes %s without authentication; name a Secret holding the API token, or set auth.allowAnonymous: true to serve anonymously on purpose" $ports) }}
+{{- end }}
+{{- end }}
+
 {{/* Drain timeout (ServeConfig Limits.drain_timeout_s, default 30); the pod's grace period must cover
 it plus the time aborted streams take to end (viasd.cluster.drain.ABORT_GRACE_S = 10) and a margin. */}}
 {{- define "via-sd.drainTimeout" -}}
