@@ -12,6 +12,7 @@ cycles, 32 streams for minutes, thousands of fuzz cases) are `scripts/load_test.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import os
@@ -83,9 +84,17 @@ def pipeline(ray_session, aio, engine_config):
 @pytest.fixture(scope="module")
 def server(aio, pipeline):
     """The public GenerationService over the pipeline, supervised like the standalone server."""
+    with _supervised_server(aio, pipeline, "tiny") as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _supervised_server(aio, pipeline, name: str):
+    """GenerationService over `pipeline` on a free port, its health following the pipeline's
+    supervisor (as the standalone server runs it): (servicer, server, stub, channel)."""
     from viasd.cluster.grpc_server import GenerationServicer, serve_grpc, set_health
 
-    servicer = GenerationServicer({"tiny": pipeline}, default="tiny")
+    servicer = GenerationServicer({name: pipeline}, default=name)
     srv = aio.run(serve_grpc(servicer, 0))
 
     async def start():
@@ -94,10 +103,12 @@ def server(aio, pipeline):
         return supervisor, channel, generation_pb2_grpc.GenerationServiceStub(channel)
 
     supervisor, channel, stub = aio.run(start())
-    yield servicer, srv, stub, channel
-    aio.loop.call_soon_threadsafe(supervisor.cancel)
-    aio.run(channel.close())
-    aio.run(srv.stop(grace=1))
+    try:
+        yield servicer, srv, stub, channel
+    finally:
+        aio.loop.call_soon_threadsafe(supervisor.cancel)
+        aio.run(channel.close())
+        aio.run(srv.stop(grace=1))
 
 
 def request(prompt, request_id: str = "", max_tokens: int = 24, **params) -> pb.GenerateRequest:
@@ -212,25 +223,13 @@ def test_killed_verifier_fails_in_flight_requests_and_the_group_is_rebuilt(aio, 
 def tp2_server(ray_session, aio, engine_config):
     """A second pipeline whose verifier is a TP=2 group (torch backend, gloo), served and supervised
     like `server`; shut down after the test."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc, set_health
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
 
     config = PipelineConfig(name="tiny-tp2", engine=engine_config, tp_size=2, drafter_cpus=0.5,
                             verifier_cpus_per_rank=0.5, rpc_timeout_s=30, health_check_period_s=2.0)
     pipeline = aio.run(Pipeline.start(config), timeout=300)
-    servicer = GenerationServicer({"tiny-tp2": pipeline}, default="tiny-tp2")
-    srv = aio.run(serve_grpc(servicer, 0))
-
-    async def start():
-        supervisor = asyncio.ensure_future(pipeline.supervise(lambda ok: set_health(srv.viasd_health, ok)))
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.viasd_port}")
-        return supervisor, channel, generation_pb2_grpc.GenerationServiceStub(channel)
-
-    supervisor, channel, stub = aio.run(start())
-    yield pipeline, servicer, stub, channel
-    aio.loop.call_soon_threadsafe(supervisor.cancel)
-    aio.run(channel.close())
-    aio.run(srv.stop(grace=1))
+    with _supervised_server(aio, pipeline, "tiny-tp2") as (servicer, _, stub, channel):
+        yield pipeline, servicer, stub, channel
     aio.run(pipeline.shutdown())
 
 
