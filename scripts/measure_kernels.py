@@ -96,7 +96,7 @@ def header() -> dict:
                                     check=False).stdout.strip())
     except OSError:
         commit, dirty = None, None
-    return {"command": [sys.executable, *sys.argv], "commit": commit, "worktree_dirty": dirty,
+    return {"command": [Path(sys.executable).name, *sys.argv], "commit": commit, "worktree_dirty": dirty,
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine()}
 
 

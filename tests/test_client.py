@@ -435,15 +435,20 @@ class Flaky:
                     await context.abort(self.code, "lost the verifier", trailing_metadata=self.metadata)
 
 
-def test_server_unavailable_status_before_the_first_token_is_retried(aio, servers, servicer, llm, caplog):
-    caplog.set_level(logging.INFO, logger="viasd.client")
-    flaky = Flaky(servicer, fail_first=2)
+def _complete_through(servers, flaky):
+    """A sampled `sd` request through a server that fails its first calls (retried): its result."""
     server, address = servers.start(flaky)
     try:
         with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client:
-            got = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
+            return client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
     finally:
         servers.stop(server)
+
+
+def test_server_unavailable_status_before_the_first_token_is_retried(aio, servers, servicer, llm, caplog):
+    caplog.set_level(logging.INFO, logger="viasd.client")
+    flaky = Flaky(servicer, fail_first=2)
+    got = _complete_through(servers, flaky)
     assert_same(got, reference(llm, PROMPT, **CASES["sd-sampled"]))
     assert flaky.calls == 3 and len(retries(caplog)) == 2
 
@@ -478,12 +483,7 @@ def test_queue_full_before_the_first_token_is_retried_after_the_servers_hint(aio
 
     caplog.set_level(logging.INFO, logger="viasd.client")
     flaky = Flaky(servicer, fail_first=2, code=grpc.StatusCode.RESOURCE_EXHAUSTED, metadata=((RETRY_AFTER_KEY, "200"),))
-    server, address = servers.start(flaky)
-    try:
-        with Client(address, retry=FAST_RETRY, timeout=TIMEOUT_S) as client:
-            got = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
-    finally:
-        servers.stop(server)
+    got = _complete_through(servers, flaky)
     assert_same(got, reference(llm, PROMPT, **CASES["sd-sampled"]))
     assert flaky.calls == 3 and all("RESOURCE_EXHAUSTED" in m for m in retries(caplog))
     assert len(retry_delays(caplog)) == 2 and min(retry_delays(caplog)) >= 0.2

@@ -118,9 +118,10 @@ class SlotKVCache:
 
     # ------------------------------------------------------------ forwards
 
-    def batch(self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int]) -> "_BatchWrite":
-        """The cache view of one forward: row b = rows[b] appends lengths[b] tokens at starts[b]."""
-        return _BatchWrite(self, list(rows), list(starts), list(lengths))
+    def batch(self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
+              device: torch.device | str = "cpu") -> "_BatchWrite":
+        """The cache view of one forward on `device`: row b = rows[b] appends lengths[b] tokens at starts[b]."""
+        return _BatchWrite(self, list(rows), list(starts), list(lengths), torch.device(device))
 
     def _ensure(self, layer: int, like: Tensor, rows_needed: int, len_needed: int) -> None:
         """Allocate or grow layer storage (doubling, zero-filled) to hold rows_needed x len_needed."""
@@ -153,17 +154,19 @@ class _BatchWrite:
     returns the keys/values the queries attend to, [B, H_kv, S, D] with S = max_b start_b + T_b.
     """
 
-    def __init__(self, cache: SlotKVCache, rows: list[int], starts: list[int], lengths: list[int]):
+    def __init__(self, cache: SlotKVCache, rows: list[int], starts: list[int], lengths: list[int],
+                 device: torch.device):
         self.cache, self.rows, self.starts, self.lengths = cache, rows, starts, lengths
         self.span = max(s + n for s, n in zip(starts, lengths))  # S
         self.contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        if len(rows) > 1:  # flat indices of the real tokens: dst (row, pos) <- src (b, t)
+        if len(rows) > 1:  # flat indices of the real tokens, once per forward: dst (row, pos) <- src (b, t)
             b_idx = [b for b, n in enumerate(lengths) for _ in range(n)]
             t_idx = [t for n in lengths for t in range(n)]
-            self.src_b, self.src_t = torch.tensor(b_idx), torch.tensor(t_idx)  # [N], [N]
-            self.dst_row = torch.tensor([rows[b] for b in b_idx])  # [N]
-            self.dst_pos = torch.tensor([starts[b] + t for b, t in zip(b_idx, t_idx)])  # [N]
-            self.row_index = torch.tensor(rows)  # [B]
+            self.src_b = torch.tensor(b_idx, device=device)  # [N]
+            self.src_t = torch.tensor(t_idx, device=device)  # [N]
+            self.dst_row = torch.tensor([rows[b] for b in b_idx], device=device)  # [N]
+            self.dst_pos = torch.tensor([starts[b] + t for b, t in zip(b_idx, t_idx)], device=device)  # [N]
+            self.row_index = torch.tensor(rows, device=device)  # [B]
 
     def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
         """key/value [B, H_kv, T, D] -> the rows' keys/values [B, H_kv, S, D]."""
@@ -178,18 +181,15 @@ class _BatchWrite:
             k_buf[row, :, start : start + n] = key[0, :, :n]
             v_buf[row, :, start : start + n] = value[0, :, :n]
         else:
-            dev = k_buf.device
-            src_b, src_t = self.src_b.to(dev), self.src_t.to(dev)
-            dst_row, dst_pos = self.dst_row.to(dev), self.dst_pos.to(dev)
-            k_buf[dst_row, :, dst_pos] = key[src_b, :, src_t]  # [N, H_kv, D]
-            v_buf[dst_row, :, dst_pos] = value[src_b, :, src_t]
+            k_buf[self.dst_row, :, self.dst_pos] = key[self.src_b, :, self.src_t]  # [N, H_kv, D]
+            v_buf[self.dst_row, :, self.dst_pos] = value[self.src_b, :, self.src_t]
         for row, start, n in zip(self.rows, self.starts, self.lengths):
             lens[row] = start + n
         if self.contiguous:  # a view, no copy
             r0, r1 = self.rows[0], self.rows[0] + len(self.rows)
             return k_buf[r0:r1, :, : self.span], v_buf[r0:r1, :, : self.span]
-        idx = self.row_index.to(k_buf.device)
-        return k_buf[:, :, : self.span].index_select(0, idx), v_buf[:, :, : self.span].index_select(0, idx)
+        return (k_buf[:, :, : self.span].index_select(0, self.row_index),
+                v_buf[:, :, : self.span].index_select(0, self.row_index))
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,7 @@ class MaskedLM:
                 stale = {i: cache.length(r.cache_row, i) for i in layers if cache.length(r.cache_row, i) != r.start}
                 if stale:
                     raise RuntimeError(f"cache row {r.cache_row}: layers not at position {r.start}: {stale}")
-            view = cache.batch([r.cache_row for r in rows], [r.start for r in rows], lengths)
+            view = cache.batch([r.cache_row for r in rows], [r.start for r in rows], lengths, dev)
         for i in layers:
             hidden = self.layers[i](
                 hidden,
