@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator, Iterable, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -507,10 +507,3 @@ class VerifySession(_Session):
 def uses_slim(params: GenerationParams) -> bool:
     """Whether a request may run the slim verifier: `via`, or `auto` allowed lossy plans."""
     return params.mode == Mode.VIA or (params.mode == Mode.AUTO and params.auto_lossy)
-
-
-def release_all(sessions: Iterable[_Session | None]) -> None:
-    """Release the cache rows of every session given (None entries skipped)."""
-    for s in sessions:
-        if s is not None:
-            s.release()
