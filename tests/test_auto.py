@@ -19,7 +19,7 @@ from viasd.config import parse_params
 from viasd.costs import Acceptance, CostModel, profile
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
-from viasd.planner import Plan, RowState, choose, goodput
+from viasd.planner import Plan, RowState, choose, expected_tokens, goodput, step_seconds
 from viasd.runtime import LayerMask
 
 PROMPTS = [[5, 17, 3, 88, 41, 9], [33, 34, 35, 33, 34, 35, 33, 34, 35, 33], [1, 2, 3]]
@@ -70,8 +70,10 @@ def test_auto_batched_beside_fixed_modes_equals_ar(tiny_pair):
 def test_sampled_auto_follows_q(tiny_pair):
     verifier, drafter = tiny_pair
     engine = _engine(tiny_pair, SPECULATE, max_batch=16)
-    n, prompt = 3000, PROMPTS[0]
-    handles = [engine.submit(prompt, parse_params(mode="auto", max_tokens=1, gamma=2, temperature=1.0, seed=s))
+    # two tokens: a draft block can pay (one token could not: it commits no more than `ar`); a
+    # short prompt: the lazy drafter catches up within its first round, at no planned cost
+    n, prompt = 3000, PROMPTS[0][:5]
+    handles = [engine.submit(prompt, parse_params(mode="auto", max_tokens=2, gamma=2, temperature=1.0, seed=s))
                for s in range(n)]
     while engine.scheduler.has_work():
         engine.step()
@@ -163,6 +165,62 @@ def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
     other = profile(verifier, drafter, LayerMask.from_skipped((2,), verifier.num_layers), grid=(1, 2, 4),
                     repeats=1, cache_dir=tmp_path)
     assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["skipped"] == [2]
+
+
+def test_step_cost_counts_padding_catch_up_and_overhead():
+    flat = CostModel({"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 1.0), (64, 64.0)], "drafter": [(1, 0.1), (64, 6.4)]})
+    rows = [_row(0.5), _row(0.5)]
+    # a batch is right-padded: one row of 6 tokens and one of 2 cost as 2 x 6 in the full forward
+    mixed = step_seconds(flat, rows, [Plan("sd", 5), Plan("sd", 1)])
+    drafting = sum(flat.seconds("drafter", n) for n in (2, 1, 1, 1, 1))
+    assert mixed == pytest.approx(drafting + flat.seconds("full", 12))
+    # a lagging drafter pays for its catch-up, spread over the cycles the row has left
+    lag = _row(0.5, draft_lag=20, remaining=10)
+    cycles = 10 / expected_tokens(lag, Plan("sd", 2))
+    assert step_seconds(flat, [lag], [Plan("sd", 2)]) == pytest.approx(
+        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / cycles)
+    assert step_seconds(flat, [lag], [Plan("ar")]) == flat.seconds("full", 1)  # `ar` never catches up
+    flat.overhead = 0.25  # per row-forward: 2 drafter rounds + 1 full forward
+    assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
+        2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 3 * 0.25)
+
+
+def test_planner_never_expects_more_tokens_than_the_request_may_produce():
+    assert expected_tokens(_row(1.0, remaining=2), Plan("sd", 5)) == 2
+    assert choose(SPECULATE, [_row(0.9, remaining=1)]) == [Plan("ar")]  # one token left: nothing to gain
+
+
+def test_online_cost_model_learns_from_the_forwards_it_sees():
+    grid = {"full": [(1, 1.0), (16, 2.0), (64, 8.0)]}
+    fixed, online = CostModel(dict(grid)), CostModel(dict(grid), online=True)
+    for _ in range(60):
+        for m in (fixed, online):
+            m.observe("full", 16, 6.0)  # 3x the profile at 16 tokens
+            m.observe_overhead(0.5, 10)
+    assert fixed.seconds("full", 16) == 2.0 and fixed.overhead == 0.0  # an explicit model stays as given
+    assert online.seconds("full", 16) == pytest.approx(6.0, rel=0.01)
+    assert online.seconds("full", 1) == 1.0 and online.seconds("full", 64) == 8.0  # other buckets keep theirs
+    assert online.overhead == pytest.approx(0.05, rel=0.01) and online.summary()["observed"] == 60
+
+
+def test_auto_prefills_the_drafter_only_when_a_plan_drafts(tiny_pair):
+    # never worth it: the drafter of an auto request never runs, not even its prefill
+    engine = _engine(tiny_pair, NEVER)
+    prompt = PROMPTS[1] * 3  # 30 tokens: a lag far beyond CATCH_UP
+    ar = engine.complete(prompt, parse_params(mode="ar", max_tokens=20))
+    handle = engine.submit(prompt, parse_params(mode="auto", max_tokens=20))
+    while not handle.finished:
+        engine.step()
+        draft, _ = engine.scheduler.sessions(handle) or (None, None)
+        if draft is not None:
+            assert draft.tier.pos == 0
+    assert sum((c.token_ids for c in handle.chunks), []) == ar.token_ids
+    assert handle.stats.forwards["drafter"] == 0 and handle.stats.prefill_forwards == ar.stats.prefill_forwards
+    # worth it: the drafter catches up once (one more prefill forward than `ar`), then drafts
+    engine = _engine(tiny_pair, SPECULATE)
+    auto = engine.complete(prompt, parse_params(mode="auto", max_tokens=20))
+    assert auto.token_ids == ar.token_ids and auto.stats.forwards["drafter"] > 0
+    assert auto.stats.prefill_forwards == ar.stats.prefill_forwards + 1
 
 
 def test_auto_crosses_the_wire_and_the_actor_pipeline_refuses_it_clearly():

@@ -1,18 +1,28 @@
 """The engine's own cost curve: forward seconds per tier, profiled at start, and the running
 acceptance estimates that say what a speculative plan buys (issue "Never slower").
 
-Forward cost is modelled as a function of the tokens one forward carries, M = sum_b T_b (the
-rows' new tokens: every weight matmul is [M, H] x [H, H']): `seconds(tier, M)` interpolates a
-measured grid linearly and extrapolates from its last two points. Rows add a little attention
-work on top, which the grid (one row of M tokens at a short cached length) does not see; on a
-CPU the matmuls dominate. The grid is measured once per (model fingerprint, device, dtype,
-threads, mask) and cached as JSON under the model cache (viasd.models.embedded.cache_root).
+Forward cost is modelled as a function of the tokens one forward carries, M = B * T_max (a
+batch is right-padded to its longest row, and every weight matmul is [M, H] x [H, H']):
+`seconds(tier, M)` interpolates a measured grid linearly and extrapolates from its last two
+points. The grid is measured once per (model fingerprint, device, dtype, threads, mask) and
+cached as JSON under the model cache (viasd.models.embedded.cache_root).
+
+The grid sees one row of M tokens at a short cached length; a served batch adds attention over
+long contexts, many rows and the per-row work around each forward (sampling, the rules, the
+session generators). An `online` model therefore learns from the forwards the engine runs:
+
+    seconds(tier, M) = grid(tier, M) * c[tier][bucket(M)]        (c: EMA of observed / grid)
+    step seconds    += overhead * row-forwards                    (overhead: EMA per row-forward)
+
+where bucket(M) is the grid point nearest M in log scale, so a correction learnt at 16 tokens
+does not move the cost of 64.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,11 +43,44 @@ class CostModel:
     grid: dict[str, list[tuple[int, float]]]  # tier -> [(M, seconds)], M ascending
     key: dict = field(default_factory=dict)  # what the figures were measured for
     profile_seconds: float = 0.0  # wall time the profile took (0 when read from the cache)
+    online: bool = False  # learn corrections from observed forwards (module docstring)
+    correction: dict[str, list[float]] = field(default_factory=dict)  # tier -> c per grid point
+    overhead: float = 0.0  # seconds of per-row work around each row's forward (EMA)
+    observed: int = 0  # forwards observed
+
+    DECAY = 0.9  # weight of the past in each online update
 
     def seconds(self, tier: str, tokens: float) -> float:
-        """Interpolated forward seconds of `tier` carrying `tokens` tokens (0 tokens: 0 s)."""
+        """Forward seconds of `tier` carrying `tokens` tokens (0 tokens: 0 s): the grid,
+        interpolated, times the learnt correction of the nearest grid point."""
         if tokens <= 0:
             return 0.0
+        base = self._grid_seconds(tier, tokens)
+        c = self.correction.get(tier)
+        return base * c[self._bucket(tier, tokens)] if c else base
+
+    def observe(self, tier: str, tokens: int, seconds: float) -> None:
+        """One forward of `tier` over `tokens` (B * T_max) tokens took `seconds` (online only)."""
+        if not self.online or tokens <= 0 or tier not in self.grid:
+            return
+        base = self._grid_seconds(tier, tokens)
+        if base <= 0:
+            return
+        c = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
+        i = self._bucket(tier, tokens)
+        c[i] = self.DECAY * c[i] + (1 - self.DECAY) * (seconds / base)
+        self.observed += 1
+
+    def observe_overhead(self, seconds: float, row_forwards: int) -> None:
+        """A step spent `seconds` outside its forwards over `row_forwards` row-forwards (online only)."""
+        if self.online and row_forwards > 0:
+            self.overhead = self.DECAY * self.overhead + (1 - self.DECAY) * max(0.0, seconds) / row_forwards
+
+    def _bucket(self, tier: str, tokens: float) -> int:
+        pts = self.grid[tier]
+        return min(range(len(pts)), key=lambda i: abs(math.log(pts[i][0]) - math.log(max(tokens, 1e-9))))
+
+    def _grid_seconds(self, tier: str, tokens: float) -> float:
         pts = self.grid[tier]
         for (m0, s0), (m1, s1) in zip(pts, pts[1:]):
             if tokens <= m1:
@@ -50,8 +93,17 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
+        """The profiled grid (what the cache file holds; corrections start afresh)."""
         return cls({k: [tuple(p) for p in v] for k, v in d["grid"].items()}, d.get("key", {}),
                    d.get("profile_seconds", 0.0))
+
+    def summary(self) -> dict:
+        """What the stats and /metrics report: the grid's end points, corrections, overhead."""
+        return {"key": self.key, "online": self.online, "observed": self.observed,
+                "overhead_seconds": round(self.overhead, 6),
+                "seconds_1": {t: round(self.seconds(t, 1), 6) for t in self.grid},
+                "seconds_64": {t: round(self.seconds(t, 64), 6) for t in self.grid},
+                "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()}}
 
     def break_even(self, tier_draft: str, tier_verify: str, k: int) -> float:
         """Tokens one cycle of k drafted tokens must commit to beat `ar` at batch 1:
@@ -103,7 +155,9 @@ def profile(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, *, gr
         path = Path(cache_dir) / f"costs-{digest}.json"
         if path.exists():
             try:
-                return CostModel.from_dict(json.loads(path.read_text()))
+                model = CostModel.from_dict(json.loads(path.read_text()))
+                model.online = True
+                return model
             except (OSError, ValueError, KeyError):
                 pass  # a damaged cache file is measured again
     t0 = time.perf_counter()
@@ -113,7 +167,7 @@ def profile(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, *, gr
     for lm, m in tiers.values():  # one untimed forward each: first-call allocations stay out of the figures
         _time_forward(lm, m, 1, 1)
     table = {name: [(n, _time_forward(lm, m, n, repeats)) for n in grid] for name, (lm, m) in tiers.items()}
-    model = CostModel(table, key, time.perf_counter() - t0)
+    model = CostModel(table, key, time.perf_counter() - t0, online=True)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(model.to_dict(), indent=1))

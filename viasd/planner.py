@@ -9,9 +9,16 @@ changes speed.
 
 The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], with
   E[tokens]       = 1 + sum_{i=1..k} prod_{j<=i} a_j        (a: the row's running acceptance)
-  E[step seconds] = sum_r C_drafter(rows drafting in round r) + C_slim(sum_via (k+1))
-                    + C_full(sum_ar 1 + sum_sd (k+1) + sum_via P_esc (k+1))
-from the profiled cost curves (viasd.costs). Rows with a fixed mode count with their own plan.
+  E[step seconds] = sum_r C_drafter(n_r)                    (n_r: rows drafting in round r)
+                    + C_slim(n_via * T_via) + C_full(n_full * T_full)
+                    + C_drafter(n_lag * max lag) * mean(1 / E[cycles left])   (lazy drafters catching up)
+                    + overhead * row-forwards
+where a batched forward costs its padded size (rows x its longest row: T = k + 1 for a block,
+1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost curves
+(viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
+admission: a row whose drafter lags `lag` tokens pays for catching up once, spread over the
+cycles it has left, so under load, where speculation does not pay, the drafter never runs.
+Rows with a fixed mode count with their own plan.
 The plans are chosen by coordinate ascent from the best uniform assignment (every auto row on
 the same plan, where it has it: a drafting round costs about the same for one row as for all,
 so single-row moves alone would never leave `ar`); each row in turn takes the plan that
@@ -50,6 +57,8 @@ class RowState:
     lossy: bool = False  # the request allows `via`
     via_tokens: float = 2.0  # running mean of tokens a via cycle commits
     via_escalation: float = 0.5  # running probability that a via cycle escalates to q
+    draft_lag: int = 0  # tokens the drafter must feed (a catch-up prefill) before it can draft
+    remaining: int = 1 << 30  # tokens the request may still produce
 
     def candidates(self) -> list[Plan]:
         if self.fixed is not None:
@@ -65,23 +74,39 @@ class RowState:
 
 
 def expected_tokens(row: RowState, plan: Plan) -> float:
+    """Tokens the row expects to commit with `plan` this step (never more than it may produce)."""
     if plan.kind == "ar":
         return 1.0
     if plan.kind == "via":
-        return row.via_tokens
-    return row.acceptance.expected_tokens("ngram" if plan.kind == "ngram" else "model", plan.k)
+        return min(row.via_tokens, row.remaining)
+    return min(row.acceptance.expected_tokens("ngram" if plan.kind == "ngram" else "model", plan.k), row.remaining)
 
 
 def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
     """Expected seconds of one step in which row i runs plans[i] (module docstring)."""
     drafting = sorted((p.k for p in plans if p.kind in ("sd", "via")), reverse=True)
-    seconds = 0.0
+    seconds, row_forwards = 0.0, 0.0
     for r in range(drafting[0] if drafting else 0):
-        seconds += costs.seconds("drafter", sum(1 for k in drafting if k > r))
-    slim_tokens = sum(p.k + 1 for p in plans if p.kind == "via")
-    full_tokens = sum(1 if p.kind == "ar" else p.k + 1 for p in plans if p.kind != "via")
-    full_tokens += sum(row.via_escalation * (p.k + 1) for row, p in zip(rows, plans) if p.kind == "via")
-    return seconds + costs.seconds("slim", slim_tokens) + costs.seconds("full", full_tokens)
+        n = sum(1 for k in drafting if k > r)
+        seconds += costs.seconds("drafter", n)
+        row_forwards += n
+    lagging = [(row.draft_lag, max(1.0, row.remaining / expected_tokens(row, p)))
+               for row, p in zip(rows, plans) if p.kind in ("sd", "via") and row.draft_lag > 0]
+    if lagging:  # one batched catch-up forward, its cost spread over the rows' cycles left
+        catch_up = costs.seconds("drafter", len(lagging) * max(lag for lag, _ in lagging))
+        seconds += catch_up * sum(1 / cycles for _, cycles in lagging) / len(lagging)
+    slim = [p.k + 1 for p in plans if p.kind == "via"]  # [n_via] tokens per row
+    if slim:
+        seconds += costs.seconds("slim", len(slim) * max(slim))
+        row_forwards += len(slim)
+    full = [(1.0, 1 if p.kind == "ar" else p.k + 1) if p.kind != "via" else (row.via_escalation, p.k + 1)
+            for row, p in zip(rows, plans)]  # (expected rows, tokens) per row
+    full = [(w, t) for w, t in full if w > 0]
+    if full:
+        n_full = sum(w for w, _ in full)
+        seconds += costs.seconds("full", n_full * max(t for _, t in full))
+        row_forwards += n_full
+    return seconds + costs.overhead * row_forwards
 
 
 def goodput(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:

@@ -44,6 +44,7 @@ from viasd.sessions import DraftSession, Outcome, VerifySession, drive, execute,
 _FIXED = {Mode.AR: lambda k: Plan("ar"), Mode.SD: lambda k: Plan("sd", k), Mode.VIA: lambda k: Plan("via", k)}
 _PROPOSER = {"sd": None, "via": None, "ngram": Proposer.NGRAM}  # None: the request's own proposer
 _VERIFY_MODE = {"sd": Mode.SD, "ngram": Mode.SD, "via": Mode.VIA}
+CATCH_UP = 4  # a lazy drafter lagging more tokens than this catches up in a prefill forward
 
 
 @dataclass
@@ -246,6 +247,7 @@ class Scheduler:
         self.acceptance = Acceptance()  # engine-wide running acceptance: the prior of new `auto` requests
         self.via_tokens, self.via_escalation = 2.0, 0.5  # engine-wide via estimates, the same way
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
+        self._step_forwards = [0.0, 0]  # this step's forward seconds and row-forwards (the overhead estimate)
 
     # ---------------------------------------------------------------- requests
 
@@ -363,7 +365,8 @@ class Scheduler:
                 continue
             upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
             n = min(budget, upto - done)
-            for s in r.sessions:
+            # an `auto` request's drafter catches up only when a plan drafts (viasd.planner)
+            for s in [r.verify] if r.handle.params.mode == Mode.AUTO else r.sessions:
                 forwards += s.prefill_steps(done + n, n)
             budget -= n
             r.prefilled = done + n == upto
@@ -375,12 +378,18 @@ class Scheduler:
         rows = [r for r in self._running if r.prefilled]
         if not rows:
             return []
+        t0, self._step_forwards = time.perf_counter(), [0.0, 0]
         plans = dict(zip(rows, self._plans(rows)))
         drafting = [r for r in rows if plans[r].kind != "ar"]
         for r in rows:
             if r.draft is not None and plans[r].kind == "ar":
                 r.draft.skip()
-        proposals = drive({r: r.draft.propose_steps(plans[r].k, _PROPOSER.get(plans[r].kind)) for r in drafting})
+        catch_up = [f for r in drafting if plans[r].kind in ("sd", "via") and _draft_lag(r) > 0
+                    for f in r.draft.prefill_steps(len(r.draft.seq) - 1, len(r.draft.seq))]
+        if catch_up:  # lazy drafters of `auto` rows: the context they have not seen, before drafting
+            execute(catch_up, prefill=True, observe=self._observe)
+        proposals = drive({r: r.draft.propose_steps(plans[r].k, _PROPOSER.get(plans[r].kind)) for r in drafting},
+                          observe=self._observe)
         ahead = [r for r in drafting if r.handle.params.overlap]
         running_ahead = None
         if ahead:  # overlap: draft the next blocks from the optimistic prefixes while the verifier works
@@ -390,7 +399,7 @@ class Scheduler:
                 r: r.verify.check_steps(*proposals[r], _VERIFY_MODE[plans[r].kind]) if r in proposals
                 else r.verify.decode_one_steps()
                 for r in rows
-            })
+            }, observe=self._observe)
         finally:
             if running_ahead is not None:
                 for r in ahead:
@@ -410,7 +419,17 @@ class Scheduler:
                     r.handle.chunks.append(chunk)
             if chunk.finished:
                 self._retire(r)
+        if isinstance(self._costs, CostModel):
+            forward_seconds, row_forwards = self._step_forwards
+            self._costs.observe_overhead(time.perf_counter() - t0 - forward_seconds, row_forwards)
         return out
+
+    def _observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
+        """A batched forward of this step ran: the cost model learns from it (viasd.costs)."""
+        self._step_forwards[0] += seconds
+        self._step_forwards[1] += rows
+        if isinstance(self._costs, CostModel):
+            self._costs.observe(tier, tokens, seconds)
 
     def _plans(self, rows: list[_Running]) -> list[Plan]:
         """This step's plan of every row: its own mode's, or the planner's for `auto` rows."""
@@ -423,7 +442,8 @@ class Scheduler:
             match = len(ngram_lookup(r.verify.seq, gamma, params.ngram_max))
             states.append(RowState(fixed=None, gamma=gamma, acceptance=r.acceptance, ngram_match=match,
                                    has_drafter=r.draft is not None and r.draft.tier is not None,
-                                   lossy=params.auto_lossy, via_tokens=r.via_tokens, via_escalation=r.via_escalation))
+                                   lossy=params.auto_lossy, via_tokens=r.via_tokens, via_escalation=r.via_escalation,
+                                   draft_lag=_draft_lag(r), remaining=r.handle.limits.remaining))
         if all(s.fixed is not None for s in states):
             return [s.fixed for s in states]
         return choose(self.costs(), states)
@@ -452,3 +472,12 @@ class Scheduler:
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)
+
+
+def _draft_lag(r: _Running) -> int:
+    """Context tokens a request's drafter has not fed beyond the one its next round feeds, when
+    more than CATCH_UP: they get a catch-up prefill before drafting (fewer ride along in the
+    first drafting round). Only `auto` requests' drafters lag: `ar` steps do not feed them."""
+    tier = r.draft.tier if r.draft is not None else None
+    lag = 0 if tier is None else len(r.draft.seq) - 1 - tier.pos
+    return lag if lag > CATCH_UP else 0

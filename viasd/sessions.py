@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +63,8 @@ class Forward:
 
 # A step generator: yields Forwards, is sent their logits [num_logits, V], returns its result.
 Steps = Generator[Forward, Tensor, object]
+# Hears of one batched forward: (tier name, rows, padded tokens B * T_max, seconds).
+Observer = Callable[[str, int, int, float], None]
 
 
 @dataclass
@@ -100,10 +102,11 @@ class _Tier:
 # ---------------------------------------------------------------- driving step generators
 
 
-def execute(forwards: Sequence[Forward], *, prefill: bool = False) -> list[Tensor]:
+def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Observer | None = None) -> list[Tensor]:
     """Run forwards, one `MaskedLM.forward_batch` per (model, mask, cache): the logits of each,
     in order. Each request's stats get one forward and the batch's wall time for that tier
-    (`prefill`: counted as prefill instead, so `forwards` counts decode forwards only)."""
+    (`prefill`: counted as prefill instead, so `forwards` counts decode forwards only).
+    `observe(tier, rows, padded tokens B * T_max, seconds)` hears of every batched forward."""
     out: list[Tensor | None] = [None] * len(forwards)
     groups: dict[tuple, list[int]] = {}
     for i, f in enumerate(forwards):
@@ -116,6 +119,8 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False) -> list[Tenso
         t0 = time.perf_counter()
         logits = first.lm.forward_batch(rows, first.cache.store, first.mask)
         seconds = time.perf_counter() - t0
+        if observe is not None:
+            observe(first.name, len(rows), len(rows) * max(len(r.tokens) for r in rows), seconds)
         for i, lg in zip(idx, logits):
             stats = forwards[i].stats
             if prefill:
@@ -128,7 +133,7 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False) -> list[Tenso
     return out  # type: ignore[return-value]
 
 
-def drive(generators: dict, *, stop: threading.Event | None = None) -> dict:
+def drive(generators: dict, *, observe: Observer | None = None) -> dict:
     """Run step generators together (key -> generator); return key -> result.
 
     Each round runs the pending forwards of the earliest tier in TIER_ORDER as one batched
@@ -142,7 +147,7 @@ def drive(generators: dict, *, stop: threading.Event | None = None) -> dict:
     while pending:
         tier = min(TIER_ORDER[f.tier.name] for f in pending.values())
         keys = [k for k, f in pending.items() if TIER_ORDER[f.tier.name] == tier]
-        logits = execute([pending[k] for k in keys])
+        logits = execute([pending[k] for k in keys], observe=observe)
         for key, lg in zip(keys, logits):
             _advance(key, generators[key], lg, pending, results)
     return results
