@@ -203,6 +203,15 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
     assert online.overhead == pytest.approx(0.05, rel=0.01) and online.summary()["observed"] == 60
 
 
+def test_planner_state_reports_costs_and_acceptance(tiny_pair):
+    engine = _engine(tiny_pair, CostModel(dict(SPECULATE.grid), online=True))
+    before = engine.planner_state()
+    engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=12))
+    after = engine.planner_state()
+    assert after["costs"]["online"] and after["costs"]["observed"] > 0 and after["costs"]["correction"]["full"]
+    assert after["acceptance"]["model"] != before["acceptance"]["model"]  # the drafts taught it something
+
+
 def test_auto_prefills_the_drafter_only_when_a_plan_drafts(tiny_pair):
     # never worth it: the drafter of an auto request never runs, not even its prefill
     engine = _engine(tiny_pair, NEVER)

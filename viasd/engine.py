@@ -128,6 +128,14 @@ class Engine:
             self.costs = profile(self.verifier, self.drafter, self.mask, cache_dir=self._cost_cache_dir)
         return self.costs
 
+    def planner_state(self) -> dict:
+        """What `auto` plans with now: the cost model (None until profiled) and the engine-wide
+        running acceptance (model and n-gram drafts per position; via tokens and escalation)."""
+        sched = self.scheduler
+        return {"costs": self.costs.summary() if self.costs is not None else None,
+                "acceptance": sched.acceptance.to_dict(),
+                "via": {"tokens_per_cycle": round(sched.via_tokens, 4), "escalation_rate": round(sched.via_escalation, 4)}}
+
     def _kv_bytes_per_token(self) -> int:
         """KV bytes one position costs in every tier a `via` request holds."""
         total = self.verifier.kv_bytes_per_token()
