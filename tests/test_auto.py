@@ -192,15 +192,19 @@ def test_planner_never_expects_more_tokens_than_the_request_may_produce():
 
 def test_online_cost_model_learns_from_the_forwards_it_sees():
     grid = {"full": [(1, 1.0), (16, 2.0), (64, 8.0)]}
-    fixed, online = CostModel(dict(grid)), CostModel(dict(grid), online=True)
-    for _ in range(60):
-        for m in (fixed, online):
-            m.observe("full", 16, 6.0)  # 3x the profile at 16 tokens
+    fixed, slow, shape = CostModel(dict(grid)), CostModel(dict(grid), online=True), CostModel(dict(grid), online=True)
+    for _ in range(200):
+        for m in (fixed, slow):
+            m.observe("full", 1, 3.0)  # the whole machine 3x slower than when profiled ...
+            m.observe("full", 16, 6.0)
             m.observe_overhead(0.5, 10)
+        shape.observe("full", 1, 1.0)  # ... or only one size dearer than the profile
+        shape.observe("full", 16, 6.0)
     assert fixed.seconds("full", 16) == 2.0 and fixed.overhead == 0.0  # an explicit model stays as given
-    assert online.seconds("full", 16) == pytest.approx(6.0, rel=0.01)
-    assert online.seconds("full", 1) == 1.0 and online.seconds("full", 64) == 8.0  # other buckets keep theirs
-    assert online.overhead == pytest.approx(0.05, rel=0.01) and online.summary()["observed"] == 60
+    assert slow.seconds("full", 1) == pytest.approx(3.0, rel=0.02) and slow.seconds("full", 16) == pytest.approx(6.0, rel=0.02)
+    assert slow.seconds("full", 64) == pytest.approx(24.0, rel=0.1)  # never observed: the profile's shape, scaled
+    assert shape.seconds("full", 1) == pytest.approx(1.0, rel=0.05) and shape.seconds("full", 16) == pytest.approx(6.0, rel=0.05)
+    assert slow.overhead == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
 
 
 def test_planner_state_reports_costs_and_acceptance(tiny_pair):

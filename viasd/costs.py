@@ -11,11 +11,14 @@ The grid sees one row of M tokens at a short cached length; a served batch adds 
 long contexts, many rows and the per-row work around each forward (sampling, the rules, the
 session generators). An `online` model therefore learns from the forwards the engine runs:
 
-    seconds(tier, M) = grid(tier, M) * c[tier][bucket(M)]        (c: EMA of observed / grid)
+    seconds(tier, M) = grid(tier, M) * g[tier] * r[tier][bucket(M)]
     step seconds    += overhead * row-forwards                    (overhead: EMA per row-forward)
 
-where bucket(M) is the grid point nearest M in log scale, so a correction learnt at 16 tokens
-does not move the cost of 64.
+g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
+uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
+once. r is an EMA of the residual observed / (grid * g) at bucket(M), the grid point nearest M in
+log scale: a shape the profile missed (long contexts, many rows) moves only the sizes it shows
+at. Sizes never observed keep the profile's shape, scaled by g.
 """
 
 from __future__ import annotations
@@ -44,31 +47,36 @@ class CostModel:
     key: dict = field(default_factory=dict)  # what the figures were measured for
     profile_seconds: float = 0.0  # wall time the profile took (0 when read from the cache)
     online: bool = False  # learn corrections from observed forwards (module docstring)
-    correction: dict[str, list[float]] = field(default_factory=dict)  # tier -> c per grid point
+    scale: dict[str, float] = field(default_factory=dict)  # tier -> g (module docstring)
+    correction: dict[str, list[float]] = field(default_factory=dict)  # tier -> r per grid point
     overhead: float = 0.0  # seconds of per-row work around each row's forward (EMA)
     observed: int = 0  # forwards observed
 
-    DECAY = 0.9  # weight of the past in each online update
+    DECAY = 0.8  # weight of the past in each online update of g: the machine's pace moves fast ...
+    SHAPE_DECAY = 0.95  # ... and of r: the shape only where g cannot explain it
 
     def seconds(self, tier: str, tokens: float) -> float:
         """Forward seconds of `tier` carrying `tokens` tokens (0 tokens: 0 s): the grid,
         interpolated, times the learnt correction of the nearest grid point."""
         if tokens <= 0:
             return 0.0
-        base = self._grid_seconds(tier, tokens)
-        c = self.correction.get(tier)
-        return base * c[self._bucket(tier, tokens)] if c else base
+        base = self._grid_seconds(tier, tokens) * self.scale.get(tier, 1.0)
+        r = self.correction.get(tier)
+        return base * r[self._bucket(tier, tokens)] if r else base
 
     def observe(self, tier: str, tokens: int, seconds: float) -> None:
         """One forward of `tier` over `tokens` (B * T_max) tokens took `seconds` (online only)."""
         if not self.online or tokens <= 0 or tier not in self.grid:
             return
-        base = self._grid_seconds(tier, tokens)
-        if base <= 0:
+        predicted = self.seconds(tier, tokens)
+        if predicted <= 0:
             return
-        c = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
+        d = self.DECAY
+        self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * seconds / predicted)
+        r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
         i = self._bucket(tier, tokens)
-        c[i] = self.DECAY * c[i] + (1 - self.DECAY) * (seconds / base)
+        residual = seconds / (self._grid_seconds(tier, tokens) * self.scale[tier])
+        r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
         self.observed += 1
 
     def observe_overhead(self, seconds: float, row_forwards: int) -> None:
@@ -103,6 +111,7 @@ class CostModel:
                 "overhead_seconds": round(self.overhead, 6),
                 "seconds_1": {t: round(self.seconds(t, 1), 6) for t in self.grid},
                 "seconds_64": {t: round(self.seconds(t, 64), 6) for t in self.grid},
+                "scale": {t: round(g, 4) for t, g in self.scale.items()},
                 "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()}}
 
     def break_even(self, tier_draft: str, tier_verify: str, k: int) -> float:
