@@ -224,6 +224,12 @@ class EngineConfig(BaseModel):
     cache_policy: CachePolicy = Field(
         CachePolicy.SEPARATE, description="q' cache: 'separate' (own cache, exact) or 'shared' (q's slots, 1.0x memory)."
     )
+    gates: str = Field(
+        "calibrated", pattern=r"^(calibrated|paper)$",
+        description="Gates of `via` requests that set none of alpha1 / alpha2 / region_b: 'calibrated' (the "
+        "mask artifact's calibrated gates, viasd.gates; the paper's where the artifact has none) or 'paper' "
+        "(alpha1 0.5, alpha2 0.3, region B rewrites).",
+    )
     max_context: int | None = Field(
         None, ge=2, description="Cap on prompt + generated tokens; default: the models' max_position_embeddings."
     )

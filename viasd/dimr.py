@@ -979,6 +979,10 @@ class MaskArtifact(BaseModel):
     dtype: str | None = Field(None, description="Weight dtype of the verifier during the search.")
     created_at: str | None = Field(None, description="UTC time the artifact was written (ISO 8601).")
     viasd_version: str | None = Field(None, description="via-sd version that wrote it.")
+    gates: dict[str, Any] | None = Field(
+        None, description="Calibrated gates for this mask (viasd.gates.calibrate): alpha1, alpha2, region_b, the "
+        "quality budget and the calibration figures; absent in artifacts written before gate calibration.",
+    )
 
     @property
     def mask(self) -> LayerMask:
