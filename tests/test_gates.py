@@ -23,8 +23,7 @@ COSTS = CostModel({"drafter": [(1, 0.01), (64, 0.2)], "slim": [(1, 0.03), (64, 0
                    "full": [(1, 0.05), (64, 1.0)]})
 
 
-@pytest.mark.parametrize("gates", [PAPER, Gates(0.9, 0.7, "rewrite"), Gates(0.7, 0.3, "escalate"),
-])
+@pytest.mark.parametrize("gates", [PAPER, Gates(0.9, 0.7, "rewrite"), Gates(0.7, 0.3, "escalate")])
 def test_the_simulated_cycle_is_the_engines_first_cycle(tiny_pair, gates):
     """Teacher forced on q's own greedy output, the simulated cycle at the prompt's end commits
     what the engine's first via cycle commits, escalates when it does, and is wrong iff the
