@@ -343,19 +343,8 @@ def shared_policy_logits(
     attn_mask = torch.cat([see_full, see_slim], dim=1)[None, None]  # [1, 1, T, 2T]
     positions = pos.unsqueeze(0)  # [1, T]
     hidden = lm.embed(tokens.to(dev).unsqueeze(0))  # [1, T, H]
-    rope = lm.rotary(hidden, positions)
-    cache = _PrefixKV(full_kv)
-    for i in mask.kept:
-        hidden = lm.layers[i](
-            hidden,
-            attention_mask=attn_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            position_embeddings=rope,
-        )
-    logits = lm.lm_head(lm.norm(hidden))[0]  # [T, V]
-    return logits if logits.dtype == torch.float64 else logits.float()
+    hidden = lm.run_layers(hidden, positions, attn_mask, _PrefixKV(full_kv), mask.kept)  # [1, T, H]
+    return lm.head(hidden)  # [T, V]
 
 
 def slim_logprobs(verifier: MaskedLM, ref: Reference, index: int, mask: LayerMask) -> Tensor:
