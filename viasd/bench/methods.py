@@ -261,6 +261,11 @@ def ablation_groups() -> list[Group]:
               ("via", "via:cache_policy=shared"), paper="DESIGN.md, Caches"),
         Group("bonus", "Bonus token from q' after a fully accepted block", "bar",
               ("via", "via:slim_bonus=true"), paper="DESIGN.md, decode cycle step 3"),
+        # issue 20: the project's reading of the gates (thresholds on r, region B rewrites), the
+        # paper's appendix B.1 read literally (accept iff r >= 0.7, else escalate), and the staged
+        # lossless rule (q' filters, q verifies: output ~ q)
+        Group("gates", "Readings of the gates and the staged lossless rule", "bar",
+              ("sd", "via", "via:alpha1=0.7:region_b=escalate", "via:rule=staged"), paper="appendix B.1"),
     ]
 
 
