@@ -146,3 +146,17 @@ def test_bad_gates_setting_names_the_field():
     with pytest.raises(InvalidParameterError) as err:
         parse_engine_config(gates="literal")
     assert err.value.field == "gates"
+
+
+def test_the_modelled_staged_cycle_follows_q_and_q_prime():
+    # d: drafts, s: q''s argmax, g: q's argmax, one text of 6 positions, gamma 2
+    sig = Signals(draft=torch.tensor([1, 2, 3, 4, 5, 6]), qtop=torch.tensor([1, 9, 3, 4, 5, 6]),
+                  slim_top=torch.tensor([1, 9, 3, 7, 5, 6]), ratio=torch.ones(6, dtype=torch.float64))
+    out = calibrate([sig], COSTS, gamma=2, candidates=[PAPER])
+    # t=0: q' keeps d0, writes 9 at 1; q keeps both, commits g2 -> 3 (sd: d0 then g1 -> 2)
+    # t=1: q' writes 9 at 1 -> y=[9]; q keeps it -> 2 (sd: 1)
+    # t=2: q' keeps d2, writes 7 at 3; q keeps d2 only -> 2 (sd: d2, d3 then bonus -> 3)
+    # t=3: q' writes 7 -> q rejects at 0 -> 1 (sd: 3)
+    assert out["staged_tokens_per_cycle"] == (3 + 2 + 2 + 1) / 4
+    assert out["sd_tokens_per_cycle"] == (2 + 1 + 3 + 3) / 4
+    assert out["top1_agreement"] == {"drafter": 5 / 6, "slim": 5 / 6}

@@ -172,16 +172,30 @@ def grid(alpha1s: Sequence[float] = ALPHA1_GRID, alpha2s: Sequence[float] = ALPH
 
 
 def baselines(sigs: Sequence[Signals], gamma: int, costs: CostModel) -> dict[str, float]:
-    """Modelled tokens/s of `ar` and of two-tier `sd` (greedy drafts, same texts and accounting)."""
-    committed = cycles = 0
+    """Modelled tokens/s of `ar`, two-tier `sd` and the staged lossless rule (greedy drafts, the
+    same texts and accounting). Staged, greedy: q' keeps the drafts equal to its argmax s and
+    writes s at the first other one (or a bonus s after gamma), q keeps that block's prefix equal
+    to g and commits g; every cycle runs the drafter, q' and q."""
+    sd = staged = cycles = 0
     for s in sigs:
-        ok = (s.draft == s.qtop).tolist()
-        for t in range(len(ok) - gamma + 1):
-            committed += next((k for k in range(gamma) if not ok[t + k]), gamma) + 1
+        ok, d, g, st = (s.draft == s.qtop).tolist(), s.draft.tolist(), s.qtop.tolist(), s.slim_top.tolist()
+        for t in range(len(ok) - gamma):
+            sd += next((k for k in range(gamma) if not ok[t + k]), gamma) + 1
+            j = next((k for k in range(gamma) if d[t + k] != st[t + k]), gamma)  # q' keeps d[:j]
+            block = d[t : t + j] + [st[t + j]]  # y: j + 1 tokens
+            staged += next((i for i, y in enumerate(block) if y != g[t + i]), len(block)) + 1
             cycles += 1
-    sd = committed / max(cycles, 1) / cycle_seconds(costs, Plan("sd", gamma))
-    return {"ar_tokens_per_second": 1.0 / cycle_seconds(costs, Plan("ar")), "sd_tokens_per_second": sd,
-            "sd_tokens_per_cycle": committed / max(cycles, 1)}
+    cycles = max(cycles, 1)
+    return {"ar_tokens_per_second": 1.0 / cycle_seconds(costs, Plan("ar")),
+            "sd_tokens_per_cycle": sd / cycles, "sd_tokens_per_second": sd / cycles / cycle_seconds(costs, Plan("sd", gamma)),
+            "staged_tokens_per_cycle": staged / cycles,
+            "staged_tokens_per_second": staged / cycles / cycle_seconds(costs, Plan("via", gamma), 1.0),
+            "top1_agreement": {"drafter": sum(sum(x.tolist()) for x in (s.draft == s.qtop for s in sigs)) / _n(sigs),
+                               "slim": sum(sum(x.tolist()) for x in (s.slim_top == s.qtop for s in sigs)) / _n(sigs)}}
+
+
+def _n(sigs: Sequence[Signals]) -> int:
+    return max(sum(len(s.draft) for s in sigs), 1)
 
 
 def calibrate(sigs: Sequence[Signals], costs: CostModel, *, gamma: int = 5, min_agreement: float = 0.95,
