@@ -4,6 +4,7 @@ choice, the defaults a `via` request gets, and artifacts with and without gates.
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from viasd.config import parse_engine_config, parse_params
 from viasd.costs import CostModel
 from viasd.dimr import parse_artifact, read_artifact, save_artifact, shipped_artifacts
 from viasd.engine import Engine
-from viasd.gates import PAPER, Gates, Signals, calibrate, cycle, grid, score, signals
+from viasd.gates import PAPER, Cycle, Gates, Signals, calibrate, cycle, grid, score, signals
 from viasd.llm import resolve_gates
 from viasd.rules import regions_from_ratio
 from viasd.runtime import LayerMask
@@ -47,8 +48,8 @@ def test_the_simulated_cycle_is_the_engines_first_cycle(tiny_pair, gates):
             engine.step()
         (sig,) = signals(verifier, drafter, mask, [prompt + ar])
         regions = regions_from_ratio(sig.ratio, gates.alpha1, gates.alpha2, rewrite=gates.region_b == "rewrite").tolist()
-        committed, wrong, escalated = cycle(regions, (sig.draft == sig.qtop).tolist(),
-                                            (sig.slim_top == sig.qtop).tolist(), len(prompt) - 1, GAMMA)
+        committed, wrong, escalated, _ = astuple(cycle(regions, (sig.draft == sig.qtop).tolist(),
+                                            (sig.slim_top == sig.qtop).tolist(), len(prompt) - 1, GAMMA))
         assert (wrong > 0) == (first != ar[: len(first)]), prompt
         if wrong == 0:
             assert committed == len(first), prompt
@@ -91,11 +92,11 @@ def test_hand_computed_cycles():
     A, B, C = 0, 1, 2
     ok = [True, False, True, True, True]
     slim_ok = [True, True, False, True, True]
-    assert cycle([A, A, A, A, A], ok, slim_ok, 0, 3) == (3, 1, False)  # d_1 accepted though q disagrees
-    assert cycle([A, B, A, A, A], ok, slim_ok, 0, 3) == (2, 0, False)  # rewrite at 1 with q''s (right) token
-    assert cycle([A, A, B, A, A], ok, slim_ok, 1, 3) == (2, 2, False)  # wrong accept, then a wrong rewrite
-    assert cycle([A, C, A, A, A], ok, slim_ok, 0, 3) == (2, 0, True)  # q rejects d_1, commits its own
-    assert cycle([A, A, C, A, A], ok, slim_ok, 2, 3) == (4, 0, True)  # q accepts all three: bonus
+    assert cycle([A, A, A, A, A], ok, slim_ok, 0, 3) == Cycle(3, 1, False, 1)  # d_1 accepted though q disagrees
+    assert cycle([A, B, A, A, A], ok, slim_ok, 0, 3) == Cycle(2, 0, False, 2)  # rewrite at 1 with q''s (right) token
+    assert cycle([A, A, B, A, A], ok, slim_ok, 1, 3) == Cycle(2, 2, False, 0)  # wrong accept, then a wrong rewrite
+    assert cycle([A, C, A, A, A], ok, slim_ok, 0, 3) == Cycle(2, 0, True, 2)  # q rejects d_1, commits its own
+    assert cycle([A, A, C, A, A], ok, slim_ok, 2, 3) == Cycle(4, 0, True, 4)  # q accepts all three: bonus
 
 
 def test_gates_apply_only_where_no_gate_was_chosen():

@@ -110,20 +110,34 @@ class GateScore:
         return Gates(self.alpha1, self.alpha2, self.region_b)
 
 
-def cycle(regions: Sequence[int], ok: Sequence[bool], slim_ok: Sequence[bool], t: int, gamma: int
-          ) -> tuple[int, int, bool]:
-    """The greedy cycle whose drafts are d_t..d_{t+gamma-1}: (committed, wrong, escalated).
+@dataclass(frozen=True)
+class Cycle:
+    """What one simulated greedy cycle commits."""
+
+    committed: int  # tokens the cycle commits
+    wrong: int  # of them, tokens that are not q's (teacher forced)
+    escalated: bool  # the cycle ran q
+    good: int  # tokens before the first wrong one (committed when none is wrong)
+
+
+def cycle(regions: Sequence[int], ok: Sequence[bool], slim_ok: Sequence[bool], t: int, gamma: int) -> Cycle:
+    """The greedy cycle whose drafts are d_t..d_{t+gamma-1} (`VerifySession._check_via_steps`):
+    accept while region A; region B commits s (rewrite); region C hands positions i.. to q, which
+    keeps the drafts equal to g and commits g at the first other one (or a bonus).
 
     Exact for the engine's cycle at that point while no wrong token was committed (the drafts
     and q' then see q's own greedy prefix); after the first wrong token the rest is modelled."""
     i = next((k for k in range(gamma) if regions[t + k] != Region.ACCEPT), gamma)
-    wrong = sum(1 for k in range(i) if not ok[t + k])  # accepted by q', not q's token
+    bad = [k for k in range(i) if not ok[t + k]]  # accepted by q', not q's token
     if i == gamma:
-        return gamma, wrong, False
-    if regions[t + i] == Region.REWRITE:
-        return i + 1, wrong + (not slim_ok[t + i]), False
-    j = next((k for k in range(i, gamma) if not ok[t + k]), gamma) - i  # q keeps drafts equal to its argmax
-    return i + j + 1, wrong, True
+        committed, escalated = gamma, False
+    elif regions[t + i] == Region.REWRITE:
+        committed, escalated = i + 1, False
+        bad += [i] if not slim_ok[t + i] else []
+    else:
+        j = next((k for k in range(i, gamma) if not ok[t + k]), gamma) - i  # q keeps drafts equal to its argmax
+        committed, escalated = i + j + 1, True
+    return Cycle(committed, len(bad), escalated, bad[0] if bad else committed)
 
 
 def simulate(sigs: Sequence[Signals], gates: Gates, gamma: int) -> dict[str, float]:
@@ -138,10 +152,10 @@ def simulate(sigs: Sequence[Signals], gates: Gates, gamma: int) -> dict[str, flo
             out[name] += sum(1 for x in regions if x == reg)
         out["positions"] += len(regions)
         for t in range(len(regions) - gamma + 1):
-            committed, wrong, escalated = cycle(regions, ok, slim_ok, t, gamma)
-            out["committed"] += committed
-            out["wrong"] += wrong
-            out["escalations"] += escalated
+            c = cycle(regions, ok, slim_ok, t, gamma)
+            out["committed"] += c.committed
+            out["wrong"] += c.wrong
+            out["escalations"] += c.escalated
             out["cycles"] += 1
     return out
 
