@@ -3,7 +3,8 @@
     flock /tmp/viasd-heavy.lock python scripts/quality_eval.py --humaneval 40 --stdlib 40 \
         --out docs/benchmarks/cpu/quality
 
-Greedy settings run on HumanEval (pass@1) and the standard-library corpus (agreement with `ar`);
+Greedy settings run on HumanEval (pass@1) and the standard-library corpus (agreement with `ar`),
+with the loaded mask's calibrated gates added when it has them;
 sampled settings (temperature 1) run on HumanEval with every seed of --seeds. Every lossy setting
 gets its matched baseline (the verifier with min-p = alpha1) added. Writes results.json (the raw
 runs, the summary, the command, the commit and the machine) and results.md (the table).
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     greedy = settings_from(args.greedy, (0,), base)
     sampled = settings_from(args.sampled, seeds, base) if args.sampled else []
     llm = LLM(parse_engine_config(threads=args.threads))
+    if llm.engine.gates is not None:  # the mask's calibrated gates, spelled out (viasd.gates)
+        greedy = settings_from(";".join([*(s.label for s in greedy), llm.engine.gates.spec()]), (0,), base)
     engine = Engine(llm.verifier, llm.drafter, mask=llm.engine.mask, eos_token_ids=llm.engine.eos_token_ids,
                     max_batch=args.max_batch, cost_cache_dir=cost_cache_dir())
     he, lib = humaneval(args.humaneval), stdlib_functions(args.stdlib)
