@@ -1,7 +1,7 @@
 """Quality of every three-tier setting on enough problems to tell them apart (issue 20).
 
     flock /tmp/viasd-heavy.lock python scripts/quality_eval.py --humaneval 40 --stdlib 40 \
-        --out docs/benchmarks/cpu/quality
+        --out docs/benchmarks/quality
 
 Greedy settings run on HumanEval (pass@1) and the standard-library corpus (agreement with `ar`),
 with the loaded mask's calibrated gates added when it has them;
