@@ -47,6 +47,8 @@ REQUESTS = [
     dict(mode="via", adaptive_gamma=True, gamma=6),
     dict(mode="sd", overlap=True, temperature=1.0, seed=19),
     dict(mode="via", overlap=True, draft_confidence=0.3),
+    dict(mode="via", rule="staged"),
+    dict(mode="via", rule="staged", temperature=1.0, seed=20, proposer="hybrid"),
 ]
 
 
@@ -137,7 +139,8 @@ def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy):
     verifier, _ = tiny_pair
     engine = _engine(tiny_pair, policy, max_batch=4, prefill_chunk=5)
     specs = [dict(mode="via", temperature=1.0, seed=4), dict(mode="sd", temperature=1.0, seed=5),
-             dict(mode="via", gamma=3), dict(mode="ar"), dict(mode="sd", overlap=True, temperature=1.0, seed=6)]
+             dict(mode="via", gamma=3), dict(mode="ar"), dict(mode="sd", overlap=True, temperature=1.0, seed=6),
+             dict(mode="via", rule="staged", temperature=1.0, seed=7)]
     handles = [engine.submit(PROMPTS[i], _params(s, max_tokens=40)) for i, s in enumerate(specs)]
     rejected_cycles, checked = 0, 0
     while engine.scheduler.has_work():

@@ -178,7 +178,7 @@ def test_ablation_suite_runs_every_sweep_and_draws_every_plot(bench, tmp_path):
     res = run(bench, specs, prompts=PROMPTS[:1], params=base(max_tokens=6), groups=groups, out=tmp_path)
     assert all(r["ok"] for r in res["runs"]), [r["error"] for r in res["runs"] if not r["ok"]]
     names = {g["name"] for g in res["groups"]}
-    assert names == {"mask", "skip_ratio", "alpha", "gamma", "cache_policy", "bonus"}
+    assert names == {"mask", "skip_ratio", "alpha", "gamma", "cache_policy", "bonus", "gates"}
     for name in names:
         assert (tmp_path / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
     table = {m["label"]: m for m in res["methods"]}

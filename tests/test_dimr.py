@@ -310,7 +310,7 @@ def test_older_mask_forms_still_load(tmp_path):
 def test_shipped_mask_is_used_only_when_it_matches(model12, artifact12, monkeypatch):
     lm, _, _ = model12
     art, _, res = artifact12
-    monkeypatch.setattr(dimr, "shipped_artifacts", lambda: [("tiny-qwen2.json", art)])
+    monkeypatch.setattr(dimr.artifact, "shipped_artifacts", lambda: [("tiny-qwen2.json", art)])
     mask, why = dimr.shipped_mask("tiny-qwen2", 0.45, lm.model)
     assert mask == res.mask and "tiny-qwen2.json" in why
     assert dimr.shipped_mask("tiny-qwen2", 0.25, lm.model)[0] is None  # no mask at that ratio
@@ -418,7 +418,7 @@ def test_measure_costs_times_every_forward_of_a_cycle(model12, monkeypatch):
     lm, dr, _ = model12
     mask = LayerMask.evenly_spaced(0.45, 12)
     now = [0.0]
-    monkeypatch.setattr(dimr, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    monkeypatch.setattr(dimr.objectives, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
 
     def ticking(model, unit_of):
         forward = model.forward

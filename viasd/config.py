@@ -42,6 +42,7 @@ class Rule(str, Enum):
     LOSSLESS = "lossless"  # min(1, q/p), residual norm(max(0, q - p)): output ~ q exactly
     LOSSY = "lossy"  # the (alpha, beta) relaxation of the paper's appendix A
     OVERSHOOT = "overshoot"  # overshoot ceiling of seed 003: the draft's excess over q/l is capped
+    STAGED = "staged"  # `via` only, lossless: q' filters the block with min(1, q'/p), then q verifies it with min(1, q/q')
 
 
 class Proposer(str, Enum):
@@ -109,7 +110,11 @@ class GenerationParams(BaseModel):
         False, description="Overlap drafting and verification (PEARL-style): draft the next block from the "
         "optimistic prefix while the verifier checks this one; keep it where the outcome agrees.",
     )
-    rule: Rule = Field(Rule.LOSSLESS, description="Acceptance rule of the full verifier: lossless, lossy, overshoot.")
+    rule: Rule = Field(
+        Rule.LOSSLESS, description="Acceptance rule of the full verifier: lossless, lossy, overshoot, or staged "
+        "(mode 'via' only: q' filters and corrects the draft losslessly, then q verifies the filtered block "
+        "losslessly; the output follows q exactly and the gates alpha1 / alpha2 are not used).",
+    )
     lossy_alpha: float = Field(
         0.0, ge=0.0, lt=1.0, description="Lossy rule: accept x with probability min(1, q(x) / ((1 - alpha) p(x)))."
     )
@@ -141,6 +146,8 @@ class GenerationParams(BaseModel):
             raise ValueError(f"alpha2 ({self.alpha2}) must be smaller than alpha1 ({self.alpha1})")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.rule == Rule.STAGED and self.mode != Mode.VIA:
+            raise ValueError(f"rule: 'staged' is a three-tier rule; it needs mode 'via', got {self.mode.value!r}")
         if self.mode == Mode.AUTO and (self.overlap or self.adaptive_gamma):
             raise ValueError("mode: 'auto' chooses the block length itself; it cannot be combined with "
                              "overlap or adaptive_gamma")
@@ -153,7 +160,7 @@ class GenerationParams(BaseModel):
 
 # The after-validator's cross-field errors name these fields.
 _CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask",
-                "mode: ": "mode"}
+                "mode: ": "mode", "rule: ": "rule"}
 
 
 def _validate(model: type[BaseModel], values: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
@@ -216,6 +223,12 @@ class EngineConfig(BaseModel):
     skip_ratio: float = Field(0.45, ge=0.0, lt=1.0, description="Share of verifier layers q' skips when no mask is given.")
     cache_policy: CachePolicy = Field(
         CachePolicy.SEPARATE, description="q' cache: 'separate' (own cache, exact) or 'shared' (q's slots, 1.0x memory)."
+    )
+    gates: str = Field(
+        "calibrated", pattern=r"^(calibrated|paper)$",
+        description="Gates of `via` requests that set none of alpha1 / alpha2 / region_b: 'calibrated' (the "
+        "mask artifact's calibrated gates, viasd.gates; the paper's where the artifact has none) or 'paper' "
+        "(alpha1 0.5, alpha2 0.3, region B rewrites).",
     )
     max_context: int | None = Field(
         None, ge=2, description="Cap on prompt + generated tokens; default: the models' max_position_embeddings."

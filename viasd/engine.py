@@ -24,6 +24,7 @@ import torch
 from viasd.config import CachePolicy, GenerationParams
 from viasd.costs import CostModel, profile
 from viasd.errors import MaskError, ModelLoadError
+from viasd.gates import Gates
 from viasd.models.embedded import cache_root
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.scheduler import (
@@ -87,6 +88,7 @@ class Engine:
         prefill_chunk: int = 512,
         costs: CostModel | None = None,
         cost_cache_dir: str | Path | None = None,
+        gates: Gates | None = None,
     ):
         self.verifier = verifier
         self.drafter = drafter
@@ -99,6 +101,7 @@ class Engine:
         if self.mask.num_layers != verifier.num_layers:
             raise MaskError(f"mask has {self.mask.num_layers} entries but the verifier has {verifier.num_layers} layers")
         self.cache_policy = CachePolicy(cache_policy)
+        self.gates = gates  # `via` requests that choose no gate get these (calibrated for the mask; viasd.gates)
         self.eos_token_ids = tuple(eos_token_ids)
         limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
         model_context = context_limit(*limits, max_context)
@@ -148,7 +151,10 @@ class Engine:
     # ---------------------------------------------------------------- driving steps
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestHandle:
-        """Queue a request (validated: InvalidParameterError naming the field); steps produce its chunks."""
+        """Queue a request (validated: InvalidParameterError naming the field); steps produce its chunks.
+        A three-tier request that sets none of alpha1 / alpha2 / region_b gets the engine's gates."""
+        if self.gates is not None and isinstance(params, GenerationParams):
+            params = self.gates.apply(params)
         return self.scheduler.submit(prompt_ids, params)
 
     def step(self) -> list[tuple[RequestHandle, Chunk]]:

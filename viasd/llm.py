@@ -17,6 +17,7 @@ import torch
 from viasd.config import EngineConfig, GenerationParams
 from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
+from viasd.gates import Gates, gates_from_artifact
 from viasd.metrics import RequestStats
 from viasd.precision import LinearReport, optimize_linears, resolve_dtype
 from viasd.runtime import LayerMask, MaskedLM
@@ -106,6 +107,7 @@ class LLM:
         model, self.tokenizer = load_causal_lm(config.verifier, dtype=dtype, device=config.device,
                                                trust_remote_code=config.trust_remote_code)
         layer_mask, self.mask_source = self._mask(mask, model)  # (fingerprint of the weights as loaded)
+        gates, self.gates_source = resolve_gates(config, layer_mask, mask)
 
         def pack(m):  # prepacked CPU kernels (viasd.precision), before MaskedLM takes the modules
             return optimize_linears(m, dtype, config.device) if config.packed_linears else LinearReport("off")
@@ -132,6 +134,7 @@ class LLM:
             kv_cache_gib=config.kv_cache_gib,
             prefill_chunk=config.prefill_chunk,
             cost_cache_dir=cost_cache_dir(),
+            gates=gates,
         )
 
     def runtime_info(self) -> dict:
@@ -176,6 +179,31 @@ def resolve_mask(config: EngineConfig, model, mask: str | Path | Sequence[int] |
     if shipped is not None:
         return shipped, why
     return load_mask(None, n, config.skip_ratio), f"evenly spaced, skip ratio {config.skip_ratio:g} ({why})"
+
+
+def resolve_gates(config: EngineConfig, mask: LayerMask, spec: str | Path | Sequence[int] | None = None
+                  ) -> tuple[Gates | None, str]:
+    """The gates `via` requests get when they choose none, and where they came from: the calibrated
+    gates of the mask's DIMR artifact (the file given, or the shipped one with the same layers),
+    or None (the paper's: GenerationParams' defaults) with `gates: paper` or when it has none."""
+    from viasd.dimr import read_artifact, shipped_artifacts
+
+    if config.gates == "paper":
+        return None, "paper (gates: paper)"
+    spec = spec if spec is not None else config.mask
+    if isinstance(spec, (str, Path)) and str(spec).endswith(".json"):
+        found = [(str(spec), read_artifact(spec))]
+    elif spec is not None:  # layers given by hand: no artifact, no calibration
+        return None, "paper (the mask was given as layers, not a DIMR artifact)"
+    else:
+        found = [(f"viasd/masks/{n}", a) for n, a in shipped_artifacts()
+                 if a.verifier == config.verifier and a.num_layers == mask.num_layers
+                 and tuple(a.skipped_layers) == tuple(mask.skipped)]
+    for where, art in found:
+        gates = gates_from_artifact(art.gates)
+        if gates is not None:
+            return gates, f"calibrated ({where}): alpha1 {gates.alpha1:g}, alpha2 {gates.alpha2:g}, region B {gates.region_b}"
+    return None, "paper (the mask has no calibrated gates)"
 
 
 def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:

@@ -209,7 +209,7 @@ def rule_from_params(params: GenerationParams) -> AcceptanceRule:
     from viasd.config import Rule  # pydantic-only module; imported lazily to keep this one light
 
     rule = Rule(params.rule)
-    if rule is Rule.LOSSLESS:
+    if rule in (Rule.LOSSLESS, Rule.STAGED):  # staged: both of its stages are lossless (viasd.sessions)
         return Lossless()
     if rule is Rule.LOSSY:
         return Lossy(alpha=params.lossy_alpha, beta=params.lossy_beta)

@@ -355,6 +355,29 @@ class MaskedLM:
                   None if cache is None else cache.row)
         return self.forward_batch([row], None if cache is None else cache.store, mask)[0]
 
+    def run_layers(self, hidden: Tensor, positions: Tensor, attn_mask: Tensor | None, past_key_values,
+                   layers: Sequence[int], rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """The decoder layers `layers` in order over hidden [B, T, H] at positions [B, T]: the
+        layer loop of every forward (`forward_batch`, DIMR's shared-policy scoring).
+        `attn_mask` [B, 1, T, S] (True: attend) or None (causal over T); `past_key_values`: any
+        cache with transformers' `update(key, value, layer_idx)` (None: no cache)."""
+        rope = rope if rope is not None else self.rotary(hidden, positions)  # (cos, sin), each [B, T, D]
+        for i in layers:
+            hidden = self.layers[i](
+                hidden,
+                attention_mask=attn_mask,
+                position_ids=positions,
+                past_key_values=past_key_values,
+                use_cache=past_key_values is not None,
+                position_embeddings=rope,
+            )
+        return hidden  # [B, T, H]
+
+    def head(self, hidden: Tensor) -> Tensor:
+        """Final norm and LM head: hidden [1, N, H] -> logits [N, V] (float32, float64 for a float64 model)."""
+        logits = self.lm_head(self.norm(hidden))[0]  # [N, V]
+        return logits if logits.dtype == torch.float64 else logits.float()
+
     @torch.inference_mode()
     def forward_batch(self, rows: Sequence[Row], cache: SlotKVCache | None = None,
                       mask: LayerMask | None = None) -> list[Tensor]:
@@ -394,21 +417,12 @@ class MaskedLM:
                 if stale:
                     raise RuntimeError(f"cache row {r.cache_row}: layers not at position {r.start}: {stale}")
             view = cache.batch([r.cache_row for r in rows], [r.start for r in rows], lengths, dev)
-        for i in layers:
-            hidden = self.layers[i](
-                hidden,
-                attention_mask=attn_mask,
-                position_ids=positions,
-                past_key_values=view,
-                use_cache=view is not None,
-                position_embeddings=rope,
-            )
+        hidden = self.run_layers(hidden, positions, attn_mask, view, layers, rope)
         wanted = [(i, n - r.num_logits, n) for i, (r, n) in enumerate(zip(rows, lengths)) if r.num_logits]
         out: list[Tensor] = [hidden.new_empty(0, self.vocab_size)] * b
         if wanted:
             picked = torch.cat([hidden[i, lo:hi] for i, lo, hi in wanted])[None]  # [1, N, H] (3-d, as the
-            logits = self.lm_head(self.norm(picked))[0]  # [N, V]   tensor-parallel heads expect)
-            logits = logits if logits.dtype == torch.float64 else logits.float()
+            logits = self.head(picked)  # [N, V]   tensor-parallel heads expect)
             for (i, _, _), part in zip(wanted, logits.split([r.num_logits for r in rows if r.num_logits])):
                 out[i] = part
         return out

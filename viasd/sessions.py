@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from viasd.config import CachePolicy, GenerationParams, Mode, Proposer, RegionB
+from viasd.config import CachePolicy, GenerationParams, Mode, Proposer, RegionB, Rule
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.proposers import GammaPolicy, ngram_lookup
-from viasd.rules import Region, first_non_accept, gate, rule_from_params, verify
+from viasd.rules import Lossless, Region, first_non_accept, gate, rule_from_params, verify
 from viasd.runtime import LayerMask, MaskedLM, Row, RowCache
 from viasd.sampling import Sampler
 
@@ -452,6 +452,8 @@ class VerifySession(_Session):
             p = torch.nn.functional.one_hot(draft_t, self.full.lm.vocab_size).float()  # [k, V]
         if (mode or self.params.mode) == Mode.SD:
             return (yield from self._full_verify_steps(draft, p, 0))
+        if self.params.rule == Rule.STAGED:
+            return (yield from self._check_staged_steps(draft, p))
         return (yield from self._check_via_steps(draft, p))
 
     def _full_verify_steps(self, draft: list[int], p: Tensor, start: int) -> Steps:
@@ -501,6 +503,45 @@ class VerifySession(_Session):
         outcome = yield from self._full_verify_steps(draft, p, i)
         stats.full_accepted += outcome.num_draft_accepted - i
         return outcome
+
+    def _check_staged_steps(self, draft: list[int], p: Tensor) -> Steps:
+        """The staged (cascade) cycle, lossless: q' filters and corrects the draft, q verifies the result.
+
+        Stage 1, q' against p: speculative sampling with a = min(1, q'/p) keeps a prefix
+        x~_1..x~_j, then commits y_{j+1} from norm(max(0, q'_{j+1} - p_{j+1})), or the bonus y_{k+1}
+        ~ q'_{k+1} when all k pass. Every y_i of the filtered block y = x~_1..x~_j, y_{j+1} is
+        therefore distributed as q'_i given y_{<i} (the lossless rule's output law), and whether
+        the block goes on after y_i depends only on y_{<=i} and stage 1's coins.
+        Stage 2, q against q': the lossless rule with proposal r_i = q'_i over y, bonus q_{j+2}.
+        Speculative sampling is exact for any proposal whose i-th token follows a known law given
+        the tokens before it, with a block length decided from the past, so the committed tokens
+        follow q exactly. Greedy: y is q''s greedy continuation up to its first disagreement
+        with the draft, plus that correction; q keeps its agreeing prefix (output == ar).
+        Costs per cycle: k drafter forwards, one q' forward over k + 1 positions and one q forward
+        over j + 2 positions; it can pay over `sd` only where q accepts y for longer than it would
+        accept x~ by enough to cover the slim forward.
+        """
+        k, stats, sampler = len(draft), self.stats, self.sampler
+        slim = sampler.probs((yield self.slim.ask(self.seq + draft, k + 1, stats)))  # [k + 1, V]
+        draft_t = torch.tensor(draft, device=slim.device)  # [k]
+        first = verify(Lossless(), p.to(device=slim.device, dtype=slim.dtype), slim, draft_t, self.generator)
+        j = first.num_accepted
+        block = draft[:j] + [first.token]  # y, j + 1 tokens
+        stats.slim_accepted += j
+        stats.slim_rewritten += 0 if first.bonus else 1
+        stats.escalations += 1
+        stats.escalated_tokens += j + 1
+        q = sampler.probs((yield self.full.ask(self.seq + block, j + 2, stats)))  # [j + 2, V]
+        block_t = torch.tensor(block, device=q.device)  # [j + 1]
+        second = verify(Lossless(), slim[: j + 1].to(q.dtype), q, block_t, self.generator)
+        a = second.num_accepted
+        stats.full_accepted += a
+        stats.count_accepted(range(a))
+        stats.num_rejected_tokens += 0 if second.bonus else 1
+        stats.num_bonus_tokens += int(second.bonus)
+        stats.num_cycle_tokens += a + 1
+        # the drafter and q' saw x~, q saw y: caches stay valid where the committed tokens are draft tokens
+        return Outcome(block[:a] + [second.token], min(a, j))
 
     def commit(self, outcome: Outcome) -> None:
         """Append the tokens; roll q and q' back. Under the shared policy an escalation made q

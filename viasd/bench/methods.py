@@ -73,7 +73,9 @@ class Method:
     @property
     def lossy(self) -> bool:
         """Methods whose output is not the verifier's distribution (seed 003's matched-baseline rule)."""
-        return self.kind == "engine" and (self.mode == Mode.VIA or self.params.rule.value != "lossless")
+        if self.kind != "engine" or self.params.rule.value == "staged":  # staged: both stages lossless
+            return False
+        return self.mode == Mode.VIA or self.params.rule.value != "lossless"
 
     def key(self, skipped_layers: tuple[int, ...] | None = None) -> str:
         """Equal for two methods that decode identically (used to run each distinct method once).
@@ -185,7 +187,7 @@ def matched_baseline(method: Method, base: GenerationParams) -> Method | None:
     gate as implemented. At temperature 0 min-p changes nothing (the argmax is always kept), so
     the matched baseline decodes exactly like `ar`; it matters for sampled runs.
     """
-    if not (method.kind == "engine" and method.mode == Mode.VIA):
+    if not (method.kind == "engine" and method.mode == Mode.VIA and method.lossy):
         return None
     p = method.params
     min_p = max(p.min_p, p.alpha1)
@@ -259,6 +261,11 @@ def ablation_groups() -> list[Group]:
               ("via", "via:cache_policy=shared"), paper="DESIGN.md, Caches"),
         Group("bonus", "Bonus token from q' after a fully accepted block", "bar",
               ("via", "via:slim_bonus=true"), paper="DESIGN.md, decode cycle step 3"),
+        # issue 20: the project's reading of the gates (thresholds on r, region B rewrites), the
+        # paper's appendix B.1 read literally (accept iff r >= 0.7, else escalate), and the staged
+        # lossless rule (q' filters, q verifies: output ~ q)
+        Group("gates", "Readings of the gates and the staged lossless rule", "bar",
+              ("sd", "via", "via:alpha1=0.7:region_b=escalate", "via:rule=staged"), paper="appendix B.1"),
     ]
 
 

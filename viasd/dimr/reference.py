@@ -1,0 +1,117 @@
+"""The full model's reference, computed once, and q'_z's log-probabilities under a cache policy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from viasd.dimr.calibration import Calibration
+from viasd.errors import InvalidParameterError
+from viasd.runtime import LayerMask, MaskedLM
+
+
+@dataclass
+class Reference:
+    """What every trial compares against, computed once."""
+
+    tokens: list[Tensor]  # [T_i] long, one per calibration sequence
+    logq: list[Tensor]  # [T_i, V] log q_t, the full model's next-token log-probabilities
+    qtop: list[Tensor]  # [T_i] argmax q_t (lowest id on ties)
+    cache_policy: str = "separate"
+    block: int = 6  # shared policy: q' block length (gamma + 1)
+    kv: list[dict[int, tuple[Tensor, Tensor]]] | None = None  # shared: q's K/V per layer, [1, H_kv, T_i, D] each
+    draft: list[Tensor] | None = None  # e2e: the drafter's greedy token at every position, [T_i]
+
+    @property
+    def lengths(self) -> list[int]:
+        return [int(t.shape[0]) for t in self.tokens]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.lengths)
+
+    def __repr__(self) -> str:
+        return (
+            f"Reference(sequences={len(self.tokens)}, tokens={self.num_tokens}, V={self.logq[0].shape[-1]}, "
+            f"cache_policy={self.cache_policy!r}, drafter={'yes' if self.draft is not None else 'no'})"
+        )
+
+
+def build_reference(
+    verifier: MaskedLM,
+    calibration: Calibration,
+    *,
+    cache_policy: str = "separate",
+    gamma: int = 5,
+    drafter: MaskedLM | None = None,
+) -> Reference:
+    """Full-model log-probabilities (and K/V for `shared`, drafter tokens when a drafter is given)."""
+    if cache_policy not in ("separate", "shared"):
+        raise InvalidParameterError("cache_policy", f"must be 'separate' or 'shared', got {cache_policy!r}")
+    ref = Reference([], [], [], cache_policy=cache_policy, block=gamma + 1)
+    if cache_policy == "shared":
+        ref.kv = []
+    if drafter is not None:
+        if drafter.vocab_size != verifier.vocab_size:
+            raise InvalidParameterError("drafter", "the drafter's vocabulary differs from the verifier's")
+        ref.draft = []
+    for seq in calibration.sequences:
+        tok = torch.tensor(seq, dtype=torch.long)  # [T]
+        cache = verifier.new_cache() if cache_policy == "shared" else None
+        logits = verifier.forward(tok, 0, cache)  # [T, V]
+        ref.tokens.append(tok)
+        ref.logq.append(logits.log_softmax(-1))  # [T, V]
+        ref.qtop.append(logits.argmax(-1))  # [T]
+        if cache is not None:
+            ref.kv.append({i: tuple(x.clone() for x in cache.kv(i)) for i in verifier.all_layers})
+        if drafter is not None:
+            ref.draft.append(drafter.forward(tok, 0).argmax(-1))  # [T]
+    return ref
+
+
+class _PrefixKV:
+    """Duck-typed cache for `shared_policy_logits`: layer l attends to [q's K/V ; this forward's K/V]."""
+
+    def __init__(self, full_kv: dict[int, tuple[Tensor, Tensor]]):
+        self.full_kv = full_kv
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        fk, fv = self.full_kv[layer_idx]  # [1, H_kv, T, D] each
+        return torch.cat([fk, key], dim=2), torch.cat([fv, value], dim=2)  # [1, H_kv, 2T, D]
+
+
+@torch.inference_mode()
+def shared_policy_logits(
+    lm: MaskedLM, tokens: Tensor, full_kv: dict[int, tuple[Tensor, Tensor]], mask: LayerMask, block: int
+) -> Tensor:
+    """Logits [T, V] of q'_z when q' shares q's cache: position i, in block s = block * (i // block),
+    attends to q's keys/values at positions < s and to q'_z's own at positions s..i.
+
+    Keys are [q's K/V for 0..T-1 ; q'_z's K/V for 0..T-1] ([1, H_kv, 2T, D]); the boolean attention
+    mask [1, 1, T, 2T] picks the prefix from the first half and the block from the second. Equal
+    to running q'_z block by block on a cache that holds q's keys/values for the prefix.
+    """
+    assert tokens.ndim == 1, f"tokens must be [T], got {tuple(tokens.shape)}"
+    t = tokens.shape[0]
+    dev = lm.device
+    pos = torch.arange(t, device=dev)  # [T]
+    start = (pos // block) * block  # [T] first position of each query's block
+    see_full = pos[None, :] < start[:, None]  # [T, T] q's keys before the block
+    see_slim = (pos[None, :] >= start[:, None]) & (pos[None, :] <= pos[:, None])  # [T, T] own keys in the block
+    attn_mask = torch.cat([see_full, see_slim], dim=1)[None, None]  # [1, 1, T, 2T]
+    positions = pos.unsqueeze(0)  # [1, T]
+    hidden = lm.embed(tokens.to(dev).unsqueeze(0))  # [1, T, H]
+    hidden = lm.run_layers(hidden, positions, attn_mask, _PrefixKV(full_kv), mask.kept)  # [1, T, H]
+    return lm.head(hidden)  # [T, V]
+
+
+def slim_logprobs(verifier: MaskedLM, ref: Reference, index: int, mask: LayerMask) -> Tensor:
+    """log q'_z [T_i, V] over calibration sequence `index`, under the reference's cache policy."""
+    tok = ref.tokens[index]
+    if ref.cache_policy == "shared":
+        logits = shared_policy_logits(verifier, tok, ref.kv[index], mask, ref.block)
+    else:
+        logits = verifier.forward(tok, 0, None, mask)  # [T, V]
+    return logits.log_softmax(-1)
