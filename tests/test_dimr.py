@@ -307,6 +307,20 @@ def test_older_mask_forms_still_load(tmp_path):
     assert load_mask(None, 28, 0.45) == LayerMask.evenly_spaced(0.45, 28)
 
 
+def test_artifact_holds_for_the_same_weights_in_another_dtype(model12, artifact12, tmp_path):
+    import copy
+
+    lm, _, _ = model12
+    _, path, res = artifact12
+    bf16 = copy.deepcopy(lm.model).to(torch.bfloat16)  # dtype auto may load the searched weights otherwise
+    assert load_mask(str(path), 12, model=bf16) == res.mask
+    older = {k: v for k, v in json.loads(path.read_text()).items() if k != "weights_fingerprint"}
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert load_mask(str(tmp_path / "older.json"), 12, model=lm.model) == res.mask  # same dtype: still matches
+    with pytest.raises(MaskError, match="fingerprint"):  # no weights fingerprint: only the exact dtype matches
+        load_mask(str(tmp_path / "older.json"), 12, model=bf16)
+
+
 def test_shipped_mask_is_used_only_when_it_matches(model12, artifact12, monkeypatch):
     lm, _, _ = model12
     art, _, res = artifact12
@@ -361,7 +375,7 @@ def test_cli_dimr_on_smollm2_writes_an_artifact_the_engine_checks(tmp_path, caps
     assert art["calibration"]["source"] == "humaneval" and art["verifier"] == embedded.TEST_MODEL
     assert png.exists()
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps(art | {"model_fingerprint": "0" * 64}))
+    bad.write_text(json.dumps(art | {"model_fingerprint": "0" * 64, "weights_fingerprint": "0" * 64}))  # other weights
     rc = main(["generate", "x", "--verifier", embedded.TEST_MODEL, "--drafter", "none", "--dtype", "float32",
                "--mode", "ar", "--max-tokens", "1", "--mask", str(bad)])
     assert rc == 2 and "mask" in capsys.readouterr().err

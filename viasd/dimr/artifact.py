@@ -31,6 +31,11 @@ class MaskArtifact(BaseModel):
     schema_version: int = Field(SCHEMA_VERSION, description="Layout version of this file.")
     kind: str = Field(ARTIFACT_KIND, description="Always 'viasd.dimr.mask'.")
     model_fingerprint: str = Field(description="viasd.models.loader.model_fingerprint of the verifier (config + weights + dtype).")
+    weights_fingerprint: str | None = Field(
+        None, description="viasd.models.loader.weights_fingerprint of the verifier (its weights rounded to bf16, "
+        "without their dtype): the same weights loaded in another dtype (dtype auto: float32 where bf16 is "
+        "emulated) still match. Absent in older artifacts: then only model_fingerprint matches.",
+    )
     num_layers: int = Field(ge=1, description="Decoder layers of the verifier.")
     skipped_layers: list[int] = Field(description="Layers the slim verifier skips (z_l = 0).")
     ratio: float = Field(ge=0.0, lt=1.0, description="Requested skip ratio r; len(skipped_layers) = round(r L).")
@@ -60,7 +65,7 @@ def build_artifact(result: SearchResult, verifier: MaskedLM, calibration: Calibr
                    dtype: str | None = None, extra: dict[str, Any] | None = None) -> MaskArtifact:
     """The artifact of a search (fingerprint from the verifier's config and weights)."""
     from viasd import __version__
-    from viasd.models.loader import model_fingerprint
+    from viasd.models.loader import model_fingerprint, weights_fingerprint
 
     obj = result.objective
     objective = {"name": obj.name, "value": result.value, "direction": obj.direction, "params": obj.params()}
@@ -69,6 +74,7 @@ def build_artifact(result: SearchResult, verifier: MaskedLM, calibration: Calibr
         objective["note"] = "value = C(z) / tau (mean per calibration position); total = C(z)"
     fields = {
         "model_fingerprint": model_fingerprint(verifier.model),
+        "weights_fingerprint": weights_fingerprint(verifier.model),
         "num_layers": verifier.num_layers,
         "skipped_layers": list(result.mask.skipped),
         "ratio": result.ratio,
@@ -133,8 +139,10 @@ def check_artifact(artifact: MaskArtifact, model, num_layers: int | None = None,
     """The artifact's mask if it was searched on this verifier; MaskError (field 'mask') otherwise.
 
     `model` is the verifier's transformers model (or a MaskedLM); None skips the fingerprint check.
+    The weights must be those searched on: the same dtype (model_fingerprint), or the same values
+    loaded in another dtype (weights_fingerprint, when the artifact records it).
     """
-    from viasd.models.loader import model_fingerprint
+    from viasd.models.loader import model_fingerprint, weights_fingerprint
 
     if isinstance(model, MaskedLM):
         num_layers = model.num_layers if num_layers is None else num_layers
@@ -148,13 +156,14 @@ def check_artifact(artifact: MaskArtifact, model, num_layers: int | None = None,
         )
     if model is not None:
         fp = model_fingerprint(model)
-        if fp != artifact.model_fingerprint:
+        same_weights = artifact.weights_fingerprint is not None and weights_fingerprint(model) == artifact.weights_fingerprint
+        if fp != artifact.model_fingerprint and not same_weights:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             raise MaskError(
                 f"{source} was searched on another model: its fingerprint {artifact.model_fingerprint[:12]} "
                 f"({artifact.verifier or 'unknown verifier'}, {artifact.dtype or 'unknown dtype'}) differs from the "
-                f"loaded verifier's {fp[:12]} ({dtype}); a mask is tied to the exact weights and dtype it was "
-                f"searched on: run `viasd dimr` for this verifier"
+                f"loaded verifier's {fp[:12]} ({dtype}); a mask is tied to the weights it was searched on: "
+                f"run `viasd dimr` for this verifier"
             )
     try:
         return artifact.mask
