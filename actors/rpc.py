@@ -132,6 +132,24 @@ def advertised_host(bind_host: str) -> str:
     return bind_host
 
 
+def free_row(store):
+    """A free row of a shared cache (a RowCache), or None when every row is taken."""
+    return store.row(store.alloc()) if store.rows_in_use < store.max_rows else None
+
+
+def rows_of(request) -> tuple[list, bool]:
+    """The rows of a Propose / Verify request and whether it is a batch (`rows` set); a request
+    without rows is a batch of itself."""
+    return (list(request.rows), True) if request.rows else ([request], False)
+
+
+def row_error(exc: Exception) -> ipb.RowError:
+    """The error of one row of a batch (the status the row would get alone)."""
+    if isinstance(exc, SessionNotFound):
+        return ipb.RowError(code="NOT_FOUND", message=str(exc.args[0] if exc.args else exc))
+    return ipb.RowError(code="INVALID_ARGUMENT", message=str(exc))
+
+
 def rpc(method):
     """Map a servicer method's exceptions to gRPC status codes (NOT_FOUND, INVALID_ARGUMENT,
     UNAVAILABLE, INTERNAL)."""
