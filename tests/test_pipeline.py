@@ -8,7 +8,9 @@ loop thread runs every coroutine, with a timeout, so nothing can hang CI.
 * ar / sd / via, greedy and sampled with a seed: served tokens, finish reason and counters ==
   `viasd.llm.LLM` in-process (same config, same loader);
 * 8 concurrent streams with different seeds each == their sequential in-process run;
-* TP=2 (torch backend; DeepSpeed AutoTP too) == TP=1;
+* TP=2 (torch backend; DeepSpeed AutoTP too) == TP=1, one request at a time and in batches;
+* served continuous batching: mixed-mode requests joining and leaving one batch == the
+  in-process batched run == each alone; a bad row of a batched Verify fails alone;
 * a cancelled stream closes the drafter's and the verifier's sessions;
 * bad input -> INVALID_ARGUMENT naming the field; ListModels; the health service;
 * a failing drafter: the request finishes as `ar` (drafter_fallback).
@@ -465,7 +467,7 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
-def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeline, backend):
+def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeline, llm, backend):
     from viasd.cluster.pipeline import Pipeline
 
     if backend == "deepspeed":
@@ -490,6 +492,10 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
             tp1_forwards = stats_from_proto(tp1[-1].stats).forwards
             for model in ("full", "slim") if params.get("overlap") else ("drafter", "full", "slim"):
                 assert chunks[-1].stats.forwards[model] == tp1_forwards[model], (backend, case, model)
+        # under batching: the mixed waves on the TP=2 group == the in-process (TP=1) batched run
+        served = aio.run(served_waves(tp2.coordinator, BATCH_WAVES, f"tp2-wave-{backend}"))
+        assert served == in_process_batched(llm, BATCH_WAVES), backend
+        assert tp2.coordinator.totals.max_rows >= 6  # the ranks ran mixed-mode batches in lockstep
         assert aio.run(tp2.session_counts()) == {"drafter": 0, "verifier": [0, 0]}
     finally:
         aio.run(tp2.shutdown())
