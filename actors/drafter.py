@@ -141,6 +141,15 @@ def _log_failure(done) -> None:
         log.warning("drafting ahead failed: %s", done.exception())
 
 
+def pack_linears(model, config: EngineConfig, device: str) -> None:
+    """The prepacked CPU linears the in-process engine uses (`EngineConfig.packed_linears`,
+    viasd.precision), so that a served request runs the kernels of an in-process one."""
+    if config.packed_linears:
+        from viasd.precision import optimize_linears, resolve_dtype
+
+        optimize_linears(model, resolve_dtype(config.dtype, device).dtype, device)
+
+
 def set_threads(threads: int | None, cpus: float) -> None:
     """torch threads of an actor: the configured count, else its CPU share (at least 1)."""
     import torch
@@ -166,6 +175,7 @@ class DrafterActor:
         set_threads(config.threads, cpus)
         model, _ = load_causal_lm(config.drafter, dtype=config.dtype, device=device,
                                   trust_remote_code=config.trust_remote_code)
+        pack_linears(model, config, device)
         lm = MaskedLM(model)
         self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype)
         self.server, port = await start_server(

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import grpc
 import ray
 
-from viasd.actors.drafter import set_threads
+from viasd.actors.drafter import pack_linears, set_threads
 from viasd.actors.rpc import (
     InOrder,
     PeerUnavailable,
@@ -268,6 +268,8 @@ class VerifierWorker:
             group = TPGroup(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                             backend="nccl" if cuda else "gloo", local_rank=0 if cuda else None)
             model = shard_model(model, TPBackend(tp_backend), group)
+        else:
+            pack_linears(model, config, device)  # (sharded linears keep their own kernels)
         lm = MaskedLM(model)
         self.core = VerifierCore(lm, mask, config.cache_policy)
         self._tokenizer = tokenizer if rank == 0 else None
