@@ -143,6 +143,77 @@ def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str 
     }
 
 
+def tokenizer_dir(spec: str) -> str:
+    """A local directory with the served model's tokenizer (guidellm sizes synthetic prompts with it)."""
+    from pathlib import Path
+
+    from viasd.models.embedded import cache_dir_for
+
+    if Path(spec).is_dir():
+        return spec
+    for dtype in ("float32", "bfloat16"):
+        path = cache_dir_for(spec, dtype)
+        if (path / "tokenizer.json").exists():
+            return str(path)
+    raise SystemExit(f"no local tokenizer for {spec!r}: load the model once first")
+
+
+def run_guidellm(exe: str, base: str, model: str, tokenizer: str, mode: str, levels: list[int], max_tokens: int,
+                 requests_per_stream: int, workdir: str) -> dict:
+    """guidellm (a third-party load generator) against the served /v1/completions at each level:
+    synthetic 64-token prompts, `max_tokens` output tokens (ignore_eos), greedy, this mode; its
+    per-level figures (tokens/s, TTFT and ITL p50 / p99) from its JSON report."""
+    import subprocess
+
+    scenario = {
+        "spec": {
+            "backend": {"kind": "openai_http", "target": base, "model": model, "request_format": "/v1/completions",
+                        "max_tokens": max_tokens,
+                        "extras": {"body": {**mode_params(mode), "ignore_eos": True, "temperature": 0}}},
+            "profile": {"kind": "concurrent"},
+            "data": [{"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": max_tokens}],
+            "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
+            "constraints": [{"kind": "max_requests", "count": [requests_per_stream * c for c in levels]}],
+        },
+        "benchmarks": [{"profile.streams": c} for c in levels],
+    }
+    path = os.path.join(workdir, f"guidellm-{mode}.json")
+    report = os.path.join(workdir, f"guidellm-{mode}-report.json")
+    with open(path, "w") as f:
+        json.dump(scenario, f, indent=1)
+    cmd = [exe, "run", "-c", path, "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"guidellm failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    with open(report) as f:
+        benchmarks = json.load(f)["benchmarks"]
+    scenario["spec"]["tokenizer"]["model"] = f"<the local tokenizer of {model}>"  # (no machine path in the figures)
+    return {"command": " ".join(["guidellm", *cmd[1:3], "<scenario>", *cmd[4:5], "kind=json,path=<report>", *cmd[6:]]),
+            "scenario": scenario, "levels": [guidellm_level(b) for b in benchmarks]}
+
+
+def guidellm_level(benchmark: dict) -> dict:
+    """One level of a guidellm report: aggregate output tokens/s, TTFT and ITL p50 / p99 (seconds)."""
+    m = benchmark["metrics"]
+
+    def ok(name: str) -> dict:
+        return m[name]["successful"]
+
+    tokens = ok("output_token_count")["total_sum"]
+    return {
+        "streams": benchmark["config"]["strategy"]["streams"],
+        "requests": m["request_totals"],
+        "output_tokens": tokens,
+        "duration_s": round(benchmark["duration"], 3),
+        "aggregate_tokens_per_s": round(tokens / benchmark["duration"], 3),
+        "p50_ttft_s": round(ok("time_to_first_token_ms")["percentiles"]["p50"] / 1e3, 4),
+        "p99_ttft_s": round(ok("time_to_first_token_ms")["percentiles"]["p99"] / 1e3, 4),
+        "p50_itl_s": round(ok("inter_token_latency_ms")["percentiles"]["p50"] / 1e3, 4),
+        "p99_itl_s": round(ok("inter_token_latency_ms")["percentiles"]["p99"] / 1e3, 4),
+    }
+
+
 def check_tokens(runs: list[dict], expected: dict[int, list[int]]) -> dict:
     """Greedy: every stream of every mode, level and system must be its prompt's greedy output
     (greedy sd and via equal greedy ar), so a lost, duplicated, reordered or foreign token shows
@@ -171,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="first measure the in-process batched engine (the config's pipeline engine) at the same "
                     "levels, then free it and start the served application")
     ap.add_argument("--dtype", default=None, help="override the pipeline's engine dtype (float32, bfloat16)")
+    ap.add_argument("--guidellm", default=None,
+                    help="the guidellm executable, e.g. `guidellm` on PATH (pip install -e .[load], or its own "
+                    "venv): also drive the served endpoint with it at the same levels")
+    ap.add_argument("--guidellm-requests", type=int, default=1, help="guidellm requests per stream and level")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -241,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
         measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served",
                 served_modes)
+        if args.guidellm:
+            import tempfile
+
+            tok = tokenizer_dir(config.pipeline().engine.verifier)
+            with tempfile.TemporaryDirectory() as work:
+                results["guidellm"] = {mode: run_guidellm(args.guidellm, base, model.id, tok, mode, levels,
+                                                          args.max_tokens, args.guidellm_requests, work)
+                                       for mode in served_modes}
     finally:
         if started is not None:
             from viasd.cluster import launch
