@@ -54,16 +54,20 @@ class RowError(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
-    __slots__ = ("rows", "vocab_size", "data", "dtype")
+    __slots__ = ("rows", "vocab_size", "data", "dtype", "indices", "row_nnz")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    ROW_NNZ_FIELD_NUMBER: _ClassVar[int]
     rows: int
     vocab_size: int
     data: bytes
     dtype: str
-    def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+    indices: bytes
+    row_nnz: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error")
