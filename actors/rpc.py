@@ -189,18 +189,19 @@ def encode_probs(p: torch.Tensor | None, dtype: str = "auto") -> ipb.DraftProbs 
         raise InvalidParameterError("draft_probs_dtype", f"must be one of {PROBS_DTYPES}, got {dtype!r}")
     name = ("float64" if p.dtype == torch.float64 else "float32") if dtype == "auto" else dtype
     t = p.detach().to("cpu", _WIRE[name][1]).contiguous()  # [k, V]
-    nonzero = t != 0  # [k, V]
-    nnz = int(nonzero.sum())
-    itemsize = t.element_size()
-    sparse = nnz * (itemsize + 4) < t.numel() * itemsize // 2
-    values = t[nonzero] if sparse else t  # [nnz] (row-major) or [k, V]
     if name == "bfloat16":
-        values = values.view(torch.int16)  # numpy has no bfloat16: ship the bit patterns
-    msg = ipb.DraftProbs(rows=p.shape[0], vocab_size=p.shape[1], dtype=name,
-                         data=values.numpy().astype(_WIRE[name][0], copy=False).tobytes())
+        t = t.view(torch.int16)  # numpy has no bfloat16: ship the bit patterns
+    a = t.numpy()  # [k, V] (numpy: its nonzero count is ~100x faster than torch's here)
+    nnz = int(np.count_nonzero(a))
+    sparse = nnz * (a.itemsize + 4) < a.size * a.itemsize // 2
+    msg = ipb.DraftProbs(rows=p.shape[0], vocab_size=p.shape[1], dtype=name)
     if sparse:
-        msg.indices = nonzero.nonzero()[:, 1].to(torch.int32).numpy().astype("<i4", copy=False).tobytes()
-        msg.row_nnz.extend(nonzero.sum(dim=1).tolist())
+        rows, cols = np.nonzero(a)  # row-major
+        msg.data = a[rows, cols].astype(_WIRE[name][0], copy=False).tobytes()
+        msg.indices = cols.astype("<i4").tobytes()
+        msg.row_nnz.extend(np.count_nonzero(a, axis=1).tolist())
+    else:
+        msg.data = a.astype(_WIRE[name][0], copy=False).tobytes()
     return msg
 
 
