@@ -332,10 +332,37 @@ def main(argv: list[str] | None = None) -> int:
     results["tokens"] = check_tokens(results["runs"], expected)
     results["ratios"] = ratios(results["runs"])
     print(json.dumps({"tokens": results["tokens"], "ratios": results["ratios"]}, indent=1), flush=True)
+    print(markdown_table(results), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
     return 1 if results["tokens"]["streams_mismatched"] else 0
+
+
+TABLE_HEADER = ("| mode | streams | in-process tok/s | served tok/s | served / in-process | served TTFT p50 / p99 (s) "
+                "| served ITL p50 / p99 (s) | guidellm tok/s | guidellm TTFT p50 / p99 (s) | guidellm ITL p50 / p99 (s) |")
+
+
+def markdown_table(results: dict) -> str:
+    """The figures of a results file as the table docs/SERVING.md shows (tests/test_docs_figures.py
+    checks that the page's table is this one)."""
+    runs = {(r["system"], r["mode"], r["concurrency"]): r for r in results["runs"]}
+    guide = {(mode, lv["streams"]): lv for mode, g in results.get("guidellm", {}).items() for lv in g["levels"]}
+    lines = [TABLE_HEADER, "|" + " --- |" * TABLE_HEADER.count(" | ") + " --- |"]
+    for mode in results["modes"]:
+        for c in results["levels"]:
+            ip, sv, g = runs.get(("in_process", mode, c)), runs.get(("served", mode, c)), guide.get((mode, c))
+            cells = [mode, str(c),
+                     f"{ip['aggregate_tokens_per_s']:.2f}" if ip else "-",
+                     f"{sv['aggregate_tokens_per_s']:.2f}" if sv else "-",
+                     f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}" if ip and sv else "-",
+                     f"{sv['p50_ttft_s']:.2f} / {sv['p99_ttft_s']:.2f}" if sv else "-",
+                     f"{sv['p50_itl_s']:.3f} / {sv['p99_itl_s']:.3f}" if sv and sv["p50_itl_s"] is not None else "-",
+                     f"{g['aggregate_tokens_per_s']:.2f}" if g else "-",
+                     f"{g['p50_ttft_s']:.2f} / {g['p99_ttft_s']:.2f}" if g else "-",
+                     f"{g['p50_itl_s']:.3f} / {g['p99_itl_s']:.3f}" if g else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def ratios(runs: list[dict]) -> dict:
