@@ -132,7 +132,7 @@ class Coordinator:
         drafter_fallback: bool = True,
         on_unavailable: Callable[[str], None] | None = None,
         tls: InternalTLS | None = None,
-        batch_wait_s: float = 0.002,
+        batch_wait_s: float = 0.02,
     ):
         self.verifier_address = verifier_address
         self.tls = tls  # mutual TLS to both services (actors/rpc.py), or None: plaintext
