@@ -67,6 +67,25 @@ async def hop_seconds(messages: list, repeats: int) -> float:
         await server.stop(None)
 
 
+TABLE_HEADER = ("| sampling | nonzero p per row (median) | encoding | bytes per block | codec s per block "
+                "| one gRPC hop s per block | per cycle, via coordinator / direct (TP=1) |")
+
+
+def markdown_table(results: dict) -> str:
+    """The figures as docs/SERVING.md shows them (tests/test_docs_figures.py checks the page)."""
+    lines = [TABLE_HEADER, "|" + " --- |" * (TABLE_HEADER.count(" | ") + 1)]
+    for name, row in results["settings"].items():
+        for encoding in ("dense", "bfloat16", "sparse"):
+            e = row[encoding]
+            label = encoding + (" (sparse rows)" if e["sparse_rows"] and encoding != "sparse" else "")
+            if encoding == "sparse" and not e["sparse_rows"]:
+                label = "sparse (rows stay dense)"
+            lines.append(f"| {name} | {row['nonzero_per_row_median']:g} | {label} | {e['bytes_per_block']:,} "
+                         f"| {e['encode_decode_s_per_block']:.4f} | {e['grpc_hop_s_per_block']:.4f} "
+                         f"| {e['cycle_bytes_via_coordinator_tp1']:,} / {e['cycle_bytes_direct_tp1']:,} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     from viasd.actors.rpc import decode_probs, encode_probs
     from viasd.bench import provenance
@@ -128,6 +147,7 @@ def main() -> None:
             }
         results["settings"][name] = row
         print(name, json.dumps(row), flush=True)
+    print(markdown_table(results), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
