@@ -139,7 +139,7 @@ def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str 
         "p99_itl_s": round(percentile(itl, 99), 4) if itl else None,
         "mean_queue_s": round(statistics.mean(r.get("stats", {}).get("queue_seconds", 0.0) for r in results), 3),
         "mean_acceptance_length": round(statistics.mean(mal), 2) if mal else None,
-        "_ids": [(i % len(PROMPTS), r["ids"]) for i, r in enumerate(results)],
+        "stream_token_ids": [[i % len(PROMPTS), r["ids"]] for i, r in enumerate(results)],  # [prompt, ids]
     }
 
 
@@ -221,7 +221,7 @@ def check_tokens(runs: list[dict], expected: dict[int, list[int]]) -> dict:
     checked = mismatched = 0
     for r in runs:
         bad = 0
-        for prompt, ids in r.pop("_ids"):
+        for prompt, ids in r["stream_token_ids"]:
             ref = expected.setdefault(prompt, ids)
             checked += 1
             bad += ids != ref
@@ -246,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the guidellm executable, e.g. `guidellm` on PATH (pip install -e .[load], or its own "
                     "venv): also drive the served endpoint with it at the same levels")
     ap.add_argument("--guidellm-requests", type=int, default=1, help="guidellm requests per stream and level")
+    ap.add_argument("--merge-guidellm", default=None,
+                    help="a results file of this script whose guidellm figures join these ones (its command, "
+                    "commit and machine are kept under `merged`)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                      "max_queued_requests": max(raw["limits"]["max_queued_requests"], max(levels))}
     for p in raw["pipelines"]:
         p["engine"]["max_batch"] = max(p["engine"].get("max_batch") or 1, max(levels))
+        # positions per cache row: fixed, not a share of the memory that happens to be free at start
+        p["engine"]["max_seq_len"] = p["engine"].get("max_seq_len") or 512
         if args.dtype:
             p["engine"]["dtype"] = args.dtype
     if args.backend:
@@ -283,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in levels:
                 r = run_level(target, mode, c, args.max_tokens, system)
                 results["runs"].append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "_ids"}), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), flush=True)
 
     if args.in_process:
         import gc
@@ -329,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
             from viasd.cluster import launch
 
             launch.stop()
+    if args.merge_guidellm:
+        with open(args.merge_guidellm) as f:
+            other = json.load(f)
+        results["merged"] = {"what": "guidellm", "command": other["command"], "environment": other["environment"]}
+        results["guidellm"] = other["guidellm"]
     results["tokens"] = check_tokens(results["runs"], expected)
     results["ratios"] = ratios(results["runs"])
     print(json.dumps({"tokens": results["tokens"], "ratios": results["ratios"]}, indent=1), flush=True)

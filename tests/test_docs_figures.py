@@ -211,3 +211,29 @@ def test_continuous_batching_table_equals_its_results_json():
             if "(" in cell:
                 exact.append(r["decode_tokens_per_second"])
             check_cell(cell, exact, f"{method} at C={c}")
+
+
+# ------------------------------------------------------------------ docs/SERVING.md: served batching
+
+
+@pytest.mark.parametrize("script, raw", [("serve_throughput", "serve-throughput-cpu.json"),
+                                         ("measure_probs_travel", "probs-travel-cpu.json")])
+def test_serving_batching_tables_equal_their_raw_files(script, raw):
+    """The load table and the draft-probability table of docs/SERVING.md are the ones their
+    scripts render from the committed raw files, which record command, commit and machine; the
+    page shows the recorded command."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        module = importlib.import_module(script)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    results = load(DOCS / "benchmarks" / raw)
+    page = (DOCS / "SERVING.md").read_text()
+    assert module.markdown_table(results) in page, f"regenerate the table from docs/benchmarks/{raw}"
+    assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
+    command = results["command"]
+    assert command.startswith(f"scripts/{script}.py") and " ".join(shlex.split(command)[1:]) in " ".join(
+        page.replace("\\\n", " ").split()), command
