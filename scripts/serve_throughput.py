@@ -353,10 +353,11 @@ TABLE_HEADER = ("| mode | streams | in-process tok/s | served tok/s | served / i
                 "| served ITL p50 / p99 (s) | guidellm tok/s | guidellm TTFT p50 / p99 (s) | guidellm ITL p50 / p99 (s) |")
 
 
-def markdown_table(results: dict) -> str:
+def markdown_table(results: dict, in_process: bool = True) -> str:
     """The figures of a results file as the table docs/SERVING.md shows (tests/test_docs_figures.py
-    checks that the page's table is this one)."""
-    runs = {(r["system"], r["mode"], r["concurrency"]): r for r in results["runs"]}
+    checks that the page's table is this one); `in_process=False` leaves the in-process runs out."""
+    runs = {(r["system"], r["mode"], r["concurrency"]): r for r in results["runs"]
+            if in_process or r["system"] != "in_process"}
     guide = {(mode, lv["streams"]): lv for mode, g in results.get("guidellm", {}).items() for lv in g["levels"]}
     lines = [TABLE_HEADER, "|" + " --- |" * TABLE_HEADER.count(" | ") + " --- |"]
     for mode in results["modes"]:
