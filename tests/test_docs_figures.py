@@ -220,6 +220,7 @@ def test_continuous_batching_table_equals_its_results_json():
 
 @pytest.mark.parametrize("script, raw, kwargs", [
     ("serve_throughput", "serve-throughput-cpu-guidellm.json", {"in_process": False}),
+    ("serve_throughput", "serve-throughput-cpu.json", {}),
     ("measure_probs_travel", "probs-travel-cpu.json", {}),
 ])
 def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
@@ -238,6 +239,8 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     page = (DOCS / "SERVING.md").read_text()
     assert module.markdown_table(results, **kwargs) in page, f"regenerate the table from docs/benchmarks/{raw}"
     assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
+    if script == "serve_throughput" and "stream_token_ids" in results["runs"][0]:  # zero lost / wrong tokens
+        assert module.check_tokens(results["runs"], {}) == {"streams_checked": 174, "streams_mismatched": 0}
     args = shlex.split(results["command"])
     assert args[0] == f"scripts/{script}.py", args
     flat = " ".join(page.replace("\\\n", " ").split())  # the page's commands, continuation lines joined
