@@ -1,30 +1,39 @@
-"""The coordinator: owns request state and runs the decode cycle across the drafter and the
-verifier services over gRPC (DESIGN.md, "Distributed shape").
+"""The coordinator: owns request state and drives engine steps across the drafter and the
+verifier services over gRPC (DESIGN.md, "Distributed shape"; docs/SERVING.md, "Batching").
 
-One request, as `Engine.generate` runs it in-process (and with the same code for the limits:
-`viasd.engine.check_request`, `RequestLimits`, `request_seeds`):
+A request, with the same code for the limits as in-process (`viasd.engine.check_request`,
+`RequestLimits`, `request_seeds`):
 
-    Open(drafter, drafter seed) and Open(verifier, verifier seed), concurrently
-    loop:
-        Propose(previous outcome, k)  -> draft [k] (+ p [k, V] when sampling)
-        Verify(draft, p)              -> outcome: committed tokens, draft tokens accepted
-        cut at stop tokens / max_tokens / the context; stream a Chunk
-    Close both sides (also on cancellation and errors), merge both sides' RequestStats
+    Open(drafter, drafter seed) and Open(verifier, verifier seed), concurrently; then it joins
+    the batch, and each time its consumer asks for the next chunk it takes part in a step;
+    Close both sides (also on cancellation and errors), merge both sides' RequestStats.
 
-The drafter commits the previous outcome at the start of the next Propose, so a cycle costs two
-RPCs. `ar` requests talk to the verifier only (Verify with an empty draft decodes one token).
-Every internal RPC has a deadline. When the drafter fails (any RPC error) and
-`drafter_fallback` is on, the request goes on as `ar` against the verifier, whose session is
-still consistent (it commits its own outcomes), and its stats say `drafter_fallback`.
+A step, for every request asking for its next chunk (the step driver, `_drive`):
+
+    Propose(rows: previous outcome, k per drafting row)  -> a draft [k] (+ p [k, V] when sampling) per row
+    Verify(rows: draft, p per row; an empty draft for `ar`) -> an outcome per row
+    per row: cut at stop tokens / max_tokens / the context; hand the chunk to its consumer
+
+so a step costs two RPCs whatever the batch, and the drafter and the verifier each run the
+step's rows with one batched forward per tier and round (viasd.sessions.drive). Requests join
+and leave between steps; a cycle only starts when its consumer asks for it (a slow consumer
+holds its own request back, not the others), and a step waits up to `batch_wait_s` for the
+rows of the batch to ask again. The batch is every request the coordinator runs: admission
+in front of it (cluster/server.py, `limits.max_concurrent_requests`) is the batch capacity.
+
+Every internal RPC has a deadline. A failed Propose falls back (with `drafter_fallback`: the
+request goes on as `ar` against the verifier, whose session is still consistent, and its stats
+say `drafter_fallback`) or fails exactly the rows it carried; a failed Verify fails exactly its
+rows; a row that failed alone on a backend (`RowError`) fails or falls back alone.
 
 Each request keeps the stubs it was opened with until it ends, so that a backend replaced while
 it runs (`set_backends`, after the pipeline rebuilt a dead actor) never sees a request it did not
-open: requests in flight on a dead verifier fail with UNAVAILABLE, later ones use the new one.
-`on_unavailable(component)` is called whenever an RPC finds a backend down or past its deadline
-(the pipeline's supervisor wakes up on it).
+open: requests in flight on a dead verifier fail with UNAVAILABLE, later ones use the new one (a
+step makes one call per backend its rows were opened on). `on_unavailable(component)` is called
+whenever an RPC finds a backend down or past its deadline (the pipeline's supervisor wakes up).
 
 `Coordinator` is a plain asyncio class: usable in-process, in a Ray actor or a Serve replica.
-Its gRPC channels are made on first use, in the event loop that uses them.
+Its gRPC channels and its step driver are made on first use, in the event loop that uses them.
 """
 
 from __future__ import annotations
@@ -64,11 +73,15 @@ class BackendError(ViaSDError):
 
 @dataclass
 class RpcTotals:
-    """What the coordinator's internal RPCs cost, summed over requests (seconds are wall time
-    seen by the coordinator: model time + serialisation + transport + queueing)."""
+    """What the coordinator's internal RPCs cost (seconds are wall time seen by the coordinator:
+    model time + serialisation + transport + queueing). `rows` counts request rows over the
+    Verify calls: rows / verify_calls is the mean batch."""
 
     requests: int = 0
-    cycles: int = 0
+    steps: int = 0
+    cycles: int = 0  # request cycles (one per row of a step)
+    rows: int = 0
+    max_rows: int = 0  # the largest batch a Verify carried
     propose_calls: int = 0
     verify_calls: int = 0
     bytes_sent: int = 0  # serialised request messages
@@ -83,10 +96,11 @@ class RpcTotals:
         return asdict(self)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request_id: str
     params: GenerationParams
+    limits: RequestLimits
     seq_len: int  # prompt + committed tokens
     drafted: bool  # the drafter takes part (sd, via) and has not failed
     drafter_open: bool = False
@@ -96,13 +110,15 @@ class _Request:
     drafter_stats: ipb.RequestStats | None = None  # each side's counters as of its last reply
     verifier_stats: ipb.RequestStats | None = None
     fallback: bool = False
-    rpc: RpcTotals = field(default_factory=RpcTotals)
     verifier: internal_pb2_grpc.VerifierServiceStub | None = None  # the backends it was opened on
     drafter: internal_pb2_grpc.DrafterServiceStub | None = None
+    asked: asyncio.Future | None = None  # the consumer waits for this chunk (or error): join the next step
+    stepping: asyncio.Future | None = None  # done when the step this request takes part in has ended
+    left: bool = False  # finished, failed or abandoned: in no later step
 
 
 class Coordinator:
-    """Runs requests across a DrafterService and a VerifierService."""
+    """Runs requests across a DrafterService and a VerifierService, stepping them as one batch."""
 
     def __init__(
         self,
@@ -116,6 +132,7 @@ class Coordinator:
         drafter_fallback: bool = True,
         on_unavailable: Callable[[str], None] | None = None,
         tls: InternalTLS | None = None,
+        batch_wait_s: float = 0.02,
     ):
         self.verifier_address = verifier_address
         self.tls = tls  # mutual TLS to both services (actors/rpc.py), or None: plaintext
@@ -126,8 +143,12 @@ class Coordinator:
         self.rpc_timeout_s = rpc_timeout_s
         self.drafter_fallback = drafter_fallback
         self.on_unavailable = on_unavailable
+        self.batch_wait_s = batch_wait_s  # how long a step waits for the last step's rows to ask again
         self.totals = RpcTotals()
         self._active: dict[str, _Request] = {}
+        self._rows: list[_Request] = []  # opened requests that may join a step
+        self._wake: asyncio.Event | None = None  # a request asked for its next chunk
+        self._driver: asyncio.Task | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}  # "verifier" / "drafter" -> its channel
         self._verifier: internal_pb2_grpc.VerifierServiceStub | None = None
         self._drafter: internal_pb2_grpc.DrafterServiceStub | None = None
@@ -155,33 +176,38 @@ class Coordinator:
         if request_id in self._active:
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         self._connect()
-        req = _Request(request_id, params, len(prompt), drafted=params.mode != Mode.AR, verifier=self._verifier,
-                       drafter=self._drafter)
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
         limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
+        req = _Request(request_id, params, limits, len(prompt), drafted=params.mode != Mode.AR,
+                       verifier=self._verifier, drafter=self._drafter)
         self._active[request_id] = req
         self.totals.requests += 1
         try:
             await self._open(req, prompt)
+            self._rows.append(req)  # it joins the next step
             while True:
-                chunk = limits.chunk(await self._cycle(req, limits))
+                chunk = await self._next(req)
                 if chunk.finished:
                     self._merge(stats, req)
                 yield chunk
                 if chunk.finished:
                     return
         finally:
-            # finished, cancelled, failed or abandoned: free both sides' caches. After the last
-            # chunk, so that a Close queued behind other requests' forwards does not delay it;
-            # a consumer iterating to the end (or `aclose()`) sees the sessions closed. The id stays
-            # taken until both Close calls are done (even when this task is cancelled meanwhile), so
-            # that a new request reusing it cannot meet the old session on a backend.
+            # finished, cancelled, failed or abandoned: leave the batch, free both sides' caches.
+            # After the last chunk, so that a Close queued behind other requests' forwards does not
+            # delay it; a consumer iterating to the end (or `aclose()`) sees the sessions closed. The
+            # id stays taken until both Close calls are done (even when this task is cancelled
+            # meanwhile), so that a new request reusing it cannot meet the old session on a backend.
+            self._leave(req)
             closing = asyncio.ensure_future(self._close(req))
             closing.add_done_callback(lambda _: self._active.pop(request_id, None))
             await asyncio.shield(closing)
 
     async def close(self) -> None:
-        """Close the channels (requests still running fail)."""
+        """Stop the step driver and close the channels (requests still running fail)."""
+        if self._driver is not None:
+            self._driver.cancel()
+            self._driver = None
         for channel in self._channels.values():
             await channel.close()
         self._channels, self._verifier, self._drafter = {}, None, None
@@ -202,7 +228,7 @@ class Coordinator:
             if channel is not None:
                 asyncio.ensure_future(channel.close(grace=self.rpc_timeout_s))
 
-    # ---------------------------------------------------------------- one request
+    # ---------------------------------------------------------------- requests joining and leaving
 
     def _connect(self) -> None:
         if self._verifier is None:
@@ -214,8 +240,52 @@ class Coordinator:
             self._channels["drafter"] = channel
             self._drafter = internal_pb2_grpc.DrafterServiceStub(channel)
 
-    async def _call(self, req: _Request, component: str, method: str, request, timeout: float | None = None):
-        stub = req.drafter if component == "drafter" else req.verifier
+    async def _next(self, req: _Request) -> Chunk:
+        """The request's next chunk: it joins the next step (a cycle only starts when the consumer
+        asks for it, as for a request alone)."""
+        req.asked = asyncio.get_running_loop().create_future()
+        if self._wake is None:
+            self._wake = asyncio.Event()
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.ensure_future(self._drive())
+        self._wake.set()
+        return await req.asked
+
+    def _leave(self, req: _Request) -> None:
+        req.left = True
+        if req in self._rows:
+            self._rows.remove(req)
+
+    def _waiting(self) -> list[_Request]:
+        return [r for r in self._rows if r.asked is not None and not r.asked.done()]
+
+    async def _drive(self) -> None:
+        """The step driver: whenever requests ask for their next chunk, run one step over all of
+        them. A step waits up to `batch_wait_s` for the other rows to ask again (their consumers
+        run between steps), so that streams that keep up stay in one batch."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            deadline = loop.time() + self.batch_wait_s
+            while len(self._waiting()) < len(self._rows) and loop.time() < deadline:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+            self._wake.clear()
+            rows = self._waiting()
+            if rows:
+                try:
+                    await self._step(rows)
+                except Exception as exc:  # a bug: the step's rows fail, the driver goes on
+                    log.exception("step failed")
+                    for r in rows:
+                        _settle(r.asked, exc)
+
+    # ---------------------------------------------------------------- one step
+
+    async def _call(self, stub, component: str, method: str, request, timeout: float | None = None):
         t0 = time.perf_counter()
         try:
             response = await getattr(stub, method)(request, timeout=timeout or self.rpc_timeout_s)
@@ -227,21 +297,96 @@ class Coordinator:
             if err.unavailable and self.on_unavailable is not None:
                 self.on_unavailable(component)
             raise err from None
-        seconds = time.perf_counter() - t0
-        sent, received = request.ByteSize(), response.ByteSize()
-        for t in (req.rpc, self.totals):
-            t.bytes_sent += sent
-            t.bytes_received += received
-            if method == "Propose":
-                t.propose_calls += 1
-                t.propose_seconds += seconds
-                t.probs_bytes += len(response.probs.data)
-            elif method == "Verify":
-                t.verify_calls += 1
-                t.verify_seconds += seconds
-            else:
-                t.open_close_seconds += seconds
+        seconds, t = time.perf_counter() - t0, self.totals
+        t.bytes_sent += request.ByteSize()
+        t.bytes_received += response.ByteSize()
+        if method == "Propose":
+            t.propose_calls += 1
+            t.propose_seconds += seconds
+            t.probs_bytes += sum(len(r.probs.data) for r in response.rows)
+        elif method == "Verify":
+            t.verify_calls += 1
+            t.verify_seconds += seconds
+            t.rows += len(request.rows)
+            t.max_rows = max(t.max_rows, len(request.rows))
+        else:
+            t.open_close_seconds += seconds
         return response
+
+    async def _step(self, rows: list[_Request]) -> None:
+        """One engine step over `rows`: one Propose for every drafting row, then one Verify for
+        every row (per backend: requests opened before a rebuild keep their old one). A failed
+        call fails (verifier) or falls back (drafter) exactly the rows it carried; a row that
+        failed alone fails alone."""
+        done = asyncio.get_running_loop().create_future()
+        for r in rows:
+            r.stepping = done
+        self.totals.steps += 1
+        try:
+            verify: dict[_Request, ipb.VerifyRequest] = {}
+            failed: dict[_Request, BaseException] = {}
+            drafting = [r for r in rows if r.drafted]
+            await asyncio.gather(*(self._propose(group, verify, failed)
+                                   for group in _by_backend(drafting, "drafter").values()))
+            checking = [r for r in rows if r not in failed]
+            outcomes: dict[_Request, ipb.VerifyResponse] = {}
+            await asyncio.gather(*(self._verify(group, verify, outcomes, failed)
+                                   for group in _by_backend(checking, "verifier").values()))
+            for r in rows:
+                if r in failed:
+                    self._leave(r)
+                    _settle(r.asked, failed[r])
+                    continue
+                result = outcomes[r]
+                r.verifier_stats, r.previous = result.stats, result.outcome
+                self.totals.cycles += 1
+                tokens = list(result.outcome.tokens)
+                r.seq_len += len(tokens)
+                chunk = r.limits.chunk(tokens)
+                if chunk.finished:
+                    self._leave(r)
+                _settle(r.asked, chunk)
+        finally:
+            done.set_result(None)
+
+    async def _propose(self, group: list[_Request], verify: dict, failed: dict) -> None:
+        """One Propose for the drafting rows of one drafter; their Verify rows go to `verify`."""
+        request = ipb.ProposeRequest(rows=[
+            ipb.ProposeRequest(request_id=r.request_id, previous=r.previous, k=r.limits.draft_length(r.seq_len))
+            for r in group])
+        try:
+            response = await self._call(group[0].drafter, "drafter", "Propose", request)
+            answers: list = list(response.rows)
+        except BackendError as exc:
+            answers = [exc] * len(group)
+        for r, answer in zip(group, answers):
+            if isinstance(answer, ipb.ProposeResponse) and answer.HasField("error"):
+                answer = BackendError("drafter", answer.error.code, answer.error.message)
+            if isinstance(answer, BackendError):
+                try:
+                    self._fall_back(r, answer)
+                except BackendError as exc:
+                    failed[r] = exc
+                continue
+            r.drafter_stats = answer.stats
+            verify[r] = ipb.VerifyRequest(request_id=r.request_id, draft=answer.draft,
+                                          probs=answer.probs if answer.HasField("probs") else None)
+
+    async def _verify(self, group: list[_Request], verify: dict, outcomes: dict, failed: dict) -> None:
+        """One Verify for the rows of one verifier (an empty draft: `ar`, one token)."""
+        request = ipb.VerifyRequest(rows=[verify.get(r) or ipb.VerifyRequest(request_id=r.request_id) for r in group])
+        try:
+            response = await self._call(group[0].verifier, "verifier", "Verify", request)
+        except BackendError as exc:
+            failed.update((r, exc) for r in group)
+            return
+        for r, answer in zip(group, response.rows):
+            if answer.HasField("error"):
+                failed[r] = BackendError("verifier", answer.error.code, answer.error.message)
+            else:
+                outcomes[r] = answer
+
+    # ---------------------------------------------------------------- open, fall back, close
 
     async def _open(self, req: _Request, prompt: list[int]) -> None:
         draft_seed, verify_seed = request_seeds(resolve_seed(req.params))
@@ -250,9 +395,9 @@ class Coordinator:
         def open_request(seed: int) -> ipb.OpenRequest:
             return ipb.OpenRequest(request_id=req.request_id, prompt_token_ids=prompt, params=params, seed=seed)
 
-        calls = [self._call(req, "verifier", "Open", open_request(verify_seed))]
+        calls = [self._call(req.verifier, "verifier", "Open", open_request(verify_seed))]
         if req.drafted:
-            calls.append(self._call(req, "drafter", "Open", open_request(draft_seed)))
+            calls.append(self._call(req.drafter, "drafter", "Open", open_request(draft_seed)))
         # shielded: a request cancelled while opening must still learn what it opened, to close it
         req.opening = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
         results = await asyncio.shield(req.opening)
@@ -276,30 +421,7 @@ class Coordinator:
             raise exc
         log.warning("request %s: drafter failed (%s); continuing as 'ar'", req.request_id, exc)
         req.drafted, req.fallback = False, True
-        req.rpc.drafter_fallbacks += 1
         self.totals.drafter_fallbacks += 1
-
-    async def _cycle(self, req: _Request, limits: RequestLimits) -> list[int]:
-        """One decode cycle; returns the committed tokens (the caller cuts them at stops/limits)."""
-        verify = ipb.VerifyRequest(request_id=req.request_id)  # empty draft: `ar`, one token
-        if req.drafted:
-            propose = ipb.ProposeRequest(request_id=req.request_id, previous=req.previous,
-                                         k=limits.draft_length(req.seq_len))
-            try:
-                proposal = await self._call(req, "drafter", "Propose", propose)
-            except BackendError as exc:
-                self._fall_back(req, exc)
-            else:
-                req.drafter_stats = proposal.stats
-                verify = ipb.VerifyRequest(request_id=req.request_id, draft=proposal.draft,
-                                           probs=proposal.probs if proposal.HasField("probs") else None)
-        result = await self._call(req, "verifier", "Verify", verify)
-        req.verifier_stats, req.previous = result.stats, result.outcome
-        req.rpc.cycles += 1
-        self.totals.cycles += 1
-        tokens = list(result.outcome.tokens)
-        req.seq_len += len(tokens)
-        return tokens
 
     async def _close(self, req: _Request) -> None:
         """Close whatever is open, ignoring errors (Close is idempotent on both sides)."""
@@ -309,11 +431,13 @@ class Coordinator:
             except Exception as exc:
                 log.warning("request %s: open did not finish (%s); closing both sides anyway", req.request_id, exc)
                 req.verifier_open, req.drafter_open = True, req.params.mode != Mode.AR
+        if req.stepping is not None and not req.stepping.done():  # its step ends first (within the RPC deadlines)
+            await asyncio.wait([req.stepping], timeout=3 * self.rpc_timeout_s)
         calls = []
         if req.verifier_open:
-            calls.append(self._call(req, "verifier", "Close", ipb.CloseRequest(request_id=req.request_id)))
+            calls.append(self._call(req.verifier, "verifier", "Close", ipb.CloseRequest(request_id=req.request_id)))
         if req.drafter_open:
-            calls.append(self._call(req, "drafter", "Close", ipb.CloseRequest(request_id=req.request_id)))
+            calls.append(self._call(req.drafter, "drafter", "Close", ipb.CloseRequest(request_id=req.request_id)))
         for result in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(result, BaseException):
                 log.warning("request %s: close failed: %s", req.request_id, result)
@@ -326,3 +450,21 @@ class Coordinator:
             if side is not None:
                 stats.add_counters(stats_from_proto(side))
         stats.drafter_fallback = req.fallback
+
+
+def _by_backend(rows: list[_Request], component: str) -> dict[int, list[_Request]]:
+    """Rows grouped by the stub of `component` they were opened on (one call per backend)."""
+    groups: dict[int, list[_Request]] = {}
+    for r in rows:
+        groups.setdefault(id(getattr(r, component)), []).append(r)
+    return groups
+
+
+def _settle(future: asyncio.Future | None, result) -> None:
+    """Hand a step's chunk (or error) to the consumer waiting for it, unless it gave up."""
+    if future is None or future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

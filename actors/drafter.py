@@ -1,10 +1,13 @@
 """The drafter p as a gRPC service (viasd.v1.DrafterService) and the Ray actor that hosts it.
 
-`DrafterServicer` holds one `viasd.engine.DraftSession` (cache + random stream + its copy of
-the sequence) per request id. A cycle is one `Propose`: commit the previous cycle's outcome,
-then draft k tokens. Forwards run on one worker thread, so the event loop keeps answering
-Open / Close (and other requests queue in arrival order); the servicer is usable in any
-process with a running event loop, the actor only adds model loading and a port.
+`DrafterServicer` holds one `viasd.engine.DraftSession` (a row of the drafter's cache + random
+stream + its copy of the sequence) per request id. A step is one `Propose` for every drafting
+row of the coordinator's batch: commit each row's previous outcome, then draft every block
+together with `viasd.sessions.drive` (one batched drafter forward per round; a row leaves when
+its block ends). Rows with `overlap` then draft their next blocks together, on the same
+thread, until the next Propose arrives. Forwards run on one worker thread, so the event loop
+keeps answering Open / Close (and calls queue in arrival order); the servicer is usable in
+any process with a running event loop, the actor only adds model loading and a port.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from viasd.actors.rpc import (
     advertised_host,
     encode_probs,
     internal_tls,
+    free_row,
     outcome_from_proto,
+    row_error,
+    rows_of,
     rpc,
     start_server,
 )
-from viasd.config import MAX_GAMMA, EngineConfig
-from viasd.engine import DraftSession, Outcome
+from viasd.config import MAX_GAMMA, EngineConfig, Proposer
+from viasd.engine import DraftSession
+from viasd.sessions import drive
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.runtime import MaskedLM
@@ -38,11 +45,13 @@ log = logging.getLogger("viasd.actors.drafter")
 
 
 class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
-    """Draft sessions by request id; p leaves only when the rules need it (sampling)."""
+    """Draft sessions by request id, on rows of one drafter cache (`max_rows` rows, so that a
+    step's rows run as one batched forward); p leaves only when the rules need it (sampling)."""
 
-    def __init__(self, lm: MaskedLM, *, probs_dtype: str = "auto"):
+    def __init__(self, lm: MaskedLM, *, probs_dtype: str = "auto", max_rows: int = 64):
         self.lm = lm
         self.probs_dtype = probs_dtype
+        self.store = lm.new_store(max_rows=max_rows)
         self.sessions: dict[str, DraftSession] = {}
         self._work = InOrder("drafter")
 
@@ -59,38 +68,67 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         params = params_from_proto(request.params)
         prompt = list(request.prompt_token_ids)
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        session = DraftSession(self.lm, prompt, params, request.seed, stats)
+        row = None
+        if params.proposer != Proposer.NGRAM:  # a row of the shared cache; a private one when all are taken
+            row = free_row(self.store) or self.lm.new_cache()
+        session = DraftSession(self.lm, prompt, params, request.seed, stats, cache=row)
         await self._work.submit(session.prefill)  # the prompt but its last token, as in-process
         self.sessions[request.request_id] = session
         return ipb.OpenResponse(request_id=request.request_id)
 
     @rpc
     async def Propose(self, request: ipb.ProposeRequest, context) -> ipb.ProposeResponse:
-        session = self._session(request.request_id)
-        if not 1 <= request.k <= MAX_GAMMA:
-            raise InvalidParameterError("k", f"must be in 1..{MAX_GAMMA}, got {request.k}")
-        previous = outcome_from_proto(request.previous) if request.HasField("previous") else None
+        """Commit each row's previous outcome, then draft every row's block together."""
+        rows, batched = rows_of(request)
+        answers: list[ipb.ProposeResponse | None] = [None] * len(rows)
+        work = {}  # row index -> (session, previous outcome, k)
+        for i, row in enumerate(rows):
+            try:
+                session = self._session(row.request_id)
+                if not 1 <= row.k <= MAX_GAMMA:
+                    raise InvalidParameterError("k", f"must be in 1..{MAX_GAMMA}, got {row.k}")
+            except (SessionNotFound, InvalidParameterError) as exc:
+                if not batched:
+                    raise
+                answers[i] = ipb.ProposeResponse(request_id=row.request_id, error=row_error(exc))
+                continue
+            work[i] = (session, outcome_from_proto(row.previous) if row.HasField("previous") else None, row.k)
         for other in self.sessions.values():  # drafting ahead (overlap) yields the thread to any Propose
             other.stop.set()
-        response = await self._work.submit(self._propose, request.request_id, session, previous, request.k)
-        if session.params.overlap and response.draft:  # draft the next block while the verifier checks this one
-            self._work.submit(session.draft_ahead).add_done_callback(_log_failure)
-        return response
+        if work:
+            done = await self._work.submit(self._propose, {i: (rows[i].request_id, *w) for i, w in work.items()})
+            for i, answer in done.items():
+                answers[i] = answer
+            ahead = {i: s for i, (s, _, _) in work.items() if s.params.overlap and answers[i].draft}
+            if ahead:  # draft the next blocks while the verifier checks these ones
+                self._work.submit(self._draft_ahead, ahead).add_done_callback(_log_failure)
+        return ipb.ProposeResponse(rows=answers) if batched else answers[0]
 
-    def _propose(self, request_id: str, session: DraftSession, previous: Outcome | None, k: int) -> ipb.ProposeResponse:
-        """On the worker thread: commit, draft, serialise (p can be megabytes)."""
-        if previous is not None:
-            session.commit(previous)
-        draft, p = session.propose(k)  # [k], [k, V] or None
-        probs = encode_probs(p, self.probs_dtype)
-        return ipb.ProposeResponse(request_id=request_id, draft=draft, probs=probs, stats=stats_to_proto(session.stats))
+    def _propose(self, work: dict) -> dict[int, ipb.ProposeResponse]:
+        """On the worker thread: commit, draft (one batched drafter forward per round), serialise
+        (p can be megabytes)."""
+        for _, session, previous, _ in work.values():
+            if previous is not None:
+                session.commit(previous)
+        proposals = drive({i: session.propose_steps(k) for i, (_, session, _, k) in work.items()})
+        out = {}
+        for i, (request_id, session, _, _) in work.items():
+            draft, p = proposals[i]  # [k], [k, V] or None
+            out[i] = ipb.ProposeResponse(request_id=request_id, draft=draft, probs=encode_probs(p, self.probs_dtype),
+                                         stats=stats_to_proto(session.stats))
+        return out
+
+    @staticmethod
+    def _draft_ahead(sessions: dict) -> None:
+        drive({i: s.draft_ahead_steps() for i, s in sessions.items()})
 
     @rpc
     async def Close(self, request: ipb.CloseRequest, context) -> ipb.CloseResponse:
-        # a Propose still running keeps its own reference; the cache goes when it finishes
+        # a Propose still running keeps its own reference; the cache row goes when it finishes
         session = self.sessions.pop(request.request_id, None)
         if session is not None:
             session.stop.set()  # (a block being drafted ahead stops after its next token)
+            self._work.submit(session.release)  # after every forward already queued with the row
         return ipb.CloseResponse(existed=session is not None)
 
     def shutdown(self) -> None:
@@ -101,6 +139,15 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
 def _log_failure(done) -> None:
     if not done.cancelled() and done.exception() is not None:
         log.warning("drafting ahead failed: %s", done.exception())
+
+
+def pack_linears(model, config: EngineConfig, device: str) -> None:
+    """The prepacked CPU linears the in-process engine uses (`EngineConfig.packed_linears`,
+    viasd.precision), so that a served request runs the kernels of an in-process one."""
+    if config.packed_linears:
+        from viasd.precision import optimize_linears, resolve_dtype
+
+        optimize_linears(model, resolve_dtype(config.dtype, device).dtype, device)
 
 
 def set_threads(threads: int | None, cpus: float) -> None:
@@ -128,6 +175,7 @@ class DrafterActor:
         set_threads(config.threads, cpus)
         model, _ = load_causal_lm(config.drafter, dtype=config.dtype, device=device,
                                   trust_remote_code=config.trust_remote_code)
+        pack_linears(model, config, device)
         lm = MaskedLM(model)
         self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype)
         self.server, port = await start_server(

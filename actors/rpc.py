@@ -11,7 +11,9 @@ Draft probabilities (``DraftProbs``) travel as raw little-endian bytes, row-majo
   the residual max(0, q - p) are no longer computed on the p that sampled the token, so the
   lossless rule is only approximately lossless. Opt-in; measured in docs/SERVING.md.
 
-Greedy requests ship no probabilities at all (p is one-hot at the draft tokens).
+Greedy requests ship no probabilities at all (p is one-hot at the draft tokens). Rows whose p is
+zero outside a few tokens (top-k, top-p, min-p) travel sparse: the nonzero values and their
+columns, still exact (docs/SERVING.md, "Draft probabilities on the wire").
 
 The internal servers are plaintext on `PipelineConfig.bind_host` (loopback by default) unless the
 pipeline sets `internal_tls` (`InternalTLS`): then every server requires a client certificate
@@ -132,6 +134,24 @@ def advertised_host(bind_host: str) -> str:
     return bind_host
 
 
+def free_row(store):
+    """A free row of a shared cache (a RowCache), or None when every row is taken."""
+    return store.row(store.alloc()) if store.rows_in_use < store.max_rows else None
+
+
+def rows_of(request) -> tuple[list, bool]:
+    """The rows of a Propose / Verify request and whether it is a batch (`rows` set); a request
+    without rows is a batch of itself."""
+    return (list(request.rows), True) if request.rows else ([request], False)
+
+
+def row_error(exc: Exception) -> ipb.RowError:
+    """The error of one row of a batch (the status the row would get alone)."""
+    if isinstance(exc, SessionNotFound):
+        return ipb.RowError(code="NOT_FOUND", message=str(exc.args[0] if exc.args else exc))
+    return ipb.RowError(code="INVALID_ARGUMENT", message=str(exc))
+
+
 def rpc(method):
     """Map a servicer method's exceptions to gRPC status codes (NOT_FOUND, INVALID_ARGUMENT,
     UNAVAILABLE, INTERNAL)."""
@@ -159,18 +179,30 @@ def rpc(method):
 
 
 def encode_probs(p: torch.Tensor | None, dtype: str = "auto") -> ipb.DraftProbs | None:
-    """p [k, V] -> DraftProbs (None stays None: greedy)."""
+    """p [k, V] -> DraftProbs (None stays None: greedy). Rows go sparse (the nonzero values and
+    their columns) when that is under half the dense bytes: exact either way, since the
+    drafter's top-k / top-p / min-p leave p exactly 0 elsewhere."""
     if p is None:
         return None
     assert p.ndim == 2, f"p must be [k, V], got {tuple(p.shape)}"
     if dtype not in PROBS_DTYPES:
         raise InvalidParameterError("draft_probs_dtype", f"must be one of {PROBS_DTYPES}, got {dtype!r}")
     name = ("float64" if p.dtype == torch.float64 else "float32") if dtype == "auto" else dtype
-    t = p.detach().to("cpu", _WIRE[name][1]).contiguous()
+    t = p.detach().to("cpu", _WIRE[name][1]).contiguous()  # [k, V]
     if name == "bfloat16":
         t = t.view(torch.int16)  # numpy has no bfloat16: ship the bit patterns
-    data = t.numpy().astype(_WIRE[name][0], copy=False).tobytes()
-    return ipb.DraftProbs(rows=p.shape[0], vocab_size=p.shape[1], data=data, dtype=name)
+    a = t.numpy()  # [k, V] (numpy: its nonzero count is ~100x faster than torch's here)
+    nnz = int(np.count_nonzero(a))
+    sparse = nnz * (a.itemsize + 4) < a.size * a.itemsize // 2
+    msg = ipb.DraftProbs(rows=p.shape[0], vocab_size=p.shape[1], dtype=name)
+    if sparse:
+        rows, cols = np.nonzero(a)  # row-major
+        msg.data = a[rows, cols].astype(_WIRE[name][0], copy=False).tobytes()
+        msg.indices = cols.astype("<i4").tobytes()
+        msg.row_nnz.extend(np.count_nonzero(a, axis=1).tolist())
+    else:
+        msg.data = a.astype(_WIRE[name][0], copy=False).tobytes()
+    return msg
 
 
 def decode_probs(msg: ipb.DraftProbs | None) -> torch.Tensor | None:
@@ -180,13 +212,27 @@ def decode_probs(msg: ipb.DraftProbs | None) -> torch.Tensor | None:
     if msg.dtype not in _WIRE:
         raise InvalidParameterError("probs.dtype", f"must be one of {sorted(_WIRE)}, got {msg.dtype!r}")
     np_dtype, torch_dtype = _WIRE[msg.dtype]
-    expected = msg.rows * msg.vocab_size * np.dtype(np_dtype).itemsize
-    if len(msg.data) != expected:
-        raise InvalidParameterError("probs.data", f"{len(msg.data)} bytes for {msg.rows} x {msg.vocab_size} {msg.dtype}")
+    sparse = bool(msg.indices)
+    count = sum(msg.row_nnz) if sparse else msg.rows * msg.vocab_size
+    if len(msg.data) != count * np.dtype(np_dtype).itemsize:
+        raise InvalidParameterError("probs.data", f"{len(msg.data)} bytes for {count} {msg.dtype} values "
+                                                  f"({msg.rows} x {msg.vocab_size}{' sparse' if sparse else ''})")
     t = torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).astype(np_dtype[1:], copy=True))
     if msg.dtype == "bfloat16":
         t = t.view(torch.bfloat16).float()
-    return t.view(msg.rows, msg.vocab_size)  # [k, V]
+    if not sparse:
+        return t.view(msg.rows, msg.vocab_size)  # [k, V]
+    if len(msg.row_nnz) != msg.rows or len(msg.indices) != 4 * count:
+        raise InvalidParameterError("probs.indices", f"{len(msg.indices) // 4} indices and {len(msg.row_nnz)} row "
+                                                     f"counts for {count} values in {msg.rows} rows")
+    cols = np.frombuffer(msg.indices, dtype="<i4")  # [nnz]
+    if count and not 0 <= int(cols.min()) <= int(cols.max()) < msg.vocab_size:
+        raise InvalidParameterError("probs.indices", f"a column outside the vocabulary ({msg.vocab_size})")
+    rows = np.repeat(np.arange(msg.rows), np.asarray(msg.row_nnz, dtype=np.int64))  # [nnz]
+    dense = np.zeros((msg.rows, msg.vocab_size), dtype=t.numpy().dtype)  # [k, V] (numpy: faster than torch here)
+    dense[rows, cols] = t.numpy()
+    p = torch.from_numpy(dense)
+    return p
 
 
 def outcome_to_proto(outcome: Outcome) -> ipb.Outcome:

@@ -10,7 +10,9 @@ a DIMR mask's fingerprint check sees the real model), then shards it with
 so sampling, the gate and the acceptance rules run unchanged, and identically, on every rank.
 
 Lockstep: rank 0 numbers each Open / Verify / Close, sends it to ranks 1..N-1 with that number
-and runs it itself at the same time. Each rank executes its calls in number order on one
+and runs it itself at the same time. A Verify is one engine step over every verifying row of
+the coordinator's batch, so rank 0 numbers steps, not requests, and every rank runs the same
+batched forwards (`VerifierCore.verify`: `viasd.sessions.drive` over the rows). Each rank executes its calls in number order on one
 thread (`viasd.actors.rpc.InOrder`), so all ranks run identical forwards, with identical inputs
 and identical random streams (the request's verifier seed), and reach every collective
 together. With `check_ranks`, rank 0 compares every rank's outcome with its own and fails the
@@ -22,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from typing import NamedTuple
 
 import grpc
 import ray
 
-from viasd.actors.drafter import set_threads
+from viasd.actors.drafter import pack_linears, set_threads
 from viasd.actors.rpc import (
     InOrder,
     PeerUnavailable,
@@ -34,12 +37,16 @@ from viasd.actors.rpc import (
     advertised_host,
     decode_probs,
     internal_tls,
+    free_row,
     outcome_to_proto,
+    row_error,
+    rows_of,
     rpc,
     start_server,
 )
 from viasd.config import CachePolicy, EngineConfig, GenerationParams, Proposer
 from viasd.engine import VerifySession
+from viasd.sessions import drive, uses_slim
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.runtime import LayerMask, MaskedLM
@@ -50,13 +57,23 @@ from viasd.v1.convert import params_from_proto, stats_to_proto
 log = logging.getLogger("viasd.actors.verifier")
 
 
-class VerifierCore:
-    """One rank's sessions. Its methods are blocking and run on the rank's worker thread, in order."""
+class RowFailed(NamedTuple):
+    """One row of a batch that failed alone (its session is gone, a bad draft); the others run."""
 
-    def __init__(self, lm: MaskedLM, mask: LayerMask, cache_policy: CachePolicy | str):
+    error: SessionNotFound | InvalidParameterError
+
+
+class VerifierCore:
+    """One rank's sessions, on rows of one full (and, under the separate cache policy, one slim)
+    cache of `max_rows` rows, so that a step's rows run as one batched forward per tier. Its
+    methods are blocking and run on the rank's worker thread, in order."""
+
+    def __init__(self, lm: MaskedLM, mask: LayerMask, cache_policy: CachePolicy | str, max_rows: int = 64):
         self.lm = lm
         self.mask = mask
         self.cache_policy = CachePolicy(cache_policy)
+        self.full_store = lm.new_store(max_rows=max_rows)
+        self.slim_store = lm.new_store(mask, max_rows=max_rows)  # (the separate policy only)
         self.sessions: dict[str, VerifySession] = {}
         self.work = InOrder("verifier")
 
@@ -64,37 +81,63 @@ class VerifierCore:
         if request_id in self.sessions:
             raise InvalidParameterError("request_id", f"{request_id!r} is already open on the verifier")
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        session = VerifySession(self.lm, self.mask, self.cache_policy, prompt, params, seed, stats)
+        slim = None  # rows of the shared caches; private ones when every row is taken
+        if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
+            slim = free_row(self.slim_store) or self.lm.new_cache(self.mask)
+        full = free_row(self.full_store) or self.lm.new_cache()
+        session = VerifySession(self.lm, self.mask, self.cache_policy, prompt, params, seed, stats,
+                                full_cache=full, slim_cache=slim)
         session.prefill()  # the prompt but its last token, as the in-process scheduler prefills it
         self.sessions[request_id] = session
 
-    def verify(self, request_id: str, draft: list[int], probs: bytes | None, with_stats: bool = False):
-        """Check a draft block (decode one token when `draft` is empty) and commit the outcome.
+    def verify(self, rows: list[tuple[str, list[int], bytes | None]], with_stats: bool = False) -> list:
+        """One step: check every row's draft block (decode one token where the draft is empty),
+        all rows together (`viasd.sessions.drive`: one slim forward over the `via` rows, one full
+        forward over the rest and the escalated rows), and commit each outcome.
 
-        Returns (outcome, the session's stats message or None)."""
+        Returns per row (outcome, the session's stats message or None), or RowFailed."""
+        out: list = [None] * len(rows)
+        steps, sessions = {}, {}
+        for i, (request_id, draft, probs) in enumerate(rows):
+            try:
+                sessions[i] = self._session(request_id)
+                steps[i] = self._steps(sessions[i], draft, probs)
+            except (SessionNotFound, InvalidParameterError) as exc:
+                out[i] = RowFailed(exc)
+        outcomes = drive(steps)
+        for i, outcome in outcomes.items():
+            session = sessions[i]
+            session.commit(outcome)
+            out[i] = (outcome, stats_to_proto(session.stats) if with_stats else None)
+        return out
+
+    def _session(self, request_id: str) -> VerifySession:
         session = self.sessions.get(request_id)
         if session is None:
             raise SessionNotFound(f"verifier has no session {request_id!r}")
-        if draft:
-            bad = [t for t in draft if not 0 <= t < self.lm.vocab_size]
-            if bad:
-                raise InvalidParameterError("draft", f"token ids {bad[:5]} outside the vocabulary "
-                                                     f"({self.lm.vocab_size})")
-            p = decode_probs(ipb.DraftProbs.FromString(probs)) if probs else None  # [k, V] or None (greedy)
-            if p is not None and tuple(p.shape) != (len(draft), self.lm.vocab_size):
-                raise InvalidParameterError(
-                    "probs", f"shape {tuple(p.shape)} does not match {len(draft)} draft tokens x {self.lm.vocab_size}")
-            if p is None and not session.sampler.greedy and session.params.proposer == Proposer.MODEL:
-                # (n-gram blocks come without p: it is a point mass at the draft tokens)
-                raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
-            outcome = session.check(draft, p)
-        else:
-            outcome = session.decode_one()
-        session.commit(outcome)
-        return outcome, (stats_to_proto(session.stats) if with_stats else None)
+        return session
+
+    def _steps(self, session: VerifySession, draft: list[int], probs: bytes | None):
+        """A row's step generator, its draft and p checked first (InvalidParameterError)."""
+        if not draft:
+            return session.decode_one_steps()
+        bad = [t for t in draft if not 0 <= t < self.lm.vocab_size]
+        if bad:
+            raise InvalidParameterError("draft", f"token ids {bad[:5]} outside the vocabulary ({self.lm.vocab_size})")
+        p = decode_probs(ipb.DraftProbs.FromString(probs)) if probs else None  # [k, V] or None (greedy)
+        if p is not None and tuple(p.shape) != (len(draft), self.lm.vocab_size):
+            raise InvalidParameterError(
+                "probs", f"shape {tuple(p.shape)} does not match {len(draft)} draft tokens x {self.lm.vocab_size}")
+        if p is None and not session.sampler.greedy and session.params.proposer == Proposer.MODEL:
+            # (n-gram blocks come without p: it is a point mass at the draft tokens)
+            raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
+        return session.check_steps(draft, p)
 
     def close(self, request_id: str) -> bool:
-        return self.sessions.pop(request_id, None) is not None
+        session = self.sessions.pop(request_id, None)
+        if session is not None:
+            session.release()
+        return session is not None
 
     def shutdown(self) -> None:
         self.sessions.clear()
@@ -115,10 +158,11 @@ def _actor_died(exc: BaseException | None) -> bool:
 
 
 def _comparable(op: str, result):
-    """What must agree across ranks: the outcome of a Verify (tokens, accepted draft count)."""
+    """What must agree across ranks: the outcome of each row of a Verify (tokens, accepted draft
+    count; a failed row's error)."""
     if op == "verify":
-        outcome = result[0]
-        return list(outcome.tokens), outcome.num_draft_accepted
+        return [repr(r.error) if isinstance(r, RowFailed) else (list(r[0].tokens), r[0].num_draft_accepted)
+                for r in result]
     return result
 
 
@@ -164,10 +208,21 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
 
     @rpc
     async def Verify(self, request: ipb.VerifyRequest, context) -> ipb.VerifyResponse:
-        probs = request.probs.SerializeToString() if request.HasField("probs") else None
-        outcome, stats = await self._lockstep("verify", request.request_id, list(request.draft), probs,
-                                              local_args=(True,))
-        return ipb.VerifyResponse(request_id=request.request_id, outcome=outcome_to_proto(outcome), stats=stats)
+        """One step over every row of the request, on every rank in lockstep."""
+        rows, batched = rows_of(request)
+        args = [(r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None)
+                for r in rows]
+        answers = []
+        for row, result in zip(rows, await self._lockstep("verify", args, local_args=(True,))):
+            if isinstance(result, RowFailed):
+                if not batched:
+                    raise result.error
+                answers.append(ipb.VerifyResponse(request_id=row.request_id, error=row_error(result.error)))
+            else:
+                outcome, stats = result
+                answers.append(ipb.VerifyResponse(request_id=row.request_id, outcome=outcome_to_proto(outcome),
+                                                  stats=stats))
+        return ipb.VerifyResponse(rows=answers) if batched else answers[0]
 
     @rpc
     async def Close(self, request: ipb.CloseRequest, context) -> ipb.CloseResponse:
@@ -213,6 +268,8 @@ class VerifierWorker:
             group = TPGroup(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
                             backend="nccl" if cuda else "gloo", local_rank=0 if cuda else None)
             model = shard_model(model, TPBackend(tp_backend), group)
+        else:
+            pack_linears(model, config, device)  # (sharded linears keep their own kernels)
         lm = MaskedLM(model)
         self.core = VerifierCore(lm, mask, config.cache_policy)
         self._tokenizer = tokenizer if rank == 0 else None

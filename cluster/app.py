@@ -137,7 +137,7 @@ class PipelineDeployment:
             raise GRPCStatus(SHUTTING_DOWN)
         abort = srv.calls.enter()  # set when a drain runs out of time: end with `abort`
         try:
-            await until_aborted(srv.admission.enter(), abort)
+            queued = await until_aborted(srv.admission.enter(), abort)
         except BaseException as exc:
             srv.calls.leave(abort)
             if not isinstance(exc, (RequestError, Aborted)):
@@ -156,6 +156,8 @@ class PipelineDeployment:
                 request = named_request(request)
             async with aclosing(self.servicer.generate(request)) as responses:
                 async for response in abortable(responses, abort):
+                    if response.HasField("stats"):
+                        response.stats.queue_seconds += queued
                     timer.tokens(len(response.token_ids))
                     if response.finish_reason:
                         finished = True

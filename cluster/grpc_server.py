@@ -124,17 +124,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         if self.calls.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         abort = self.calls.enter()
-        admitted = False
+        admitted, queued = False, 0.0
         try:
             if isinstance(request, bytes):  # registered by serve_grpc: parsed here, bad fields named
                 request = parse_request(request, pb.GenerateRequest)
             if not request.request_id:  # named now, so that an aborted stream can say which request ended
                 request = named_request(request)
             if self.admission is not None:
-                await until_aborted(self.admission.enter(), abort)
+                queued = await until_aborted(self.admission.enter(), abort)
                 admitted = True
             async with aclosing(self.generate(request)) as responses:
                 async for response in abortable(responses, abort):
+                    if response.HasField("stats"):
+                        response.stats.queue_seconds += queued
                     yield response
         except Aborted:
             yield abort_response(request.request_id)

@@ -75,6 +75,9 @@ SPECS = (
          "Time between generated tokens after the first chunk (a chunk of n tokens after a gap g counts n times g/n).",
          ("model",), ITL_BUCKETS),
     Spec("e2e_request_latency_seconds", "histogram", "Arrival to last token.", ("model",), E2E_BUCKETS),
+    Spec("request_queue_time_seconds", "histogram",
+         "Arrival to a decoding slot (admission: limits.max_concurrent_requests is the batch capacity).",
+         ("model",), TTFT_BUCKETS),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", ("model",)),
     Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", ("model",)),
 )
@@ -187,6 +190,10 @@ class ServingMetrics:
         for sink in self.sinks:
             sink.gauge("num_requests_running", running, self._labels)
             sink.gauge("num_requests_waiting", waiting, self._labels)
+
+    def queue_time(self, seconds: float) -> None:
+        """A request waited `seconds` for its decoding slot."""
+        self._observe("request_queue_time_seconds", seconds)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

@@ -57,6 +57,9 @@ class StreamOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = Field(False, description="Send one more chunk with `usage` (and no choices) before [DONE].")
+    continuous_usage_stats: bool = Field(
+        False, description="vLLM's extension (sent by load generators such as guidellm): accepted; usage still comes "
+        "once, in the last chunk.")
 
 
 class _Common(_Extensions):

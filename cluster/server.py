@@ -72,15 +72,17 @@ class Admission:
     without bound: the router and the autoscaler then see the pressure.
     """
 
-    def __init__(self, max_running: int, max_waiting: int, on_change=None):
+    def __init__(self, max_running: int, max_waiting: int, on_change=None, on_admit=None):
         self.max_running = max_running
         self.max_waiting = max_waiting
         self.running = 0
         self.waiting = 0
         self._sem: asyncio.Semaphore | None = None
         self._on_change = on_change or (lambda running, waiting: None)
+        self._on_admit = on_admit or (lambda seconds: None)  # the queue time of each admitted request
 
-    async def enter(self) -> None:
+    async def enter(self) -> float:
+        """Wait for a slot (RequestError 429 when the queue is full); returns the seconds waited."""
         if self._sem is None:  # bound to the loop that serves requests
             self._sem = asyncio.Semaphore(self.max_running)
         if self.running >= self.max_running and self.waiting >= self.max_waiting:
@@ -92,12 +94,16 @@ class Admission:
             )
         self.waiting += 1
         self._on_change(self.running, self.waiting)
+        t0 = time.perf_counter()
         try:
             await self._sem.acquire()
         finally:
             self.waiting -= 1
         self.running += 1
         self._on_change(self.running, self.waiting)
+        queued = time.perf_counter() - t0
+        self._on_admit(queued)
+        return queued
 
     def leave(self) -> None:
         self.running -= 1
@@ -161,6 +167,7 @@ class Job:
         self._gen: AsyncIterator | None = None
         self._first: Piece | None = None
         self._admitted = False
+        self._queued = 0.0  # seconds waited for admission
         self._closed = False
         self._generated = 0
         self._abort = server.calls.enter()  # set when a drain runs out of time: end with `abort`
@@ -169,7 +176,7 @@ class Job:
         """Admit the request and wait for its first step, so that a request the pipeline refuses
         fails before any response header is sent (and streams then start with real tokens)."""
         try:
-            await until_aborted(self.server.admission.enter(), self._abort)
+            self._queued = await until_aborted(self.server.admission.enter(), self._abort)
         except Aborted:  # drained while waiting for a slot
             await self.aclose(record=False)
             err = RequestError(503, SHUTTING_DOWN, kind="service_unavailable")
@@ -219,6 +226,8 @@ class Job:
             return Piece(text, ids, "stop", self.stats)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason
+            if chunk.stats is not None:
+                chunk.stats.queue_seconds += self._queued  # admission + (in-process) the scheduler's queue
             self.stats = chunk.stats.to_dict() if chunk.stats is not None else None
             self._timer.finish(chunk.stats, chunk.finish_reason)
             return Piece(text, ids, chunk.finish_reason, self.stats)
@@ -270,7 +279,8 @@ class ReplicaServer:
         parse_params(self.default_params)  # fail at start-up, not on the first request
         self.metrics = metrics or ServingMetrics(name)
         # its own limits, or an admission shared with other entry points (the standalone server's gRPC)
-        self.admission = admission or Admission(max_concurrent_requests, max_queued_requests, self.metrics.set_queue)
+        self.admission = admission or Admission(max_concurrent_requests, max_queued_requests, self.metrics.set_queue,
+                                                self.metrics.queue_time)
         self.metrics.set_queue(0, 0)
         self.calls = Calls()  # every request in flight on this replica, HTTP and gRPC: for `drain`
 

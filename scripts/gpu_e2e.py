@@ -11,8 +11,13 @@
    requires the first --tp-prefix tokens to agree and reports full agreement; --dtype float32
    makes it exact again. `sd:overlap=true` is checked the same way: the drafter actor drafts the
    next block on its own GPU share while the verifier verifies (issue 9; tokens must not change).
-3. Prints aggregate tokens/s at 1, 4 and 8 concurrent streams (scripts/serve_throughput.py) for
-   sd, sd with overlap, sd with the hybrid proposer and adaptive drafting, via and ar.
+3. Measures the served-batching curve of docs/SERVING.md ("Served continuous batching") at 1, 4,
+   8 and 16 concurrent streams (scripts/serve_throughput.py): aggregate tokens/s, TTFT and ITL
+   p50 / p99 for ar, sd and via through HTTP, and the same levels on the in-process batched
+   engine (the reference LLM on cuda:0) for the served / in-process ratio; then sd with
+   overlap and sd with the hybrid proposer and adaptive drafting, served only. Every stream is
+   greedy, so it must equal its prompt's greedy output (reported: `tokens`; required at TP=1 or
+   in float32).
 
 Exit status 0 when every check passes. Meant to finish in well under 10 minutes on one node.
 """
@@ -43,7 +48,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--tp-prefix", type=int, default=16)
-    ap.add_argument("--concurrency", default="1,4,8")
+    ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--out", default="gpu-e2e.json")
     ap.add_argument("--cpu-dry-run", action="store_true",
                     help="rehearse the script on CPU with SmolLM2-135M (checks the script, not the GPU path)")
@@ -58,7 +63,7 @@ def main() -> int:
 
     import openai
 
-    from serve_throughput import mode_params, run_level
+    from serve_throughput import check_tokens, in_process_stream, mode_params, one_stream, ratios, run_level
     from viasd.cluster import launch
     from viasd.cluster.config import parse_serve_config
     from viasd.config import parse_params
@@ -77,6 +82,7 @@ def main() -> int:
         pipeline.update(name="smol", engine=engine, drafter_gpus=0, verifier_gpus_per_rank=0)
         args.max_tokens, args.concurrency = min(args.max_tokens, 16), "1,2"
     levels = [int(c) for c in args.concurrency.split(",")]
+    engine["max_batch"] = max(levels)  # the in-process reference batches every stream of a level, as the served one
     config = parse_serve_config({
         "pipelines": [pipeline],
         "limits": {"max_concurrent_requests": max(levels), "max_queued_requests": max(levels)},
@@ -114,18 +120,28 @@ def main() -> int:
                 print(f"[gpu_e2e] {mode} {'PASS' if passed else 'FAIL'} equal={equal} common_prefix={prefix}/{len(want)}"
                       f" {''.join(text)[:60]!r}", flush=True)
         report["checks"] = checks
+        report["throughput"] = []
+        served = lambda prompt, mode, n, out: one_stream(client, info["name"], prompt, mode, n, out)  # noqa: E731
+        in_process = lambda prompt, mode, n, out: in_process_stream(ref, prompt, mode, n, {}, out)  # noqa: E731
+        curve = [(mode, system, target) for mode in ("ar", "sd", "via")
+                 for system, target in (("in_process", in_process), ("served", served))]
+        curve += [(mode, "served", served) for mode in ("sd:overlap=true",
+                                                        "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true")]
+        for mode, system, target in curve:  # in-process and served side by side, level by level
+            run_level(target, mode, 1, 8, system)  # warm-up
+            for c in levels:
+                r = run_level(target, mode, c, args.max_tokens, system)
+                report["throughput"].append(r)
+                print(f"[gpu_e2e] {system} {mode} streams={c}: {r['aggregate_tokens_per_s']} tokens/s aggregate, "
+                      f"TTFT p50 {r['p50_ttft_s']}s, ITL p50/p99 {r['p50_itl_s']}/{r['p99_itl_s']}s", flush=True)
+        report["tokens"] = check_tokens(report["throughput"], {})
+        report["ratios"] = ratios(report["throughput"])
+        if args.tp == 1 or args.dtype == "float32":
+            ok &= report["tokens"]["streams_mismatched"] == 0
+        print(f"[gpu_e2e] tokens {report['tokens']}; ratios {json.dumps(report['ratios'])}", flush=True)
         del ref
         if not cpu:
             torch.cuda.empty_cache()
-        report["throughput"] = []
-        for mode in ("sd", "sd:overlap=true", "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true",
-                     "via", "ar"):
-            run_level(client, info["name"], mode, 1, 8)  # warm-up
-            for c in levels:
-                r = run_level(client, info["name"], mode, c, args.max_tokens)
-                report["throughput"].append(r)
-                print(f"[gpu_e2e] {mode} streams={c}: {r['aggregate_tokens_per_s']} tokens/s aggregate, "
-                      f"{r['per_stream_tokens_per_s']} per stream, TTFT {r['mean_ttft_s']}s", flush=True)
     finally:
         launch.stop()
     report["pass"] = bool(ok)

@@ -7,10 +7,18 @@ exactly --max-tokens tokens) and reports
 
     aggregate tokens/s = all streams' completion tokens / wall time from first request to last token
 
-plus mean time to first token and per-stream tokens/s. A warm-up request runs first.
+plus time to first token (mean, p50, p99), inter-token latency (p50, p99; a chunk of n tokens
+after a gap g counts n gaps of g / n), per-stream tokens/s and the mean queue time from the
+stats. A warm-up request runs first. With `--in-process` the same levels first run on the
+in-process batched engine (`viasd.llm.LLM` of the same pipeline config; c threads share its
+steps), which is then freed before the application starts (one copy of the models in memory at
+a time), and `ratios` gives served / in-process per mode and level. Every stream is greedy, so
+each must equal its prompt's greedy output whatever the mode, level or system: a lost,
+duplicated or reordered token is a mismatch (exit status 1).
 
     flock /tmp/viasd-heavy.lock python scripts/serve_throughput.py --config cluster/serve.yaml \
-        --concurrency 1,4,8 --max-tokens 32 --modes sd,via --out throughput.json
+        --concurrency 1,4,8,16 --max-tokens 32 --modes ar,sd,via --in-process --dtype float32 \
+        --out docs/benchmarks/serve-throughput-cpu.json
 """
 
 from __future__ import annotations
@@ -47,29 +55,62 @@ def mode_params(spec: str) -> dict:
 
 def one_stream(client, model: str, prompt: str, mode: str, max_tokens: int, out: dict) -> None:
     t0 = time.perf_counter()
-    ttft, tokens, text = None, 0, []
+    ttft, ids, itl, last, text = None, [], [], None, []
     stream = client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
         extra_body={**mode_params(mode), "ignore_eos": True, "return_token_ids": True},
     )
     for chunk in stream:
-        ids = chunk.choices[0].model_extra.get("token_ids") or []
-        if ids and ttft is None:
-            ttft = time.perf_counter() - t0
-        tokens += len(ids)
+        got = chunk.choices[0].model_extra.get("token_ids") or []
+        now = time.perf_counter()
+        if got:
+            if ttft is None:
+                ttft = now - t0
+            else:  # a chunk of n tokens after a gap g counts n gaps of g / n (as the serving metrics do)
+                itl += [(now - last) / len(got)] * len(got)
+            last = now
+        ids += got
         text.append(chunk.choices[0].text)
         stats = chunk.model_extra.get("viasd_stats")
         if stats:
             out["stats"] = stats
-    out.update(ttft=ttft, tokens=tokens, seconds=time.perf_counter() - t0, text="".join(text))
+    out.update(ttft=ttft, tokens=len(ids), ids=ids, itl=itl, seconds=time.perf_counter() - t0, text="".join(text))
 
 
-def run_level(client, model: str, mode: str, concurrency: int, max_tokens: int) -> dict:
+def in_process_stream(llm, prompt: str, mode: str, max_tokens: int, defaults: dict, out: dict) -> None:
+    """The same request through the in-process engine (threads share its steps: one batch)."""
+    from viasd.config import parse_params
+
+    params = parse_params(**{**defaults, **mode_params(mode), "max_tokens": max_tokens, "temperature": 0,
+                             "ignore_eos": True})
+    t0 = time.perf_counter()
+    ttft, ids, itl, last = None, [], [], None
+    for chunk in llm.engine.generate(llm.encode(prompt), params):
+        now = time.perf_counter()
+        if chunk.token_ids:
+            if ttft is None:
+                ttft = now - t0
+            else:
+                itl += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+            last = now
+        ids += chunk.token_ids
+        if chunk.stats is not None:
+            out["stats"] = chunk.stats.to_dict()
+    out.update(ttft=ttft, tokens=len(ids), ids=ids, itl=itl, seconds=time.perf_counter() - t0)
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str = "served") -> dict:
+    """`concurrency` streams at once (prompt i % 8 each); `target(prompt, mode, max_tokens, out)`."""
     results = [{} for _ in range(concurrency)]
-    threads = [
-        threading.Thread(target=one_stream, args=(client, model, PROMPTS[i % len(PROMPTS)], mode, max_tokens, results[i]))
-        for i in range(concurrency)
-    ]
+    threads = [threading.Thread(target=target, args=(PROMPTS[i % len(PROMPTS)], mode, max_tokens, results[i]))
+               for i in range(concurrency)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -80,18 +121,116 @@ def run_level(client, model: str, mode: str, concurrency: int, max_tokens: int) 
         raise RuntimeError(f"a stream failed at concurrency {concurrency}")
     tokens = sum(r["tokens"] for r in results)
     mal = [r["stats"]["mean_acceptance_length"] for r in results if r.get("stats", {}).get("mean_acceptance_length")]
+    itl = [g for r in results for g in r["itl"]]
+    ttft = [r["ttft"] for r in results]
     return {
+        "system": system,
         "mode": mode,
         "concurrency": concurrency,
         "max_tokens": max_tokens,
         "tokens": tokens,
-        "wall_s": round(wall, 2),
-        "aggregate_tokens_per_s": round(tokens / wall, 2),
-        "per_stream_tokens_per_s": round(statistics.mean(r["tokens"] / r["seconds"] for r in results), 2),
-        "mean_ttft_s": round(statistics.mean(r["ttft"] for r in results), 2),
-        "max_ttft_s": round(max(r["ttft"] for r in results), 2),
+        "wall_s": round(wall, 3),
+        "aggregate_tokens_per_s": round(tokens / wall, 3),
+        "per_stream_tokens_per_s": round(statistics.mean(r["tokens"] / r["seconds"] for r in results), 3),
+        "mean_ttft_s": round(statistics.mean(ttft), 3),
+        "p50_ttft_s": round(percentile(ttft, 50), 3),
+        "p99_ttft_s": round(percentile(ttft, 99), 3),
+        "p50_itl_s": round(percentile(itl, 50), 4) if itl else None,
+        "p99_itl_s": round(percentile(itl, 99), 4) if itl else None,
+        "mean_queue_s": round(statistics.mean(r.get("stats", {}).get("queue_seconds", 0.0) for r in results), 3),
         "mean_acceptance_length": round(statistics.mean(mal), 2) if mal else None,
+        "stream_token_ids": [[i % len(PROMPTS), r["ids"]] for i, r in enumerate(results)],  # [prompt, ids]
     }
+
+
+def tokenizer_dir(spec: str) -> str:
+    """A local directory with the served model's tokenizer (guidellm sizes synthetic prompts with it)."""
+    from pathlib import Path
+
+    from viasd.models.embedded import cache_dir_for
+
+    if Path(spec).is_dir():
+        return spec
+    for dtype in ("float32", "bfloat16"):
+        path = cache_dir_for(spec, dtype)
+        if (path / "tokenizer.json").exists():
+            return str(path)
+    raise SystemExit(f"no local tokenizer for {spec!r}: load the model once first")
+
+
+def run_guidellm(exe: str, base: str, model: str, tokenizer: str, mode: str, levels: list[int], max_tokens: int,
+                 requests_per_stream: int, workdir: str) -> dict:
+    """guidellm (a third-party load generator) against the served /v1/completions at each level:
+    synthetic 64-token prompts, `max_tokens` output tokens (ignore_eos), greedy, this mode; its
+    per-level figures (tokens/s, TTFT and ITL p50 / p99) from its JSON report."""
+    import subprocess
+
+    scenario = {
+        "spec": {
+            "backend": {"kind": "openai_http", "target": base, "model": model, "request_format": "/v1/completions",
+                        "max_tokens": max_tokens,
+                        "extras": {"body": {**mode_params(mode), "ignore_eos": True, "temperature": 0}}},
+            "profile": {"kind": "concurrent"},
+            "data": [{"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": max_tokens}],
+            "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
+            "constraints": [{"kind": "max_requests", "count": [requests_per_stream * c for c in levels]}],
+        },
+        "benchmarks": [{"profile.streams": c} for c in levels],
+    }
+    path = os.path.join(workdir, f"guidellm-{mode}.json")
+    report = os.path.join(workdir, f"guidellm-{mode}-report.json")
+    with open(path, "w") as f:
+        json.dump(scenario, f, indent=1)
+    cmd = [exe, "run", "-c", path, "--output", f"kind=json,path={report}", "--disable-console-interactive"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"guidellm failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    with open(report) as f:
+        benchmarks = json.load(f)["benchmarks"]
+    scenario["spec"]["tokenizer"]["model"] = f"<the local tokenizer of {model}>"  # (no machine path in the figures)
+    return {"command": " ".join(["guidellm", *cmd[1:3], "<scenario>", *cmd[4:5], "kind=json,path=<report>", *cmd[6:]]),
+            "scenario": scenario, "levels": [guidellm_level(b) for b in benchmarks]}
+
+
+def guidellm_level(benchmark: dict) -> dict:
+    """One level of a guidellm report: aggregate output tokens/s, TTFT and ITL p50 / p99 (seconds)."""
+    m = benchmark["metrics"]
+
+    def ok(name: str) -> dict:
+        return m[name]["successful"]
+
+    tokens = ok("output_token_count")["total_sum"]
+    return {
+        "streams": benchmark["config"]["strategy"]["streams"],
+        "requests": m["request_totals"],
+        "output_tokens": tokens,
+        "duration_s": round(benchmark["duration"], 3),
+        "aggregate_tokens_per_s": round(tokens / benchmark["duration"], 3),
+        "p50_ttft_s": round(ok("time_to_first_token_ms")["percentiles"]["p50"] / 1e3, 4),
+        "p99_ttft_s": round(ok("time_to_first_token_ms")["percentiles"]["p99"] / 1e3, 4),
+        "p50_itl_s": round(ok("inter_token_latency_ms")["percentiles"]["p50"] / 1e3, 4),
+        "p99_itl_s": round(ok("inter_token_latency_ms")["percentiles"]["p99"] / 1e3, 4),
+    }
+
+
+def check_tokens(runs: list[dict], expected: dict) -> dict:
+    """Greedy: every stream of every level and system must be its prompt's greedy output for its
+    mode family, so a lost, duplicated, reordered or foreign token shows as a mismatch. Greedy
+    `sd` equals greedy `ar` (lossless); `via` has its own reference (its slim verifier commits
+    region-A tokens on q''s word: lossy). `expected` is filled from the first stream of each
+    (family, prompt)."""
+    checked = mismatched = 0
+    for r in runs:
+        bad = 0
+        family = "via" if mode_params(r["mode"])["mode"] == "via" else "lossless"
+        for prompt, ids in r["stream_token_ids"]:
+            ref = expected.setdefault((family, prompt), ids)
+            checked += 1
+            bad += ids != ref
+        r["mismatched_streams"] = bad
+        mismatched += bad
+    return {"streams_checked": checked, "streams_mismatched": mismatched}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,28 +240,80 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=None, choices=["actors", "local"])
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--modes", default="sd", help="comma-separated: ar, sd, via")
+    ap.add_argument("--modes", default="sd", help="comma-separated: ar, sd, via (served); auto runs in-process only")
+    ap.add_argument("--in-process", action="store_true",
+                    help="first measure the in-process batched engine (the config's pipeline engine) at the same "
+                    "levels, then free it and start the served application")
+    ap.add_argument("--dtype", default=None, help="override the pipeline's engine dtype (float32, bfloat16)")
+    ap.add_argument("--guidellm", default=None,
+                    help="the guidellm executable, e.g. `guidellm` on PATH (pip install -e .[load], or its own "
+                    "venv): also drive the served endpoint with it at the same levels")
+    ap.add_argument("--guidellm-requests", type=int, default=1, help="guidellm requests per stream and level")
+    ap.add_argument("--merge-guidellm", default=None,
+                    help="a results file of this script whose guidellm figures join these ones (its command, "
+                    "commit and machine are kept under `merged`)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
     import openai
 
+    from viasd.bench import provenance
+    from viasd.cluster.config import load_serve_config, parse_serve_config
+
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     levels = [int(x) for x in args.concurrency.split(",")]
+    modes = args.modes.split(",")
+    config = load_serve_config(args.config)
+    raw = config.model_dump(mode="json")
+    # the batch capacity: every stream of the largest level decodes at once
+    raw["limits"] = {**raw["limits"], "max_concurrent_requests": max(levels),
+                     "max_queued_requests": max(raw["limits"]["max_queued_requests"], max(levels))}
+    for p in raw["pipelines"]:
+        p["engine"]["max_batch"] = max(p["engine"].get("max_batch") or 1, max(levels))
+        # positions per cache row: fixed, not a share of the memory that happens to be free at start
+        p["engine"]["max_seq_len"] = p["engine"].get("max_seq_len") or 512
+        if args.dtype:
+            p["engine"]["dtype"] = args.dtype
+    if args.backend:
+        raw["backend"] = args.backend
+    if not args.url:  # free loopback ports: other servers may run on this machine
+        from viasd.parallel import free_port
+
+        raw["http"]["port"] = free_port()
+        raw["grpc"]["port"] = free_port()
+    config = parse_serve_config(raw)
+    results = {"cpus": os.cpu_count(), **provenance(), "levels": levels, "modes": modes, "runs": []}
+    expected: dict[int, list[int]] = {}
+
+    def measure(target, system: str, mode_list: list[str]) -> None:
+        for mode in mode_list:
+            run_level(target, mode, 1, 8, system)  # warm-up
+            for c in levels:
+                r = run_level(target, mode, c, args.max_tokens, system)
+                results["runs"].append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), flush=True)
+
+    if args.in_process:
+        import gc
+
+        from viasd.llm import LLM
+
+        pc = config.pipeline()
+        llm = LLM(pc.engine)
+        results["in_process"] = {"engine": pc.engine.model_dump(mode="json"), "runtime": llm.runtime_info()}
+        defaults = dict(config.default_params)
+        measure(lambda prompt, mode, n, out: in_process_stream(llm, prompt, mode, n, defaults, out), "in_process",
+                modes)
+        llm.engine.close()
+        del llm
+        gc.collect()
+    served_modes = [m for m in modes if mode_params(m)["mode"] != "auto" or raw["backend"] == "local"]
     started = None
     if args.url:
         base = args.url.rstrip("/")
     else:
         from viasd.cluster import launch
-        from viasd.cluster.config import load_serve_config, parse_serve_config
 
-        config = load_serve_config(args.config)
-        raw = config.model_dump(mode="json")
-        raw["limits"] = {**raw["limits"], "max_concurrent_requests": max(levels),
-                         "max_queued_requests": max(raw["limits"]["max_queued_requests"], max(levels))}
-        if args.backend:
-            raw["backend"] = args.backend
-        config = parse_serve_config(raw)
         t0 = time.perf_counter()
         started = launch.start(config, blocking_timeout_s=1200)
         print(f"[serve_throughput] application up in {time.perf_counter() - t0:.0f}s: {started.http}", file=sys.stderr)
@@ -130,25 +321,75 @@ def main(argv: list[str] | None = None) -> int:
     try:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
         model = client.models.list().data[0]
-        info = model.model_extra.get("viasd", {})
-        from viasd.bench import provenance
+        results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
+        measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served",
+                served_modes)
+        if args.guidellm:
+            import tempfile
 
-        results = {"model": model.id, "pipeline": info, "cpus": os.cpu_count(), **provenance(), "runs": []}
-        for mode in args.modes.split(","):
-            run_level(client, model.id, mode, 1, 8)  # warm-up
-            for c in levels:
-                r = run_level(client, model.id, mode, c, args.max_tokens)
-                results["runs"].append(r)
-                print(json.dumps(r), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
+            tok = tokenizer_dir(config.pipeline().engine.verifier)
+            with tempfile.TemporaryDirectory() as work:
+                results["guidellm"] = {mode: run_guidellm(args.guidellm, base, model.id, tok, mode, levels,
+                                                          args.max_tokens, args.guidellm_requests, work)
+                                       for mode in served_modes}
     finally:
         if started is not None:
             from viasd.cluster import launch
 
             launch.stop()
-    return 0
+    if args.merge_guidellm:
+        with open(args.merge_guidellm) as f:
+            other = json.load(f)
+        results["merged"] = {"what": "guidellm", "command": other["command"], "environment": other["environment"]}
+        results["guidellm"] = other["guidellm"]
+    results["tokens"] = check_tokens(results["runs"], expected)
+    results["ratios"] = ratios(results["runs"])
+    print(json.dumps({"tokens": results["tokens"], "ratios": results["ratios"]}, indent=1), flush=True)
+    print(markdown_table(results), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    return 1 if results["tokens"]["streams_mismatched"] else 0
+
+
+TABLE_HEADER = ("| mode | streams | in-process tok/s | served tok/s | served / in-process | served TTFT p50 / p99 (s) "
+                "| served ITL p50 / p99 (s) | guidellm tok/s | guidellm TTFT p50 / p99 (s) | guidellm ITL p50 / p99 (s) |")
+
+
+def markdown_table(results: dict, in_process: bool = True) -> str:
+    """The figures of a results file as the table docs/SERVING.md shows (tests/test_docs_figures.py
+    checks that the page's table is this one); `in_process=False` leaves the in-process runs out."""
+    runs = {(r["system"], r["mode"], r["concurrency"]): r for r in results["runs"]
+            if in_process or r["system"] != "in_process"}
+    guide = {(mode, lv["streams"]): lv for mode, g in results.get("guidellm", {}).items() for lv in g["levels"]}
+    lines = [TABLE_HEADER, "|" + " --- |" * TABLE_HEADER.count(" | ") + " --- |"]
+    for mode in results["modes"]:
+        for c in results["levels"]:
+            ip, sv, g = runs.get(("in_process", mode, c)), runs.get(("served", mode, c)), guide.get((mode, c))
+            cells = [mode, str(c),
+                     f"{ip['aggregate_tokens_per_s']:.2f}" if ip else "-",
+                     f"{sv['aggregate_tokens_per_s']:.2f}" if sv else "-",
+                     f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}" if ip and sv else "-",
+                     f"{sv['p50_ttft_s']:.2f} / {sv['p99_ttft_s']:.2f}" if sv else "-",
+                     f"{sv['p50_itl_s']:.3f} / {sv['p99_itl_s']:.3f}" if sv and sv["p50_itl_s"] is not None else "-",
+                     f"{g['aggregate_tokens_per_s']:.2f}" if g else "-",
+                     f"{g['p50_ttft_s']:.2f} / {g['p99_ttft_s']:.2f}" if g else "-",
+                     f"{g['p50_itl_s']:.3f} / {g['p99_itl_s']:.3f}" if g else "-"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ratios(runs: list[dict]) -> dict:
+    """served / in-process aggregate tokens/s per (mode, concurrency), and each system's
+    aggregate at c streams / at 1 stream."""
+    agg = {(r["system"], r["mode"], r["concurrency"]): r["aggregate_tokens_per_s"] for r in runs}
+    out: dict = {"served_over_in_process": {}, "scaling_over_1_stream": {}}
+    for (system, mode, c), v in agg.items():
+        if system == "served" and ("in_process", mode, c) in agg:
+            out["served_over_in_process"][f"{mode}@{c}"] = round(v / agg[("in_process", mode, c)], 3)
+        if (system, mode, 1) in agg:
+            out["scaling_over_1_stream"][f"{system}:{mode}@{c}"] = round(v / agg[(system, mode, 1)], 3)
+    return out
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@
   docs/benchmarks/cpu/ablations/results.json; every `viasd bench` command that writes a results
   folder equals the command that folder's results.json records.
 * docs/SERVING.md: the draft-probability dtype figures against docs/probs-dtype-cpu.json, which
-  records the command, the commit and the machine.
+  records the command, the commit and the machine; the served-load table and the
+  draft-probabilities-on-the-wire table against docs/benchmarks/serve-throughput-cpu*.json and
+  probs-travel-cpu.json (rendered by their scripts), with the commands they record.
 """
 
 from __future__ import annotations
@@ -230,3 +232,35 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
     staged = next(li for li in text.splitlines() if li.startswith("| staged (lossless) | - |"))
     assert f"| {g['staged_tokens_per_cycle']:.2f} |" in staged and f"| {g['staged_tokens_per_second']:.1f} |" in staged
     assert f"ar {g['ar_tokens_per_second']:.1f} tok/s, sd {g['sd_tokens_per_second']:.1f} tok/s" in text
+
+
+# ------------------------------------------------------------------ docs/SERVING.md: served batching
+
+
+@pytest.mark.parametrize("script, raw, kwargs", [
+    ("serve_throughput", "serve-throughput-cpu-guidellm.json", {"in_process": False}),
+    ("serve_throughput", "serve-throughput-cpu.json", {}),
+    ("measure_probs_travel", "probs-travel-cpu.json", {}),
+])
+def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
+    """The load table and the draft-probability table of docs/SERVING.md are the ones their
+    scripts render from the committed raw files, which record command, commit and machine; the
+    page shows the recorded command."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        module = importlib.import_module(script)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    results = load(DOCS / "benchmarks" / raw)
+    page = (DOCS / "SERVING.md").read_text()
+    assert module.markdown_table(results, **kwargs) in page, f"regenerate the table from docs/benchmarks/{raw}"
+    assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
+    if script == "serve_throughput" and "stream_token_ids" in results["runs"][0]:  # zero lost / wrong tokens
+        assert module.check_tokens(results["runs"], {}) == {"streams_checked": 174, "streams_mismatched": 0}
+    args = shlex.split(results["command"])
+    assert args[0] == f"scripts/{script}.py", args
+    flat = " ".join(page.replace("\\\n", " ").split())  # the page's commands, continuation lines joined
+    assert " ".join(args[1:]) in flat, results["command"]

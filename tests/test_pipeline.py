@@ -8,7 +8,9 @@ loop thread runs every coroutine, with a timeout, so nothing can hang CI.
 * ar / sd / via, greedy and sampled with a seed: served tokens, finish reason and counters ==
   `viasd.llm.LLM` in-process (same config, same loader);
 * 8 concurrent streams with different seeds each == their sequential in-process run;
-* TP=2 (torch backend; DeepSpeed AutoTP too) == TP=1;
+* TP=2 (torch backend; DeepSpeed AutoTP too) == TP=1, one request at a time and in batches;
+* served continuous batching: mixed-mode requests joining and leaving one batch == the
+  in-process batched run == each alone; a bad row of a batched Verify fails alone;
 * a cancelled stream closes the drafter's and the verifier's sessions;
 * bad input -> INVALID_ARGUMENT naming the field; ListModels; the health service;
 * a failing drafter: the request finishes as `ar` (drafter_fallback).
@@ -185,6 +187,130 @@ def test_concurrent_streams_equal_their_sequential_runs(server, aio, llm):
     assert len({tuple(r[0]) for r in results}) > 1  # different seeds, different outputs
 
 
+# ------------------------------------------------------------------ served continuous batching
+
+# a mixed batch: every mode, greedy and sampled, n-gram and overlap rows, different lengths
+# (rows leave at different steps); the second wave joins while the first is decoding
+BATCH_WAVES = [
+    [(0, dict(mode="ar", max_tokens=10)), (1, dict(VIA, temperature=1.0, seed=21, max_tokens=24)),
+     (0, dict(mode="sd", gamma=3, temperature=0.9, seed=22, max_tokens=18)), (1, dict(VIA, max_tokens=30)),
+     (0, dict(mode="ar", temperature=1.0, seed=23, max_tokens=24))],
+    [(1, dict(mode="sd", gamma=4, max_tokens=14)), (0, dict(VIA, proposer="ngram", max_tokens=20)),
+     (1, dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=24, max_tokens=22)),
+     (0, dict(VIA, temperature=1.0, seed=25, max_tokens=8)), (1, dict(mode="ar", max_tokens=26))],
+]
+
+
+def in_process_batched(llm, waves, steps_between: int = 2) -> list[list[int]]:
+    """The waves through the in-process step scheduler (one engine, one batch): each wave joins
+    after `steps_between` steps of the ones before it."""
+    engine, handles = llm.engine, []
+    for wave in waves:
+        handles += [engine.submit(PROMPTS[i], parse_params(**params)) for i, params in wave]
+        for _ in range(steps_between):
+            engine.step()
+    while not all(h.finished for h in handles):
+        engine.step()
+    assert all(h.error is None for h in handles)
+    return [[t for c in h.chunks for t in c.token_ids] for h in handles]
+
+
+async def served_waves(coordinator, waves, prefix: str) -> list[list[int]]:
+    """The waves through a coordinator at once, each wave starting after every stream of the
+    waves before it has its second chunk (so it joins a batch that is decoding)."""
+    async def stream(name, i, params, started: asyncio.Event):
+        chunks = []
+        async for c in coordinator.generate(name, PROMPTS[i], parse_params(**params)):
+            chunks.append(c)
+            if len(chunks) == 2 or c.finished:
+                started.set()
+        return [t for c in chunks for t in c.token_ids]
+
+    tasks = []
+    for w, wave in enumerate(waves):
+        events = [asyncio.Event() for _ in wave]
+        tasks += [asyncio.ensure_future(stream(f"{prefix}-{w}-{j}", i, params, e))
+                  for j, ((i, params), e) in enumerate(zip(wave, events))]
+        await asyncio.gather(*(e.wait() for e in events))
+    return list(await asyncio.gather(*tasks))
+
+
+def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
+    """Mixed-mode requests joining and leaving one served batch: each request's tokens equal the
+    in-process batched run's and its run alone, token for token (float32); the steps did run as
+    batches (one Verify carried rows of several modes) and every session is closed afterwards."""
+    coord = pipeline.coordinator
+    before = dict(coord.totals.to_dict())
+    served = aio.run(served_waves(coord, BATCH_WAVES, "wave"))
+    after = coord.totals.to_dict()
+    batched = in_process_batched(llm, BATCH_WAVES)
+    alone = [llm.complete(PROMPTS[i], parse_params(**params)).token_ids for wave in BATCH_WAVES for i, params in wave]
+    for j, (s, b, a) in enumerate(zip(served, batched, alone)):
+        assert s == b == a, j
+    steps, verifies = after["steps"] - before["steps"], after["verify_calls"] - before["verify_calls"]
+    rows = after["rows"] - before["rows"]
+    assert verifies == steps and rows == after["cycles"] - before["cycles"]  # one Verify per step, a row per cycle
+    assert rows > 2 * verifies  # batches, not one request at a time
+    assert coord.totals.max_rows >= 6  # > the 4 rows of any one mode: a mixed-mode Verify
+    assert after["propose_calls"] - before["propose_calls"] <= steps  # at most one Propose per step
+    assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
+    assert coord.active_requests() == 0
+
+
+def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
+    """A Verify batch with one unknown request and one out-of-vocabulary draft: those rows carry
+    NOT_FOUND / INVALID_ARGUMENT, the good rows are verified in the same call (the batched
+    forward runs), and a single-row Verify still answers with the call's status."""
+    from viasd.actors.rpc import start_server
+    from viasd.actors.verifier import VerifierCore, VerifierServicer
+    from viasd.v1 import internal_pb2 as ipb
+    from viasd.v1 import internal_pb2_grpc
+
+    sizes = []  # rows of each forward the verifier ran
+    forward_batch = llm.verifier.forward_batch
+
+    def counting(rows, *args, **kwargs):
+        sizes.append(len(rows))
+        return forward_batch(rows, *args, **kwargs)
+
+    async def run():
+        core = VerifierCore(llm.verifier, llm.engine.mask, "separate")
+        servicer = VerifierServicer(core)
+        server, port = await start_server(lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = internal_pb2_grpc.VerifierServiceStub(ch)
+                for rid, mode in (("a", "ar"), ("b", "sd")):
+                    params = params_to_proto(parse_params(mode=mode))
+                    await stub.Open(ipb.OpenRequest(request_id=rid, prompt_token_ids=PROMPTS[0], params=params, seed=1))
+                llm.verifier.forward_batch = counting
+                try:
+                    batch = await stub.Verify(ipb.VerifyRequest(rows=[
+                    ipb.VerifyRequest(request_id="a"), ipb.VerifyRequest(request_id="nope"),
+                        ipb.VerifyRequest(request_id="b", draft=[5, 999]), ipb.VerifyRequest(request_id="b", draft=[5, 6])]),
+                        timeout=30)
+                finally:
+                    del llm.verifier.forward_batch
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.Verify(ipb.VerifyRequest(request_id="nope"), timeout=30)
+                for rid in ("a", "b"):
+                    await stub.Close(ipb.CloseRequest(request_id=rid))
+                return batch, err.value, core.full_store.rows_in_use
+        finally:
+            await server.stop(None)
+
+    batch, err, rows_left = aio.run(run())
+    assert [r.request_id for r in batch.rows] == ["a", "nope", "b", "b"]
+    assert [r.error.code for r in batch.rows] == ["", "NOT_FOUND", "INVALID_ARGUMENT", ""]
+    assert batch.rows[2].error.message.startswith("draft:")
+    ar = reference(llm, PROMPTS[0], mode="ar").token_ids
+    assert list(batch.rows[0].outcome.tokens) == ar[:1]
+    assert 1 <= len(batch.rows[3].outcome.tokens) <= 3
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    assert rows_left == 0  # closed sessions gave their cache rows back
+    assert sizes == [2]  # the `ar` row and the `sd` block: one batched full forward
+
+
 # ------------------------------------------------------------------ lifecycle
 
 
@@ -341,7 +467,7 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
-def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeline, backend):
+def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeline, llm, backend):
     from viasd.cluster.pipeline import Pipeline
 
     if backend == "deepspeed":
@@ -366,6 +492,10 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
             tp1_forwards = stats_from_proto(tp1[-1].stats).forwards
             for model in ("full", "slim") if params.get("overlap") else ("drafter", "full", "slim"):
                 assert chunks[-1].stats.forwards[model] == tp1_forwards[model], (backend, case, model)
+        # under batching: the mixed waves on the TP=2 group == the in-process (TP=1) batched run
+        served = aio.run(served_waves(tp2.coordinator, BATCH_WAVES, f"tp2-wave-{backend}"))
+        assert served == in_process_batched(llm, BATCH_WAVES), backend
+        assert tp2.coordinator.totals.max_rows >= 6  # the ranks ran mixed-mode batches in lockstep
         assert aio.run(tp2.session_counts()) == {"drafter": 0, "verifier": [0, 0]}
     finally:
         aio.run(tp2.shutdown())

@@ -122,6 +122,38 @@ def test_draft_probs_travel_exactly():
         decode_probs(ipb.DraftProbs(rows=2, vocab_size=3, data=b"\0" * 8, dtype="float32"))
 
 
+def test_sparse_draft_probs_travel_exactly_and_small():
+    """top-k / top-p rows (p exactly 0 elsewhere) travel as values + columns: bit-exact, a few
+    bytes per kept token instead of 4 x V; a dense row in the same block stays exact too; bad
+    sparse messages are INVALID_ARGUMENT naming the field."""
+    import torch
+
+    from viasd.actors.rpc import decode_probs, encode_probs
+    from viasd.config import parse_params
+    from viasd.sampling import Sampler
+    from viasd.v1 import internal_pb2 as ipb
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 5000, generator=g) * 2  # [k, V]
+    for params in (dict(top_k=40), dict(top_p=0.5), dict(min_p=0.2)):
+        p = Sampler.from_params(parse_params(temperature=0.9, **params)).probs(logits)  # [k, V]
+        msg = ipb.DraftProbs.FromString(encode_probs(p).SerializeToString())
+        nnz = int((p != 0).sum())
+        assert msg.indices and sum(msg.row_nnz) == nnz and len(msg.data) == 4 * nnz, params
+        assert torch.equal(decode_probs(msg), p), params
+    mixed = torch.cat([p[:2], torch.softmax(logits[2:3], dim=-1)])  # one dense row: still under half the bytes
+    assert torch.equal(decode_probs(encode_probs(mixed)), mixed)
+    dense = torch.softmax(logits, dim=-1)
+    assert not encode_probs(dense).indices  # plain temperature sampling: dense rows
+    msg = encode_probs(p)
+    with pytest.raises(InvalidParameterError, match="probs.indices"):
+        decode_probs(ipb.DraftProbs(rows=msg.rows, vocab_size=10, dtype="float32", data=msg.data, indices=msg.indices,
+                                    row_nnz=msg.row_nnz))
+    with pytest.raises(InvalidParameterError, match="probs.indices"):
+        decode_probs(ipb.DraftProbs(rows=msg.rows, vocab_size=msg.vocab_size, dtype="float32", data=msg.data,
+                                    indices=msg.indices[:-4], row_nnz=msg.row_nnz))
+
+
 def test_in_order_runs_calls_by_number_whatever_the_arrival_order():
     from viasd.actors.rpc import InOrder
 

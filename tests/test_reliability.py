@@ -614,6 +614,45 @@ def test_past_the_queue_limit_grpc_is_resource_exhausted(aio, own_server, pipeli
     assert (servicer.admission.running, servicer.admission.waiting, servicer.in_flight()) == (0, 0, 0)
 
 
+def test_queue_time_is_in_the_stats_and_the_metric(aio, own_server, pipeline, llm):
+    """limits.max_concurrent_requests is the batch capacity: with its one slot taken, a request
+    waits in the queue; its final stats report the wait (queue_seconds), and a replica's
+    admission observes it in viasd_request_queue_time_seconds."""
+    from viasd.cluster.metrics import ServingMetrics, parse_exposition, total
+    from viasd.cluster.server import Admission
+
+    servicer, stub = own_server(max_running=1, max_waiting=2)
+    wait_s = 0.5
+
+    async def queued_request():
+        await servicer.admission.enter()  # the slot is taken (as by a running request)
+        call = asyncio.ensure_future(collect(stub, request(PROMPTS[0], mode="ar")))
+        await asyncio.sleep(wait_s)
+        assert servicer.admission.waiting == 1 and not call.done()
+        servicer.admission.leave()
+        return await call
+
+    tokens, responses = aio.run(queued_request())
+    assert tokens == reference(llm, PROMPTS[0], mode="ar").token_ids
+    assert wait_s * 0.8 <= responses[-1].stats.queue_seconds < wait_s + 30
+
+    metrics = ServingMetrics("m")
+    admission = Admission(1, 1, on_admit=metrics.queue_time)
+
+    async def two():
+        await admission.enter()
+        later = asyncio.ensure_future(admission.enter())
+        await asyncio.sleep(0.2)
+        admission.leave()
+        return await later
+
+    waited = aio.run(two())
+    samples = parse_exposition(metrics.exposition()[0].decode())
+    assert waited >= 0.15
+    assert total(samples, "viasd_request_queue_time_seconds_count") == 2
+    assert total(samples, "viasd_request_queue_time_seconds_sum") >= waited
+
+
 def test_drain_lets_requests_finish_then_aborts_the_rest(aio, own_server, pipeline, llm):
     """Draining: a request in flight that ends within the drain timeout ends normally; new calls are
     UNAVAILABLE; with the timeout spent, a request still running (and one waiting for admission)

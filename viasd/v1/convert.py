@@ -114,6 +114,7 @@ def stats_to_proto(stats: RequestStats) -> pb.RequestStats:
         time_to_first_token=stats.time_to_first_token or 0.0,
         total_seconds=stats.total_seconds,
         drafter_fallback=stats.drafter_fallback,
+        queue_seconds=stats.queue_seconds,
     )
     for name in _STATS_INTS:
         setattr(msg, name, getattr(stats, name))
@@ -132,6 +133,7 @@ def stats_from_proto(msg: pb.RequestStats, finish_reason: str | None = None) -> 
         time_to_first_token=msg.time_to_first_token or None,
         total_seconds=msg.total_seconds,
         drafter_fallback=msg.drafter_fallback,
+        queue_seconds=msg.queue_seconds,
     )
     for name in _STATS_INTS:
         setattr(stats, name, getattr(msg, name))

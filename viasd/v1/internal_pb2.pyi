@@ -34,58 +34,82 @@ class Outcome(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., num_draft_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "previous", "k")
+    __slots__ = ("request_id", "previous", "k", "rows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     previous: Outcome
     k: int
-    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
+    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+
+class RowError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
-    __slots__ = ("rows", "vocab_size", "data", "dtype")
+    __slots__ = ("rows", "vocab_size", "data", "dtype", "indices", "row_nnz")
     ROWS_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INDICES_FIELD_NUMBER: _ClassVar[int]
+    ROW_NNZ_FIELD_NUMBER: _ClassVar[int]
     rows: int
     vocab_size: int
     data: bytes
     dtype: str
-    def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ...) -> None: ...
+    indices: bytes
+    row_nnz: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "stats")
+    __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     stats: _generation_pb2.RequestStats
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
+    error: RowError
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "draft", "probs")
+    __slots__ = ("request_id", "draft", "probs", "rows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "outcome", "stats")
+    __slots__ = ("request_id", "outcome", "stats", "rows", "error")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: Outcome
     stats: _generation_pb2.RequestStats
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+    rows: _containers.RepeatedCompositeFieldContainer[VerifyResponse]
+    error: RowError
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -64,7 +64,7 @@ class DrafterServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Propose a block of draft tokens after committing the previous cycle's outcome.
+        """Propose a block of draft tokens for every row, after committing each row's previous outcome.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
