@@ -185,10 +185,15 @@ class Engine:
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
         """Run a request to the end and return all of its tokens."""
         tokens: list[int] = []
+        logprobs = [] if params.logprobs is not None else None
+        prompt_logprobs = None
         for chunk in self.generate(prompt_ids, params):
             tokens.extend(chunk.token_ids)
+            if logprobs is not None:
+                logprobs.extend(chunk.logprobs or ())
+            prompt_logprobs = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_logprobs
             last = chunk
-        return GenerationResult(list(prompt_ids), tokens, last.finish_reason, last.stats)
+        return GenerationResult(list(prompt_ids), tokens, last.finish_reason, last.stats, logprobs, prompt_logprobs)
 
     def close(self) -> None:
         self.scheduler.close()

@@ -38,6 +38,7 @@ from viasd.runtime import LayerMask, MaskedLM
 from viasd.costs import Acceptance, CostModel
 from viasd.planner import Plan, RowState, choose
 from viasd.proposers import ngram_lookup
+from viasd.sampling import TokenLogprob
 from viasd.sessions import DraftSession, Outcome, VerifySession, drive, execute, request_seeds, uses_slim
 
 # a fixed mode's plan at draft length k; the proposer and verification mode of each plan kind
@@ -53,6 +54,8 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" when finished
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first chunk only (params.prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -67,6 +70,8 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per generated token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None first, then one per prompt token
 
 
 # ---------------------------------------------------------------- request checks and limits
@@ -98,6 +103,9 @@ def check_request(
     if max_context is not None and len(prompt) >= max_context:
         raise InvalidParameterError(
             "prompt", f"{len(prompt)} tokens leave no room in the context of {max_context} ({context_name})")
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    if bad:
+        raise InvalidParameterError("logit_bias", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
     if params.mode not in (Mode.AR, Mode.AUTO) and not has_drafter and params.proposer != Proposer.NGRAM:
         raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded")
     return prompt
@@ -143,8 +151,9 @@ class RequestLimits:
     def draft_length(self, seq_len: int) -> int:
         return draft_length(self.params.gamma, self.remaining, seq_len, self.max_context)
 
-    def chunk(self, new: list[int]) -> Chunk:
-        """Cut a cycle's committed tokens at the first stop token and at the budget; the chunk to stream."""
+    def chunk(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> Chunk:
+        """Cut a cycle's committed tokens (and their logprobs) at the first stop token and at the
+        budget; the chunk to stream."""
         stats, finish = self.stats, None
         if not self.params.ignore_eos and self.stops:
             cut = next((j for j, t in enumerate(new) if t in self.stops), None)
@@ -156,11 +165,12 @@ class RequestLimits:
         if stats.time_to_first_token is None and new:
             stats.time_to_first_token = time.perf_counter() - self.t_start
         stats.generated_tokens += len(new)
+        logprobs = None if logprobs is None else logprobs[: len(new)]
         if finish is None:
-            return Chunk(new)
+            return Chunk(new, logprobs=logprobs)
         stats.finish_reason = finish
         stats.total_seconds = time.perf_counter() - self.t_start
-        return Chunk(new, finish, stats)
+        return Chunk(new, finish, stats, logprobs=logprobs)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -189,6 +199,7 @@ class RequestHandle:
         self.chunks: deque[Chunk] = deque()
         self.finished = False  # the last chunk has been produced (or the request failed / was cancelled)
         self.cancelled = False
+        self.prompt_scored = False  # the prompt logprobs have been streamed (on the first chunk)
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()
 
@@ -305,7 +316,7 @@ class Scheduler:
         batch = list(self._running)
         try:
             self._prefill()
-            return self._decode()
+            return self._finish_scored() + self._decode()
         except BaseException as exc:
             for r in batch:
                 if r in self._running:
@@ -357,18 +368,39 @@ class Scheduler:
 
     def _prefill(self) -> None:
         """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step."""
-        budget, forwards = self.capacity.prefill_chunk, []
+        budget, forwards, owners = self.capacity.prefill_chunk, [], []
         for r in self._running:
             if r.prefilled or budget <= 0:
                 continue
             upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
             n = min(budget, upto - done)
             for s in r.sessions:
-                forwards += s.prefill_steps(done + n, n)
+                steps = s.prefill_steps(done + n, n)
+                forwards += steps
+                owners += [s] * len(steps)
             budget -= n
             r.prefilled = done + n == upto
         if forwards:
-            execute(forwards, prefill=True)
+            for s, f, logits in zip(owners, forwards, execute(forwards, prefill=True)):
+                s.prefilled(f, logits)
+
+    def _finish_scored(self) -> list[tuple[RequestHandle, Chunk]]:
+        """Prefilled requests with no tokens to generate (max_tokens 0: prompt logprobs only) end here."""
+        out = []
+        for r in [r for r in self._running if r.prefilled and r.handle.limits.remaining <= 0]:
+            out.append(self._deliver(r, r.handle.limits.chunk([])))
+        return out
+
+    def _deliver(self, r: _Running, chunk: Chunk) -> tuple[RequestHandle, Chunk]:
+        """Stream a chunk of a request (the first carries the prompt logprobs); retire it when finished."""
+        if r.verify.prompt_logprobs is not None and not r.handle.prompt_scored:
+            chunk.prompt_logprobs, r.handle.prompt_scored = r.verify.prompt_logprobs, True
+        with self._lock:
+            if not r.handle.cancelled:
+                r.handle.chunks.append(chunk)
+        if chunk.finished:
+            self._retire(r)
+        return r.handle, chunk
 
     def _decode(self) -> list[tuple[RequestHandle, Chunk]]:
         """Steps 3-5 over every prefilled request: plan (auto rows), draft, verify, commit."""
@@ -403,13 +435,7 @@ class Scheduler:
                 r.draft.commit(outcome)
             r.verify.commit(outcome)
             self._learn(r, plans[r], proposals.get(r), outcome)
-            chunk = r.handle.limits.chunk(outcome.tokens)
-            out.append((r.handle, chunk))
-            with self._lock:
-                if not r.handle.cancelled:
-                    r.handle.chunks.append(chunk)
-            if chunk.finished:
-                self._retire(r)
+            out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
         return out
 
     def _plans(self, rows: list[_Running]) -> list[Plan]:
