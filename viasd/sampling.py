@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from viasd.errors import InvalidParameterError
+from viasd.metrics import TokenLogprob
 
 if TYPE_CHECKING:
     from viasd.config import GenerationParams
@@ -204,16 +205,6 @@ class Penalties:
         if self.repetition != 1.0:
             z = torch.where(seen | self.in_prompt, torch.where(z > 0, z / self.repetition, z * self.repetition), z)
         return z - self.frequency * c - self.presence * seen.to(z.dtype)
-
-
-@dataclass
-class TokenLogprob:
-    """The log-probability of one token (generated or prompt) under a verifier's raw logits."""
-
-    token_id: int
-    logprob: float  # log softmax(logits)[token_id]
-    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (token, logprob), best first
-    tier: str = "full"  # whose logits: "full" (q) or "slim" (q', mode via with logprobs_tier 'slim')
 
 
 def token_logprobs(logits: Tensor, tokens: Sequence[int], k: int, tier: str = "full") -> list[TokenLogprob]:

@@ -33,13 +33,21 @@ from dataclasses import dataclass
 
 from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.costs import Acceptance, CostModel
 from viasd.planner import Plan, RowState, choose
 from viasd.proposers import ngram_lookup
-from viasd.sampling import TokenLogprob
-from viasd.sessions import DraftSession, Outcome, VerifySession, drive, execute, request_seeds, uses_slim
+from viasd.sessions import (
+    DraftSession,
+    Outcome,
+    VerifySession,
+    drive,
+    execute,
+    request_seeds,
+    sample_seed,
+    uses_slim,
+)
 
 # a fixed mode's plan at draft length k; the proposer and verification mode of each plan kind
 _FIXED = {Mode.AR: lambda k: Plan("ar"), Mode.SD: lambda k: Plan("sd", k), Mode.VIA: lambda k: Plan("via", k)}
@@ -56,6 +64,7 @@ class Chunk:
     stats: RequestStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # first chunk only (params.prompt_logprobs)
+    index: int = 0  # which sample of an n > 1 request
 
     @property
     def finished(self) -> bool:
@@ -72,6 +81,7 @@ class GenerationResult:
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per generated token (params.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # None first, then one per prompt token
+    index: int = 0  # which sample of an n > 1 request
 
 
 # ---------------------------------------------------------------- request checks and limits
@@ -190,8 +200,11 @@ class RequestHandle:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats):
+    def __init__(self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats,
+                 index: int = 0):
         self.id = next(self._ids)
+        self.index = index  # sample index of an n > 1 request
+        self.samples: list[RequestHandle] = [self]  # n > 1: every sample's handle (this one first)
         self.prompt = prompt
         self.params = params
         self.limits = limits
@@ -219,6 +232,7 @@ class _Running:
     via_tokens: float = 2.0  # `auto` with lossy plans: running mean of tokens per via cycle ...
     via_escalation: float = 0.5  # ... and of the probability that a via cycle escalates
     via_seen: int = 0  # escalations counted so far
+    leader: "_Running | None" = None  # n > 1: the sample whose prefill this one copies
 
     @property
     def sessions(self) -> list:
@@ -261,15 +275,28 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestHandle:
-        """Validate a request and queue it (InvalidParameterError naming the field)."""
+        """Validate a request and queue it (InvalidParameterError naming the field).
+
+        n > 1: n requests of one sample each, sample i seeded `sample_seed(seed, i)`, queued
+        together; the first prefills the prompt and the others copy its cache rows. The handle
+        returned is sample 0's; `handle.samples` lists all n.
+        """
         prompt = check_request(prompt_ids, params, vocab_size=self.verifier.vocab_size, max_context=self.max_context,
                                has_drafter=self.drafter is not None, context_name=self.context_name)
-        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
-        handle = RequestHandle(prompt, params, limits, stats)
+        samples = [params]
+        if params.n > 1:
+            seed = resolve_seed(params)
+            samples = [params.model_copy(update={"n": 1, "seed": sample_seed(seed, i)}) for i in range(params.n)]
+        handles = []
+        for i, sample in enumerate(samples):
+            stats = RequestStats(mode=sample.mode.value, prompt_tokens=len(prompt))
+            limits = RequestLimits(sample, len(prompt), self.max_context, self.eos_token_ids, stats)
+            handles.append(RequestHandle(prompt, sample, limits, stats, index=i))
+        for h in handles:
+            h.samples = handles
         with self._lock:
-            self._waiting.append(handle)
-        return handle
+            self._waiting.extend(handles)
+        return handles[0]
 
     def cancel(self, handle: RequestHandle) -> None:
         """Stop a request: it leaves at the next step boundary and frees its rows."""
@@ -337,7 +364,10 @@ class Scheduler:
                     return
                 handle = self._waiting.popleft()
             handle.stats.queue_seconds = time.perf_counter() - handle.submitted
-            self._running.append(self._open(handle))
+            r = self._open(handle)
+            if handle.index > 0:  # an n > 1 sample: prefilled from sample 0's rows while that one runs
+                r.leader = next((x for x in self._running if x.handle is handle.samples[0]), None)
+            self._running.append(r)
 
     def _open(self, handle: RequestHandle) -> _Running:
         """The request's sessions, on fresh rows of the tiers it uses."""
@@ -370,7 +400,9 @@ class Scheduler:
         """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step."""
         budget, forwards, owners = self.capacity.prefill_chunk, [], []
         for r in self._running:
-            if r.prefilled or budget <= 0:
+            if r.leader is not None and r.leader not in self._running:
+                r.leader = None  # sample 0 has left: this sample prefills itself
+            if r.prefilled or r.leader is not None or budget <= 0:
                 continue
             upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
             n = min(budget, upto - done)
@@ -383,6 +415,11 @@ class Scheduler:
         if forwards:
             for s, f, logits in zip(owners, forwards, execute(forwards, prefill=True)):
                 s.prefilled(f, logits)
+        for r in self._running:
+            if r.leader is not None and r.leader.prefilled and not r.prefilled:
+                for s, lead in zip(r.sessions, r.leader.sessions):
+                    s.copy_prefill(lead)
+                r.prefilled, r.leader = True, None
 
     def _finish_scored(self) -> list[tuple[RequestHandle, Chunk]]:
         """Prefilled requests with no tokens to generate (max_tokens 0: prompt logprobs only) end here."""
@@ -393,6 +430,7 @@ class Scheduler:
 
     def _deliver(self, r: _Running, chunk: Chunk) -> tuple[RequestHandle, Chunk]:
         """Stream a chunk of a request (the first carries the prompt logprobs); retire it when finished."""
+        chunk.index = r.handle.index
         if r.verify.prompt_logprobs is not None and not r.handle.prompt_scored:
             chunk.prompt_logprobs, r.handle.prompt_scored = r.verify.prompt_logprobs, True
         with self._lock:

@@ -37,11 +37,11 @@ from torch import Tensor
 
 from viasd.config import CachePolicy, GenerationParams, LogprobTier, Mode, Proposer, RegionB
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.proposers import GammaPolicy, ngram_lookup
 from viasd.rules import Region, first_non_accept, gate, rule_from_params, verify
 from viasd.runtime import LayerMask, MaskedLM, Row, RowCache
-from viasd.sampling import Penalties, Sampler, TokenLogprob, token_logprobs
+from viasd.sampling import Penalties, Sampler, token_logprobs
 
 TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
 
@@ -175,6 +175,12 @@ def request_seeds(seed: int) -> tuple[int, int]:
     return seed, (seed + 0x9E3779B97F4A7C15) % 2**63
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request with seed `seed`: sample 0 keeps the seed, so
+    n = 1 is the request itself; each sample equals the same request alone with this seed."""
+    return (seed + index * 0xD1B54A32D192ED03) % 2**63
+
+
 @dataclass
 class Outcome:
     """What the verifier decided for one block (or one `ar` step)."""
@@ -225,6 +231,18 @@ class _Session:
 
     def prefilled(self, forward: Forward, logits: Tensor) -> None:
         """What a prefill forward of this side returned (logits [num_logits, V]); nothing by default."""
+
+    def copy_prefill(self, leader: "_Session") -> None:
+        """Take the prefilled prompt of another request's session of this side (same prompt, same
+        tiers): its keys/values are copied row to row instead of recomputed (n > 1 samples)."""
+        prefilled, done = len(self.seq) - 1, set()  # the prompt but its last token (the leader may be further)
+        assert leader.seq[:prefilled] == self.seq[:prefilled]
+        for tier, lead in zip(self.tiers, leader.tiers):
+            assert tier.name == lead.name and lead.pos >= prefilled, (tier.name, lead.name, lead.pos, prefilled)
+            if (id(tier.cache.store), tier.cache.row) not in done:  # a shared q / q' row is copied once
+                tier.cache.copy_from(lead.cache, prefilled)
+                done.add((id(tier.cache.store), tier.cache.row))
+            tier.pos = prefilled
 
     def release(self) -> None:
         """Give the tiers' cache rows back (once per distinct row)."""
@@ -443,6 +461,11 @@ class VerifySession(_Session):
         if forward.num_logits and self.prompt_logprobs is not None:
             scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
             self.prompt_logprobs += token_logprobs(logits, scored, self.params.prompt_logprobs)
+
+    def copy_prefill(self, leader: "VerifySession") -> None:
+        super().copy_prefill(leader)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = list(leader.prompt_logprobs)
 
     def _processed(self, logits: Tensor, block: Sequence[int] = ()) -> Tensor:
         """The logits the request samples from: penalised given self.seq + block[:t] for row t."""
