@@ -267,6 +267,7 @@ def test_a_logit_bias_outside_the_vocabulary_names_the_field(tiny_pair):
         engine.submit([1, 2], parse_params(logit_bias={96: 1.0}))
     assert info.value.field == "logit_bias"
     assert parse_params(stop="\n").stop == ("\n",)  # one string is a list of one
+    assert parse_params(logprobs=False).logprobs is None and parse_params(logprobs=True).logprobs == 0  # OpenAI chat
 
 
 # ------------------------------------------------------------------ n > 1

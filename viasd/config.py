@@ -186,6 +186,12 @@ class GenerationParams(BaseModel):
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v}")
         return v
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_flag(cls, v: Any) -> Any:
+        """OpenAI chat's boolean: false is none, true the chosen tokens' logprobs (0 alternatives)."""
+        return (0 if v else None) if isinstance(v, bool) else v
+
     @field_validator("stop", mode="before")
     @classmethod
     def _one_stop_string(cls, v: Any) -> Any:
