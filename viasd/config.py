@@ -156,7 +156,7 @@ class GenerationParams(BaseModel):
     logprobs: int | None = Field(
         None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the log-probability of every generated token under the "
         "full verifier (raw logits, before penalties and temperature) and of the k most likely tokens (0..20); "
-        "None: no logprobs.",
+        "None or false: no logprobs; true: 0 alternatives (OpenAI chat's flag).",
     )
     logprobs_tier: LogprobTier = Field(
         LogprobTier.FULL, description="Mode via: logprobs of tokens the slim tier committed come from q recomputed "
