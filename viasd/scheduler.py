@@ -3,7 +3,8 @@
     step():
       1. admit      waiting requests take free cache rows (FIFO; a full engine queues, never fails);
       2. prefill    new requests' prompts go through every tier they use, at most `prefill_chunk`
-                    prompt tokens per step in all (chunked prefill), without logits;
+                    prompt tokens per step in all (chunked prefill), without logits (q's, with
+                    prompt_logprobs); the samples of an n > 1 request copy sample 0's rows;
       3. draft      one batched drafter forward per round over the rows still drafting (a row
                     leaves when its block ends: confidence stop, n-gram, adaptive gamma);
       4. verify     one batched slim forward over the `via` rows, the gate per row, then one

@@ -20,6 +20,11 @@ which tokens) and receive its logits. Whoever drives them decides how forwards a
 itself (the served actors). The rules (viasd.rules) and the sampling order are the same either
 way, so a request's tokens do not depend on what it was batched with.
 
+Request options (docs/REQUEST_OPTIONS.md): penalties and logit_bias (`sampling.Penalties`) process
+every tier's rows alike, row t of a block conditioned on the committed tokens + draft[:t], so the
+rules compare and sample the penalised distributions; logprobs of the committed tokens come from
+q's raw logits of the cycle (q' or one more q forward where q' decided alone, per request).
+
 Randomness comes from one `torch.Generator` per request and side, consumed in a fixed order
 (each drafted token, then the rewrite or the verification), so the same seed gives the same
 output alone, in any batch, in-process or served.
