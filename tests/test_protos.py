@@ -14,9 +14,16 @@ import pytest
 
 from viasd.config import Mode, parse_params
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.v1 import generation_pb2 as pb
-from viasd.v1.convert import params_from_proto, params_to_proto, stats_from_proto, stats_to_proto
+from viasd.v1.convert import (
+    logprobs_from_proto,
+    logprobs_to_proto,
+    params_from_proto,
+    params_to_proto,
+    stats_from_proto,
+    stats_to_proto,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,6 +56,8 @@ def test_unset_fields_take_the_defaults():
     dict(mode="via", alpha1=0.7, alpha2=0.3, region_b="escalate", slim_bonus=True, rule="lossy", lossy_alpha=0.3,
          lossy_beta=0.8, stop_token_ids=(3, 9), ignore_eos=True),
     dict(mode="ar", rule="overshoot", overshoot_ceiling=0.123456789),
+    dict(presence_penalty=0.3, frequency_penalty=-0.2, repetition_penalty=1.1, logit_bias={3: -100.0, 7: 0.5},
+         logprobs=3, logprobs_tier="slim", prompt_logprobs=0, max_tokens=0, stop=("a", "\n\n"), n=3),
 ])
 def test_params_round_trip_exactly(values):
     params = parse_params(values)
@@ -64,11 +73,22 @@ def test_params_round_trip_exactly(values):
     (pb.GenerationParams(rule=9), "rule"),
     (pb.GenerationParams(seed=2**64 - 1), "seed"),
     (pb.GenerationParams(max_tokens=0), "max_tokens"),
+    (pb.GenerationParams(presence_penalty=3.0), "presence_penalty"),
+    (pb.GenerationParams(logit_bias={5: 250.0}), "logit_bias"),
+    (pb.GenerationParams(logprobs_tier=7), "logprobs_tier"),
+    (pb.GenerationParams(stop=["", "x"]), "stop"),
+    (pb.GenerationParams(n=0), "n"),
 ])
 def test_bad_params_name_the_field(msg, field):
     with pytest.raises(InvalidParameterError) as err:
         params_from_proto(msg)
     assert err.value.field == field
+
+
+def test_logprobs_round_trip():
+    entries = [None, TokenLogprob(5, -0.25, [(5, -0.25), (9, -1.5)], "full"), TokenLogprob(2, -3.0, [], "slim")]
+    msgs = pb.GenerateResponse(prompt_logprobs=logprobs_to_proto(entries)).SerializeToString()
+    assert logprobs_from_proto(pb.GenerateResponse.FromString(msgs).prompt_logprobs) == entries[1:]
 
 
 def test_stats_round_trip():

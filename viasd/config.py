@@ -18,6 +18,10 @@ M = TypeVar("M", bound=BaseModel)
 MAX_GAMMA = 32
 MAX_STOP_TOKEN_IDS = 1024  # each committed token is checked against them
 MIN_TEMPERATURE = 1e-4  # below it logits / temperature overflows float32 into inf (and NaN probabilities)
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (each is added to every processed row)
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
+MAX_STOP_STRINGS = 16  # each is searched in the detokenized text after every step
+MAX_N = 128  # samples per request: each holds cache rows of its own after the shared prefill
 
 
 class Mode(str, Enum):
@@ -60,13 +64,23 @@ class CachePolicy(str, Enum):
     SHARED = "shared"  # q' writes into q's cache slots; q overwrites them when it escalates
 
 
+class LogprobTier(str, Enum):
+    """Which verifier's distribution gives the logprobs of a token the slim tier committed (mode `via`)."""
+
+    FULL = "full"  # q: recomputed with one full forward over the cycle's tokens (extra cost)
+    SLIM = "slim"  # q': the slim verifier's logits of the cycle (free; q' is an approximation of q)
+
+
 class GenerationParams(BaseModel):
     """Everything a request may choose. Validated once, here, for every entry point."""
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False, frozen=True)
 
     mode: Mode = Field(Mode.VIA, description="Decoder: 'ar' (verifier alone), 'sd' (two-tier), 'via' (three-tier).")
-    max_tokens: int = Field(128, ge=1, le=1 << 20, description="Maximum number of new tokens to generate.")
+    max_tokens: int = Field(
+        128, ge=0, le=1 << 20,
+        description="Maximum number of new tokens to generate; 0 only with prompt_logprobs (score the prompt).",
+    )
     temperature: float = Field(
         0.0, ge=0.0, le=100.0, description="Sampling temperature; 0 means greedy (argmax, lowest token id on ties)."
     )
@@ -128,6 +142,43 @@ class GenerationParams(BaseModel):
         description="Token ids that end generation (at most 1024); default: the tokenizer's end-of-sequence tokens.",
     )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token the output already contains "
+        "(OpenAI / vLLM); > 0 favours new tokens.",
+    )
+    frequency_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per occurrence in the output "
+        "(OpenAI / vLLM); > 0 discourages repetition.",
+    )
+    repetition_penalty: float = Field(
+        1.0, gt=0.0, le=100.0, description="CTRL / vLLM repetition penalty on every token of the prompt and output: "
+        "a positive logit is divided by it, a negative one multiplied; 1 disables.",
+    )
+    logit_bias: dict[int, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS, description="Token id -> bias in [-100, 100] added to its logit before "
+        "the penalties (OpenAI / vLLM); at most 1024 entries.",
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the log-probability of every generated token under the "
+        "full verifier (raw logits, before penalties and temperature) and of the k most likely tokens (0..20); "
+        "None or false: no logprobs; true: 0 alternatives (OpenAI chat's flag).",
+    )
+    logprobs_tier: LogprobTier = Field(
+        LogprobTier.FULL, description="Mode via: logprobs of tokens the slim tier committed come from q recomputed "
+        "('full', one extra full forward per such cycle) or from q' ('slim', free, approximate).",
+    )
+    prompt_logprobs: int | None = Field(
+        None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the full verifier's log-probability of every prompt "
+        "token given its prefix (the first has none) and the k most likely tokens there; None: none.",
+    )
+    stop: tuple[str, ...] | None = Field(
+        None, max_length=MAX_STOP_STRINGS, description="Strings that end the text (not included in it), matched "
+        "in the detokenized output by the transport that detokenizes; at most 16, each non-empty.",
+    )
+    n: int = Field(
+        1, ge=1, le=MAX_N, description="Samples of the prompt: n requests sharing one prefill; sample i uses "
+        "seed sample_seed(seed, i) (sample 0: the request's seed).",
+    )
     auto_lossy: bool = Field(
         False, description="Mode 'auto' may choose the lossy three-tier plan (via, gated by alpha1/alpha2); "
         "off: only lossless plans (ar, sd, n-gram), whose output follows the verifier exactly.",
@@ -140,8 +191,39 @@ class GenerationParams(BaseModel):
             raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {v}")
         return v
 
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_flag(cls, v: Any) -> Any:
+        """OpenAI chat's boolean: false is none, true the chosen tokens' logprobs (0 alternatives)."""
+        return (0 if v else None) if isinstance(v, bool) else v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_string(cls, v: Any) -> Any:
+        return (v,) if isinstance(v, str) else v
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is not None and any(not s for s in v):
+            raise ValueError("stop strings must be non-empty")
+        return v or None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return None
+        if any(t < 0 for t in v):
+            raise ValueError("token ids must be non-negative")
+        if any(not -100.0 <= b <= 100.0 for b in v.values()):
+            raise ValueError("biases must be in [-100, 100]")
+        return v or None
+
     @model_validator(mode="after")
     def _check_thresholds(self) -> "GenerationParams":
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("must be >= 1 (0 only scores the prompt: set prompt_logprobs)")
         if self.alpha2 >= self.alpha1:
             raise ValueError(f"alpha2 ({self.alpha2}) must be smaller than alpha1 ({self.alpha1})")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
@@ -157,10 +239,16 @@ class GenerationParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalised(self) -> bool:
+        """Whether logit_bias or a penalty changes the logits (viasd.sampling.Penalties)."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or (
+            self.repetition_penalty != 1.0)
+
 
 # The after-validator's cross-field errors name these fields.
-_CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask",
-                "mode: ": "mode", "rule: ": "rule"}
+_CROSS_FIELD = {"0 only scores the prompt": "max_tokens", "alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids",
+                "dtype": "dtype", "mask": "mask", "mode: ": "mode", "rule: ": "rule"}
 
 
 def _validate(model: type[BaseModel], values: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:

@@ -23,7 +23,7 @@ import torch
 
 from viasd.config import CachePolicy, GenerationParams
 from viasd.costs import CostModel, profile
-from viasd.errors import MaskError, ModelLoadError
+from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
 from viasd.gates import Gates
 from viasd.models.embedded import cache_root
 from viasd.runtime import LayerMask, MaskedLM
@@ -171,38 +171,64 @@ class Engine:
         """Stream the committed tokens of one request, chunk by chunk; the last chunk has the stats.
 
         Callers on several threads share the steps: whichever holds the step lock runs the next
-        step for every request. Closing the iterator early cancels the request.
+        step for every request. Closing the iterator early cancels the request. n > 1: the chunks
+        of every sample, interleaved as steps commit them (`chunk.index` says whose); each sample's
+        last chunk has its finish reason and stats.
         """
-        handle = self.submit(prompt_ids, params)
+        yield from self.follow(self.submit(prompt_ids, params).samples)
+
+    def follow(self, samples: Sequence[RequestHandle]) -> Iterator[Chunk]:
+        """`generate` for submitted requests (the samples of one request): their chunks as steps
+        commit them, stepping the engine while none is ready. Closing it cancels what is unfinished."""
+        live = list(samples)
         try:
-            while True:
-                while handle.chunks:
-                    chunk = handle.chunks.popleft()
-                    yield chunk
-                    if chunk.finished:
-                        return
-                if handle.error is not None:
-                    raise handle.error
-                if handle.finished:
+            while live:
+                for handle in list(live):
+                    while handle.chunks:
+                        chunk = handle.chunks.popleft()
+                        yield chunk
+                        if chunk.finished:
+                            live.remove(handle)
+                            break
+                    else:
+                        if handle.error is not None:
+                            raise handle.error
+                        if handle.finished:
+                            live.remove(handle)
+                if not live:
                     return
                 with self._step_lock:
-                    if not handle.chunks and not handle.finished:
+                    if not any(h.chunks for h in live) and not all(h.finished for h in live):
                         try:
                             self.scheduler.step()
                         except Exception:  # noqa: BLE001 - delivered through the handles it failed
-                            if handle.error is None:
+                            if all(h.error is None for h in live):
                                 raise
         finally:
-            if not handle.finished:
-                self.cancel(handle)
+            for handle in samples:
+                if not handle.finished:
+                    self.cancel(handle)
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
-        """Run a request to the end and return all of its tokens."""
-        tokens: list[int] = []
+        """Run a request to the end and return all of its tokens (n = 1; `complete_n` for n > 1)."""
+        if params.n != 1:
+            raise InvalidParameterError("n", f"complete() returns one sample; use complete_n() for n={params.n}")
+        return self.complete_n(prompt_ids, params)[0]
+
+    def complete_n(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[GenerationResult]:
+        """Run a request to the end: the n samples' results, in sample order."""
+        results = [GenerationResult(list(prompt_ids), [], "", None, [] if params.logprobs is not None else None,
+                                    index=i) for i in range(params.n)]
         for chunk in self.generate(prompt_ids, params):
-            tokens.extend(chunk.token_ids)
-            last = chunk
-        return GenerationResult(list(prompt_ids), tokens, last.finish_reason, last.stats)
+            res = results[chunk.index]
+            res.token_ids.extend(chunk.token_ids)
+            if res.logprobs is not None:
+                res.logprobs.extend(chunk.logprobs or ())
+            if chunk.prompt_logprobs is not None:
+                res.prompt_logprobs = chunk.prompt_logprobs
+            if chunk.finished:
+                res.finish_reason, res.stats = chunk.finish_reason, chunk.stats
+        return results
 
     def close(self) -> None:
         self.scheduler.close()

@@ -18,7 +18,7 @@ from viasd.config import EngineConfig, GenerationParams
 from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.gates import Gates, gates_from_artifact
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.precision import LinearReport, optimize_linears, resolve_dtype
 from viasd.runtime import LayerMask, MaskedLM
 
@@ -31,6 +31,9 @@ class TextDelta:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first delta only (params.prompt_logprobs)
+    index: int = 0  # which sample of an n > 1 request
 
 
 class IncrementalDetokenizer:
@@ -52,6 +55,37 @@ class IncrementalDetokenizer:
             return ""
         delta, self.emitted = text[self.emitted :], len(text)
         return delta
+
+
+class StopStrings:
+    """Cuts streamed text at the first of `params.stop`; holds back a tail that may begin one.
+
+    The one matcher of stop strings, used where the text is detokenized (`LLM.stream`, the
+    servers): a stop string is searched in the text emitted so far plus the new text, so one
+    that spans several steps is found, and it is not part of the text returned.
+    """
+
+    def __init__(self, stops: Sequence[str] | None):
+        self.stops = list(stops or ())
+        self.pending = ""
+
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        if final:
+            out, self.pending = self.pending, ""
+            return out, False
+        keep = max((k for s in self.stops for k in range(1, min(len(s) - 1, len(self.pending)) + 1)
+                    if self.pending.endswith(s[:k])), default=0)  # longest tail that begins a stop string
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
 
 
 def load_mask(
@@ -149,13 +183,35 @@ class LLM:
         return encode_prompt(self.tokenizer, prompt, messages)
 
     def stream(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[TextDelta]:
-        detok = IncrementalDetokenizer(self.tokenizer)
-        for chunk in self.engine.generate(prompt_ids, params):
-            text = detok.push(chunk.token_ids, final=chunk.finished)
-            yield TextDelta(text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+        """Text deltas of every sample (`delta.index`); a sample that meets one of `params.stop`
+        ends there with finish_reason "stop" (the stop string is not in its text)."""
+        detok = [IncrementalDetokenizer(self.tokenizer) for _ in range(params.n)]
+        stops = [StopStrings(params.stop) for _ in range(params.n)]
+        samples = self.engine.submit(prompt_ids, params).samples
+        stopped: set[int] = set()
+        stream = self.engine.follow(samples)
+        try:
+            for chunk in stream:
+                i = chunk.index
+                if i in stopped:  # chunks a stopped sample committed before it left
+                    continue
+                text, hit = stops[i].push(detok[i].push(chunk.token_ids, final=chunk.finished), final=chunk.finished)
+                finish, stats = chunk.finish_reason, chunk.stats
+                if hit:  # the sample ends here; unfinished, it leaves the engine at the next step
+                    if not chunk.finished:
+                        self.engine.cancel(samples[i])
+                    stopped.add(i)
+                    finish, stats = "stop", samples[i].stats
+                    stats.finish_reason = "stop"
+                yield TextDelta(text, chunk.token_ids, finish, stats, chunk.logprobs, chunk.prompt_logprobs, i)
+        finally:
+            stream.close()
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
         return self.engine.complete(prompt_ids, params)
+
+    def complete_n(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[GenerationResult]:
+        return self.engine.complete_n(prompt_ids, params)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

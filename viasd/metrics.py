@@ -24,6 +24,16 @@ MODELS = ("drafter", "slim", "full")
 
 
 @dataclass
+class TokenLogprob:
+    """The log-probability of one token (generated or prompt) under a verifier's raw logits."""
+
+    token_id: int
+    logprob: float  # log softmax(logits)[token_id]
+    top: list[tuple[int, float]] = field(default_factory=list)  # the k most likely (token, logprob), best first
+    tier: str = "full"  # whose logits: "full" (q) or "slim" (q', mode via with logprobs_tier 'slim')
+
+
+@dataclass
 class RequestStats:
     """Counters of one request; `to_dict()` gives a JSON-ready view with derived rates."""
 

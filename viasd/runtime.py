@@ -95,6 +95,17 @@ class SlotKVCache:
         for i in self.layers if layers is None else layers:
             self._len[i][row] = min(self._len[i][row], length)
 
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Give row `dst` the first `length` keys/values of row `src` in every layer (n > 1 samples
+        share one prefill): dst's layers end up at min(length, src's length), as if it had fed them."""
+        for i in self.layers:
+            n = min(length, self._len[i][src])
+            if n and self._k[i] is not None:
+                self._ensure(i, self._k[i], dst + 1, n)
+                self._k[i][dst, :, :n] = self._k[i][src, :, :n]
+                self._v[i][dst, :, :n] = self._v[i][src, :, :n]
+            self._len[i][dst] = n
+
     def kv(self, row: int, layer: int) -> tuple[Tensor, Tensor]:
         """The valid keys and values of one row and layer, each [1, H_kv, length, D] (views)."""
         if self._k[layer] is None:
@@ -214,6 +225,11 @@ class RowCache:
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.store.kv(self.row, layer)
+
+    def copy_from(self, other: "RowCache", length: int) -> None:
+        """This row's first `length` positions become `other`'s (same store)."""
+        assert other.store is self.store, "rows of different caches"
+        self.store.copy_row(other.row, self.row, length)
 
     def nbytes(self) -> int:
         return self.store.nbytes(self.row)

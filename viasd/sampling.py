@@ -9,12 +9,18 @@ The processing follows Hugging Face's logits warpers, in their order:
 Masked tokens get probability exactly 0 (their logits become -inf before the final softmax).
 Temperature 0 means greedy: the distribution is one-hot at the argmax.
 
-References: Holtzman et al. 2020 (nucleus sampling); Nguyen et al. 2024 (min-p sampling).
+Before the sampler, `Penalties` (logit_bias, presence / frequency / repetition penalties) turn
+the raw logits of a row into the logits the request samples from, conditioned on the tokens
+before that row. Logprobs (`token_logprobs`) are read from the raw logits, as vLLM's default.
+
+References: Holtzman et al. 2020 (nucleus sampling); Nguyen et al. 2024 (min-p sampling);
+Keskar et al. 2019 (CTRL's repetition penalty).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,6 +28,7 @@ import torch
 from torch import Tensor
 
 from viasd.errors import InvalidParameterError
+from viasd.metrics import TokenLogprob
 
 if TYPE_CHECKING:
     from viasd.config import GenerationParams
@@ -131,3 +138,82 @@ class Sampler:
         if self.greedy:
             return probs.argmax(dim=-1)  # [T]
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [T]
+
+
+class Penalties:
+    """logit_bias and the presence / frequency / repetition penalties of one request (vLLM /
+    OpenAI semantics), applied to raw logits before the `Sampler`.
+
+    A row's context is the prompt P and the output O before it: the committed generated tokens,
+    then the draft tokens before that row (a block's row t sees draft[:t]). With c_v the number
+    of times token v occurs in O:
+
+        z_v = logits_v + bias_v                                        logit_bias
+        z_v = z_v / rp  if z_v > 0,  z_v * rp  otherwise, for v in P or O   repetition (rp)
+        z_v = z_v - frequency * c_v - presence * 1[c_v > 0]               frequency, presence
+
+    in this order (vLLM's: bias, then repetition, frequency, presence). The same processing turns
+    the drafter's p, the slim verifier's q' and the full verifier's q rows into the distributions
+    the rules compare, each conditioned on the same prefix, so the lossless rule still outputs
+    exactly the penalised q (the rule needs only that q_t is the target law given the prefix that
+    row t follows). Rows are processed in float64 for float64 logits, else float32.
+    """
+
+    def __init__(self, params: GenerationParams, prompt: Sequence[int], vocab_size: int, device):
+        self.presence, self.frequency, self.repetition = (params.presence_penalty, params.frequency_penalty,
+                                                          params.repetition_penalty)
+        self.prompt_len = len(prompt)
+        self.vocab_size, self.device = vocab_size, device
+        self.bias: Tensor | None = None  # [V] float64, moved to the logits' dtype per call
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab_size, dtype=torch.float64)
+            ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            self.bias[ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float64)
+            self.bias = self.bias.to(device)
+        self.counting = self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
+        self.in_prompt = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V]
+        if self.repetition != 1.0:
+            self.in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
+
+    @classmethod
+    def for_request(cls, params: GenerationParams, prompt: Sequence[int], vocab_size: int, device
+                    ) -> "Penalties | None":
+        """The request's processor, or None when nothing changes the logits (the default path)."""
+        return cls(params, prompt, vocab_size, device) if params.penalised else None
+
+    def counts(self, seq: Sequence[int], block: Sequence[int], rows: int) -> Tensor:
+        """c[t, v]: occurrences of v in the output of seq (past the prompt) + block[:t]: [rows, V]."""
+        out = torch.tensor(list(seq[self.prompt_len :]), dtype=torch.long, device=self.device)  # [n_out]
+        base = torch.bincount(out, minlength=self.vocab_size)  # [V]
+        c = base.expand(rows, -1).clone()  # [rows, V]
+        if rows > 1 and block:
+            steps = torch.tensor(list(block[: rows - 1]), dtype=torch.long, device=self.device)  # [rows - 1]
+            c[1:] += torch.nn.functional.one_hot(steps, self.vocab_size).cumsum(dim=0)  # [rows - 1, V]
+        return c
+
+    def __call__(self, logits: Tensor, seq: Sequence[int], block: Sequence[int] = ()) -> Tensor:
+        """logits [T, V] of the rows after seq + block[:t] (t = 0..T-1) -> processed [T, V]."""
+        assert logits.ndim == 2, f"logits must be [T, V], got {tuple(logits.shape)}"
+        assert len(block) >= logits.shape[0] - 1, "row t needs the t block tokens before it"
+        z = logits.to(_work_dtype(logits))  # [T, V]
+        if self.bias is not None:
+            z = z + self.bias.to(z.dtype)
+        if not self.counting:
+            return z
+        c = self.counts(seq, block, z.shape[0]).to(z.dtype)  # [T, V]
+        seen = c > 0  # [T, V]
+        if self.repetition != 1.0:
+            z = torch.where(seen | self.in_prompt, torch.where(z > 0, z / self.repetition, z * self.repetition), z)
+        return z - self.frequency * c - self.presence * seen.to(z.dtype)
+
+
+def token_logprobs(logits: Tensor, tokens: Sequence[int], k: int, tier: str = "full") -> list[TokenLogprob]:
+    """logits [T, V] (row t: the distribution token t was drawn from), tokens [T] -> T entries:
+    log softmax(logits_t)[tokens_t] and the top k (token, logprob) pairs of row t."""
+    assert logits.ndim == 2 and logits.shape[0] == len(tokens), (tuple(logits.shape), len(tokens))
+    lp = torch.log_softmax(logits.to(_work_dtype(logits)), dim=-1)  # [T, V]
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)  # [T]
+    chosen = lp.gather(-1, ids[:, None])[:, 0].tolist()  # [T]
+    top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))  # [T, k] x2
+    return [TokenLogprob(int(t), float(c), list(zip(i, v)), tier)
+            for t, c, i, v in zip(tokens, chosen, top_i.tolist(), top_v.tolist())]

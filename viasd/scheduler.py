@@ -3,7 +3,8 @@
     step():
       1. admit      waiting requests take free cache rows (FIFO; a full engine queues, never fails);
       2. prefill    new requests' prompts go through every tier they use, at most `prefill_chunk`
-                    prompt tokens per step in all (chunked prefill), without logits;
+                    prompt tokens per step in all (chunked prefill), without logits (q's, with
+                    prompt_logprobs); the samples of an n > 1 request copy sample 0's rows;
       3. draft      one batched drafter forward per round over the rows still drafting (a row
                     leaves when its block ends: confidence stop, n-gram, adaptive gamma);
       4. verify     one batched slim forward over the `via` rows, the gate per row, then one
@@ -33,12 +34,21 @@ from dataclasses import dataclass
 
 from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.costs import Acceptance, CostModel
 from viasd.planner import Plan, RowState, choose
 from viasd.proposers import ngram_lookup
-from viasd.sessions import DraftSession, Outcome, VerifySession, drive, execute, request_seeds, uses_slim
+from viasd.sessions import (
+    DraftSession,
+    Outcome,
+    VerifySession,
+    drive,
+    execute,
+    request_seeds,
+    sample_seed,
+    uses_slim,
+)
 
 # a fixed mode's plan at draft length k; the proposer and verification mode of each plan kind
 _FIXED = {Mode.AR: lambda k: Plan("ar"), Mode.SD: lambda k: Plan("sd", k), Mode.VIA: lambda k: Plan("via", k)}
@@ -54,6 +64,9 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" when finished
     stats: RequestStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # first chunk only (params.prompt_logprobs)
+    index: int = 0  # which sample of an n > 1 request
 
     @property
     def finished(self) -> bool:
@@ -68,6 +81,9 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per generated token (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # None first, then one per prompt token
+    index: int = 0  # which sample of an n > 1 request
 
 
 # ---------------------------------------------------------------- request checks and limits
@@ -99,6 +115,9 @@ def check_request(
     if max_context is not None and len(prompt) >= max_context:
         raise InvalidParameterError(
             "prompt", f"{len(prompt)} tokens leave no room in the context of {max_context} ({context_name})")
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    if bad:
+        raise InvalidParameterError("logit_bias", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
     if params.mode not in (Mode.AR, Mode.AUTO) and not has_drafter and params.proposer != Proposer.NGRAM:
         raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded")
     return prompt
@@ -144,8 +163,9 @@ class RequestLimits:
     def draft_length(self, seq_len: int) -> int:
         return draft_length(self.params.gamma, self.remaining, seq_len, self.max_context)
 
-    def chunk(self, new: list[int]) -> Chunk:
-        """Cut a cycle's committed tokens at the first stop token and at the budget; the chunk to stream."""
+    def chunk(self, new: list[int], logprobs: list[TokenLogprob] | None = None) -> Chunk:
+        """Cut a cycle's committed tokens (and their logprobs) at the first stop token and at the
+        budget; the chunk to stream."""
         stats, finish = self.stats, None
         if not self.params.ignore_eos and self.stops:
             cut = next((j for j, t in enumerate(new) if t in self.stops), None)
@@ -157,11 +177,12 @@ class RequestLimits:
         if stats.time_to_first_token is None and new:
             stats.time_to_first_token = time.perf_counter() - self.t_start
         stats.generated_tokens += len(new)
+        logprobs = None if logprobs is None else logprobs[: len(new)]
         if finish is None:
-            return Chunk(new)
+            return Chunk(new, logprobs=logprobs)
         stats.finish_reason = finish
         stats.total_seconds = time.perf_counter() - self.t_start
-        return Chunk(new, finish, stats)
+        return Chunk(new, finish, stats, logprobs=logprobs)
 
 
 # ---------------------------------------------------------------- the scheduler
@@ -181,8 +202,11 @@ class RequestHandle:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats):
+    def __init__(self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats,
+                 index: int = 0):
         self.id = next(self._ids)
+        self.index = index  # sample index of an n > 1 request
+        self.samples: list[RequestHandle] = [self]  # n > 1: every sample's handle (this one first)
         self.prompt = prompt
         self.params = params
         self.limits = limits
@@ -190,6 +214,7 @@ class RequestHandle:
         self.chunks: deque[Chunk] = deque()
         self.finished = False  # the last chunk has been produced (or the request failed / was cancelled)
         self.cancelled = False
+        self.prompt_scored = False  # the prompt logprobs have been streamed (on the first chunk)
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()
 
@@ -209,6 +234,7 @@ class _Running:
     via_tokens: float = 2.0  # `auto` with lossy plans: running mean of tokens per via cycle ...
     via_escalation: float = 0.5  # ... and of the probability that a via cycle escalates
     via_seen: int = 0  # escalations counted so far
+    leader: "_Running | None" = None  # n > 1: the sample whose prefill this one copies
 
     @property
     def sessions(self) -> list:
@@ -252,15 +278,28 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestHandle:
-        """Validate a request and queue it (InvalidParameterError naming the field)."""
+        """Validate a request and queue it (InvalidParameterError naming the field).
+
+        n > 1: n requests of one sample each, sample i seeded `sample_seed(seed, i)`, queued
+        together; the first prefills the prompt and the others copy its cache rows. The handle
+        returned is sample 0's; `handle.samples` lists all n.
+        """
         prompt = check_request(prompt_ids, params, vocab_size=self.verifier.vocab_size, max_context=self.max_context,
                                has_drafter=self.drafter is not None, context_name=self.context_name)
-        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
-        handle = RequestHandle(prompt, params, limits, stats)
+        samples = [params]
+        if params.n > 1:
+            seed = resolve_seed(params)
+            samples = [params.model_copy(update={"n": 1, "seed": sample_seed(seed, i)}) for i in range(params.n)]
+        handles = []
+        for i, sample in enumerate(samples):
+            stats = RequestStats(mode=sample.mode.value, prompt_tokens=len(prompt))
+            limits = RequestLimits(sample, len(prompt), self.max_context, self.eos_token_ids, stats)
+            handles.append(RequestHandle(prompt, sample, limits, stats, index=i))
+        for h in handles:
+            h.samples = handles
         with self._lock:
-            self._waiting.append(handle)
-        return handle
+            self._waiting.extend(handles)
+        return handles[0]
 
     def cancel(self, handle: RequestHandle) -> None:
         """Stop a request: it leaves at the next step boundary and frees its rows."""
@@ -307,7 +346,7 @@ class Scheduler:
         batch = list(self._running)
         try:
             self._prefill()
-            return self._decode()
+            return self._finish_scored() + self._decode()
         except BaseException as exc:
             for r in batch:
                 if r in self._running:
@@ -328,7 +367,10 @@ class Scheduler:
                     return
                 handle = self._waiting.popleft()
             handle.stats.queue_seconds = time.perf_counter() - handle.submitted
-            self._running.append(self._open(handle))
+            r = self._open(handle)
+            if handle.index > 0:  # an n > 1 sample: prefilled from sample 0's rows while that one runs
+                r.leader = next((x for x in self._running if x.handle is handle.samples[0]), None)
+            self._running.append(r)
 
     def _open(self, handle: RequestHandle) -> _Running:
         """The request's sessions, on fresh rows of the tiers it uses."""
@@ -359,19 +401,48 @@ class Scheduler:
 
     def _prefill(self) -> None:
         """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step."""
-        budget, forwards = self.capacity.prefill_chunk, []
+        budget, forwards, owners = self.capacity.prefill_chunk, [], []
         for r in self._running:
-            if r.prefilled or budget <= 0:
+            if r.leader is not None and r.leader not in self._running:
+                r.leader = None  # sample 0 has left: this sample prefills itself
+            if r.prefilled or r.leader is not None or budget <= 0:
                 continue
             upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
             n = min(budget, upto - done)
             # an `auto` request's drafter catches up only when a plan drafts (viasd.planner)
             for s in [r.verify] if r.handle.params.mode == Mode.AUTO else r.sessions:
-                forwards += s.prefill_steps(done + n, n)
+                steps = s.prefill_steps(done + n, n)
+                forwards += steps
+                owners += [s] * len(steps)
             budget -= n
             r.prefilled = done + n == upto
         if forwards:
-            execute(forwards, prefill=True)
+            for s, f, logits in zip(owners, forwards, execute(forwards, prefill=True)):
+                s.prefilled(f, logits)
+        for r in self._running:
+            if r.leader is not None and r.leader.prefilled and not r.prefilled:
+                for s, lead in zip(r.sessions, r.leader.sessions):
+                    s.copy_prefill(lead)
+                r.prefilled, r.leader = True, None
+
+    def _finish_scored(self) -> list[tuple[RequestHandle, Chunk]]:
+        """Prefilled requests with no tokens to generate (max_tokens 0: prompt logprobs only) end here."""
+        out = []
+        for r in [r for r in self._running if r.prefilled and r.handle.limits.remaining <= 0]:
+            out.append(self._deliver(r, r.handle.limits.chunk([])))
+        return out
+
+    def _deliver(self, r: _Running, chunk: Chunk) -> tuple[RequestHandle, Chunk]:
+        """Stream a chunk of a request (the first carries the prompt logprobs); retire it when finished."""
+        chunk.index = r.handle.index
+        if r.verify.prompt_logprobs is not None and not r.handle.prompt_scored:
+            chunk.prompt_logprobs, r.handle.prompt_scored = r.verify.prompt_logprobs, True
+        with self._lock:
+            if not r.handle.cancelled:
+                r.handle.chunks.append(chunk)
+        if chunk.finished:
+            self._retire(r)
+        return r.handle, chunk
 
     def _decode(self) -> list[tuple[RequestHandle, Chunk]]:
         """Steps 3-5 over every prefilled request: plan (auto rows), draft, verify, commit."""
@@ -412,13 +483,7 @@ class Scheduler:
                 r.draft.commit(outcome)
             r.verify.commit(outcome)
             self._learn(r, plans[r], proposals.get(r), outcome)
-            chunk = r.handle.limits.chunk(outcome.tokens)
-            out.append((r.handle, chunk))
-            with self._lock:
-                if not r.handle.cancelled:
-                    r.handle.chunks.append(chunk)
-            if chunk.finished:
-                self._retire(r)
+            out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
         if isinstance(self._costs, CostModel):
             forward_seconds, row_forwards = self._step_forwards
             self._costs.observe_overhead(time.perf_counter() - t0 - forward_seconds, row_forwards)

@@ -20,6 +20,11 @@ which tokens) and receive its logits. Whoever drives them decides how forwards a
 itself (the served actors). The rules (viasd.rules) and the sampling order are the same either
 way, so a request's tokens do not depend on what it was batched with.
 
+Request options (docs/REQUEST_OPTIONS.md): penalties and logit_bias (`sampling.Penalties`) process
+every tier's rows alike, row t of a block conditioned on the committed tokens + draft[:t], so the
+rules compare and sample the penalised distributions; logprobs of the committed tokens come from
+q's raw logits of the cycle (q' or one more q forward where q' decided alone, per request).
+
 Randomness comes from one `torch.Generator` per request and side, consumed in a fixed order
 (each drafted token, then the rewrite or the verification), so the same seed gives the same
 output alone, in any batch, in-process or served.
@@ -35,13 +40,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from viasd.config import CachePolicy, GenerationParams, Mode, Proposer, RegionB, Rule
+from viasd.config import CachePolicy, GenerationParams, LogprobTier, Mode, Proposer, RegionB, Rule
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.proposers import GammaPolicy, ngram_lookup
 from viasd.rules import Lossless, Region, first_non_accept, gate, rule_from_params, verify
 from viasd.runtime import LayerMask, MaskedLM, Row, RowCache
-from viasd.sampling import Sampler
+from viasd.sampling import Penalties, Sampler, token_logprobs
 
 TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
 
@@ -93,10 +98,12 @@ class _Tier:
         self.pos = len(seq)
         return fwd
 
-    def prefill(self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats) -> Forward | None:
-        """A prefill chunk: feed seq[pos : min(upto, pos + budget)] with no logits (None when done)."""
+    def prefill(self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats,
+                logits: bool = False) -> Forward | None:
+        """A prefill chunk: feed seq[pos : min(upto, pos + budget)], with no logits or (`logits`)
+        the logits of every fed position (None when done)."""
         end = min(upto, self.pos + budget)
-        return self.ask(seq[:end], 0, stats) if end > self.pos else None
+        return self.ask(seq[:end], end - self.pos if logits else 0, stats) if end > self.pos else None
 
 
 # ---------------------------------------------------------------- driving step generators
@@ -178,12 +185,19 @@ def request_seeds(seed: int) -> tuple[int, int]:
     return seed, (seed + 0x9E3779B97F4A7C15) % 2**63
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of an n > 1 request with seed `seed`: sample 0 keeps the seed, so
+    n = 1 is the request itself; each sample equals the same request alone with this seed."""
+    return (seed + index * 0xD1B54A32D192ED03) % 2**63
+
+
 @dataclass
 class Outcome:
     """What the verifier decided for one block (or one `ar` step)."""
 
     tokens: list[int]  # committed: the accepted draft prefix, then the rewritten / recovered / bonus token(s)
     num_draft_accepted: int  # how many of `tokens` are draft tokens: caches stay valid up to n + this
+    logprobs: list[TokenLogprob] | None = None  # one per token when the request asks for logprobs
 
 
 def _commit(seq: list[int], tiers: Sequence[_Tier], outcome: Outcome) -> None:
@@ -222,7 +236,23 @@ class _Session:
         """Prefill every tier with the prompt but its last token, alone (the served actors)."""
         forwards = self.prefill_steps(len(self.seq) - 1, len(self.seq))
         if forwards:
-            execute(forwards, prefill=True)
+            for f, logits in zip(forwards, execute(forwards, prefill=True)):
+                self.prefilled(f, logits)
+
+    def prefilled(self, forward: Forward, logits: Tensor) -> None:
+        """What a prefill forward of this side returned (logits [num_logits, V]); nothing by default."""
+
+    def copy_prefill(self, leader: "_Session") -> None:
+        """Take the prefilled prompt of another request's session of this side (same prompt, same
+        tiers): its keys/values are copied row to row instead of recomputed (n > 1 samples)."""
+        prefilled, done = len(self.seq) - 1, set()  # the prompt but its last token (the leader may be further)
+        assert leader.seq[:prefilled] == self.seq[:prefilled]
+        for tier, lead in zip(self.tiers, leader.tiers):
+            assert tier.name == lead.name and lead.pos >= prefilled, (tier.name, lead.name, lead.pos, prefilled)
+            if (id(tier.cache.store), tier.cache.row) not in done:  # a shared q / q' row is copied once
+                tier.cache.copy_from(lead.cache, prefilled)
+                done.add((id(tier.cache.store), tier.cache.row))
+            tier.pos = prefilled
 
     def release(self) -> None:
         """Give the tiers' cache rows back (once per distinct row)."""
@@ -258,6 +288,7 @@ class DraftSession(_Session):
         self.device = lm.device if lm is not None else "cpu"
         self.seq = list(prompt)
         self.sampler = Sampler.from_params(params)
+        self.penalties = None if lm is None else Penalties.for_request(params, prompt, lm.vocab_size, lm.device)
         self.seed = seed
         self.blocks = 0  # blocks proposed so far
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -314,7 +345,7 @@ class DraftSession(_Session):
         # whether drafted ahead or on demand: same prefix, same stream)
         while len(draft) < k and not (stop is not None and stop.is_set() and draft):
             logits = yield self.tier.ask(prefix + draft, 1, self.stats)  # [1, V]
-            p = self.sampler.probs(logits)  # [1, V]
+            p = self.sampler.probs(logits if self.penalties is None else self.penalties(logits, prefix + draft))
             draft.append(int(self.sampler.sample(p, generator)[0]))
             if not self.sampler.greedy:
                 p_rows.append(p)
@@ -415,6 +446,10 @@ class VerifySession(_Session):
         self.tiers = [t for t in (self.slim, self.full) if t is not None]
         self.seq = list(prompt)
         self.sampler = Sampler.from_params(params)
+        self.penalties = Penalties.for_request(params, prompt, lm.vocab_size, lm.device)
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per prompt token but the first
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
         self.rule = rule_from_params(params)
         self.generator = torch.Generator(device=lm.device).manual_seed(seed)
         self.stats = stats
@@ -422,11 +457,34 @@ class VerifySession(_Session):
     def prefill_steps(self, upto: int, budget: int) -> list[Forward]:
         """Prefill q (and q' under the separate policy). Under the shared policy q' reads q's
         keys/values of the prompt for the layers it keeps: its position follows q's."""
-        if self.slim is None or not self.shared:
-            return super().prefill_steps(upto, budget)
-        forwards = [f for f in [self.full.prefill(self.seq, upto, budget, self.stats)] if f is not None]
-        self.slim.pos = self.full.pos
-        return forwards
+        scoring = self.prompt_logprobs is not None  # the full tier returns the logits of what it prefills
+        full = self.full.prefill(self.seq, upto, budget, self.stats, logits=scoring)
+        slim = None
+        if self.slim is not None and not self.shared:
+            slim = self.slim.prefill(self.seq, upto, budget, self.stats)
+        elif self.slim is not None:
+            self.slim.pos = self.full.pos
+        return [f for f in (slim, full) if f is not None]
+
+    def prefilled(self, forward: Forward, logits: Tensor) -> None:
+        """Prompt logprobs: the logits of positions start..start+T-1 score prompt tokens start+1..start+T."""
+        if forward.num_logits and self.prompt_logprobs is not None:
+            scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
+            self.prompt_logprobs += token_logprobs(logits, scored, self.params.prompt_logprobs)
+
+    def copy_prefill(self, leader: "VerifySession") -> None:
+        super().copy_prefill(leader)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = list(leader.prompt_logprobs)
+
+    def _processed(self, logits: Tensor, block: Sequence[int] = ()) -> Tensor:
+        """The logits the request samples from: penalised given self.seq + block[:t] for row t."""
+        return logits if self.penalties is None else self.penalties(logits, self.seq, block)
+
+    def _logprobs(self, logits: Tensor, tokens: list[int], tier: str = "full") -> list[TokenLogprob] | None:
+        """The committed tokens' logprobs from raw logits [len(tokens), V], when the request asks for them."""
+        k = self.params.logprobs
+        return None if k is None else token_logprobs(logits[: len(tokens)], tokens, k, tier)
 
     def decode_one(self) -> Outcome:
         """`decode_one_steps` alone."""
@@ -439,7 +497,8 @@ class VerifySession(_Session):
     def decode_one_steps(self) -> Steps:
         """`ar`: one forward of q, one token."""
         logits = yield self.full.ask(self.seq, 1, self.stats)  # [1, V]
-        return Outcome([int(self.sampler.sample(self.sampler.probs(logits), self.generator)[0])], 0)
+        tokens = [int(self.sampler.sample(self.sampler.probs(self._processed(logits)), self.generator)[0])]
+        return Outcome(tokens, 0, self._logprobs(logits, tokens))
 
     def check_steps(self, draft: list[int], p: Tensor | None, mode: Mode | None = None) -> Steps:
         """Verify a draft block (p [k, V], or None when it is a point mass at the draft tokens:
@@ -459,7 +518,8 @@ class VerifySession(_Session):
     def _full_verify_steps(self, draft: list[int], p: Tensor, start: int) -> Steps:
         """q scores the whole block in one forward; its rule decides positions start..k-1."""
         k, stats = len(draft), self.stats
-        q = self.sampler.probs((yield self.full.ask(self.seq + draft, k + 1, stats)))  # [k + 1, V]
+        logits = yield self.full.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        q = self.sampler.probs(self._processed(logits, draft))  # [k + 1, V]
         draft_t = torch.tensor(draft[start:], device=q.device)  # [k - start]
         verdict = verify(self.rule, p[start:].to(device=q.device, dtype=q.dtype), q[start:], draft_t, self.generator)
         j = verdict.num_accepted
@@ -467,12 +527,14 @@ class VerifySession(_Session):
         stats.num_rejected_tokens += 0 if verdict.bonus else 1
         stats.num_bonus_tokens += int(verdict.bonus)
         stats.num_cycle_tokens += start + j + 1
-        return Outcome(draft[: start + j] + [verdict.token], start + j)
+        tokens = draft[: start + j] + [verdict.token]
+        return Outcome(tokens, start + j, self._logprobs(logits, tokens))
 
     def _check_via_steps(self, draft: list[int], p: Tensor) -> Steps:
         """Steps 2-4 of the VIA-SD cycle: slim-verify with the gate, then rewrite or escalate."""
         k, params, stats, sampler = len(draft), self.params, self.stats, self.sampler
-        slim_logits = yield self.slim.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        slim_raw = yield self.slim.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        slim_logits = self._processed(slim_raw, draft)  # [k + 1, V]
         regions = gate(
             sampler.gate_probs(slim_logits[:k]),  # [k, V]
             torch.tensor(draft, device=slim_logits.device),
@@ -490,13 +552,13 @@ class VerifySession(_Session):
                 tokens.append(int(sampler.sample(sampler.probs(slim_logits[k:]), self.generator)[0]))
                 stats.num_bonus_tokens += 1
             stats.num_cycle_tokens += len(tokens)
-            return Outcome(tokens, k)
+            return (yield from self._slim_outcome(Outcome(tokens, k), slim_raw))
         if regions[i] == Region.REWRITE:  # region B: q' writes position i itself
             stats.slim_rewritten += 1
             stats.num_rejected_tokens += 1
             stats.num_cycle_tokens += i + 1
             token = int(sampler.sample(sampler.probs(slim_logits[i : i + 1]), self.generator)[0])
-            return Outcome(draft[:i] + [token], i)
+            return (yield from self._slim_outcome(Outcome(draft[:i] + [token], i), slim_raw))
         # region C: q decides positions i..k-1 with the speculative-sampling rule
         stats.escalations += 1
         stats.escalated_tokens += k - i
@@ -522,7 +584,8 @@ class VerifySession(_Session):
         accept x~ by enough to cover the slim forward.
         """
         k, stats, sampler = len(draft), self.stats, self.sampler
-        slim = sampler.probs((yield self.slim.ask(self.seq + draft, k + 1, stats)))  # [k + 1, V]
+        slim_raw = yield self.slim.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        slim = sampler.probs(self._processed(slim_raw, draft))  # [k + 1, V]
         draft_t = torch.tensor(draft, device=slim.device)  # [k]
         first = verify(Lossless(), p.to(device=slim.device, dtype=slim.dtype), slim, draft_t, self.generator)
         j = first.num_accepted
@@ -531,7 +594,8 @@ class VerifySession(_Session):
         stats.slim_rewritten += 0 if first.bonus else 1
         stats.escalations += 1
         stats.escalated_tokens += j + 1
-        q = sampler.probs((yield self.full.ask(self.seq + block, j + 2, stats)))  # [j + 2, V]
+        logits = yield self.full.ask(self.seq + block, j + 2, stats)  # [j + 2, V]
+        q = sampler.probs(self._processed(logits, block))  # [j + 2, V]
         block_t = torch.tensor(block, device=q.device)  # [j + 1]
         second = verify(Lossless(), slim[: j + 1].to(q.dtype), q, block_t, self.generator)
         a = second.num_accepted
@@ -541,7 +605,21 @@ class VerifySession(_Session):
         stats.num_bonus_tokens += int(second.bonus)
         stats.num_cycle_tokens += a + 1
         # the drafter and q' saw x~, q saw y: caches stay valid where the committed tokens are draft tokens
-        return Outcome(block[:a] + [second.token], min(a, j))
+        tokens = block[:a] + [second.token]
+        return Outcome(tokens, min(a, j), self._logprobs(logits, tokens))
+
+    def _slim_outcome(self, outcome: Outcome, slim_logits: Tensor) -> Steps:
+        """A cycle q' committed alone: its logprobs from q' ('slim', free) or from q recomputed
+        over the cycle's tokens ('full': one full forward, feeding what q would feed next anyway)."""
+        if self.params.logprobs is None:
+            return outcome
+        tokens = outcome.tokens
+        if self.params.logprobs_tier == LogprobTier.SLIM:
+            outcome.logprobs = self._logprobs(slim_logits, tokens, "slim")
+            return outcome
+        logits = yield self.full.ask(self.seq + tokens[:-1], len(tokens), self.stats)  # [len(tokens), V]
+        outcome.logprobs = self._logprobs(logits, tokens)
+        return outcome
 
     def commit(self, outcome: Outcome) -> None:
         """Append the tokens; roll q and q' back. Under the shared policy an escalation made q

@@ -2,10 +2,13 @@
 
 * ``GenerationParams`` message <-> :class:`viasd.config.GenerationParams`. An unset optional
   field (proto3 ``optional``) takes the pydantic default; an ``*_UNSPECIFIED`` enum value the
-  default too (``MODE_UNSPECIFIED``: the server's default mode, passed in). Decoding validates
+  default too (``MODE_UNSPECIFIED``: the server's default mode, passed in); an empty
+  ``logit_bias`` map or ``stop`` list means none. Decoding validates
   through :func:`viasd.config.parse_params`, so a bad value raises
   :class:`~viasd.errors.InvalidParameterError` naming the field. ``stop_token_ids``: an empty
   list means "the model's EOS tokens" (None); "no stop tokens at all" is ``ignore_eos``.
+* ``TokenLogprob`` messages <-> :class:`viasd.sampling.TokenLogprob` lists (prompt logprobs: the
+  first prompt token has none, so the message list starts at the second).
 * ``RequestStats`` message <-> :class:`viasd.metrics.RequestStats`. The derived rates
   (mean acceptance length, rejection rate) are written for readers of the message and
   recomputed from the counters when decoding; 0 stands for "none" in ``time_to_first_token``.
@@ -15,16 +18,16 @@ Imports protobuf and pydantic only (no grpc, no torch): the light client install
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
-from viasd.config import GenerationParams, Mode, Proposer, RegionB, Rule, parse_params
+from viasd.config import GenerationParams, LogprobTier, Mode, Proposer, RegionB, Rule, parse_params
 from viasd.errors import InvalidParameterError
-from viasd.metrics import MODELS, RequestStats
+from viasd.metrics import MODELS, RequestStats, TokenLogprob
 from viasd.v1 import generation_pb2 as pb
 
 __all__ = [
     "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "stats_to_proto", "stats_from_proto",
-    "mode_from_proto", "finish_from_proto",
+    "mode_from_proto", "finish_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
 
 MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA, Mode.AUTO: pb.MODE_AUTO}
@@ -32,19 +35,22 @@ REGION_B_TO_PB = {RegionB.REWRITE: pb.REGION_B_REWRITE, RegionB.ESCALATE: pb.REG
 PROPOSER_TO_PB = {Proposer.MODEL: pb.PROPOSER_MODEL, Proposer.NGRAM: pb.PROPOSER_NGRAM,
                   Proposer.HYBRID: pb.PROPOSER_HYBRID}
 RULE_TO_PB = {Rule.LOSSLESS: pb.RULE_LOSSLESS, Rule.LOSSY: pb.RULE_LOSSY, Rule.OVERSHOOT: pb.RULE_OVERSHOOT}
+LOGPROB_TIER_TO_PB = {LogprobTier.FULL: pb.LOGPROB_TIER_FULL, LogprobTier.SLIM: pb.LOGPROB_TIER_SLIM}
 FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                 "abort": pb.FINISH_REASON_ABORT}
 _MODE_FROM_PB = {v: k for k, v in MODE_TO_PB.items()}
 _REGION_B_FROM_PB = {v: k for k, v in REGION_B_TO_PB.items()}
 _RULE_FROM_PB = {v: k for k, v in RULE_TO_PB.items()}
 _PROPOSER_FROM_PB = {v: k for k, v in PROPOSER_TO_PB.items()}
+_LOGPROB_TIER_FROM_PB = {v: k for k, v in LOGPROB_TIER_TO_PB.items()}
 _FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 # proto3 `optional` scalars of GenerationParams: presence says whether the client set them
 _OPTIONAL = (
     "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "slim_bonus",
     "lossy_alpha", "lossy_beta", "overshoot_ceiling", "ignore_eos", "ngram_max", "draft_confidence", "adaptive_gamma",
-    "overlap", "auto_lossy",
+    "overlap", "auto_lossy", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
+    "prompt_logprobs", "n",
 )
 # RequestStats counters with the same name on both sides
 _STATS_INTS = (
@@ -78,7 +84,12 @@ def params_to_proto(params: GenerationParams, only: Collection[str] | None = Non
         rule=RULE_TO_PB[params.rule] if "rule" in names else pb.RULE_UNSPECIFIED,
         proposer=PROPOSER_TO_PB[params.proposer] if "proposer" in names else pb.PROPOSER_UNSPECIFIED,
         stop_token_ids=list(params.stop_token_ids or ()) if "stop_token_ids" in names else [],
+        logprobs_tier=LOGPROB_TIER_TO_PB[params.logprobs_tier] if "logprobs_tier" in names
+        else pb.LOGPROB_TIER_UNSPECIFIED,
+        stop=list(params.stop or ()) if "stop" in names else [],
     )
+    if "logit_bias" in names:
+        msg.logit_bias.update(params.logit_bias or {})
     for name in _OPTIONAL:
         value = getattr(params, name)
         if value is not None and name in names:
@@ -98,7 +109,24 @@ def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.
         values["proposer"] = _enum(msg.proposer, _PROPOSER_FROM_PB, "proposer")
     if msg.stop_token_ids:
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    if msg.logprobs_tier != pb.LOGPROB_TIER_UNSPECIFIED:
+        values["logprobs_tier"] = _enum(msg.logprobs_tier, _LOGPROB_TIER_FROM_PB, "logprobs_tier")
+    if msg.logit_bias:
+        values["logit_bias"] = dict(msg.logit_bias)
+    if msg.stop:
+        values["stop"] = tuple(msg.stop)
     return parse_params(values)
+
+
+def logprobs_to_proto(entries: Sequence[TokenLogprob | None] | None) -> list[pb.TokenLogprob]:
+    """TokenLogprob entries as messages (a None entry, the first prompt token's, is left out)."""
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, tier=e.tier,
+                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
+            for e in entries or () if e is not None]
+
+
+def logprobs_from_proto(msgs: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:
+    return [TokenLogprob(m.token_id, m.logprob, [(t.token_id, t.logprob) for t in m.top], m.tier) for m in msgs]
 
 
 def finish_from_proto(value: int) -> str | None:

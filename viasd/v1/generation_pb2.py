@@ -24,51 +24,61 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19viasd/v1/generation.proto\x12\x08viasd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x83\x07\n\x10GenerationParams\x12\x1c\n\x04mode\x18\x01 \x01(\x0e\x32\x0e.viasd.v1.Mode\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05gamma\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x13\n\x06\x61lpha1\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x13\n\x06\x61lpha2\x18\n \x01(\x01H\x08\x88\x01\x01\x12#\n\x08region_b\x18\x0b \x01(\x0e\x32\x11.viasd.v1.RegionB\x12\x17\n\nslim_bonus\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x1c\n\x04rule\x18\r \x01(\x0e\x32\x0e.viasd.v1.Rule\x12\x18\n\x0blossy_alpha\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x17\n\nlossy_beta\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11overshoot_ceiling\x18\x10 \x01(\x01H\x0c\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\x17\n\nignore_eos\x18\x12 \x01(\x08H\r\x88\x01\x01\x12$\n\x08proposer\x18\x13 \x01(\x0e\x32\x12.viasd.v1.Proposer\x12\x16\n\tngram_max\x18\x14 \x01(\x05H\x0e\x88\x01\x01\x12\x1d\n\x10\x64raft_confidence\x18\x15 \x01(\x01H\x0f\x88\x01\x01\x12\x1b\n\x0e\x61\x64\x61ptive_gamma\x18\x16 \x01(\x08H\x10\x88\x01\x01\x12\x14\n\x07overlap\x18\x17 \x01(\x08H\x11\x88\x01\x01\x12\x17\n\nauto_lossy\x18\x18 \x01(\x08H\x12\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x08\n\x06_gammaB\t\n\x07_alpha1B\t\n\x07_alpha2B\r\n\x0b_slim_bonusB\x0e\n\x0c_lossy_alphaB\r\n\x0b_lossy_betaB\x14\n\x12_overshoot_ceilingB\r\n\x0b_ignore_eosB\x0c\n\n_ngram_maxB\x13\n\x11_draft_confidenceB\x11\n\x0f_adaptive_gammaB\n\n\x08_overlapB\r\n\x0b_auto_lossy\"\xd7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.viasd.v1.ChatMessagesH\x00\x12.\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x12.viasd.v1.TokenIdsH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.viasd.v1.GenerationParamsB\x07\n\x05input\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.viasd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa9\x06\n\x0cRequestStats\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_drafts\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x07 \x03(\r\x12\x1b\n\x13num_rejected_tokens\x18\x08 \x01(\r\x12\x18\n\x10num_bonus_tokens\x18\t \x01(\r\x12\x15\n\rslim_accepted\x18\n \x01(\r\x12\x16\n\x0eslim_rewritten\x18\x0b \x01(\r\x12\x13\n\x0b\x65scalations\x18\x0c \x01(\r\x12\x18\n\x10\x65scalated_tokens\x18\r \x01(\r\x12\x15\n\rfull_accepted\x18\x0e \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x0f \x01(\x01\x12\x16\n\x0erejection_rate\x18\x10 \x01(\x01\x12\x36\n\x08\x66orwards\x18\x11 \x03(\x0b\x32$.viasd.v1.RequestStats.ForwardsEntry\x12\x34\n\x07seconds\x18\x12 \x03(\x0b\x32#.viasd.v1.RequestStats.SecondsEntry\x12\x1b\n\x13time_to_first_token\x18\x13 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x14 \x01(\x01\x12\x18\n\x10\x64rafter_fallback\x18\x15 \x01(\x08\x12\x18\n\x10num_cycle_tokens\x18\x16 \x01(\r\x12\x1a\n\x12ngram_draft_tokens\x18\x17 \x01(\r\x12\x1c\n\x14overlap_draft_tokens\x18\x18 \x01(\r\x12\x15\n\rqueue_seconds\x18( \x01(\x01\x1a/\n\rForwardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a.\n\x0cSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9d\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.viasd.v1.FinishReason\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.viasd.v1.RequestStats\"\x13\n\x11ListModelsRequest\"\xc1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08verifier\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0eskipped_layers\x18\x05 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12$\n\x0c\x64\x65\x66\x61ult_mode\x18\x08 \x01(\x0e\x32\x0e.viasd.v1.Mode\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.viasd.v1.ModelInfo*S\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07MODE_AR\x10\x01\x12\x0b\n\x07MODE_SD\x10\x02\x12\x0c\n\x08MODE_VIA\x10\x03\x12\r\n\tMODE_AUTO\x10\x04*P\n\x07RegionB\x12\x18\n\x14REGION_B_UNSPECIFIED\x10\x00\x12\x14\n\x10REGION_B_REWRITE\x10\x01\x12\x15\n\x11REGION_B_ESCALATE\x10\x02*a\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePROPOSER_MODEL\x10\x01\x12\x12\n\x0ePROPOSER_NGRAM\x10\x02\x12\x13\n\x0fPROPOSER_HYBRID\x10\x03*S\n\x04Rule\x12\x14\n\x10RULE_UNSPECIFIED\x10\x00\x12\x11\n\rRULE_LOSSLESS\x10\x01\x12\x0e\n\nRULE_LOSSY\x10\x02\x12\x12\n\x0eRULE_OVERSHOOT\x10\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x01\n\x11GenerationService\x12\x43\n\x08Generate\x12\x19.viasd.v1.GenerateRequest\x1a\x1a.viasd.v1.GenerateResponse0\x01\x12G\n\nListModels\x12\x1b.viasd.v1.ListModelsRequest\x1a\x1c.viasd.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19viasd/v1/generation.proto\x12\x08viasd.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xbe\n\n\x10GenerationParams\x12\x1c\n\x04mode\x18\x01 \x01(\x0e\x32\x0e.viasd.v1.Mode\x12\x17\n\nmax_tokens\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x12\x12\n\x05gamma\x18\x08 \x01(\x05H\x06\x88\x01\x01\x12\x13\n\x06\x61lpha1\x18\t \x01(\x01H\x07\x88\x01\x01\x12\x13\n\x06\x61lpha2\x18\n \x01(\x01H\x08\x88\x01\x01\x12#\n\x08region_b\x18\x0b \x01(\x0e\x32\x11.viasd.v1.RegionB\x12\x17\n\nslim_bonus\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x1c\n\x04rule\x18\r \x01(\x0e\x32\x0e.viasd.v1.Rule\x12\x18\n\x0blossy_alpha\x18\x0e \x01(\x01H\n\x88\x01\x01\x12\x17\n\nlossy_beta\x18\x0f \x01(\x01H\x0b\x88\x01\x01\x12\x1e\n\x11overshoot_ceiling\x18\x10 \x01(\x01H\x0c\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x11 \x03(\r\x12\x17\n\nignore_eos\x18\x12 \x01(\x08H\r\x88\x01\x01\x12$\n\x08proposer\x18\x13 \x01(\x0e\x32\x12.viasd.v1.Proposer\x12\x16\n\tngram_max\x18\x14 \x01(\x05H\x0e\x88\x01\x01\x12\x1d\n\x10\x64raft_confidence\x18\x15 \x01(\x01H\x0f\x88\x01\x01\x12\x1b\n\x0e\x61\x64\x61ptive_gamma\x18\x16 \x01(\x08H\x10\x88\x01\x01\x12\x14\n\x07overlap\x18\x17 \x01(\x08H\x11\x88\x01\x01\x12\x17\n\nauto_lossy\x18\x18 \x01(\x08H\x12\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x19 \x01(\x01H\x13\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x1a \x01(\x01H\x14\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x1b \x01(\x01H\x15\x88\x01\x01\x12=\n\nlogit_bias\x18\x1c \x03(\x0b\x32).viasd.v1.GenerationParams.LogitBiasEntry\x12\x15\n\x08logprobs\x18\x1d \x01(\x05H\x16\x88\x01\x01\x12,\n\rlogprobs_tier\x18\x1e \x01(\x0e\x32\x15.viasd.v1.LogprobTier\x12\x1c\n\x0fprompt_logprobs\x18\x1f \x01(\x05H\x17\x88\x01\x01\x12\x0c\n\x04stop\x18  \x03(\t\x12\x0e\n\x01n\x18! \x01(\x05H\x18\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x07\n\x05_seedB\x08\n\x06_gammaB\t\n\x07_alpha1B\t\n\x07_alpha2B\r\n\x0b_slim_bonusB\x0e\n\x0c_lossy_alphaB\r\n\x0b_lossy_betaB\x14\n\x12_overshoot_ceilingB\r\n\x0b_ignore_eosB\x0c\n\n_ngram_maxB\x13\n\x11_draft_confidenceB\x11\n\x0f_adaptive_gammaB\n\n\x08_overlapB\r\n\x0b_auto_lossyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"b\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12!\n\x03top\x18\x03 \x03(\x0b\x32\x14.viasd.v1.TopLogprob\x12\x0c\n\x04tier\x18\x04 \x01(\t\"\xd7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x06prompt\x18\x03 \x01(\tH\x00\x12*\n\x08messages\x18\x04 \x01(\x0b\x32\x16.viasd.v1.ChatMessagesH\x00\x12.\n\x10prompt_token_ids\x18\x05 \x01(\x0b\x32\x12.viasd.v1.TokenIdsH\x00\x12*\n\x06params\x18\x06 \x01(\x0b\x32\x1a.viasd.v1.GenerationParamsB\x07\n\x05input\"7\n\x0c\x43hatMessages\x12\'\n\x08messages\x18\x01 \x03(\x0b\x32\x15.viasd.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa9\x06\n\x0cRequestStats\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x15\n\rprompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\x12\x12\n\nnum_drafts\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x07 \x03(\r\x12\x1b\n\x13num_rejected_tokens\x18\x08 \x01(\r\x12\x18\n\x10num_bonus_tokens\x18\t \x01(\r\x12\x15\n\rslim_accepted\x18\n \x01(\r\x12\x16\n\x0eslim_rewritten\x18\x0b \x01(\r\x12\x13\n\x0b\x65scalations\x18\x0c \x01(\r\x12\x18\n\x10\x65scalated_tokens\x18\r \x01(\r\x12\x15\n\rfull_accepted\x18\x0e \x01(\r\x12\x1e\n\x16mean_acceptance_length\x18\x0f \x01(\x01\x12\x16\n\x0erejection_rate\x18\x10 \x01(\x01\x12\x36\n\x08\x66orwards\x18\x11 \x03(\x0b\x32$.viasd.v1.RequestStats.ForwardsEntry\x12\x34\n\x07seconds\x18\x12 \x03(\x0b\x32#.viasd.v1.RequestStats.SecondsEntry\x12\x1b\n\x13time_to_first_token\x18\x13 \x01(\x01\x12\x15\n\rtotal_seconds\x18\x14 \x01(\x01\x12\x18\n\x10\x64rafter_fallback\x18\x15 \x01(\x08\x12\x18\n\x10num_cycle_tokens\x18\x16 \x01(\r\x12\x1a\n\x12ngram_draft_tokens\x18\x17 \x01(\r\x12\x1c\n\x14overlap_draft_tokens\x18\x18 \x01(\r\x12\x15\n\rqueue_seconds\x18( \x01(\x01\x1a/\n\rForwardsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x1a.\n\x0cSecondsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x87\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12-\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x16.viasd.v1.FinishReason\x12%\n\x05stats\x18\x05 \x01(\x0b\x32\x16.viasd.v1.RequestStats\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.viasd.v1.TokenLogprob\x12/\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x16.viasd.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x13\n\x11ListModelsRequest\"\xc1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08verifier\x18\x02 \x01(\t\x12\x0f\n\x07\x64rafter\x18\x03 \x01(\t\x12\x12\n\nnum_layers\x18\x04 \x01(\r\x12\x16\n\x0eskipped_layers\x18\x05 \x03(\r\x12\x1c\n\x14tensor_parallel_size\x18\x06 \x01(\r\x12\x13\n\x0bmax_context\x18\x07 \x01(\r\x12$\n\x0c\x64\x65\x66\x61ult_mode\x18\x08 \x01(\x0e\x32\x0e.viasd.v1.Mode\"9\n\x12ListModelsResponse\x12#\n\x06models\x18\x01 \x03(\x0b\x32\x13.viasd.v1.ModelInfo*S\n\x04Mode\x12\x14\n\x10MODE_UNSPECIFIED\x10\x00\x12\x0b\n\x07MODE_AR\x10\x01\x12\x0b\n\x07MODE_SD\x10\x02\x12\x0c\n\x08MODE_VIA\x10\x03\x12\r\n\tMODE_AUTO\x10\x04*P\n\x07RegionB\x12\x18\n\x14REGION_B_UNSPECIFIED\x10\x00\x12\x14\n\x10REGION_B_REWRITE\x10\x01\x12\x15\n\x11REGION_B_ESCALATE\x10\x02*a\n\x08Proposer\x12\x18\n\x14PROPOSER_UNSPECIFIED\x10\x00\x12\x12\n\x0ePROPOSER_MODEL\x10\x01\x12\x12\n\x0ePROPOSER_NGRAM\x10\x02\x12\x13\n\x0fPROPOSER_HYBRID\x10\x03*S\n\x04Rule\x12\x14\n\x10RULE_UNSPECIFIED\x10\x00\x12\x11\n\rRULE_LOSSLESS\x10\x01\x12\x0e\n\nRULE_LOSSY\x10\x02\x12\x12\n\x0eRULE_OVERSHOOT\x10\x03*Y\n\x0bLogprobTier\x12\x1c\n\x18LOGPROB_TIER_UNSPECIFIED\x10\x00\x12\x15\n\x11LOGPROB_TIER_FULL\x10\x01\x12\x15\n\x11LOGPROB_TIER_SLIM\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa1\x01\n\x11GenerationService\x12\x43\n\x08Generate\x12\x19.viasd.v1.GenerateRequest\x1a\x1a.viasd.v1.GenerateResponse0\x01\x12G\n\nListModels\x12\x1b.viasd.v1.ListModelsRequest\x1a\x1c.viasd.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'viasd.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_REQUESTSTATS_FORWARDSENTRY']._loaded_options = None
   _globals['_REQUESTSTATS_FORWARDSENTRY']._serialized_options = b'8\001'
   _globals['_REQUESTSTATS_SECONDSENTRY']._loaded_options = None
   _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_options = b'8\001'
-  _globals['_MODE']._serialized_start=2535
-  _globals['_MODE']._serialized_end=2618
-  _globals['_REGIONB']._serialized_start=2620
-  _globals['_REGIONB']._serialized_end=2700
-  _globals['_PROPOSER']._serialized_start=2702
-  _globals['_PROPOSER']._serialized_end=2799
-  _globals['_RULE']._serialized_start=2801
-  _globals['_RULE']._serialized_end=2884
-  _globals['_FINISHREASON']._serialized_start=2886
-  _globals['_FINISHREASON']._serialized_end=3006
+  _globals['_MODE']._serialized_start=3233
+  _globals['_MODE']._serialized_end=3316
+  _globals['_REGIONB']._serialized_start=3318
+  _globals['_REGIONB']._serialized_end=3398
+  _globals['_PROPOSER']._serialized_start=3400
+  _globals['_PROPOSER']._serialized_end=3497
+  _globals['_RULE']._serialized_start=3499
+  _globals['_RULE']._serialized_end=3582
+  _globals['_LOGPROBTIER']._serialized_start=3584
+  _globals['_LOGPROBTIER']._serialized_end=3673
+  _globals['_FINISHREASON']._serialized_start=3675
+  _globals['_FINISHREASON']._serialized_end=3795
   _globals['_CHATMESSAGE']._serialized_start=39
   _globals['_CHATMESSAGE']._serialized_end=83
   _globals['_GENERATIONPARAMS']._serialized_start=86
-  _globals['_GENERATIONPARAMS']._serialized_end=985
-  _globals['_GENERATEREQUEST']._serialized_start=988
-  _globals['_GENERATEREQUEST']._serialized_end=1203
-  _globals['_CHATMESSAGES']._serialized_start=1205
-  _globals['_CHATMESSAGES']._serialized_end=1260
-  _globals['_TOKENIDS']._serialized_start=1262
-  _globals['_TOKENIDS']._serialized_end=1285
-  _globals['_REQUESTSTATS']._serialized_start=1288
-  _globals['_REQUESTSTATS']._serialized_end=2097
-  _globals['_REQUESTSTATS_FORWARDSENTRY']._serialized_start=2002
-  _globals['_REQUESTSTATS_FORWARDSENTRY']._serialized_end=2049
-  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_start=2051
-  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_end=2097
-  _globals['_GENERATERESPONSE']._serialized_start=2100
-  _globals['_GENERATERESPONSE']._serialized_end=2257
-  _globals['_LISTMODELSREQUEST']._serialized_start=2259
-  _globals['_LISTMODELSREQUEST']._serialized_end=2278
-  _globals['_MODELINFO']._serialized_start=2281
-  _globals['_MODELINFO']._serialized_end=2474
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2476
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2533
-  _globals['_GENERATIONSERVICE']._serialized_start=3009
-  _globals['_GENERATIONSERVICE']._serialized_end=3170
+  _globals['_GENERATIONPARAMS']._serialized_end=1428
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_start=1009
+  _globals['_GENERATIONPARAMS_LOGITBIASENTRY']._serialized_end=1057
+  _globals['_TOPLOGPROB']._serialized_start=1430
+  _globals['_TOPLOGPROB']._serialized_end=1477
+  _globals['_TOKENLOGPROB']._serialized_start=1479
+  _globals['_TOKENLOGPROB']._serialized_end=1577
+  _globals['_GENERATEREQUEST']._serialized_start=1580
+  _globals['_GENERATEREQUEST']._serialized_end=1795
+  _globals['_CHATMESSAGES']._serialized_start=1797
+  _globals['_CHATMESSAGES']._serialized_end=1852
+  _globals['_TOKENIDS']._serialized_start=1854
+  _globals['_TOKENIDS']._serialized_end=1877
+  _globals['_REQUESTSTATS']._serialized_start=1880
+  _globals['_REQUESTSTATS']._serialized_end=2689
+  _globals['_REQUESTSTATS_FORWARDSENTRY']._serialized_start=2594
+  _globals['_REQUESTSTATS_FORWARDSENTRY']._serialized_end=2641
+  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_start=2643
+  _globals['_REQUESTSTATS_SECONDSENTRY']._serialized_end=2689
+  _globals['_GENERATERESPONSE']._serialized_start=2692
+  _globals['_GENERATERESPONSE']._serialized_end=2955
+  _globals['_LISTMODELSREQUEST']._serialized_start=2957
+  _globals['_LISTMODELSREQUEST']._serialized_end=2976
+  _globals['_MODELINFO']._serialized_start=2979
+  _globals['_MODELINFO']._serialized_end=3172
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3174
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3231
+  _globals['_GENERATIONSERVICE']._serialized_start=3798
+  _globals['_GENERATIONSERVICE']._serialized_end=3959
 # @@protoc_insertion_point(module_scope)

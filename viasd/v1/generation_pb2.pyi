@@ -35,6 +35,12 @@ class Rule(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RULE_LOSSY: _ClassVar[Rule]
     RULE_OVERSHOOT: _ClassVar[Rule]
 
+class LogprobTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOGPROB_TIER_UNSPECIFIED: _ClassVar[LogprobTier]
+    LOGPROB_TIER_FULL: _ClassVar[LogprobTier]
+    LOGPROB_TIER_SLIM: _ClassVar[LogprobTier]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -57,6 +63,9 @@ RULE_UNSPECIFIED: Rule
 RULE_LOSSLESS: Rule
 RULE_LOSSY: Rule
 RULE_OVERSHOOT: Rule
+LOGPROB_TIER_UNSPECIFIED: LogprobTier
+LOGPROB_TIER_FULL: LogprobTier
+LOGPROB_TIER_SLIM: LogprobTier
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -71,7 +80,14 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap", "auto_lossy")
+    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap", "auto_lossy", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "logprobs_tier", "prompt_logprobs", "stop", "n")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +112,15 @@ class GenerationParams(_message.Message):
     ADAPTIVE_GAMMA_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     AUTO_LOSSY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_TIER_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     max_tokens: int
     temperature: float
@@ -120,7 +145,36 @@ class GenerationParams(_message.Message):
     adaptive_gamma: bool
     overlap: bool
     auto_lossy: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ..., auto_lossy: _Optional[bool] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    logprobs: int
+    logprobs_tier: LogprobTier
+    prompt_logprobs: int
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    n: int
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ..., auto_lossy: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., logprobs: _Optional[int] = ..., logprobs_tier: _Optional[_Union[LogprobTier, str]] = ..., prompt_logprobs: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., n: _Optional[int] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top", "tier")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    tier: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt", "messages", "prompt_token_ids", "params")
@@ -219,18 +273,24 @@ class RequestStats(_message.Message):
     def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_rejected_tokens: _Optional[int] = ..., num_bonus_tokens: _Optional[int] = ..., slim_accepted: _Optional[int] = ..., slim_rewritten: _Optional[int] = ..., escalations: _Optional[int] = ..., escalated_tokens: _Optional[int] = ..., full_accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rejection_rate: _Optional[float] = ..., forwards: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[_Mapping[str, float]] = ..., time_to_first_token: _Optional[float] = ..., total_seconds: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., num_cycle_tokens: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., overlap_draft_tokens: _Optional[int] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats")
+    __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats", "logprobs", "prompt_logprobs", "index")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     stats: RequestStats
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    index: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
