@@ -169,6 +169,12 @@ class Coordinator:
             raise InvalidParameterError(
                 "mode", "mode 'auto' runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
                 "serves 'ar', 'sd' and 'via'")
+        for field, asked in (("logprobs", params.logprobs is not None), ("prompt_logprobs", params.prompt_logprobs is not None),
+                             ("n", params.n > 1)):
+            if asked:  # the engine computes them; the actors do not send them back yet: refused, not dropped
+                raise InvalidParameterError(
+                    field, f"{field} runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
+                    "does not return it yet")
         if params.mode != Mode.AR and self.drafter_address is None:  # (the n-gram proposer runs on the drafter too)
             raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs the pipeline's drafter; it has none")
         if not request_id:
