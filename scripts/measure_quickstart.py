@@ -7,7 +7,7 @@ interleaved.
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \\
         flock /tmp/viasd-heavy.lock python scripts/measure_quickstart.py          # emulated AVX2 CPU
 
-Configurations: `before` = the old quick start (`--mode via`, bf16, plain `F.linear`); `after` =
+Configurations: `before` = the old quick start (`--mode via`, bf16, plain `F.linear`, the paper's gates); `after` =
 today's (`--mode auto`, `dtype auto`, prepacked linears); `ar` = plain decoding with today's
 precision choice. tokens/s = generated tokens / request seconds (model loading excluded; one
 untimed 8-token request first). Writes ``docs/benchmarks/cpu/quickstart/quickstart-<label>.json``.
@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks" / "cpu" / "quickstart"
 PROMPT = "def fibonacci(n):"
 CONFIGS = {
-    "before": ({"dtype": "bfloat16", "packed_linears": False}, {"mode": "via"}),
+    "before": ({"dtype": "bfloat16", "packed_linears": False, "gates": "paper"}, {"mode": "via"}),
     "after": ({"dtype": "auto", "packed_linears": True}, {"mode": "auto"}),
     "ar": ({"dtype": "auto", "packed_linears": True}, {"mode": "ar"}),
 }
