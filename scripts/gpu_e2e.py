@@ -60,7 +60,7 @@ def main() -> int:
 
     from serve_throughput import mode_params, run_level
     from viasd.cluster import launch
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
     from viasd.config import parse_params
     from viasd.llm import LLM
 

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         base = args.url.rstrip("/")
     else:
         from viasd.cluster import launch
-        from viasd.cluster.config import load_serve_config, parse_serve_config
+        from viasd.cluster.serve_config import load_serve_config, parse_serve_config
 
         config = load_serve_config(args.config)
         raw = config.model_dump(mode="json")

@@ -212,7 +212,7 @@ def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, val
     from ray.serve.schema import ServeDeploySchema
 
     from viasd.cluster.app import GRPC_SERVICER, app_builder
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
 
     docs = render(chart, values)
     scv2 = serve_config_v2(docs)
@@ -244,8 +244,8 @@ def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, val
 
 def test_chart_schema_knows_exactly_the_serve_config_fields():
     """values.schema.json's `serve` lists ServeConfig's fields: a field added to or removed from
-    cluster/config.py shows up here."""
-    from viasd.cluster.config import ServeConfig
+    cluster/serve_config.py shows up here."""
+    from viasd.cluster.serve_config import ServeConfig
     from viasd.cluster.pipeline import PipelineConfig
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["serve"]
@@ -443,7 +443,7 @@ def test_internal_tls_secret_is_mounted_and_named_in_the_pipeline(chart):
     assert pipeline["internal_tls"] == {"cert_file": "/etc/viasd/internal-tls/tls.crt",
                                         "key_file": "/etc/viasd/internal-tls/tls.key",
                                         "ca_file": "/etc/viasd/internal-tls/ca.crt"}
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
 
     assert parse_serve_config(app_args(docs)).pipelines[0].internal_tls.server_name == "viasd-internal"
     for template in pod_specs(one(docs, "RayService")).values():
@@ -510,7 +510,7 @@ def test_model_storage_pvc_and_object_store(chart):
 
 
 def test_mask_artifact_becomes_a_configmap_and_the_verifier_mask(chart, tmp_path):
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
     from viasd.errors import MaskError
     from viasd.llm import load_mask
     from viasd.runtime import LayerMask

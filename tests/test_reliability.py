@@ -92,7 +92,8 @@ def server(aio, pipeline):
 def _supervised_server(aio, pipeline, name: str):
     """GenerationService over `pipeline` on a free port, its health following the pipeline's
     supervisor (as the standalone server runs it): (servicer, server, stub, channel)."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc, set_health
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc, set_health
 
     servicer = GenerationServicer({name: pipeline}, default=name)
     srv = aio.run(serve_grpc(servicer, 0))
@@ -248,7 +249,7 @@ def _kill_a_verifier_rank_mid_requests(aio, pipeline, servicer, stub, channel, l
     the health stream, the rebuild, that no old rank survives and that later requests are right."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from viasd.cluster.grpc_server import status_of
+    from viasd.cluster.grpc_api import status_of
 
     before, old_pids = pipeline.rebuilds["verifier"], list(pipeline.verifier_info["rank_pids"])
     old_pid, old_procs = old_pids[rank], [psutil.Process(p) for p in old_pids]
@@ -578,8 +579,9 @@ def test_text_and_chat_prompts_are_served_and_never_logged(aio, server, llm, cap
 @pytest.fixture
 def own_server(aio, pipeline):
     """A second GenerationService over the same pipeline, with its own admission and drain state."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc
-    from viasd.cluster.server import Admission
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc
+    from viasd.cluster.handler import Admission
 
     made = []
 
@@ -660,7 +662,7 @@ def test_drain_lets_requests_finish_then_aborts_the_rest(aio, own_server, pipeli
 
 
 def test_sigterm_drains_the_standalone_server(tmp_path, llm):
-    """`python -m viasd.cluster.grpc_server --http-port 0` under SIGTERM: health turns NOT_SERVING
+    """`python -m viasd.cluster.standalone --http-port 0` under SIGTERM: health turns NOT_SERVING
     and new calls are refused, a short request in flight finishes, a long one on gRPC and one on
     HTTP are ended with finish reason `abort` once --drain-timeout-s is spent, the process exits 0
     and leaves no child process."""
@@ -681,7 +683,7 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
     (tmp_path / "pipeline.json").write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     stderr = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "viasd.cluster.grpc_server", "--config", str(tmp_path / "pipeline.json"),
+    proc = subprocess.Popen([sys.executable, "-m", "viasd.cluster.standalone", "--config", str(tmp_path / "pipeline.json"),
                              "--port", "0", "--http-port", "0", "--drain-timeout-s", "2"], stdout=subprocess.PIPE,
                             stderr=stderr, text=True,
                             env=env, start_new_session=True)
@@ -772,12 +774,12 @@ def http_base(aio, pipeline):
 
     import uvicorn
 
-    from viasd.cluster.metrics import ServingMetrics
+    from viasd.cluster.serving_metrics import ServingMetrics
     from viasd.cluster.openai_api import build_http_app
-    from viasd.cluster.server import ReplicaServer
+    from viasd.cluster.handler import RequestHandler
 
     app = build_http_app()
-    app.state.server = ReplicaServer(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
+    app.state.server = RequestHandler(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
                                      max_concurrent_requests=4, max_queued_requests=16)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

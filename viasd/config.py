@@ -17,6 +17,7 @@ M = TypeVar("M", bound=BaseModel)
 
 MAX_GAMMA = 32
 MAX_STOP_TOKEN_IDS = 1024  # each committed token is checked against them
+MAX_STOP_STRINGS = 4  # OpenAI's limit; each streamed piece of text is searched for them
 MIN_TEMPERATURE = 1e-4  # below it logits / temperature overflows float32 into inf (and NaN probabilities)
 
 
@@ -127,6 +128,10 @@ class GenerationParams(BaseModel):
         False, description="Mode 'auto' may choose the lossy three-tier plan (via, gated by alpha1/alpha2); "
         "off: only lossless plans (ar, sd, n-gram), whose output follows the verifier exactly.",
     )
+    stop: tuple[str, ...] | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} non-empty strings that end the text (not included in it); "
+        "matched on the detokenized text by the serving layer (cluster/handler.py), on every transport.",
+    )
 
     @field_validator("temperature")
     @classmethod
@@ -141,6 +146,10 @@ class GenerationParams(BaseModel):
             raise ValueError(f"alpha2 ({self.alpha2}) must be smaller than alpha1 ({self.alpha1})")
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if self.stop is not None and not all(self.stop):
+            raise ValueError("stop strings must be non-empty")
         if self.mode == Mode.AUTO and (self.overlap or self.adaptive_gamma):
             raise ValueError("mode: 'auto' chooses the block length itself; it cannot be combined with "
                              "overlap or adaptive_gamma")
@@ -152,7 +161,7 @@ class GenerationParams(BaseModel):
 
 
 # The after-validator's cross-field errors name these fields.
-_CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "dtype": "dtype", "mask": "mask",
+_CROSS_FIELD = {"alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids", "stop strings": "stop", "dtype": "dtype", "mask": "mask",
                 "mode: ": "mode"}
 
 

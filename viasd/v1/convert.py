@@ -5,7 +5,9 @@
   default too (``MODE_UNSPECIFIED``: the server's default mode, passed in). Decoding validates
   through :func:`viasd.config.parse_params`, so a bad value raises
   :class:`~viasd.errors.InvalidParameterError` naming the field. ``stop_token_ids``: an empty
-  list means "the model's EOS tokens" (None); "no stop tokens at all" is ``ignore_eos``.
+  list means "the model's EOS tokens" (None); "no stop tokens at all" is ``ignore_eos``; the
+  same for ``stop`` (strings). `params_values_from_proto` gives only the fields the client set,
+  so that a server can lay them over its own defaults.
 * ``RequestStats`` message <-> :class:`viasd.metrics.RequestStats`. The derived rates
   (mean acceptance length, rejection rate) are written for readers of the message and
   recomputed from the counters when decoding; 0 stands for "none" in ``time_to_first_token``.
@@ -23,7 +25,7 @@ from viasd.metrics import MODELS, RequestStats
 from viasd.v1 import generation_pb2 as pb
 
 __all__ = [
-    "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "stats_to_proto", "stats_from_proto",
+    "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "params_values_from_proto", "stats_to_proto", "stats_from_proto",
     "mode_from_proto", "finish_from_proto",
 ]
 
@@ -78,6 +80,7 @@ def params_to_proto(params: GenerationParams, only: Collection[str] | None = Non
         rule=RULE_TO_PB[params.rule] if "rule" in names else pb.RULE_UNSPECIFIED,
         proposer=PROPOSER_TO_PB[params.proposer] if "proposer" in names else pb.PROPOSER_UNSPECIFIED,
         stop_token_ids=list(params.stop_token_ids or ()) if "stop_token_ids" in names else [],
+        stop=list(params.stop or ()) if "stop" in names else [],
     )
     for name in _OPTIONAL:
         value = getattr(params, name)
@@ -88,8 +91,14 @@ def params_to_proto(params: GenerationParams, only: Collection[str] | None = Non
 
 def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.VIA) -> GenerationParams:
     """Validated parameters; unset fields take the defaults (InvalidParameterError names a bad field)."""
+    return parse_params({"mode": Mode(default_mode), **params_values_from_proto(msg)})
+
+
+def params_values_from_proto(msg: pb.GenerationParams) -> dict:
+    """The GenerationParams fields the message sets (enums decoded; InvalidParameterError names a bad one)."""
     values: dict = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    values["mode"] = mode_from_proto(msg.mode, default_mode)
+    if msg.mode != pb.MODE_UNSPECIFIED:
+        values["mode"] = _enum(msg.mode, _MODE_FROM_PB, "mode")
     if msg.region_b != pb.REGION_B_UNSPECIFIED:
         values["region_b"] = _enum(msg.region_b, _REGION_B_FROM_PB, "region_b")
     if msg.rule != pb.RULE_UNSPECIFIED:
@@ -98,7 +107,9 @@ def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.
         values["proposer"] = _enum(msg.proposer, _PROPOSER_FROM_PB, "proposer")
     if msg.stop_token_ids:
         values["stop_token_ids"] = tuple(msg.stop_token_ids)
-    return parse_params(values)
+    if msg.stop:
+        values["stop"] = tuple(msg.stop)
+    return values
 
 
 def finish_from_proto(value: int) -> str | None:

@@ -71,7 +71,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerationParams(_message.Message):
-    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap", "auto_lossy")
+    __slots__ = ("mode", "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha", "lossy_beta", "overshoot_ceiling", "stop_token_ids", "ignore_eos", "proposer", "ngram_max", "draft_confidence", "adaptive_gamma", "overlap", "auto_lossy", "stop")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class GenerationParams(_message.Message):
     ADAPTIVE_GAMMA_FIELD_NUMBER: _ClassVar[int]
     OVERLAP_FIELD_NUMBER: _ClassVar[int]
     AUTO_LOSSY_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
     mode: Mode
     max_tokens: int
     temperature: float
@@ -120,7 +121,8 @@ class GenerationParams(_message.Message):
     adaptive_gamma: bool
     overlap: bool
     auto_lossy: bool
-    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ..., auto_lossy: _Optional[bool] = ...) -> None: ...
+    stop: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., gamma: _Optional[int] = ..., alpha1: _Optional[float] = ..., alpha2: _Optional[float] = ..., region_b: _Optional[_Union[RegionB, str]] = ..., slim_bonus: _Optional[bool] = ..., rule: _Optional[_Union[Rule, str]] = ..., lossy_alpha: _Optional[float] = ..., lossy_beta: _Optional[float] = ..., overshoot_ceiling: _Optional[float] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., ngram_max: _Optional[int] = ..., draft_confidence: _Optional[float] = ..., adaptive_gamma: _Optional[bool] = ..., overlap: _Optional[bool] = ..., auto_lossy: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt", "messages", "prompt_token_ids", "params")
@@ -235,7 +237,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "verifier", "drafter", "num_layers", "skipped_layers", "tensor_parallel_size", "max_context", "default_mode")
+    __slots__ = ("name", "verifier", "drafter", "num_layers", "skipped_layers", "tensor_parallel_size", "max_context", "default_mode", "dtype", "dtype_reason", "device", "cpu_capability")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +246,10 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     verifier: str
     drafter: str
@@ -252,7 +258,11 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     max_context: int
     default_mode: Mode
-    def __init__(self, name: _Optional[str] = ..., verifier: _Optional[str] = ..., drafter: _Optional[str] = ..., num_layers: _Optional[int] = ..., skipped_layers: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    dtype: str
+    dtype_reason: str
+    device: str
+    cpu_capability: str
+    def __init__(self, name: _Optional[str] = ..., verifier: _Optional[str] = ..., drafter: _Optional[str] = ..., num_layers: _Optional[int] = ..., skipped_layers: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[Mode, str]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., cpu_capability: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)
