@@ -10,15 +10,14 @@ and metrics. The served outputs are compared with the engine run directly.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
-import socket
 
 import grpc
 import pytest
 import requests
 
+from conftest import served_http
 from viasd.config import parse_params
 
 MAX_CONTEXT = 96
@@ -52,27 +51,8 @@ def handler(backend):
 @pytest.fixture(scope="module")
 def http(aio, handler):
     """The OpenAI-compatible app over the handler, on uvicorn on a free loopback port: its base URL."""
-    import uvicorn
-
-    from viasd.cluster.openai_api import build_http_app
-
-    app = build_http_app()
-    app.state.server = handler
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-
-    async def start():
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.02)
-        return task
-
-    task = aio.run(start())
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    aio.run(task)
-    sock.close()
+    with served_http(aio, handler) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import grpc
 import psutil
 import pytest
 
-from conftest import drafter_from, process_alive, save_tiny_pair, tiny_model
+from conftest import drafter_from, process_alive, save_tiny_pair, served_http, tiny_model
 from test_pipeline import collect
 from viasd.config import EngineConfig, parse_params
 from viasd.v1 import generation_pb2 as pb
@@ -770,32 +770,13 @@ def llm_prefix(models: Path, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def http_base(aio, pipeline):
     """The OpenAI-compatible app over the pipeline, on uvicorn on a free loopback port."""
-    import socket
-
-    import uvicorn
-
-    from viasd.cluster.serving_metrics import ServingMetrics
-    from viasd.cluster.openai_api import build_http_app
     from viasd.cluster.handler import RequestHandler
+    from viasd.cluster.serving_metrics import ServingMetrics
 
-    app = build_http_app()
-    app.state.server = RequestHandler(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
-                                     max_concurrent_requests=4, max_queued_requests=16)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-
-    async def start():
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.05)
-        return task
-
-    task = aio.run(start())
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.server
-    server.should_exit = True
-    aio.run(task)
-    sock.close()
+    handler = RequestHandler(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
+                             max_concurrent_requests=4, max_queued_requests=16)
+    with served_http(aio, handler) as base:
+        yield base, handler
 
 
 async def _post(base: str, path: str, data: bytes) -> tuple[int, object]:
