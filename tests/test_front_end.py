@@ -350,3 +350,63 @@ def test_openai_client_chat_without_max_tokens_and_with_extra_fields(http, backe
     r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=6, presence_penalty=None,
                                        extra_body={"some_framework_field": True})
     assert r.choices[0].message.content == engine_text(backend, messages=CHAT, max_tokens=6)[0]
+
+
+RAY_EXPORT = r'''
+import json, os, re, socket, sys, time, urllib.request
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_metrics_report_interval_ms"] = "500"
+import ray
+from viasd.cluster.serving_metrics import ServingMetrics
+from viasd.metrics import RequestStats
+
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+ray.init(address="local", num_cpus=1, include_dashboard=False, _node_ip_address="127.0.0.1",
+         _metrics_export_port=port, log_to_driver=False)
+m = ServingMetrics("smol", ray_export=True)
+stats = RequestStats(mode="via", prompt_tokens=3, generated_tokens=5, num_drafts=2, num_draft_tokens=8,
+                     num_accepted_tokens=4, num_accepted_tokens_per_pos=[2, 2], num_rejected_tokens=1,
+                     num_bonus_tokens=1, slim_accepted=3, slim_rewritten=1, escalations=1, escalated_tokens=2,
+                     full_accepted=1, forwards={"drafter": 8, "slim": 2, "full": 1},
+                     seconds={"drafter": 0.1, "slim": 0.1, "full": 0.1})
+timer = m.timer(); timer.admitted(); timer.tokens(2); timer.tokens(3); timer.finish(stats, "length")
+m.set_queue(1, 0); m.set_kv_usage(0.25); m.error("invalid")
+want = {n.split(" ")[0] for n in m.exposition()[0].decode().splitlines() if n and not n.startswith("#")}
+names = lambda text: {re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", l).group(0) for l in text.splitlines()
+                      if l.startswith("ray_viasd_")}
+deadline, got = time.time() + 90, set()
+while time.time() < deadline:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    got = names(text)
+    if {"ray_" + re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", w).group(0) for w in want} <= got:
+        break
+    time.sleep(1)
+labelled = all('model_name="smol"' in l for l in text.splitlines() if l.startswith("ray_viasd_"))
+print(json.dumps({"prometheus": sorted({re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", w).group(0) for w in want}),
+                  "ray": sorted(got), "labelled": labelled}))
+ray.shutdown()
+'''
+
+
+def test_ray_exports_the_same_names_as_the_replica_and_a_vllm_relabel_reads_them():
+    """The series through Ray's metrics agent (what Prometheus scrapes under KubeRay) are the
+    replica's /metrics names with Ray's `ray_` prefix: one `_total` on counters (not two), and the
+    documented relabel rule turns them into vLLM's names. A Ray of its own, in a subprocess."""
+    import re
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", RAY_EXPORT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"ray_" + n for n in got["prometheus"]} == set(got["ray"]), got
+    assert got["labelled"] and not any(n.endswith("_total_total") for n in got["ray"])
+    relabel = {re.sub(r"^(?:ray_)?viasd_(.*)$", r"vllm:\1", n) for n in got["ray"]}  # docs/SERVING.md's rule
+    for vllm in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
+                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
+                 "vllm:request_prompt_tokens_bucket", "vllm:spec_decode_num_drafts_total",
+                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+        assert vllm in relabel, vllm
