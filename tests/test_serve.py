@@ -339,7 +339,7 @@ def test_metrics_expose_the_counters_after_requests(service, client):
     assert total(s, "viasd_inter_token_latency_seconds_count") > 0
     assert total(s, "viasd_request_errors_total", status="invalid") > 0
     assert total(s, "viasd_request_success_total", finished_reason="abort") > 0  # the client that went away
-    assert ("viasd_num_requests_waiting", (("model", "smol"),)) in s
+    assert ("viasd_num_requests_waiting", (("model_name", "smol"),)) in s
 
 
 # ------------------------------------------------------------------------------------- faults (last: kills an actor)
