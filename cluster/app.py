@@ -6,7 +6,8 @@ serves it two ways:
 * gRPC, through Serve's gRPC proxy: the public `viasd.v1.GenerationService` (Generate streams,
   ListModels), by `viasd.cluster.grpc_api.GenerationServicer` — the same servicer the
   standalone server runs — over this replica's request handler (`cluster/handler.py`: its
-  defaults, admission limits, drain and metrics, shared with HTTP). The proxy has no interceptors, so each method checks the bearer token itself (the call's
+  defaults, admission limits, drain and metrics, shared with HTTP). The proxy has no
+  interceptors, so each method checks the bearer token itself (the call's
   ``authorization`` metadata, the same token as HTTP: `http.token_file` / `http.token_env`) and
   ends a call without it with UNAUTHENTICATED;
 * HTTP, through Serve's HTTP proxy: the OpenAI-compatible FastAPI app of `openai_api`
@@ -35,6 +36,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -43,7 +45,7 @@ from ray.serve.config import gRPCOptions
 
 from viasd.cluster import drain
 from viasd.cluster.grpc_api import GenerationServicer, status_of
-from viasd.cluster.handler import Backend, RequestHandler
+from viasd.cluster.handler import Backend, RequestHandler, model_names
 from viasd.cluster.local import LocalPipeline
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline
@@ -76,8 +78,7 @@ class PipelineDeployment:
         backend = LocalPipeline if self.config.backend == "local" else Pipeline
         self.pipeline: Backend = await backend.start(pc)
         limits = self.config.limits
-        handler = RequestHandler(self.pipeline)  # names only: the metrics carry the served model name
-        metrics = ServingMetrics(handler.name, enabled=self.config.metrics.enabled,
+        metrics = ServingMetrics(model_names(pc)[0], enabled=self.config.metrics.enabled,  # the served name
                                  ray_export=self.config.metrics.ray_export)
         self.server = RequestHandler(
             self.pipeline, default_params=self.config.default_params, metrics=metrics,
@@ -122,8 +123,9 @@ class PipelineDeployment:
         errors become status codes on Serve's gRPC context."""
         self._authenticate(grpc_context)
         try:
-            async for response in self.servicer.generate(request):
-                yield response
+            async with aclosing(self.servicer.generate(request)) as responses:
+                async for response in responses:
+                    yield response
         except Exception as exc:
             code, details, metadata = status_of(exc)
             _set_status(grpc_context, code, details, metadata)

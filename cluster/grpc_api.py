@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import grpc
 
@@ -110,8 +111,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext):
         try:
-            async for response in self.generate(request):
-                yield response
+            async with aclosing(self.generate(request)) as responses:
+                async for response in responses:
+                    yield response
         except Exception as exc:
             code, details, metadata = status_of(exc)
             if code == grpc.StatusCode.INTERNAL:

@@ -410,3 +410,21 @@ def test_ray_exports_the_same_names_as_the_replica_and_a_vllm_relabel_reads_them
                  "vllm:request_prompt_tokens_bucket", "vllm:spec_decode_num_drafts_total",
                  "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
         assert vllm in relabel, vllm
+
+
+def test_lm_eval_clients_score_the_served_model_as_the_in_process_engine(http, handler, backend, tmp_path):
+    """lm-eval's own local-completions and local-chat-completions clients, on a generate-until task
+    over local files: the same answers, document by document, and the same exact match as the task
+    run on the in-process engine (scripts/lm_eval_check.py; docs/lm_eval.json records a run)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from lm_eval_check import in_process_scores, served_scores, task_dir
+
+    tasks = task_dir(tmp_path / "tasks")
+    served = served_scores(http, handler.name, tasks)
+    local = in_process_scores(backend.llm, tasks)
+    assert set(served) == {"local-completions", "local-chat-completions"}
+    assert served == local
+    assert all(len(s["answers"]) == 12 and any(s["answers"]) for s in served.values())
