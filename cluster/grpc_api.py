@@ -28,7 +28,7 @@ import grpc
 from viasd.client.errors import INVALID_FIELD_KEY, RETRY_AFTER_KEY
 from viasd.cluster.guard import Calls, parse_request
 from viasd.cluster.handler import INVALID, REJECTED, RETRY_AFTER_S, UNLIMITED, Admission, Backend, \
-    Request, RequestHandler, error_of
+    DrainedError, Request, RequestHandler, error_of
 from viasd.cluster.serving_metrics import ServingMetrics
 from viasd.config import Mode
 from viasd.errors import InvalidParameterError
@@ -91,7 +91,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         except InvalidParameterError as exc:
             self.handlers[self.default].count_error(error_of(exc))
             raise
-        job = await handler.open(values)
+        try:
+            job = await handler.open(values)
+        except DrainedError as exc:  # drained while queued: the stream's last message says so
+            yield pb.GenerateResponse(request_id=exc.request_id, finish_reason=pb.FINISH_REASON_ABORT)
+            return
         try:
             async for piece in job:
                 yield pb.GenerateResponse(

@@ -77,6 +77,15 @@ class RequestError(Exception):
         return self.kind.http
 
 
+class DrainedError(RequestError):
+    """The server drained while the request waited for admission: HTTP 503; the gRPC stream ends with
+    a last message of finish reason `abort`, as that of a request drained while running."""
+
+    def __init__(self, request_id: str):
+        super().__init__(SHUTTING, SHUTTING_DOWN)
+        self.request_id = request_id
+
+
 def error_of(exc: BaseException) -> RequestError:
     """The table's view of an error raised while serving: INVALID for a bad field (InvalidParameterError),
     UNAVAILABLE when a pipeline actor is down or too slow, INTERNAL otherwise."""
@@ -301,7 +310,7 @@ class Job:
         except BaseException as exc:
             await self.aclose(record=False)
             if isinstance(exc, Aborted):  # drained while waiting for a slot
-                exc = RequestError(SHUTTING, SHUTTING_DOWN)
+                exc = DrainedError(self.id)
             if not isinstance(exc, Exception):
                 raise
             err = error_of(exc)
@@ -414,7 +423,7 @@ class RequestHandler:
         # figure, else one context per decoding slot)
         self.kv_capacity = info.get("kv_capacity_tokens") or (self.admission.max_running * (self.max_context or 0))
         self.kv_held = 0
-        self.calls = calls or Calls()  # every request in flight on this replica, HTTP and gRPC: for `drain`
+        self.calls = calls if calls is not None else Calls()  # requests in flight, HTTP and gRPC: for `drain`
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new requests (HTTP 503 / gRPC UNAVAILABLE), let the running ones finish for up to

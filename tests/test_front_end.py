@@ -428,3 +428,13 @@ def test_lm_eval_clients_score_the_served_model_as_the_in_process_engine(http, h
     assert set(served) == {"local-completions", "local-chat-completions"}
     assert served == local
     assert all(len(s["answers"]) == 12 and any(s["answers"]) for s in served.values())
+
+
+def test_the_handlers_of_one_server_share_one_admission_and_one_drain(backend):
+    """The standalone server's pipelines (and both its transports) are drained together."""
+    from viasd.cluster.grpc_api import GenerationServicer
+
+    servicer = GenerationServicer({"a": backend, "b": backend}, "a")
+    a, b = servicer.handlers["a"], servicer.handlers["b"]
+    assert a.calls is b.calls is servicer.calls and a.admission is b.admission is servicer.admission
+    assert servicer.handler("b") is b and servicer.handler("") is a
