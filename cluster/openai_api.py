@@ -220,8 +220,10 @@ _warned: set[str] = set()  # unknown field names already logged by this process
 def check_fields(body: BaseModel) -> list[str]:
     """Refuse what this server does not do (InvalidParameterError naming the field and what to do
     instead) and typos of known names; return the unknown fields, which are ignored."""
-    for name in type(body).model_fields.keys() & OPENAI_FIELDS.keys():
-        spec, value = OPENAI_FIELDS[name], getattr(body, name)
+    for name, spec in OPENAI_FIELDS.items():  # in the table's order: the first one asked for is named
+        if name not in type(body).model_fields:
+            continue
+        value = getattr(body, name)
         if spec.param is None and value not in spec.unused:
             raise InvalidParameterError(name, spec.todo)
     unknown = sorted(body.model_extra or ())
@@ -240,10 +242,10 @@ def check_fields(body: BaseModel) -> list[str]:
 def param_values(body: BaseModel) -> dict[str, Any]:
     """The GenerationParams fields the request set, through OPENAI_FIELDS (unset: the server's default)."""
     values = {n: getattr(body, n) for n in EXTENSIONS if getattr(body, n) is not None}
-    for name in type(body).model_fields.keys() & OPENAI_FIELDS.keys():
-        param, value = OPENAI_FIELDS[name].param, getattr(body, name)
-        if param is not None and value is not None:
-            values[param] = value
+    for name, spec in OPENAI_FIELDS.items():  # max_completion_tokens after max_tokens: the newer name wins
+        value = getattr(body, name, None) if name in type(body).model_fields else None
+        if spec.param is not None and value is not None:
+            values[spec.param] = value
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
     return values
