@@ -7,7 +7,7 @@ replica at once, before Serve is shut down:
 
     operator (SIGTERM to `viasd serve`, or `viasd drain` in a pod's preStop hook)
         -> DrainControl.start(timeout_s, node)      an order, for the cluster or for one node
-        -> the watcher of every replica concerned (ReplicaServer.drain): refuse new requests
+        -> the watcher of every replica concerned (RequestHandler.drain, cluster/handler.py): refuse new requests
            (HTTP 503, gRPC UNAVAILABLE), let the running ones finish for up to timeout_s, end
            the rest with finish reason `abort`, report how many
         -> `drain` returns once every concerned replica reported (or the deadline passed)
