@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from viasd.cluster.pipeline import PipelineConfig
@@ -234,8 +235,6 @@ def load_serve_config(path: str | Path | None = None) -> ServeConfig:
     """The configuration in a YAML file (None: the defaults, the embedded pair on this machine)."""
     if path is None:
         return parse_serve_config({})
-    import yaml
-
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())
