@@ -253,7 +253,8 @@ class StopStrings:
         return out, False
 
 
-def prompt_ids_of(tokenizer, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+def prompt_ids_of(tokenizer, prompt: str | Sequence[int] | None = None,
+                  messages: list[dict] | None = None) -> list[int]:
     """Token ids of a text prompt, pre-tokenized ids, or chat messages (the model's chat template).
 
     Text and messages go through `viasd.llm.encode_prompt`, as in the in-process engine, so that

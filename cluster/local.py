@@ -1,9 +1,10 @@
 """The in-process pipeline: `viasd.llm.LLM`'s engine inside the serving process, no actors.
 
 The same `viasd.cluster.handler.Backend` as `viasd.cluster.pipeline.Pipeline`, for CPU
-development and as the reference the served output is compared with. The engine's steps run on one worker thread: each `next()` of a stream runs one engine step
-for every request in flight (continuous batching, viasd.scheduler) unless that stream already
-has a chunk waiting, so concurrent streams decode together and the event loop never blocks.
+development and as the reference the served output is compared with. The engine's steps run on
+one worker thread: each `next()` of a stream runs one engine step for every request in flight
+(continuous batching, viasd.scheduler) unless that stream already has a chunk waiting, so
+concurrent streams decode together and the event loop never blocks.
 """
 
 from __future__ import annotations

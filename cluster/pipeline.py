@@ -49,7 +49,7 @@ class PipelineConfig(BaseModel):
     name: str = Field("default", min_length=1, description="Pipeline name: the `model` a request asks for (ListModels).")
     served_model_name: str | None = Field(
         None, min_length=1, description="The model name responses, /v1/models and metrics show; default: the "
-        "pipeline's name, or the verifier's name for the unnamed pipeline `default` (which still answers to `default`).",
+        "pipeline's name, or the verifier's for the unnamed pipeline `default` (which still answers to `default`).",
     )
     aliases: tuple[str, ...] = Field((), description="More names a request's `model` may use for this pipeline.")
     engine: EngineConfig = Field(
