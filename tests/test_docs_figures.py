@@ -7,7 +7,7 @@
   docs/benchmarks/cpu/ablations/results.json; every `viasd bench` command that writes a results
   folder equals the command that folder's results.json records.
 * docs/SERVING.md: the draft-probability dtype figures against docs/probs-dtype-cpu.json, which
-  records the command, the commit and the machine.
+  records the command, the commit and the machine; the lm-eval table against docs/lm_eval.json.
 """
 
 from __future__ import annotations
@@ -211,3 +211,15 @@ def test_continuous_batching_table_equals_its_results_json():
             if "(" in cell:
                 exact.append(r["decode_tokens_per_second"])
             check_cell(cell, exact, f"{method} at C={c}")
+
+
+def test_serving_lm_eval_table_equals_its_raw_file():
+    """docs/SERVING.md's lm-eval table against docs/lm_eval.json (command, commit, machine recorded)."""
+    raw = load(DOCS / "lm_eval.json")
+    assert raw["command"] and raw["commit"] and raw["machine"]["cpu_capability"] and raw["served_equals_in_process"]
+    rows = table("SERVING.md", "| lm-eval client |")
+    assert [r[0].strip("`") for r in rows] == list(raw["served"])
+    for row in rows:
+        client = row[0].strip("`")
+        check_cell(row[1], [raw["served"][client]["exact_match"]], f"{client} served")
+        check_cell(row[2], [raw["in_process"][client]["exact_match"]], f"{client} in-process")
