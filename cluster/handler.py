@@ -33,7 +33,7 @@ from viasd.cluster.serving_metrics import ServingMetrics
 from viasd.config import GenerationParams, parse_params
 from viasd.engine import Chunk
 from viasd.errors import InvalidParameterError
-from viasd.llm import IncrementalDetokenizer, encode_prompt
+from viasd.llm import IncrementalDetokenizer, StopStrings, encode_prompt
 from viasd.metrics import RequestStats
 
 #: Seconds a client refused with 429 / RESOURCE_EXHAUSTED (the queue is full) should wait before it
@@ -221,36 +221,6 @@ class Piece:
     finish_reason: str | None = None
     stats: dict | None = None  # JSON view (RequestStats.to_dict, or the counts of a request cut short)
     request_stats: RequestStats | None = None  # the pipeline's statistics when it finished the request
-
-
-class StopStrings:
-    """Cuts streamed text at the first stop string; holds back a tail that may begin one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = list(stops)
-        self.pending = ""
-
-    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was hit)."""
-        if not self.stops:
-            return text, False
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        if final:
-            out, self.pending = self.pending, ""
-            return out, False
-        keep = 0  # longest suffix of pending that is a proper prefix of a stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
 
 
 def prompt_ids_of(tokenizer, prompt: str | Sequence[int] | None = None,

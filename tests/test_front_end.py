@@ -234,6 +234,17 @@ def test_stop_strings_on_grpc_equal_http(http, grpc_target, backend):
     assert r["choices"][0]["finish_reason"] == got.finish_reason == "stop"
 
 
+def test_stop_strings_of_the_in_process_engine_equal_the_servers(http, backend):
+    """`GenerationParams.stop` is one definition: LLM.stream cuts where the server cuts."""
+    full, _ = engine_text(backend, PROMPT, max_tokens=24)
+    stop = full.strip()[4:7]
+    llm = backend.llm
+    deltas = list(llm.stream(llm.encode(PROMPT), parse_params(mode="ar", max_tokens=24, stop=[stop])))
+    served = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "stop": [stop]}).json()
+    assert "".join(d.text for d in deltas) == served["choices"][0]["text"] == full[: full.index(stop)]
+    assert deltas[-1].finish_reason == "stop"
+
+
 def test_grpc_takes_the_handlers_default_params(aio, backend):
     """The standalone server's gRPC applies the same server defaults as HTTP (it used to apply none)."""
     from viasd.cluster.grpc_api import GenerationServicer

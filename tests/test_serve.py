@@ -503,7 +503,7 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
 
 
 def test_stop_strings_hold_back_a_possible_prefix():
-    from viasd.cluster.handler import StopStrings
+    from viasd.llm import StopStrings
 
     s = StopStrings(["END"])
     assert s.push("abc E") == ("abc ", False)

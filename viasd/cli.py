@@ -56,6 +56,8 @@ def _add_param_args(ap: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if name == "stop_token_ids":
             g.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=None, help=f.description)
+        elif name == "stop":
+            g.add_argument(flag, action="append", default=None, help=f.description + " Repeat for several.")
         elif f.annotation is bool:
             g.add_argument(flag, action="store_true", default=None, help=f.description)
         else:

@@ -130,7 +130,8 @@ class GenerationParams(BaseModel):
     )
     stop: tuple[str, ...] | None = Field(
         None, description=f"Up to {MAX_STOP_STRINGS} non-empty strings that end the text (not included in it); "
-        "matched on the detokenized text by the serving layer (cluster/handler.py), on every transport.",
+        "matched on the detokenized text (viasd.llm.StopStrings: LLM.stream and the serving layer, every "
+        "transport); LLM.complete, which returns token ids only, does not apply them.",
     )
 
     @field_validator("temperature")

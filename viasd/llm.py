@@ -32,6 +32,36 @@ class TextDelta:
     stats: RequestStats | None = None
 
 
+class StopStrings:
+    """Cuts streamed text at the first stop string; holds back a tail that may begin one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.pending = ""
+
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(text safe to emit now, whether a stop string was hit)."""
+        if not self.stops:
+            return text, False
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        if final:
+            out, self.pending = self.pending, ""
+            return out, False
+        keep = 0  # longest suffix of pending that is a proper prefix of a stop string
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        cut = len(self.pending) - keep
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
 
@@ -146,10 +176,19 @@ class LLM:
         return encode_prompt(self.tokenizer, prompt, messages)
 
     def stream(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[TextDelta]:
-        detok = IncrementalDetokenizer(self.tokenizer)
-        for chunk in self.engine.generate(prompt_ids, params):
-            text = detok.push(chunk.token_ids, final=chunk.finished)
-            yield TextDelta(text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+        """The text as it is generated; a stop string (`params.stop`) cuts it and ends the request
+        with finish reason `stop` (no stats then: the request did not finish in the engine)."""
+        detok, stops = IncrementalDetokenizer(self.tokenizer), StopStrings(params.stop or ())
+        chunks = self.engine.generate(prompt_ids, params)
+        try:
+            for chunk in chunks:
+                text, hit = stops.push(detok.push(chunk.token_ids, final=chunk.finished), final=chunk.finished)
+                if hit:
+                    yield TextDelta(text, chunk.token_ids, "stop")
+                    return
+                yield TextDelta(text, chunk.token_ids, chunk.finish_reason, chunk.stats)
+        finally:
+            chunks.close()  # a stop string or a caller that went away: free the request's caches
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
         return self.engine.complete(prompt_ids, params)
