@@ -19,7 +19,7 @@ step's rows with one batched forward per tier and round (viasd.sessions.drive). 
 and leave between steps; a cycle only starts when its consumer asks for it (a slow consumer
 holds its own request back, not the others), and a step waits up to `batch_wait_s` for the
 rows of the batch to ask again. The batch is every request the coordinator runs: admission
-in front of it (cluster/server.py, `limits.max_concurrent_requests`) is the batch capacity.
+in front of it (cluster/handler.py, `limits.max_concurrent_requests`) is the batch capacity.
 
 Every internal RPC has a deadline. A failed Propose falls back (with `drafter_fallback`: the
 request goes on as `ar` against the verifier, whose session is still consistent, and its stats

@@ -253,6 +253,7 @@ class VerifierWorker:
         from viasd.llm import eos_ids, resolve_mask
         from viasd.models.loader import load_causal_lm
         from viasd.parallel import TPBackend, TPGroup, shard_model
+        from viasd.precision import resolve_dtype
 
         config = EngineConfig.model_validate(engine)
         set_threads(config.threads, cpus)
@@ -283,6 +284,7 @@ class VerifierWorker:
             "eos_token_ids": list(eos),
             "local_q_proj_rows": int(model.model.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
             "pid": os.getpid(),
+            "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
         }
 
     async def serve(self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True,

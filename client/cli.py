@@ -35,6 +35,9 @@ def _params_options(ap: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if info.annotation is bool:  # a flag
             group.add_argument(flag, dest=f"param_{name}", action="store_true", default=None, help=info.description)
+        elif name == "stop":  # strings: one per flag
+            group.add_argument(flag, dest=f"param_{name}", action="append", metavar="STRING",
+                               help=info.description + " Repeat the flag for several.")
         else:
             group.add_argument(flag, dest=f"param_{name}", metavar=name.upper(), help=info.description
                                + (" Comma-separated." if name == "stop_token_ids" else ""))

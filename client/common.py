@@ -274,12 +274,17 @@ class ModelInfo:
     tensor_parallel_size: int
     max_context: int
     default_mode: str  # "ar" | "sd" | "via"
+    dtype: str = ""  # the verifier's dtype, and why it was chosen (viasd.precision.DtypeChoice)
+    dtype_reason: str = ""
+    device: str = ""
+    cpu_capability: str = ""  # torch.backends.cpu.get_cpu_capability() of the verifier's host (CPU)
 
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> "ModelInfo":
         mode = mode_from_proto(msg.default_mode).value if msg.default_mode else ""
         return cls(msg.name, msg.verifier, msg.drafter, msg.num_layers, tuple(msg.skipped_layers),
-                   msg.tensor_parallel_size, msg.max_context, mode)
+                   msg.tensor_parallel_size, msg.max_context, mode, msg.dtype, msg.dtype_reason, msg.device,
+                   msg.cpu_capability)
 
 
 # ------------------------------------------------------------------ health (grpc.health.v1, no extra package)

@@ -4,9 +4,10 @@ A replica starts its pipeline (drafter + verifier group + coordinator) in its co
 serves it two ways:
 
 * gRPC, through Serve's gRPC proxy: the public `viasd.v1.GenerationService` (Generate streams,
-  ListModels), by `viasd.cluster.grpc_server.GenerationServicer` — the same servicer the
-  standalone gRPC server runs — with this replica's admission limits and metrics around it. The
-  proxy has no interceptors, so each method checks the bearer token itself (the call's
+  ListModels), by `viasd.cluster.grpc_api.GenerationServicer` — the same servicer the
+  standalone server runs — over this replica's request handler (`cluster/handler.py`: its
+  defaults, admission limits, drain and metrics, shared with HTTP). The proxy has no
+  interceptors, so each method checks the bearer token itself (the call's
   ``authorization`` metadata, the same token as HTTP: `http.token_file` / `http.token_env`) and
   ends a call without it with UNAUTHENTICATED;
 * HTTP, through Serve's HTTP proxy: the OpenAI-compatible FastAPI app of `openai_api`
@@ -35,16 +36,22 @@ import logging
 import os
 import time
 import uuid
+from contextlib import aclosing
 from typing import Any
 
 import grpc
 from ray import serve
+from ray.serve.config import gRPCOptions
 
 from viasd.cluster import drain
-from viasd.cluster.config import ServeConfig, load_serve_config, parse_serve_config
-from viasd.cluster.metrics import ServingMetrics
+from viasd.cluster.grpc_api import GenerationServicer, status_of
+from viasd.cluster.handler import Backend, RequestHandler, model_names
+from viasd.cluster.local import LocalPipeline
 from viasd.cluster.openai_api import build_http_app
-from viasd.cluster.server import RequestError, ReplicaServer, retry_after_metadata
+from viasd.cluster.pipeline import Pipeline
+from viasd.cluster.security import read_token, token_denial
+from viasd.cluster.serve_config import ServeConfig, load_serve_config, parse_serve_config
+from viasd.cluster.serving_metrics import ServingMetrics
 
 logger = logging.getLogger("viasd.serve")
 
@@ -68,28 +75,21 @@ class PipelineDeployment:
         self.config = parse_serve_config(config)
         pc = self.config.pipeline(pipeline)
         self.name = pc.name
-        if self.config.backend == "local":
-            from viasd.cluster.local import LocalPipeline
-
-            self.pipeline = await LocalPipeline.start(pc)
-        else:
-            from viasd.cluster.pipeline import Pipeline
-
-            self.pipeline = await Pipeline.start(pc)
+        backend = LocalPipeline if self.config.backend == "local" else Pipeline
+        self.pipeline: Backend = await backend.start(pc)
         limits = self.config.limits
-        metrics = ServingMetrics(pc.name, enabled=self.config.metrics.enabled, ray_export=self.config.metrics.ray_export)
-        self.server = ReplicaServer(
-            self.pipeline, pc.name, default_params=self.config.default_params, metrics=metrics,
+        metrics = ServingMetrics(model_names(pc)[0], enabled=self.config.metrics.enabled,  # the served name
+                                 ray_export=self.config.metrics.ray_export)
+        self.server = RequestHandler(
+            self.pipeline, default_params=self.config.default_params, metrics=metrics,
             max_concurrent_requests=limits.max_concurrent_requests, max_queued_requests=limits.max_queued_requests,
+            max_tokens_default=limits.max_tokens_default,
         )
-        from viasd.cluster.grpc_server import GenerationServicer
-        from viasd.cluster.security import read_token
-
-        self.servicer = GenerationServicer({pc.name: self.pipeline}, pc.name)
+        self.servicer = GenerationServicer.over({pc.name: self.server}, pc.name)  # gRPC over the same handler
         http = self.config.http  # one token for both ports; None: authentication off
         self.token = read_token(http.token_file, http.token_env, field="http.token_file")
         self._supervisor = None  # repairs the pipeline in place (actors backend, rebuild_actors on)
-        if hasattr(self.pipeline, "supervise") and pc.rebuild_actors:
+        if pc.rebuild_actors:
             self._supervisor = asyncio.ensure_future(self.pipeline.supervise())
         self._rebuild_grace_s = pc.start_timeout_s
         self._down_since: float | None = None
@@ -108,8 +108,6 @@ class PipelineDeployment:
     def _authenticate(self, grpc_context) -> None:
         """End a gRPC call whose metadata lacks ``authorization: Bearer <token>`` with
         UNAUTHENTICATED (Serve's proxy runs no interceptor that could)."""
-        from viasd.cluster.security import token_denial
-
         if self.token is None:
             return
         metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
@@ -121,90 +119,17 @@ class PipelineDeployment:
     # ------------------------------------------------------------------ gRPC (Serve's gRPC proxy)
 
     async def Generate(self, request, grpc_context=None):
-        """viasd.v1.GenerationService/Generate: the shared servicer's core inside this replica's
-        admission limits and metrics; errors become status codes on Serve's gRPC context."""
-        from contextlib import aclosing
-
-        from viasd.cluster.grpc_server import abort_response, named_request, status_of
-        from viasd.cluster.guard import SHUTTING_DOWN, Aborted, abortable, until_aborted
-        from viasd.v1.convert import finish_from_proto, stats_from_proto
-
+        """viasd.v1.GenerationService/Generate: the shared servicer over this replica's handler;
+        errors become status codes on Serve's gRPC context."""
         self._authenticate(grpc_context)
-        srv = self.server
-        if srv.calls.draining:
-            srv.metrics.error("unavailable")
-            _set_status(grpc_context, grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-            raise GRPCStatus(SHUTTING_DOWN)
-        abort = srv.calls.enter()  # set when a drain runs out of time: end with `abort`
         try:
-            queued = await until_aborted(srv.admission.enter(), abort)
-        except BaseException as exc:
-            srv.calls.leave(abort)
-            if not isinstance(exc, (RequestError, Aborted)):
-                raise
-            full = isinstance(exc, RequestError)  # the queue is full; else drained while waiting
-            code, details, metadata = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_metadata()) if full \
-                else (grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN, ())
-            srv.metrics.error("rejected" if full else "unavailable")
-            _set_status(grpc_context, code, details, metadata)
-            raise GRPCStatus(details) from None
-        timer = srv.metrics.timer()
-        finished = False
-        try:
-            request = self._with_defaults(request)
-            if not request.request_id:
-                request = named_request(request)
             async with aclosing(self.servicer.generate(request)) as responses:
-                async for response in abortable(responses, abort):
-                    if response.HasField("stats"):
-                        response.stats.queue_seconds += queued
-                    timer.tokens(len(response.token_ids))
-                    if response.finish_reason:
-                        finished = True
-                        reason = finish_from_proto(response.finish_reason) or "abort"
-                        stats = stats_from_proto(response.stats, reason) if response.HasField("stats") else None
-                        timer.finish(stats, reason)
+                async for response in responses:
                     yield response
-        except Aborted:  # drained and out of time: the stream's last message says so
-            finished = True
-            timer.finish(None, "abort")
-            yield abort_response(request.request_id)
         except Exception as exc:
             code, details, metadata = status_of(exc)
-            srv.metrics.error("invalid" if code == grpc.StatusCode.INVALID_ARGUMENT else
-                              "unavailable" if code == grpc.StatusCode.UNAVAILABLE else "internal")
-            finished = True
             _set_status(grpc_context, code, details, metadata)
             raise GRPCStatus(details) from None
-        finally:
-            if not finished:  # the client cancelled the call
-                timer.finish(None, "abort")
-            srv.admission.leave()
-            srv.calls.leave(abort)
-
-    def _with_defaults(self, request):
-        """The request with the config's default_params filled into the fields it left unset, so
-        that gRPC and HTTP requests get the same server defaults."""
-        defaults = self.config.default_params
-        if not defaults:
-            return request
-        from viasd.config import parse_params
-        from viasd.v1.convert import params_to_proto
-
-        full = params_to_proto(parse_params(defaults))
-        out = type(request)()
-        out.CopyFrom(request)
-        p = out.params
-        for name in defaults:
-            if name == "stop_token_ids":
-                if not p.stop_token_ids:
-                    p.stop_token_ids.extend(full.stop_token_ids)
-            elif name in ("mode", "region_b", "rule"):
-                if getattr(p, name) == 0:  # *_UNSPECIFIED
-                    setattr(p, name, getattr(full, name))
-            elif not p.HasField(name) and full.HasField(name):
-                setattr(p, name, getattr(full, name))
-        return out
 
     async def ListModels(self, request, grpc_context=None):
         """viasd.v1.GenerationService/ListModels."""
@@ -217,17 +142,8 @@ class PipelineDeployment:
         """For operators (through a Serve handle): this replica's process, its actors' processes,
         what the supervisor rebuilt, the health detail, and how many requests its pipeline's
         coordinator has taken (None for the in-process backend)."""
-        pipeline = self.pipeline
         ok, detail = await self.server.health()
-        pids = {}
-        if getattr(pipeline, "drafter_info", None) is not None:
-            pids["drafter"] = pipeline.drafter_info["pid"]
-        if getattr(pipeline, "verifier_info", None) is not None:
-            pids["verifier"] = pipeline.verifier_info.get("rank_pids", [])
-        coordinator = getattr(pipeline, "coordinator", None)
-        return {"replica_pid": os.getpid(), "healthy": ok, "health": detail, "pids": pids,
-                "rebuilds": dict(getattr(pipeline, "rebuilds", {})),
-                "requests": coordinator.totals.requests if coordinator is not None else None}
+        return {"replica_pid": os.getpid(), "healthy": ok, "health": detail, **self.pipeline.status()}
 
     async def check_health(self) -> None:
         """Serve's replica health check: raises when the pipeline is down and its supervisor has not
@@ -321,8 +237,6 @@ def http_options(config: ServeConfig) -> dict[str, Any]:
 
 def grpc_options(config: ServeConfig):
     """Serve's gRPC proxy options (None when gRPC is disabled)."""
-    from ray.serve.config import gRPCOptions
-
     if not config.grpc.enabled:
         return None
     return gRPCOptions(

@@ -7,7 +7,7 @@ replica at once, before Serve is shut down:
 
     operator (SIGTERM to `viasd serve`, or `viasd drain` in a pod's preStop hook)
         -> DrainControl.start(timeout_s, node)      an order, for the cluster or for one node
-        -> the watcher of every replica concerned (ReplicaServer.drain): refuse new requests
+        -> the watcher of every replica concerned (RequestHandler.drain, cluster/handler.py): refuse new requests
            (HTTP 503, gRPC UNAVAILABLE), let the running ones finish for up to timeout_s, end
            the rest with finish reason `abort`, report how many
         -> `drain` returns once every concerned replica reported (or the deadline passed)
@@ -21,7 +21,9 @@ hook drains the cluster (the head going away ends it) and a worker pod's drains 
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import logging
 import time
 
@@ -142,9 +144,6 @@ def _this_node() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """`viasd drain`: join the running cluster and drain its replicas (a Kubernetes preStop hook)."""
-    import argparse
-    import json
-
     ap = argparse.ArgumentParser(prog="viasd drain", description=main.__doc__)
     ap.add_argument("--address", default="auto", help="Ray cluster address (default: the local one, 'auto')")
     ap.add_argument("--timeout-s", type=float, default=30.0,

@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError
 
 from viasd.errors import InvalidParameterError
@@ -56,8 +57,6 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
 def _bad_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
     """The dotted name of the first string field of `data` (a `descriptor` message) that is not
     UTF-8, walking the wire format; None when there is none (or the bytes are corrupt elsewhere)."""
-    from google.protobuf.descriptor import FieldDescriptor
-
     i = 0
     try:
         while i < len(data):

@@ -9,9 +9,17 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 
-from viasd.cluster.config import ServeConfig
+import ray
+from ray import serve
+from ray.serve.config import HTTPOptions
+from ray.serve.schema import ApplicationStatus
+
+from viasd.cluster import drain as draining
+from viasd.cluster.app import build_app, grpc_options, http_options
+from viasd.cluster.serve_config import ServeConfig
 
 
 @dataclass
@@ -39,7 +47,6 @@ def app_name(config: ServeConfig, pipeline: str) -> str:
 
 
 def _ray_init(config: ServeConfig) -> None:
-    import ray
 
     if ray.is_initialized():
         return
@@ -61,10 +68,7 @@ def _ray_init(config: ServeConfig) -> None:
 
 def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> Endpoints:
     """Start Ray (unless running), Serve's proxies and every pipeline's application; wait until ready."""
-    from ray import serve
-    from ray.serve.config import HTTPOptions
 
-    from viasd.cluster.app import build_app, grpc_options, http_options
 
     _ray_init(config)
     serve.start(http_options=HTTPOptions(**http_options(config)), grpc_options=grpc_options(config))
@@ -82,10 +86,7 @@ def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> En
 
 
 def _wait_running(apps: list[str], timeout_s: float | None) -> None:
-    import time
 
-    from ray import serve
-    from ray.serve.schema import ApplicationStatus
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -104,17 +105,13 @@ def _wait_running(apps: list[str], timeout_s: float | None) -> None:
 def drain(config: ServeConfig) -> dict:
     """Drain every replica (cluster/drain.py): new requests refused, running ones given
     limits.drain_timeout_s, the rest ended with finish reason `abort`."""
-    from viasd.cluster import drain as draining
 
     return draining.drain(config.limits.drain_timeout_s)
 
 
 def stop() -> None:
     """Shut Serve and the Ray this process started down."""
-    import ray
-    from ray import serve
 
-    from viasd.cluster import drain as draining
 
     try:
         serve.shutdown()

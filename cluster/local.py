@@ -1,10 +1,10 @@
 """The in-process pipeline: `viasd.llm.LLM`'s engine inside the serving process, no actors.
 
-Same interface as `viasd.cluster.pipeline.Pipeline` (`coordinator.generate`, `tokenizer`,
-`info()`, `shutdown()`), for CPU development and as the reference the served output is compared
-with. The engine's steps run on one worker thread: each `next()` of a stream runs one engine step
-for every request in flight (continuous batching, viasd.scheduler) unless that stream already
-has a chunk waiting, so concurrent streams decode together and the event loop never blocks.
+The same `viasd.cluster.handler.Backend` as `viasd.cluster.pipeline.Pipeline`, for CPU
+development and as the reference the served output is compared with. The engine's steps run on
+one worker thread: each `next()` of a stream runs one engine step for every request in flight
+(continuous batching, viasd.scheduler) unless that stream already has a chunk waiting, so
+concurrent streams decode together and the event loop never blocks.
 """
 
 from __future__ import annotations
@@ -13,8 +13,11 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from viasd.cluster.pipeline import PipelineConfig
 from viasd.config import GenerationParams
 from viasd.engine import Chunk
+from viasd.errors import InvalidParameterError
+from viasd.llm import LLM
 
 
 class LocalCoordinator:
@@ -51,17 +54,14 @@ class LocalCoordinator:
 class LocalPipeline:
     """A pipeline config's models (`viasd.llm.LLM`) served in-process, unsharded."""
 
-    def __init__(self, llm, config):
+    def __init__(self, llm: LLM, config: PipelineConfig):
         self.llm = llm
-        self.config = config  # a viasd.cluster.pipeline.PipelineConfig
+        self.config = config
         self.tokenizer = llm.tokenizer
         self.coordinator = LocalCoordinator(llm.engine)
 
     @classmethod
-    async def start(cls, config) -> "LocalPipeline":
-        from viasd.errors import InvalidParameterError
-        from viasd.llm import LLM
-
+    async def start(cls, config: PipelineConfig) -> "LocalPipeline":
         if config.tp_size != 1:
             raise InvalidParameterError("tp_size", "the local backend runs the verifier unsharded (tp_size 1)")
         return cls(await asyncio.to_thread(LLM, config.engine), config)
@@ -77,7 +77,22 @@ class LocalPipeline:
             "tensor_parallel_size": 1,
             "max_context": e.max_context or 0,
             "default_mode": cfg.mode.value,
+            "runtime": self.llm.runtime_info(),  # the dtype choice and the CPU capability
+            "kv_capacity_tokens": e.capacity.max_batch * (e.capacity.max_seq_len or 0),  # 0: unbounded
         }
+
+    async def session_counts(self) -> dict:
+        """Nothing runs outside this process: no sessions to count (the health probe always answers)."""
+        return {}
+
+    async def supervise(self, on_health=None) -> None:
+        """Nothing to repair: the engine lives and dies with this process."""
+
+    def wake(self) -> None:
+        """Nothing to wake (see `supervise`)."""
+
+    def status(self) -> dict:
+        return {"pids": {}, "rebuilds": {}, "requests": None}
 
     async def shutdown(self) -> None:
         self.coordinator.close()

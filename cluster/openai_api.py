@@ -1,112 +1,186 @@
-"""The OpenAI-compatible HTTP API: request bodies, response objects and the FastAPI routes.
+"""The OpenAI-compatible HTTP API: request bodies, their translation to the request handler, the routes.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming with `data: {...}`
-chunks and a final `data: [DONE]`, or one JSON object), `GET /v1/models`, `GET /health`,
-`GET /metrics` (Prometheus text).
+chunks and a final `data: [DONE]`, or one JSON object), `GET /v1/models`, `GET /v1/models/{id}`,
+`POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`, `GET /metrics` (Prometheus).
 
-Bodies use OpenAI's parameter names (model, prompt / messages, max_tokens, temperature, top_p,
-seed, stream, stream_options, stop, n = 1) plus the via-sd extensions under the names of
-`viasd.config.GenerationParams` (mode, gamma, alpha1, alpha2, region_b, ...). Parameters a
-request leaves out take the server's defaults (`ServeConfig.default_params`, then
-GenerationParams' own: greedy, 128 tokens, `via`). Every error names its field:
-`{"error": {"message": ..., "type": "invalid_request_error", "param": field, "code": 400}}`,
-HTTP 400 (429 when the replica's queue is full, 404 for an unknown model).
+Bodies are parsed as vLLM parses them:
+
+* OpenAI's parameter names, each mapped to the engine through one table, `OPENAI_FIELDS`
+  (the GenerationParams field it sets; or, for a feature not wired to the engine yet, the values
+  that mean "not asked for" and what to do instead); plus the via-sd extensions under the names
+  of `viasd.config.GenerationParams` (mode, gamma, alpha1, alpha2, top_k, ...);
+* an explicit `null` means the default;
+* an unknown field is accepted, logged once per field name and listed in the response header
+  `x-viasd-ignored-fields`, except a near-miss of a known name (`gama`), refused as a typo;
+* a value of the wrong type, or a feature this server does not do (`tools`, `n > 1`,
+  `response_format` other than text, ...), is a 400 that names the field and says what to do:
+  `{"error": {"message": ..., "type": "invalid_request_error", "param": field, "code": 400}}`.
+
+Defaults: parameters a request leaves out take the server's (`ServeConfig.default_params`, then
+GenerationParams' own: greedy, `via`, 128 tokens); a chat completion without `max_tokens` may
+use the rest of the context, at most `limits.max_tokens_default` tokens.
 
 Responses carry OpenAI's `usage` and a `viasd_stats` object (`viasd.metrics.RequestStats`):
-on the last streamed chunk, and on the non-streaming response.
+on the last streamed chunk, and on the non-streaming response. Errors use the handler's error
+table (`cluster/handler.py`): 400, 404 (unknown model), 429 (queue full, with Retry-After), 503.
 
-The routes are plain functions over `request.app.state.server` (an `OpenAIServer`), so the same
-app runs under Ray Serve's ingress (one replica = one pipeline) and under plain uvicorn.
+The routes are plain functions over `request.app.state.server` (a `handler.RequestHandler`), so
+the same app runs under Ray Serve's ingress (one replica = one pipeline) and under plain uvicorn.
 """
 
 from __future__ import annotations
 
+import asyncio
+import difflib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import viasd
+from viasd.cluster.handler import MODEL_NOT_FOUND, REJECTED, RETRY_AFTER_S, Job, RequestError, RequestHandler
+from viasd.cluster.handler import Request as HandlerRequest
+from viasd.cluster.security import bearer_ok
 from viasd.config import GenerationParams
+from viasd.errors import InvalidParameterError
+
+log = logging.getLogger("viasd.cluster.openai_api")
 
 #: Largest request body (the public gRPC service's message limit too: cluster.guard.PUBLIC_MAX_MESSAGE_BYTES)
 MAX_BODY_BYTES = 4 * 1024 * 1024
+IGNORED_FIELDS_HEADER = "x-viasd-ignored-fields"  # the unknown fields a request sent, comma-separated
 
-# GenerationParams fields that OpenAI names the same way; the rest are via-sd extensions
-OPENAI_PARAMS = ("max_tokens", "temperature", "top_p", "seed")
-EXTENSIONS = tuple(n for n in GenerationParams.model_fields if n not in OPENAI_PARAMS)
+
+@dataclass(frozen=True)
+class OpenAIField:
+    """How one OpenAI (or vLLM) request field reaches the engine."""
+
+    param: str | None  # the GenerationParams field it sets; None: not wired to the engine (yet)
+    unused: tuple = (None,)  # values that ask for nothing: accepted while `param` is None
+    todo: str = ""  # the 400's advice when an unwired field asks for something
+
+
+#: Every OpenAI / vLLM sampling field: wiring a new engine feature is one entry here.
+OPENAI_FIELDS: dict[str, OpenAIField] = {
+    "max_tokens": OpenAIField("max_tokens"),
+    "max_completion_tokens": OpenAIField("max_tokens"),  # OpenAI's newer name (chat)
+    "temperature": OpenAIField("temperature"),
+    "top_p": OpenAIField("top_p"),
+    "seed": OpenAIField("seed"),
+    "stop": OpenAIField("stop"),
+    "n": OpenAIField(None, (None, 1), "only n=1 is served; send n requests (with different seeds)"),
+    "best_of": OpenAIField(None, (None, 1), "only best_of=1 is served"),
+    "presence_penalty": OpenAIField("presence_penalty"),
+    "frequency_penalty": OpenAIField("frequency_penalty"),
+    "repetition_penalty": OpenAIField("repetition_penalty"),  # vLLM's extension
+    "logit_bias": OpenAIField("logit_bias"),  # {"token id": bias}
+    "logprobs": OpenAIField(None, (None, False, 0), "logprobs are not served yet; leave it unset"),
+    "top_logprobs": OpenAIField(None, (None, 0), "logprobs are not served yet; leave it unset"),
+    "echo": OpenAIField(None, (None, False), "echo is not served yet; leave it unset"),
+    "suffix": OpenAIField(None, (None,), "suffix (fill in the middle) is not served; put the text in the prompt"),
+    "min_tokens": OpenAIField(None, (None, 0), "min_tokens is not served; leave it unset (or 0)"),
+    "use_beam_search": OpenAIField(None, (None, False), "beam search is not served"),
+    "tools": OpenAIField(None, (None, []), "tool calls are not served: describe the tools in the prompt and "
+                                           "parse the reply yourself"),
+    "tool_choice": OpenAIField(None, (None, "none", "auto"), "tool calls are not served"),
+    "response_format": OpenAIField(None, (None, {"type": "text"}), "only {'type': 'text'} is served: ask for JSON "
+                                                                    "in the prompt"),
+}
+_TYPES: dict[str, Any] = {  # the type of each OPENAI_FIELDS entry in a body (type errors name the field)
+    "max_tokens": int, "max_completion_tokens": int, "temperature": float, "top_p": float, "seed": int,
+    "stop": str | list[str], "n": int, "best_of": int, "presence_penalty": float, "frequency_penalty": float,
+    "repetition_penalty": float, "logit_bias": dict[str, float], "logprobs": bool | int, "top_logprobs": int,
+    "echo": bool, "suffix": str, "min_tokens": int, "use_beam_search": bool, "tools": list,
+    "tool_choice": str | dict, "response_format": dict,
+}
+_COMPLETION_ONLY = ("echo", "best_of", "suffix")
+_CHAT_ONLY = ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")
+# GenerationParams fields OpenAI's table does not set: via-sd extensions under their own names
+EXTENSIONS = tuple(n for n in GenerationParams.model_fields if n not in {f.param for f in OPENAI_FIELDS.values()})
+
+
+def _fields(names) -> dict:
+    return {n: (_TYPES[n] | None, Field(None, description=_describe(n))) for n in names}
+
+
+def _describe(name: str) -> str:
+    f = OPENAI_FIELDS[name]
+    if f.param is None:
+        return f"Not served yet ({f.todo}); accepted when it asks for nothing ({', '.join(map(repr, f.unused))})."
+    return GenerationParams.model_fields[f.param].description
+
+
+class _Lenient(BaseModel):
+    """Unknown fields are kept (`model_extra`) and reported, an explicit null means the default."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+class StreamOptions(_Lenient):
+    """OpenAI's stream_options."""
+
+    include_usage: bool = Field(False, description="Send one more chunk with `usage` (and no choices) before [DONE].")
+
 
 # validated by GenerationParams (so its errors name the field the same way on every entry point)
 _Extensions = create_model(
     "_Extensions",
-    __config__=ConfigDict(extra="forbid"),
+    __base__=_Lenient,
     **{
         name: (Any, Field(None, description=f"via-sd extension: {GenerationParams.model_fields[name].description}"))
         for name in EXTENSIONS
     },
 )
+_Common = create_model(
+    "_Common",
+    __base__=_Extensions,
+    __doc__="Parameters shared by completions and chat completions.",
+    model=(str | None, Field(None, description="A name from /v1/models (or an alias); empty: this pipeline.")),
+    stream=(bool, Field(False, description="Stream server-sent events (`data: {chunk}` ... `data: [DONE]`).")),
+    stream_options=(StreamOptions | None, Field(None, description="Streaming options (include_usage).")),
+    user=(str | None, Field(None, description="End-user id (accepted, not used).")),
+    return_token_ids=(bool, Field(False, description="via-sd extension: add the generated `token_ids` to each "
+                                                      "choice.")),
+    **_fields(n for n in OPENAI_FIELDS if n not in _COMPLETION_ONLY + _CHAT_ONLY),
+)
 
 
-class StreamOptions(BaseModel):
-    """OpenAI's stream_options."""
-
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = Field(False, description="Send one more chunk with `usage` (and no choices) before [DONE].")
-    continuous_usage_stats: bool = Field(
-        False, description="vLLM's extension (sent by load generators such as guidellm): accepted; usage still comes "
-        "once, in the last chunk.")
-
-
-class _Common(_Extensions):
-    """Parameters shared by completions and chat completions."""
-
-    model: str | None = Field(None, description="Pipeline name from /v1/models; empty: the default pipeline.")
-    max_tokens: int | None = Field(None, description=GenerationParams.model_fields["max_tokens"].description)
-    temperature: float | None = Field(None, description=GenerationParams.model_fields["temperature"].description)
-    top_p: float | None = Field(None, description=GenerationParams.model_fields["top_p"].description)
-    seed: int | None = Field(None, description=GenerationParams.model_fields["seed"].description)
-    stream: bool = Field(False, description="Stream server-sent events (`data: {chunk}` ... `data: [DONE]`).")
-    stream_options: StreamOptions | None = Field(None, description="Streaming options (include_usage).")
-    stop: str | list[str] | None = Field(None, description="Up to 4 strings that end the text (not included in it).")
-    n: int = Field(1, description="Choices per request; only 1 is served.")
-    user: str | None = Field(None, description="End-user id (accepted, not used).")
-    frequency_penalty: float = Field(0.0, description="Not supported: only 0 is accepted.")
-    presence_penalty: float = Field(0.0, description="Not supported: only 0 is accepted.")
-    logprobs: Any = Field(None, description="Not supported: only null / false is accepted.")
-    logit_bias: dict[str, float] | None = Field(None, description="Not supported: only null / {} is accepted.")
-    return_token_ids: bool = Field(False, description="via-sd extension: add the generated `token_ids` to each choice.")
+CompletionRequest = create_model(
+    "CompletionRequest",
+    __base__=_Common,
+    __doc__="Body of POST /v1/completions.",
+    prompt=(str | list[int] | list[str] | list[list[int]],
+            Field(..., description="Text, or pre-tokenized ids; a list of prompts must hold exactly one.")),
+    **_fields(_COMPLETION_ONLY),
+)
 
 
-class CompletionRequest(_Common):
-    """Body of POST /v1/completions."""
-
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        ..., description="Text, or pre-tokenized ids; a list of prompts must hold exactly one."
-    )
-    echo: bool = Field(False, description="Not supported: only false is accepted.")
-    best_of: int | None = Field(None, description="Not supported: only null / 1 is accepted.")
-    suffix: str | None = Field(None, description="Not supported: only null is accepted.")
-
-
-class TextPart(BaseModel):
+class TextPart(_Lenient):
     """One part of a message's content (type text)."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["text"] = Field("text", description="Only text parts are served.")
     text: str = Field(..., description="The text.")
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Lenient):
     """One chat message; rendered with the model's chat template."""
 
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "developer"] = Field(..., description="Who says it.")
-    content: str | list[TextPart] | None = Field(..., description="The message text (or text parts).")
+    role: Literal["system", "user", "assistant", "developer", "tool"] = Field(..., description="Who says it.")
+    content: str | list[TextPart] | None = Field(None, description="The message text (or text parts).")
     name: str | None = Field(None, description="Participant name (accepted, not used).")
 
     def text(self) -> str:
@@ -115,80 +189,93 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Common):
-    """Body of POST /v1/chat/completions."""
-
-    messages: list[ChatMessage] = Field(..., min_length=1, description="The conversation, at least one message.")
-    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens.")
-    tools: list | None = Field(None, description="Not supported: only null / [] is accepted.")
-    response_format: dict | None = Field(None, description="Only {'type': 'text'} is accepted.")
-
-
-def unsupported(body: _Common) -> tuple[str, str] | None:
-    """The first OpenAI option that is set to something this server does not do: (field, message)."""
-    checks = [
-        ("n", body.n != 1, "only n=1 is served"),
-        ("frequency_penalty", body.frequency_penalty != 0, "not supported (only 0)"),
-        ("presence_penalty", body.presence_penalty != 0, "not supported (only 0)"),
-        ("logprobs", body.logprobs not in (None, False, 0), "not supported"),
-        ("logit_bias", bool(body.logit_bias), "not supported"),
-        ("stop", isinstance(body.stop, list) and len(body.stop) > 4, "at most 4 stop strings"),
-        ("stop", any(not s for s in _stops(body.stop)), "stop strings must be non-empty"),
-    ]
-    if isinstance(body, CompletionRequest):
-        checks += [
-            ("echo", body.echo, "not supported"),
-            ("best_of", body.best_of not in (None, 1), "not supported (only 1)"),
-            ("suffix", body.suffix is not None, "not supported"),
-        ]
-    else:
-        checks += [
-            ("tools", bool(body.tools), "tool calls are not supported"),
-            ("response_format", body.response_format not in (None, {"type": "text"}), "only {'type': 'text'}"),
-        ]
-    return next(((f, m) for f, bad, m in checks if bad), None)
+ChatCompletionRequest = create_model(
+    "ChatCompletionRequest",
+    __base__=_Common,
+    __doc__="Body of POST /v1/chat/completions.",
+    messages=(list[ChatMessage], Field(..., min_length=1, description="The conversation, at least one message.")),
+    **_fields(_CHAT_ONLY),
+)
 
 
-def _stops(stop: str | list[str] | None) -> list[str]:
-    return [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+class TokenizeRequest(_Lenient):
+    """Body of POST /tokenize (vLLM's): a prompt or chat messages."""
+
+    model: str | None = Field(None, description="A name from /v1/models; empty: this pipeline.")
+    prompt: str | None = Field(None, description="Text to tokenize (no special tokens added).")
+    messages: list[ChatMessage] | None = Field(None, description="Chat messages, rendered with the chat template.")
 
 
-def param_values(body: _Common) -> dict[str, Any]:
-    """The GenerationParams fields the request set (None means: the server's default)."""
-    values = {n: getattr(body, n) for n in (*OPENAI_PARAMS, *EXTENSIONS)}
-    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
-        values["max_tokens"] = body.max_completion_tokens
-    return {k: v for k, v in values.items() if v is not None}
+class DetokenizeRequest(_Lenient):
+    """Body of POST /detokenize (vLLM's)."""
+
+    model: str | None = Field(None, description="A name from /v1/models; empty: this pipeline.")
+    tokens: list[int] = Field(..., description="Token ids to turn into text.")
 
 
-class StopStrings:
-    """Cuts streamed text at the first stop string; holds back a tail that may begin one."""
+_warned: set[str] = set()  # unknown field names already logged by this process
 
-    def __init__(self, stops: list[str]):
-        self.stops = stops
-        self.pending = ""
 
-    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """(text safe to emit now, whether a stop string was hit)."""
-        if not self.stops:
-            return text, False
-        self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            out, self.pending = self.pending[: min(hits)], ""
-            return out, True
-        if final:
-            out, self.pending = self.pending, ""
-            return out, False
-        keep = 0  # longest suffix of pending that is a proper prefix of a stop string
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
-                if self.pending.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
-        cut = len(self.pending) - keep
-        out, self.pending = self.pending[:cut], self.pending[cut:]
-        return out, False
+def check_fields(body: BaseModel) -> list[str]:
+    """Refuse what this server does not do (InvalidParameterError naming the field and what to do
+    instead) and typos of known names; return the unknown fields, which are ignored."""
+    for name, spec in OPENAI_FIELDS.items():  # in the table's order: the first one asked for is named
+        if name not in type(body).model_fields:
+            continue
+        value = getattr(body, name)
+        if spec.param is None and value not in spec.unused:
+            raise InvalidParameterError(name, spec.todo)
+    unknown = sorted(body.model_extra or ())
+    known = list(type(body).model_fields)
+    for name in unknown:
+        near = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if near:
+            raise InvalidParameterError(name, f"unknown parameter; did you mean {near[0]!r}?")
+        if name not in _warned:
+            _warned.add(name)
+            log.warning("request field %r is not known to via-sd; it is ignored (listed in %s)", name,
+                        IGNORED_FIELDS_HEADER)
+    return unknown
+
+
+def param_values(body: BaseModel) -> dict[str, Any]:
+    """The GenerationParams fields the request set, through OPENAI_FIELDS (unset: the server's default)."""
+    values = {n: getattr(body, n) for n in EXTENSIONS if getattr(body, n) is not None}
+    for name, spec in OPENAI_FIELDS.items():  # max_completion_tokens after max_tokens: the newer name wins
+        value = getattr(body, name, None) if name in type(body).model_fields else None
+        if spec.param is not None and value is not None:
+            values[spec.param] = value
+    if isinstance(values.get("stop"), str):
+        values["stop"] = [values["stop"]]
+    return values
+
+
+def request_of(body: BaseModel, chat: bool) -> tuple[HandlerRequest, list[str]]:
+    """The handler's request of an OpenAI body, and the unknown fields it ignored."""
+    ignored = check_fields(body)
+    params = param_values(body)
+    if chat:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        return HandlerRequest(messages=messages, params=params, model=body.model, id_prefix="chatcmpl-",
+                              fill_context=True), ignored
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise InvalidParameterError("prompt", "only one prompt per request is served")
+        prompt = prompt[0]
+    return HandlerRequest(prompt=prompt, params=params, model=body.model, id_prefix="cmpl-"), ignored
+
+
+def _translate(handler: RequestHandler, body: BaseModel, chat: bool) -> tuple[HandlerRequest, list[str]]:
+    try:
+        return request_of(body, chat)
+    except InvalidParameterError as exc:
+        raise handler.refuse(exc) from None
+
+
+async def open_openai(handler: RequestHandler, body: BaseModel, chat: bool) -> Job:
+    """Translate, validate, admit and start an OpenAI request (RequestError when refused)."""
+    return await handler.open(_translate(handler, body, chat)[0])
 
 
 # ------------------------------------------------------------------------------- response objects
@@ -208,6 +295,20 @@ def error_body(status: int, message: str, param: str | None = None, kind: str = 
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
 
 
+def error_response(err: RequestError) -> JSONResponse:
+    """An error of the handler's table in OpenAI's shape (429 with Retry-After)."""
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.kind is REJECTED else None
+    return JSONResponse(error_body(err.status, str(err), err.field, err.kind.openai_type), err.status,
+                        headers=headers)
+
+
+def model_card(handler: RequestHandler, name: str, created: int) -> dict:
+    """One entry of /v1/models: OpenAI's fields, vLLM's `root` and `max_model_len`, and `viasd`."""
+    info = handler.info()
+    return {"id": name, "object": "model", "created": created, "owned_by": "via-sd", "root": info["verifier"],
+            "parent": None, "max_model_len": info["max_context"] or None, "viasd": info}
+
+
 # ------------------------------------------------------------------------------------ the routes
 
 
@@ -215,11 +316,8 @@ OPEN_PATHS = ("/health", "/metrics")  # served without a token (probes, Promethe
 
 
 def build_http_app():
-    """The FastAPI app; its routes read the replica's `OpenAIServer` from `app.state.server` and
+    """The FastAPI app; its routes read the replica's `RequestHandler` from `app.state.server` and
     the bearer token (None: no authentication) from `app.state.token`."""
-    from viasd.cluster.security import bearer_ok
-    from viasd.cluster.server import RETRY_AFTER_S, RequestError
-
     app = FastAPI(title="via-sd", description="OpenAI-compatible API of a via-sd pipeline", version="1")
 
     @app.middleware("http")
@@ -250,8 +348,6 @@ def build_http_app():
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         field = ".".join(loc) or None
         msg = err.get("msg", "invalid request body")
-        if err.get("type") == "extra_forbidden":
-            msg = "unknown parameter"
         if err.get("type") == "json_invalid":  # loc is a character position: the body as a whole is at fault
             field, msg = "body", f"not valid JSON ({msg}, at character {loc[0] if loc else '?'})"
         return JSONResponse(error_body(400, f"{field}: {msg}" if field else msg, field), status_code=400)
@@ -264,20 +360,26 @@ def build_http_app():
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError):
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 429 else None
-        return JSONResponse(error_body(exc.status, str(exc), exc.field, exc.kind), exc.status, headers=headers)
+        return error_response(exc)
 
-    def server(request: Request):
+    def server(request: Request) -> RequestHandler:
         return request.app.state.server
 
-    async def _serve(request: Request, body: _Common, chat: bool):
-        srv = server(request)
-        job = await srv.open_openai(body, chat)  # validates and admits, or raises RequestError
-        if body.stream:
-            return StreamingResponse(_stream(job, chat), media_type="text/event-stream")
-        return JSONResponse(await _whole(job, chat))
+    def check_model(handler: RequestHandler, model: str | None) -> None:
+        if not handler.answers_to(model):
+            raise handler.refuse(RequestError(MODEL_NOT_FOUND, f"model: {model!r} is not served here; /v1/models "
+                                                               f"lists {handler.name!r}", "model"))
 
-    async def _stream(job, chat: bool) -> AsyncIterator[bytes]:
+    async def _serve(request: Request, body: BaseModel, chat: bool):
+        handler = server(request)
+        translated, ignored = _translate(handler, body, chat)
+        job = await handler.open(translated)  # validated and admitted, or RequestError
+        headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else None
+        if body.stream:
+            return StreamingResponse(_stream(job, chat, body), media_type="text/event-stream", headers=headers)
+        return JSONResponse(await _whole(job, chat, body), headers=headers)
+
+    async def _stream(job: Job, chat: bool, body: BaseModel) -> AsyncIterator[bytes]:
         base = {"id": job.id, "created": job.created, "model": job.model}
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
@@ -291,24 +393,23 @@ def build_http_app():
                     choice["delta"] = {"content": piece.text} if piece.text or not piece.finish_reason else {}
                 else:
                     choice["text"] = piece.text
-                if job.return_token_ids:
+                if body.return_token_ids:
                     choice["token_ids"] = piece.token_ids
                 chunk = {**base, "object": obj, "choices": [choice]}
                 if piece.finish_reason:
                     chunk["usage"] = usage(piece.stats)
                     chunk["viasd_stats"] = piece.stats
                 yield sse(chunk)
-            if job.include_usage:
+            if body.stream_options is not None and body.stream_options.include_usage:
                 yield sse({**base, "object": obj, "choices": [], "usage": usage(job.stats)})
         except Exception as exc:  # after the headers: report in-band, like OpenAI's streaming errors
-            err = RequestError.of(exc)
-            job.server.count_error(err)
-            yield sse(error_body(err.status, str(err), err.field, err.kind))
+            err = await job.fail(exc)
+            yield sse(error_body(err.status, str(err), err.field, err.kind.openai_type))
         finally:
             await job.aclose()
         yield sse("[DONE]")
 
-    async def _whole(job, chat: bool) -> dict:
+    async def _whole(job: Job, chat: bool, body: BaseModel) -> dict:
         text, ids, finish = [], [], None
         try:
             async for piece in job:
@@ -316,9 +417,7 @@ def build_http_app():
                 ids.extend(piece.token_ids)
                 finish = piece.finish_reason or finish
         except Exception as exc:
-            err = RequestError.of(exc)
-            job.server.count_error(err)
-            raise err from None
+            raise await job.fail(exc) from None
         finally:
             await job.aclose()
         choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
@@ -326,7 +425,7 @@ def build_http_app():
             choice["message"] = {"role": "assistant", "content": "".join(text)}
         else:
             choice["text"] = "".join(text)
-        if job.return_token_ids:
+        if body.return_token_ids:
             choice["token_ids"] = ids
         return {
             "id": job.id,
@@ -348,12 +447,39 @@ def build_http_app():
 
     @app.get("/v1/models")
     async def models(request: Request):
-        created = int(time.time())
-        data = [
-            {"id": info["name"], "object": "model", "created": created, "owned_by": "via-sd", "viasd": info}
-            for info in server(request).model_infos()
-        ]
-        return {"object": "list", "data": data}
+        handler, created = server(request), int(time.time())
+        names = [handler.name, *(n for n in handler.aliases if n != handler.name)]
+        return {"object": "list", "data": [model_card(handler, n, created) for n in names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        handler = server(request)
+        check_model(handler, model_id)
+        return model_card(handler, model_id, int(time.time()))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request):
+        handler = server(request)
+        check_model(handler, body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages else None
+        try:
+            ids = await asyncio.to_thread(handler.tokenize, body.prompt, messages)
+        except InvalidParameterError as exc:
+            raise handler.refuse(exc) from None
+        return {"count": len(ids), "max_model_len": handler.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request):
+        handler = server(request)
+        check_model(handler, body.model)
+        try:
+            return {"prompt": await asyncio.to_thread(handler.detokenize, body.tokens)}
+        except InvalidParameterError as exc:
+            raise handler.refuse(exc) from None
+
+    @app.get("/version")
+    async def version():
+        return {"version": viasd.__version__}
 
     @app.get("/health")
     async def health(request: Request):

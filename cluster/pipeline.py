@@ -47,6 +47,11 @@ class PipelineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field("default", min_length=1, description="Pipeline name: the `model` a request asks for (ListModels).")
+    served_model_name: str | None = Field(
+        None, min_length=1, description="The model name responses, /v1/models and metrics show; default: the "
+        "pipeline's name, or the verifier's for the unnamed pipeline `default` (which still answers to `default`).",
+    )
+    aliases: tuple[str, ...] = Field((), description="More names a request's `model` may use for this pipeline.")
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
         description="Models, dtype, layer mask, cache policy, context cap, torch threads (viasd.config.EngineConfig).",
@@ -245,7 +250,15 @@ class Pipeline:
             "tensor_parallel_size": self.config.tp_size,
             "max_context": self.coordinator.max_context or 0,
             "default_mode": self.config.mode.value,
+            "runtime": self.verifier_info["runtime"],  # the verifier's dtype choice and CPU capability
         }
+
+    def status(self) -> dict:
+        """For operators: the actors' processes, what `heal` rebuilt, requests the coordinator took."""
+        pids = {"verifier": self.verifier_info.get("rank_pids", [])}
+        if self.drafter_info is not None:
+            pids["drafter"] = self.drafter_info["pid"]
+        return {"pids": pids, "rebuilds": dict(self.rebuilds), "requests": self.coordinator.totals.requests}
 
     async def session_counts(self) -> dict:
         """Open sessions on each actor: {"drafter": n, "verifier": [n per rank]} (0 when idle)."""

@@ -16,7 +16,7 @@ token of the HTTP API: `read_token`, `bearer_ok`, used by cluster/openai_api.py)
 
 Ray Serve's gRPC proxy has no TLS and no interceptors: the Serve deployment (cluster/app.py)
 checks the same bearer token itself, from each call's metadata, with `token_denial`; the
-standalone server (``python -m viasd.cluster.grpc_server``) is the endpoint that also does TLS.
+standalone server (``python -m viasd.cluster.standalone``) is the endpoint that also does TLS.
 """
 
 from __future__ import annotations

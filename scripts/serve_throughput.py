@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     import openai
 
     from viasd.bench import provenance
-    from viasd.cluster.config import load_serve_config, parse_serve_config
+    from viasd.cluster.serve_config import load_serve_config, parse_serve_config
 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     levels = [int(x) for x in args.concurrency.split(",")]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
+import socket
 import threading
 
 import pytest
@@ -134,3 +136,32 @@ def save_tiny_pair(root, tokenizer=None):
             tokenizer.save_pretrained(root / name)
     return EngineConfig(verifier=str(root / "verifier"), drafter=str(root / "drafter"), dtype="float32",
                         mask=(1, 0, 1, 0, 1, 1), threads=1)
+
+
+@contextlib.contextmanager
+def served_http(aio, handler):
+    """The OpenAI-compatible app over a request handler, on uvicorn on a free loopback port in the
+    test loop: yields its base URL."""
+    import uvicorn
+
+    from viasd.cluster.openai_api import build_http_app
+
+    app = build_http_app()
+    app.state.server = handler
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+
+    async def start():
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started:
+            await asyncio.sleep(0.02)
+        return task
+
+    task = aio.run(start())
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        aio.run(task)
+        sock.close()

@@ -17,7 +17,7 @@ started in this process so that the suite pays for one pipeline only.
 * TLS and mutual TLS with certificates made here; a missing or wrong bearer token is
   Unauthenticated while the health service stays open; the security settings of the server;
 * the `viasd-client` CLI: generate / chat / models / health, --json, exit codes;
-* the standalone server as a real process (`python -m viasd.cluster.grpc_server`, its own Ray on
+* the standalone server as a real process (`python -m viasd.cluster.standalone`, its own Ray on
   loopback) with TLS and a token file: a client started before it retries until it is up.
 """
 
@@ -91,7 +91,7 @@ def pipeline(ray_session, aio, engine_config):
 
 @pytest.fixture(scope="module")
 def servicer(pipeline):
-    from viasd.cluster.grpc_server import GenerationServicer
+    from viasd.cluster.grpc_api import GenerationServicer
 
     return GenerationServicer({"tiny": pipeline}, default="tiny")
 
@@ -104,7 +104,7 @@ class Servers:
         self.running = []
 
     def start(self, servicer, port: int = 0, security=None):
-        from viasd.cluster.grpc_server import serve_grpc
+        from viasd.cluster.standalone import serve_grpc
 
         server = self.aio.run(serve_grpc(servicer, port, security=security))
         self.running.append(server)
@@ -518,8 +518,8 @@ def test_a_full_queue_of_a_real_server_is_retried_until_a_slot_frees(aio, server
     """The real admission limits (one slot, no queue): while the slot is taken the server answers
     RESOURCE_EXHAUSTED with its hint, the client waits and tries again, and once the slot is free
     the call is served, equal to the engine."""
-    from viasd.cluster.grpc_server import GenerationServicer
-    from viasd.cluster.server import RETRY_AFTER_S, Admission
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.handler import RETRY_AFTER_S, Admission
 
     caplog.set_level(logging.INFO, logger="viasd.client")
     admission = Admission(1, 0)
@@ -641,7 +641,7 @@ def test_mutual_tls(aio, servers, servicer, certs, llm):
 
 
 def test_server_security_settings(tmp_path, monkeypatch, certs):
-    from viasd.cluster.grpc_server import main
+    from viasd.cluster.standalone import main
     from viasd.cluster.security import GRPCSecurity
 
     token_file = tmp_path / "token"
@@ -735,7 +735,7 @@ def test_cli_in_process(target, certs, servers, servicer, capsys, tmp_path, monk
 
 
 def test_standalone_server_process_with_tls_and_token(engine_config, llm, certs, tmp_path, caplog):
-    """`python -m viasd.cluster.grpc_server` as a real process (its own Ray on loopback) with TLS
+    """`python -m viasd.cluster.standalone` as a real process (its own Ray on loopback) with TLS
     and a token file: a client started before it retries until it is up, then streams the
     in-process result; a wrong token is refused; SIGTERM ends it cleanly."""
     import signal
@@ -748,7 +748,7 @@ def test_standalone_server_process_with_tls_and_token(engine_config, llm, certs,
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIASD_API_TOKEN")}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_enable_worker_prestart="0", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "viasd.cluster.grpc_server", "--config", str(config), "--port", str(port),
+    cmd = [sys.executable, "-m", "viasd.cluster.standalone", "--config", str(config), "--port", str(port),
            "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
            "--token-file", str(tmp_path / "token")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

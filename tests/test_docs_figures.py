@@ -9,7 +9,8 @@
 * docs/SERVING.md: the draft-probability dtype figures against docs/probs-dtype-cpu.json, which
   records the command, the commit and the machine; the served-load table and the
   draft-probabilities-on-the-wire table against docs/benchmarks/serve-throughput-cpu*.json and
-  probs-travel-cpu.json (rendered by their scripts), with the commands they record.
+  probs-travel-cpu.json (rendered by their scripts), with the commands they record; the lm-eval
+  table against docs/lm_eval.json.
 """
 
 from __future__ import annotations
@@ -264,3 +265,15 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     assert args[0] == f"scripts/{script}.py", args
     flat = " ".join(page.replace("\\\n", " ").split())  # the page's commands, continuation lines joined
     assert " ".join(args[1:]) in flat, results["command"]
+
+
+def test_serving_lm_eval_table_equals_its_raw_file():
+    """docs/SERVING.md's lm-eval table against docs/lm_eval.json (command, commit, machine recorded)."""
+    raw = load(DOCS / "lm_eval.json")
+    assert raw["command"] and raw["commit"] and raw["machine"]["cpu_capability"] and raw["served_equals_in_process"]
+    rows = table("SERVING.md", "| lm-eval client |")
+    assert [r[0].strip("`") for r in rows] == list(raw["served"])
+    for row in rows:
+        client = row[0].strip("`")
+        check_cell(row[1], [raw["served"][client]["exact_match"]], f"{client} served")
+        check_cell(row[2], [raw["in_process"][client]["exact_match"]], f"{client} in-process")

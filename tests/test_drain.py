@@ -35,7 +35,7 @@ def service(tmp_path_factory, ray_session):
     from ray import serve
 
     from viasd.cluster import drain, launch
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
 
     root = tmp_path_factory.mktemp("drain-models")
     verifier = tiny_model("llama", dtype=torch.float32)

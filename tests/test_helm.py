@@ -107,7 +107,8 @@ def everything() -> dict:
         "auth": {"tokenSecret": {"name": "viasd-api-token"}}, "tls": {"secretName": "viasd-tls"},
         "internalTLS": {"secretName": "viasd-internal-tls"},
         "mask": {"artifact": (ROOT / "viasd" / "masks" / "qwen2.5-coder-1.5b-instruct-r0.45.json").read_text()},
-        "serviceMonitor": {"enabled": True}, "cacheDir": "/home/ray/.cache/via-sd",
+        "serviceMonitor": {"enabled": True, "vllmNames": True}, "grafanaDashboard": {"enabled": True},
+        "cacheDir": "/home/ray/.cache/via-sd",
         "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
         "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
                           "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
@@ -212,7 +213,7 @@ def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, val
     from ray.serve.schema import ServeDeploySchema
 
     from viasd.cluster.app import GRPC_SERVICER, app_builder
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
 
     docs = render(chart, values)
     scv2 = serve_config_v2(docs)
@@ -244,8 +245,8 @@ def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, val
 
 def test_chart_schema_knows_exactly_the_serve_config_fields():
     """values.schema.json's `serve` lists ServeConfig's fields: a field added to or removed from
-    cluster/config.py shows up here."""
-    from viasd.cluster.config import ServeConfig
+    cluster/serve_config.py shows up here."""
+    from viasd.cluster.serve_config import ServeConfig
     from viasd.cluster.pipeline import PipelineConfig
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["serve"]
@@ -443,7 +444,7 @@ def test_internal_tls_secret_is_mounted_and_named_in_the_pipeline(chart):
     assert pipeline["internal_tls"] == {"cert_file": "/etc/viasd/internal-tls/tls.crt",
                                         "key_file": "/etc/viasd/internal-tls/tls.key",
                                         "ca_file": "/etc/viasd/internal-tls/ca.crt"}
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
 
     assert parse_serve_config(app_args(docs)).pipelines[0].internal_tls.server_name == "viasd-internal"
     for template in pod_specs(one(docs, "RayService")).values():
@@ -510,7 +511,7 @@ def test_model_storage_pvc_and_object_store(chart):
 
 
 def test_mask_artifact_becomes_a_configmap_and_the_verifier_mask(chart, tmp_path):
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
     from viasd.errors import MaskError
     from viasd.llm import load_mask
     from viasd.runtime import LayerMask
@@ -588,6 +589,39 @@ def test_service_monitor_scrapes_ray_metrics_of_every_pod(chart):
     rc = rs["spec"]["rayClusterConfig"]
     assert rc["headGroupSpec"]["rayStartParams"]["metrics-export-port"] == str(port)
     assert "ServiceMonitor" not in {d["kind"] for d in render(chart, preset("values-llama2-70b.yaml"))}
+
+
+def test_grafana_dashboard_is_a_configmap_off_by_default_reading_only_exported_series(chart):
+    """The dashboard ConfigMap renders only when asked, with the sidecar's label, and every series
+    its queries read is one the serving layer exports through Ray (`ray_viasd_` + a SPECS name)."""
+    import re
+
+    from viasd.cluster.serving_metrics import SPECS
+
+    assert not [d for d in render(chart) if d["kind"] == "ConfigMap" and "grafana" in d["metadata"]["name"]]
+    docs = render(chart, {"grafanaDashboard": {"enabled": True, "namespace": "monitoring"}})
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap" and "grafana" in d["metadata"]["name"]]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1" and cm["metadata"]["namespace"] == "monitoring"
+    dashboard = json.loads(cm["data"]["via-sd.json"])
+    exported = {"ray_viasd_" + s.name + {"counter": "_total", "histogram": "_bucket"}.get(s.kind, "") for s in SPECS}
+    labels = {label for s in SPECS for label in s.labels} | {"le"}
+    read = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            read |= set(re.findall(r"ray_viasd_\w+", target["expr"]))
+            for group in re.findall(r"by \(([^)]*)\)", target["expr"]):
+                assert {g.strip() for g in group.split(",")} <= labels, target["expr"]
+    assert read and read <= exported, read - exported
+    assert {"ray_viasd_kv_cache_usage_perc", "ray_viasd_request_queue_time_seconds_bucket",
+            "ray_viasd_spec_decode_num_drafts_total"} <= read
+
+
+def test_service_monitor_can_rename_the_series_to_vllms(chart):
+    values = merged(preset("values-llama2-70b.yaml"), {"serviceMonitor": {"enabled": True, "vllmNames": True}})
+    (relabel,) = one(render(chart, values), "ServiceMonitor")["spec"]["endpoints"][0]["metricRelabelings"]
+    assert relabel["replacement"] == "vllm:$1" and relabel["regex"] == "(?:ray_)?viasd_(.*)"
+    plain = merged(preset("values-llama2-70b.yaml"), {"serviceMonitor": {"enabled": True}})
+    assert "metricRelabelings" not in one(render(chart, plain), "ServiceMonitor")["spec"]["endpoints"][0]
 
 
 # ---------------------------------------------------------------- the probe script, against fake servers

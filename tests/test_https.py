@@ -28,7 +28,7 @@ def service(tmp_path_factory, certs, ray_session):
     from ray import serve
 
     from viasd.cluster import launch
-    from viasd.cluster.config import parse_serve_config
+    from viasd.cluster.serve_config import parse_serve_config
 
     root = tmp_path_factory.mktemp("https-models")
     (root / "token").write_text(TOKEN)
@@ -76,13 +76,13 @@ def test_plain_http_and_untrusted_certificates_are_refused(service, certs):
 
 @pytest.fixture(scope="module")
 def mtls_http(tmp_path_factory, certs, aio):
-    """The standalone server's HTTP front (grpc_server.serve_http) requiring client certificates,
+    """The standalone server's HTTP front (standalone.serve_http) requiring client certificates,
     over the in-process pipeline (no Ray needed), with the bearer token."""
-    from viasd.cluster.grpc_server import serve_http
+    from viasd.cluster.standalone import serve_http
     from viasd.cluster.local import LocalPipeline
     from viasd.cluster.pipeline import PipelineConfig
     from viasd.cluster.security import GRPCSecurity
-    from viasd.cluster.server import ReplicaServer
+    from viasd.cluster.handler import RequestHandler
 
     root = tmp_path_factory.mktemp("mtls-models")
     (root / "token").write_text(TOKEN)
@@ -92,7 +92,7 @@ def mtls_http(tmp_path_factory, certs, aio):
 
     async def start():
         pipeline = await LocalPipeline.start(config)
-        server = await serve_http({"tiny": ReplicaServer(pipeline, "tiny")}, "tiny", 0, "127.0.0.1", security)
+        server = await serve_http({"tiny": RequestHandler(pipeline, "tiny")}, "tiny", 0, "127.0.0.1", security)
         return pipeline, server
 
     pipeline, server = aio.run(start())

@@ -60,7 +60,8 @@ def pipeline(ray_session, aio, engine_config, tls):
 @pytest.fixture(scope="module")
 def stub(aio, pipeline):
     """The public GenerationService over the pipeline on a loopback port (plaintext: the public side)."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc
     from viasd.v1 import generation_pb2_grpc
 
     srv = aio.run(serve_grpc(GenerationServicer({"mtls": pipeline}, default="mtls"), 0))

@@ -93,7 +93,8 @@ def pipeline(ray_session, aio, engine_config):
 @pytest.fixture(scope="module")
 def server(aio, pipeline):
     """The public GenerationService on a free loopback port, and a client stub."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc
 
     servicer = GenerationServicer({"tiny": pipeline}, default="tiny")
     srv = aio.run(serve_grpc(servicer, 0))

@@ -26,7 +26,7 @@ import grpc
 import psutil
 import pytest
 
-from conftest import drafter_from, process_alive, save_tiny_pair, tiny_model
+from conftest import drafter_from, process_alive, save_tiny_pair, served_http, tiny_model
 from test_pipeline import collect
 from viasd.config import EngineConfig, parse_params
 from viasd.v1 import generation_pb2 as pb
@@ -92,7 +92,8 @@ def server(aio, pipeline):
 def _supervised_server(aio, pipeline, name: str):
     """GenerationService over `pipeline` on a free port, its health following the pipeline's
     supervisor (as the standalone server runs it): (servicer, server, stub, channel)."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc, set_health
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc, set_health
 
     servicer = GenerationServicer({name: pipeline}, default=name)
     srv = aio.run(serve_grpc(servicer, 0))
@@ -248,7 +249,7 @@ def _kill_a_verifier_rank_mid_requests(aio, pipeline, servicer, stub, channel, l
     the health stream, the rebuild, that no old rank survives and that later requests are right."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from viasd.cluster.grpc_server import status_of
+    from viasd.cluster.grpc_api import status_of
 
     before, old_pids = pipeline.rebuilds["verifier"], list(pipeline.verifier_info["rank_pids"])
     old_pid, old_procs = old_pids[rank], [psutil.Process(p) for p in old_pids]
@@ -578,8 +579,9 @@ def test_text_and_chat_prompts_are_served_and_never_logged(aio, server, llm, cap
 @pytest.fixture
 def own_server(aio, pipeline):
     """A second GenerationService over the same pipeline, with its own admission and drain state."""
-    from viasd.cluster.grpc_server import GenerationServicer, serve_grpc
-    from viasd.cluster.server import Admission
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.standalone import serve_grpc
+    from viasd.cluster.handler import Admission
 
     made = []
 
@@ -618,8 +620,7 @@ def test_queue_time_is_in_the_stats_and_the_metric(aio, own_server, pipeline, ll
     """limits.max_concurrent_requests is the batch capacity: with its one slot taken, a request
     waits in the queue; its final stats report the wait (queue_seconds), and a replica's
     admission observes it in viasd_request_queue_time_seconds."""
-    from viasd.cluster.metrics import ServingMetrics, parse_exposition, total
-    from viasd.cluster.server import Admission
+    from viasd.cluster.serving_metrics import ServingMetrics, parse_exposition, total
 
     servicer, stub = own_server(max_running=1, max_waiting=2)
     wait_s = 0.5
@@ -637,20 +638,12 @@ def test_queue_time_is_in_the_stats_and_the_metric(aio, own_server, pipeline, ll
     assert wait_s * 0.8 <= responses[-1].stats.queue_seconds < wait_s + 30
 
     metrics = ServingMetrics("m")
-    admission = Admission(1, 1, on_admit=metrics.queue_time)
-
-    async def two():
-        await admission.enter()
-        later = asyncio.ensure_future(admission.enter())
-        await asyncio.sleep(0.2)
-        admission.leave()
-        return await later
-
-    waited = aio.run(two())
+    timer = metrics.timer()  # a request arrives, waits, is admitted
+    time.sleep(0.2)
+    timer.admitted()
     samples = parse_exposition(metrics.exposition()[0].decode())
-    assert waited >= 0.15
-    assert total(samples, "viasd_request_queue_time_seconds_count") == 2
-    assert total(samples, "viasd_request_queue_time_seconds_sum") >= waited
+    assert total(samples, "viasd_request_queue_time_seconds_count") == 1
+    assert total(samples, "viasd_request_queue_time_seconds_sum") >= 0.15
 
 
 def test_drain_lets_requests_finish_then_aborts_the_rest(aio, own_server, pipeline, llm):
@@ -699,7 +692,7 @@ def test_drain_lets_requests_finish_then_aborts_the_rest(aio, own_server, pipeli
 
 
 def test_sigterm_drains_the_standalone_server(tmp_path, llm):
-    """`python -m viasd.cluster.grpc_server --http-port 0` under SIGTERM: health turns NOT_SERVING
+    """`python -m viasd.cluster.standalone --http-port 0` under SIGTERM: health turns NOT_SERVING
     and new calls are refused, a short request in flight finishes, a long one on gRPC and one on
     HTTP are ended with finish reason `abort` once --drain-timeout-s is spent, the process exits 0
     and leaves no child process."""
@@ -720,7 +713,7 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
     (tmp_path / "pipeline.json").write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     stderr = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "viasd.cluster.grpc_server", "--config", str(tmp_path / "pipeline.json"),
+    proc = subprocess.Popen([sys.executable, "-m", "viasd.cluster.standalone", "--config", str(tmp_path / "pipeline.json"),
                              "--port", "0", "--http-port", "0", "--drain-timeout-s", "2"], stdout=subprocess.PIPE,
                             stderr=stderr, text=True,
                             env=env, start_new_session=True)
@@ -807,32 +800,13 @@ def llm_prefix(models: Path, prompt: list[int], n: int) -> list[int]:
 @pytest.fixture(scope="module")
 def http_base(aio, pipeline):
     """The OpenAI-compatible app over the pipeline, on uvicorn on a free loopback port."""
-    import socket
+    from viasd.cluster.handler import RequestHandler
+    from viasd.cluster.serving_metrics import ServingMetrics
 
-    import uvicorn
-
-    from viasd.cluster.metrics import ServingMetrics
-    from viasd.cluster.openai_api import build_http_app
-    from viasd.cluster.server import ReplicaServer
-
-    app = build_http_app()
-    app.state.server = ReplicaServer(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
-                                     max_concurrent_requests=4, max_queued_requests=16)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-
-    async def start():
-        task = asyncio.ensure_future(server.serve(sockets=[sock]))
-        while not server.started:
-            await asyncio.sleep(0.05)
-        return task
-
-    task = aio.run(start())
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app.state.server
-    server.should_exit = True
-    aio.run(task)
-    sock.close()
+    handler = RequestHandler(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
+                             max_concurrent_requests=4, max_queued_requests=16)
+    with served_http(aio, handler) as base:
+        yield base, handler
 
 
 async def _post(base: str, path: str, data: bytes) -> tuple[int, object]:

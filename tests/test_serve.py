@@ -20,7 +20,7 @@ import pytest
 
 import ray.serve  # noqa: E402,F401  (declared: a missing one fails, it does not skip)
 
-from viasd.cluster.config import load_serve_config, parse_serve_config  # noqa: E402
+from viasd.cluster.serve_config import load_serve_config, parse_serve_config  # noqa: E402
 from viasd.errors import InvalidParameterError  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
@@ -323,12 +323,12 @@ def test_grpc_through_serves_proxy_needs_the_same_bearer_token_as_http(service, 
 def test_metrics_expose_the_counters_after_requests(service, client):
     import requests
 
-    from viasd.cluster.metrics import parse_exposition, total
+    from viasd.cluster.serving_metrics import parse_exposition, total
 
     client.completions.create(model="smol", prompt=PROMPT, max_tokens=8, extra_body={"mode": "via"})
     text = requests.get(service.http + "/metrics", timeout=30).text
     s = parse_exposition(text)
-    assert total(s, "viasd_spec_decode_num_drafts_total", model="smol") > 0
+    assert total(s, "viasd_spec_decode_num_drafts_total", model_name="smol") > 0
     assert total(s, "viasd_spec_decode_num_draft_tokens_total", mode="via") >= total(
         s, "viasd_spec_decode_num_accepted_tokens_total", mode="via")
     assert total(s, "viasd_spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
@@ -339,7 +339,7 @@ def test_metrics_expose_the_counters_after_requests(service, client):
     assert total(s, "viasd_inter_token_latency_seconds_count") > 0
     assert total(s, "viasd_request_errors_total", status="invalid") > 0
     assert total(s, "viasd_request_success_total", finished_reason="abort") > 0  # the client that went away
-    assert ("viasd_num_requests_waiting", (("model", "smol"),)) in s
+    assert ("viasd_num_requests_waiting", (("model_name", "smol"),)) in s
 
 
 # ------------------------------------------------------------------------------------- faults (last: kills an actor)
@@ -380,7 +380,7 @@ def test_a_killed_drafter_is_restarted_inside_the_replica(service, client, refer
 
 
 def test_admission_refuses_past_the_queue():
-    from viasd.cluster.server import Admission, RequestError
+    from viasd.cluster.handler import Admission, RequestError
 
     async def run():
         seen = []
@@ -416,31 +416,31 @@ def _tiny_local_config(tmp_path):
 
 
 def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
-    """ReplicaServer over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
+    """RequestHandler over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
     from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.metrics import parse_exposition, total
-    from viasd.cluster.openai_api import CompletionRequest
-    from viasd.cluster.server import ReplicaServer, RequestError
+    from viasd.cluster.serving_metrics import parse_exposition, total
+    from viasd.cluster.openai_api import CompletionRequest, open_openai
+    from viasd.cluster.handler import RequestHandler, RequestError
 
     config = _tiny_local_config(tmp_path)
 
     async def run():
         pipeline = await LocalPipeline.start(config)
-        server = ReplicaServer(pipeline, "tiny", default_params={"max_tokens": 8},
+        server = RequestHandler(pipeline, "tiny", default_params={"max_tokens": 8},
                                max_concurrent_requests=1, max_queued_requests=0)
         body = CompletionRequest(prompt=[1, 2, 3], return_token_ids=True)
-        first = await server.open_openai(body, chat=False)
+        first = await open_openai(server, body, chat=False)
         with pytest.raises(RequestError) as info:
-            await server.open_openai(body, chat=False)
+            await open_openai(server, body, chat=False)
         assert info.value.status == 429 and "max_queued_requests" in str(info.value)
         pieces = [p async for p in first]
         await first.aclose()
         assert sum(len(p.token_ids) for p in pieces) == 8 and pieces[-1].finish_reason == "length"
-        second = await server.open_openai(body, chat=False)  # the slot is free again
+        second = await open_openai(server, body, chat=False)  # the slot is free again
         assert [t async for p in second for t in p.token_ids] == [t for p in pieces for t in p.token_ids]
         await second.aclose()
         with pytest.raises(RequestError) as info:
-            await server.open_openai(CompletionRequest(prompt="text"), chat=False)
+            await open_openai(server, CompletionRequest(prompt="text"), chat=False)
         assert info.value.status == 400 and info.value.field == "prompt"
         samples = parse_exposition(server.metrics.exposition()[0].decode())
         assert total(samples, "viasd_request_errors_total", status="rejected") == 1
@@ -453,36 +453,36 @@ def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
 
 
 def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
-    """ReplicaServer.drain (what `viasd drain` runs in every Serve replica), on the in-process
+    """RequestHandler.drain (what `viasd drain` runs in every Serve replica), on the in-process
     pipeline: a request that ends within the timeout ends normally, new requests are 503, and
     with the timeout spent a running request and one waiting for admission end with `abort`."""
     from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.metrics import parse_exposition, total
-    from viasd.cluster.openai_api import CompletionRequest
-    from viasd.cluster.server import ReplicaServer, RequestError
+    from viasd.cluster.serving_metrics import parse_exposition, total
+    from viasd.cluster.openai_api import CompletionRequest, open_openai
+    from viasd.cluster.handler import RequestHandler, RequestError
 
     config = _tiny_local_config(tmp_path)
 
     async def run():
         pipeline = await LocalPipeline.start(config)
-        server = ReplicaServer(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
-        short = await server.open_openai(CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"),
+        server = RequestHandler(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
+        short = await open_openai(server, CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"),
                                          chat=False)
         drained = asyncio.ensure_future(server.drain(60.0))
         await asyncio.sleep(0)
         with pytest.raises(RequestError) as info:
-            await server.open_openai(CompletionRequest(prompt=[1, 2, 3]), chat=False)
+            await open_openai(server, CompletionRequest(prompt=[1, 2, 3]), chat=False)
         assert info.value.status == 503 and "shutting down" in str(info.value)
         pieces = [p async for p in short]
         await short.aclose()
         assert pieces[-1].finish_reason == "length" and sum(len(p.token_ids) for p in pieces) == 12
         assert await drained == 0
 
-        server = ReplicaServer(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
-        long = await server.open_openai(CompletionRequest(prompt=[1, 2, 3], max_tokens=400, ignore_eos=True,
+        server = RequestHandler(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
+        long = await open_openai(server, CompletionRequest(prompt=[1, 2, 3], max_tokens=400, ignore_eos=True,
                                                           mode="via"), chat=False)
         first = await long.__anext__()
-        queued = asyncio.ensure_future(server.open_openai(CompletionRequest(prompt=[4, 5]), chat=False))
+        queued = asyncio.ensure_future(open_openai(server, CompletionRequest(prompt=[4, 5]), chat=False))
         while server.admission.waiting == 0:  # the second request waits for the one slot
             await asyncio.sleep(0.01)
         aborted = await server.drain(0.0)
@@ -503,7 +503,7 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
 
 
 def test_stop_strings_hold_back_a_possible_prefix():
-    from viasd.cluster.openai_api import StopStrings
+    from viasd.llm import StopStrings
 
     s = StopStrings(["END"])
     assert s.push("abc E") == ("abc ", False)
@@ -546,7 +546,7 @@ def test_serve_yaml_loads_and_names_bad_fields(tmp_path):
 def test_serve_config_fields_all_have_descriptions():
     from pydantic import BaseModel
 
-    from viasd.cluster.config import ServeConfig
+    from viasd.cluster.serve_config import ServeConfig
 
     def walk(model: type[BaseModel]):
         for name, f in model.model_fields.items():

@@ -60,6 +60,8 @@ def _add_param_args(ap: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         if name == "stop_token_ids":
             g.add_argument(flag, type=lambda s: tuple(int(x) for x in s.split(",")), default=None, help=f.description)
+        elif name == "stop":
+            g.add_argument(flag, action="append", default=None, help=f.description + " Repeat for several.")
         elif f.annotation is bool:
             g.add_argument(flag, action="store_true", default=None, help=f.description)
         else:
@@ -206,7 +208,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from viasd.cluster.config import load_serve_config, parse_serve_config
+    from viasd.cluster.serve_config import load_serve_config, parse_serve_config
     from viasd.cluster.launch import serve_forever
 
     config = load_serve_config(args.config)
@@ -330,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="start a local Ray and the Serve application (HTTP + gRPC) until stopped")
     serve.add_argument("--config", default=None,
-                       help="serving configuration (YAML, viasd.cluster.config.ServeConfig); default: the embedded pair")
+                       help="serving configuration (YAML, viasd.cluster.serve_config.ServeConfig); default: the embedded pair")
     serve.add_argument("--backend", default=None, choices=["actors", "local"],
                        help="actors: drafter / verifier / coordinator actors; local: the engine in the replica")
     serve.add_argument("--http-port", type=int, default=None)

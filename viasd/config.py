@@ -173,7 +173,8 @@ class GenerationParams(BaseModel):
     )
     stop: tuple[str, ...] | None = Field(
         None, max_length=MAX_STOP_STRINGS, description="Strings that end the text (not included in it), matched "
-        "in the detokenized output by the transport that detokenizes; at most 16, each non-empty.",
+        "on the detokenized text (viasd.llm.StopStrings: LLM.stream and the serving layer, every transport); at "
+        "most 16, each non-empty. LLM.complete, which returns token ids only, does not apply them.",
     )
     n: int = Field(
         1, ge=1, le=MAX_N, description="Samples of the prompt: n requests sharing one prefill; sample i uses "

@@ -6,7 +6,9 @@
   ``logit_bias`` map or ``stop`` list means none. Decoding validates
   through :func:`viasd.config.parse_params`, so a bad value raises
   :class:`~viasd.errors.InvalidParameterError` naming the field. ``stop_token_ids``: an empty
-  list means "the model's EOS tokens" (None); "no stop tokens at all" is ``ignore_eos``.
+  list means "the model's EOS tokens" (None); "no stop tokens at all" is ``ignore_eos``; the
+  same for ``stop`` (strings). `params_values_from_proto` gives only the fields the client set,
+  so that a server can lay them over its own defaults.
 * ``TokenLogprob`` messages <-> :class:`viasd.sampling.TokenLogprob` lists (prompt logprobs: the
   first prompt token has none, so the message list starts at the second).
 * ``RequestStats`` message <-> :class:`viasd.metrics.RequestStats`. The derived rates
@@ -26,8 +28,9 @@ from viasd.metrics import MODELS, RequestStats, TokenLogprob
 from viasd.v1 import generation_pb2 as pb
 
 __all__ = [
-    "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "stats_to_proto", "stats_from_proto",
-    "mode_from_proto", "finish_from_proto", "logprobs_to_proto", "logprobs_from_proto",
+    "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "params_values_from_proto",
+    "stats_to_proto", "stats_from_proto", "mode_from_proto", "finish_from_proto", "logprobs_to_proto",
+    "logprobs_from_proto",
 ]
 
 MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA, Mode.AUTO: pb.MODE_AUTO}
@@ -99,8 +102,14 @@ def params_to_proto(params: GenerationParams, only: Collection[str] | None = Non
 
 def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.VIA) -> GenerationParams:
     """Validated parameters; unset fields take the defaults (InvalidParameterError names a bad field)."""
+    return parse_params({"mode": Mode(default_mode), **params_values_from_proto(msg)})
+
+
+def params_values_from_proto(msg: pb.GenerationParams) -> dict:
+    """The GenerationParams fields the message sets (enums decoded; InvalidParameterError names a bad one)."""
     values: dict = {name: getattr(msg, name) for name in _OPTIONAL if msg.HasField(name)}
-    values["mode"] = mode_from_proto(msg.mode, default_mode)
+    if msg.mode != pb.MODE_UNSPECIFIED:
+        values["mode"] = _enum(msg.mode, _MODE_FROM_PB, "mode")
     if msg.region_b != pb.REGION_B_UNSPECIFIED:
         values["region_b"] = _enum(msg.region_b, _REGION_B_FROM_PB, "region_b")
     if msg.rule != pb.RULE_UNSPECIFIED:
@@ -115,7 +124,7 @@ def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.
         values["logit_bias"] = dict(msg.logit_bias)
     if msg.stop:
         values["stop"] = tuple(msg.stop)
-    return parse_params(values)
+    return values
 
 
 def logprobs_to_proto(entries: Sequence[TokenLogprob | None] | None) -> list[pb.TokenLogprob]:

@@ -297,7 +297,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "verifier", "drafter", "num_layers", "skipped_layers", "tensor_parallel_size", "max_context", "default_mode")
+    __slots__ = ("name", "verifier", "drafter", "num_layers", "skipped_layers", "tensor_parallel_size", "max_context", "default_mode", "dtype", "dtype_reason", "device", "cpu_capability")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,10 @@ class ModelInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_MODE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_REASON_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     name: str
     verifier: str
     drafter: str
@@ -314,7 +318,11 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: int
     max_context: int
     default_mode: Mode
-    def __init__(self, name: _Optional[str] = ..., verifier: _Optional[str] = ..., drafter: _Optional[str] = ..., num_layers: _Optional[int] = ..., skipped_layers: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[Mode, str]] = ...) -> None: ...
+    dtype: str
+    dtype_reason: str
+    device: str
+    cpu_capability: str
+    def __init__(self, name: _Optional[str] = ..., verifier: _Optional[str] = ..., drafter: _Optional[str] = ..., num_layers: _Optional[int] = ..., skipped_layers: _Optional[_Iterable[int]] = ..., tensor_parallel_size: _Optional[int] = ..., max_context: _Optional[int] = ..., default_mode: _Optional[_Union[Mode, str]] = ..., dtype: _Optional[str] = ..., dtype_reason: _Optional[str] = ..., device: _Optional[str] = ..., cpu_capability: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

@@ -55,7 +55,7 @@ rounded up (a fractional drafter share still needs a whole device in Kubernetes)
 {{- end }}
 
 {{/*
-The application's args: the ServeConfig (cluster/config.py) of `serve`, with what Kubernetes decides set here:
+The application's args: the ServeConfig (cluster/serve_config.py) of `serve`, with what Kubernetes decides set here:
 the HTTP proxy binds 0.0.0.0, the internal drafter / verifier servers advertise the pod IP (0.0.0.0) and, with
 internalTLS.secretName, use the mounted certificates for mutual TLS; a mask artifact (mask.artifact, a mounted
 ConfigMap) becomes the verifier's mask (its fingerprint checked on load).

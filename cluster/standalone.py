@@ -1,38 +1,28 @@
-"""The public gRPC API (viasd.v1.GenerationService) over one or more pipelines.
+"""The standalone server: the public gRPC API and, optionally, the OpenAI HTTP API, outside Ray Serve.
 
-`GenerationServicer` has two layers, so that the same code serves a standalone grpc.aio server
-(`serve_grpc`) and Ray Serve's gRPC proxy:
+    python -m viasd.cluster.standalone --config pipeline.json --port 50051 [--http-port 8000]
 
-* transport-free cores, `generate(request)` (an async iterator of GenerateResponse) and
-  `list_models(request)`, which raise `InvalidParameterError` (a bad field, named) or
-  `BackendError` (an internal RPC failed);
-* the grpc.aio methods `Generate` / `ListModels`, which map those to status codes:
-  INVALID_ARGUMENT with the message "field: what is wrong" and the field in the trailing
-  metadata key ``viasd-invalid-field``; UNAVAILABLE when a backend is down or too slow;
-  INTERNAL otherwise. Cancelling a Generate call cancels the request: the coordinator closes
-  the drafter's and the verifier's sessions.
+It starts (or joins) Ray, starts each pipeline of the config (`cluster/pipeline.py`), makes one
+`handler.RequestHandler` per pipeline — one admission limit and one drain shared by all of them
+and by both transports — and serves them with `grpc_api.GenerationServicer` on a grpc.aio
+server (`serve_grpc`) and, with ``--http-port``, the OpenAI-compatible app of `openai_api` on
+uvicorn in the same event loop (`serve_http`).
 
 `serve_grpc` adds the standard gRPC health service (grpcio-health-checking): "" and
 "viasd.v1.GenerationService" report SERVING once the server has started. Requests larger than
 4 MiB are refused (RESOURCE_EXHAUSTED; the internal services allow 256 MB); a message that does
-not parse (malformed UTF-8) is INVALID_ARGUMENT naming the field (cluster/guard.py). With an
-`admission` (cluster/server.py), at most `max_concurrent_requests` decode and
-`max_queued_requests` wait; past that RESOURCE_EXHAUSTED at once.
+not parse (malformed UTF-8) is INVALID_ARGUMENT naming the field (cluster/guard.py).
 
-Standalone server lifecycle: every pipeline runs under `Pipeline.supervise` (a dead drafter is
-restarted, a dead verifier rank rebuilds the group; health NOT_SERVING meanwhile). On SIGTERM /
-SIGINT it stops accepting (health NOT_SERVING, new calls UNAVAILABLE), lets the requests in
-flight finish for up to `--drain-timeout-s` (`Limits.drain_timeout_s`), ends the rest with a
-last message of finish reason `abort`, then stops the actors and the Ray it started.
+Lifecycle: every pipeline runs under `Pipeline.supervise` (a dead drafter is restarted, a dead
+verifier rank rebuilds the group; health NOT_SERVING meanwhile). On SIGTERM / SIGINT it stops
+accepting (health NOT_SERVING, new calls UNAVAILABLE / HTTP 503), lets the requests in flight
+finish for up to `--drain-timeout-s` (`Limits.drain_timeout_s`), ends the rest with a last
+message of finish reason `abort`, then stops the actors and the Ray it started.
 
-Standalone: ``python -m viasd.cluster.grpc_server --config pipeline.json --port 50051``, with
-optional TLS / mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``,
+Security: optional TLS / mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``,
 ``--require-client-cert``) and a bearer token (``--token-file`` or env ``VIASD_API_TOKEN``), see
-cluster/security.py. Ray Serve's gRPC proxy can do neither, so this server is the TLS and
-authentication endpoint of the gRPC API. ``--http-port`` adds the OpenAI-compatible HTTP API
-(`serve_http`: uvicorn in this process) under the same TLS settings, the same token, the same
-admission limits and the same drain; it is the endpoint for mutual TLS on HTTP, which Serve's
-HTTP proxy cannot require (it passes no client-certificate requirement to uvicorn).
+cluster/security.py, on both ports. Ray Serve's proxies can do neither mutual TLS nor (for gRPC)
+interceptors, so this server is the endpoint for them.
 """
 
 from __future__ import annotations
@@ -41,163 +31,30 @@ import argparse
 import asyncio
 import json
 import logging
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
+import signal
+import socket
+import ssl
 
 import grpc
+import ray
+import uvicorn
 from grpc_health.v1 import health as grpc_health
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
-from viasd.actors.coordinator import BackendError
-from viasd.cluster.guard import MAX_REQUEST_ID_CHARS, PUBLIC_MAX_MESSAGE_BYTES, SHUTTING_DOWN, Aborted, Calls, \
-    abortable, parse_request, until_aborted
+from viasd.cluster.grpc_api import SERVICE_NAME, GenerationServicer
+from viasd.cluster.guard import PUBLIC_MAX_MESSAGE_BYTES, Calls
+from viasd.cluster.handler import Admission, RequestHandler
+from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
-from viasd.config import Mode
+from viasd.cluster.serve_config import Limits
+from viasd.config import invalid_from_validation, parse_params
 from viasd.errors import InvalidParameterError
-from viasd.llm import IncrementalDetokenizer, encode_prompt
 from viasd.v1 import generation_pb2 as pb
-from viasd.v1 import generation_pb2_grpc
-from viasd.v1.convert import FINISH_TO_PB, MODE_TO_PB, params_from_proto, stats_to_proto
 
-log = logging.getLogger("viasd.cluster.grpc_server")
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # "viasd.v1.GenerationService"
-INVALID_FIELD_KEY = "viasd-invalid-field"
-
-
-class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
-    """GenerationService over named pipelines; requests naming no model go to `default`."""
-
-    def __init__(self, pipelines: dict[str, Pipeline], default: str, *, admission=None):
-        if default not in pipelines:
-            raise ValueError(f"default pipeline {default!r} is not among {sorted(pipelines)}")
-        self.pipelines = pipelines
-        self.default = default
-        self.admission = admission  # cluster.server.Admission, or None: no limit (Serve applies its own)
-        self.calls = Calls()
-
-    def in_flight(self) -> int:
-        """Generate calls running (or waiting for admission) on the grpc.aio methods."""
-        return len(self.calls)
-
-    def pipeline(self, name: str) -> Pipeline:
-        try:
-            return self.pipelines[name or self.default]
-        except KeyError:
-            raise InvalidParameterError("model", f"unknown model {name!r}; served: {sorted(self.pipelines)}") from None
-
-    # ---------------------------------------------------------------- transport-free cores
-
-    async def generate(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-        """Validate, run the request through its pipeline's coordinator, stream the responses."""
-        pipeline = self.pipeline(request.model)
-        params = params_from_proto(request.params, pipeline.config.mode)
-        prompt_ids = await _prompt_ids(request, pipeline.tokenizer)
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidParameterError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
-        request_id = request.request_id or uuid.uuid4().hex
-        detok = IncrementalDetokenizer(pipeline.tokenizer) if pipeline.tokenizer is not None else None
-        async with aclosing(pipeline.coordinator.generate(request_id, prompt_ids, params)) as chunks:
-            async for chunk in chunks:
-                text = detok.push(chunk.token_ids, final=chunk.finished) if detok is not None else ""
-                yield pb.GenerateResponse(
-                    request_id=request_id,
-                    text=text,
-                    token_ids=chunk.token_ids,
-                    finish_reason=FINISH_TO_PB[chunk.finish_reason],
-                    stats=stats_to_proto(chunk.stats) if chunk.stats is not None else None,
-                )
-
-    async def list_models(self, request: pb.ListModelsRequest | None = None) -> pb.ListModelsResponse:
-        models = []
-        for pipeline in self.pipelines.values():
-            info = dict(pipeline.info())
-            info["default_mode"] = MODE_TO_PB[Mode(info["default_mode"])]
-            models.append(pb.ModelInfo(**info))
-        return pb.ListModelsResponse(models=models)
-
-    # ---------------------------------------------------------------- grpc.aio methods
-
-    async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext):
-        if self.calls.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-        abort = self.calls.enter()
-        admitted, queued = False, 0.0
-        try:
-            if isinstance(request, bytes):  # registered by serve_grpc: parsed here, bad fields named
-                request = parse_request(request, pb.GenerateRequest)
-            if not request.request_id:  # named now, so that an aborted stream can say which request ended
-                request = named_request(request)
-            if self.admission is not None:
-                queued = await until_aborted(self.admission.enter(), abort)
-                admitted = True
-            async with aclosing(self.generate(request)) as responses:
-                async for response in abortable(responses, abort):
-                    if response.HasField("stats"):
-                        response.stats.queue_seconds += queued
-                    yield response
-        except Aborted:
-            yield abort_response(request.request_id)
-        except Exception as exc:
-            await abort_with(context, exc)
-        finally:
-            if admitted:
-                self.admission.leave()
-            self.calls.leave(abort)
-
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        return await self.list_models(request)
-
-
-def abort_response(request_id: str) -> pb.GenerateResponse:
-    """The last message of a stream ended by a drain that ran out of time."""
-    return pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ABORT)
-
-
-def named_request(request: pb.GenerateRequest) -> pb.GenerateRequest:
-    """The request with a fresh id, so that an aborted stream can say which request ended."""
-    named = pb.GenerateRequest()
-    named.CopyFrom(request)
-    named.request_id = uuid.uuid4().hex
-    return named
-
-
-async def _prompt_ids(request: pb.GenerateRequest, tokenizer) -> list[int]:
-    which = request.WhichOneof("input")
-    if which == "prompt_token_ids":
-        return list(request.prompt_token_ids.ids)
-    if which == "prompt":
-        return await asyncio.to_thread(encode_prompt, tokenizer, request.prompt)
-    if which == "messages":
-        messages = [{"role": m.role, "content": m.content} for m in request.messages.messages]
-        return await asyncio.to_thread(encode_prompt, tokenizer, None, messages)
-    raise InvalidParameterError("prompt", "set one of prompt, messages or prompt_token_ids")
-
-
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
-    """(status code, details, trailing metadata) of an error raised by a servicer core."""
-    from viasd.cluster.server import RequestError, retry_after_metadata
-
-    if isinstance(exc, RequestError) and exc.status == 429:  # admission: the queue is full; retry later
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), retry_after_metadata()
-    if isinstance(exc, InvalidParameterError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ((INVALID_FIELD_KEY, exc.field),)
-    if isinstance(exc, BackendError):
-        code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INTERNAL
-        return code, str(exc), ()
-    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}", ()
-
-
-async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    if isinstance(exc, grpc.aio.AbortError):
-        raise exc
-    code, details, metadata = status_of(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        log.error("request failed", exc_info=exc)
-    await context.abort(code, details, trailing_metadata=metadata)
-
+log = logging.getLogger("viasd.cluster.standalone")
 
 #: Client keepalive pings are accepted every 30 s even while no data flows (gRPC's default, 5
 #: minutes, would end the connection of a client pinging more often: viasd.client pings every 60 s).
@@ -257,20 +114,11 @@ async def serve_grpc(servicer: GenerationServicer, port: int, host: str = "127.0
 async def serve_http(servers: dict, default: str, port: int, host: str = "127.0.0.1",
                      security: GRPCSecurity | None = None):
     """Start the OpenAI-compatible HTTP API (cluster/openai_api.py) over `servers` (pipeline name ->
-    cluster.server.ReplicaServer) on host:port (0: a free port) with uvicorn in this event loop:
+    handler.RequestHandler) on host:port (0: a free port) with uvicorn in this event loop:
     the default pipeline at /, every other one under /<name> (as under Serve). `security` gives
     HTTPS (tls_cert_file / tls_key_file), client certificates (client_ca_file: verified when
     presented, required with require_client_cert — mutual TLS) and the bearer token.
     Returns the uvicorn server; its bound port is `server.viasd_port`, its task `server.viasd_task`."""
-    import socket
-    import ssl
-
-    import uvicorn
-    from starlette.applications import Starlette
-    from starlette.routing import Mount
-
-    from viasd.cluster.openai_api import build_http_app
-
     security = security or GRPCSecurity(token_env=None)
     token = security.token()
 
@@ -313,13 +161,10 @@ async def serve_http(servers: dict, default: str, port: int, host: str = "127.0.
 
 
 async def _main(args: argparse.Namespace) -> None:
-    import signal
-
-    import ray
-
     raw = json.loads(open(args.config).read()) if args.config else {}
     configs = [PipelineConfig.parse(c) for c in (raw if isinstance(raw, list) else [raw])]
     limits = limits_from_args(args)
+    default_params = default_params_from_args(args)
     security = security_from_args(args)
     description = security.describe()  # reads the token and the files now: fail before Ray starts
     started_ray = not ray.is_initialized()
@@ -338,15 +183,15 @@ async def _main(args: argparse.Namespace) -> None:
     try:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
-        from viasd.cluster.server import Admission, ReplicaServer
-
-        admission = Admission(limits.max_concurrent_requests, limits.max_queued_requests)
-        servicer = GenerationServicer(pipelines, configs[0].name, admission=admission)
+        # one handler per pipeline; every handler and both transports share one admission and one drain
+        admission, calls = Admission(limits.max_concurrent_requests, limits.max_queued_requests), Calls()
+        handlers = {name: RequestHandler(p, name, default_params=default_params, admission=admission, calls=calls,
+                                         max_tokens_default=limits.max_tokens_default)
+                    for name, p in pipelines.items()}
+        servicer = GenerationServicer.over(handlers, configs[0].name)
         server = await serve_grpc(servicer, args.port, args.host, security)
-        http_servers = {}
-        if args.http_port is not None:  # the HTTP API shares the admission limits with gRPC
-            http_servers = {name: ReplicaServer(p, name, admission=admission) for name, p in pipelines.items()}
-            http = await serve_http(http_servers, configs[0].name, args.http_port, args.host, security)
+        if args.http_port is not None:
+            http = await serve_http(handlers, configs[0].name, args.http_port, args.host, security)
         for pipeline in pipelines.values():
             supervisors.append(asyncio.ensure_future(pipeline.supervise(
                 lambda ok: set_health(server.viasd_health, ok))))
@@ -358,12 +203,10 @@ async def _main(args: argparse.Namespace) -> None:
             log.info("OpenAI-compatible HTTP API on %s://%s:%d", scheme, args.host, http.viasd_port)
             print(f"http on {args.host}:{http.viasd_port}", flush=True)
         await stop.wait()
-        in_flight = servicer.in_flight() + sum(len(s.calls) for s in http_servers.values())
-        log.info("stopping: %d request(s) in flight, draining for up to %.0fs", in_flight, limits.drain_timeout_s)
+        log.info("stopping: %d request(s) in flight, draining for up to %.0fs", len(calls), limits.drain_timeout_s)
         await server.viasd_health.enter_graceful_shutdown()
-        aborted = await asyncio.gather(servicer.calls.drain(limits.drain_timeout_s),
-                                       *(s.drain(limits.drain_timeout_s) for s in http_servers.values()))
-        log.info("drained; %d request(s) aborted", sum(aborted))
+        aborted = await calls.drain(limits.drain_timeout_s)
+        log.info("drained; %d request(s) aborted", aborted)
         await server.stop(grace=5.0)
     finally:
         if http is not None:  # stops accepting, closes idle connections, then its task ends
@@ -378,16 +221,27 @@ async def _main(args: argparse.Namespace) -> None:
 
 
 def limits_from_args(args: argparse.Namespace):
-    """cluster.config.Limits of the standalone server's flags (InvalidParameterError names a bad one)."""
-    from viasd.cluster.config import Limits
-    from viasd.config import invalid_from_validation
-
+    """serve_config.Limits of the standalone server's flags (InvalidParameterError names a bad one)."""
     values = {"max_concurrent_requests": args.max_concurrent_requests, "max_queued_requests": args.max_queued_requests,
               "drain_timeout_s": args.drain_timeout_s}
     try:
         return Limits.model_validate({k: v for k, v in values.items() if v is not None})
     except Exception as exc:
         raise invalid_from_validation(exc) from None
+
+
+def default_params_from_args(args: argparse.Namespace) -> dict:
+    """The --default-params object, validated (InvalidParameterError names the flag or the field)."""
+    if not args.default_params:
+        return {}
+    try:
+        values = json.loads(args.default_params)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameterError("default_params", f"not valid JSON: {exc}") from None
+    if not isinstance(values, dict):
+        raise InvalidParameterError("default_params", "must be a JSON object of GenerationParams fields")
+    parse_params(values)
+    return values
 
 
 def security_from_args(args: argparse.Namespace) -> GRPCSecurity:
@@ -397,7 +251,7 @@ def security_from_args(args: argparse.Namespace) -> GRPCSecurity:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m viasd.cluster.grpc_server", description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog="python -m viasd.cluster.standalone", description=__doc__.splitlines()[0],
                                  allow_abbrev=False)  # "--token" must not pass for "--token-file"
     ap.add_argument("--config", help="JSON file: one PipelineConfig object, or a list (the first is the default)")
     ap.add_argument("--port", type=int, default=50051)
@@ -405,8 +259,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--http-port", type=int, default=None,
                     help="also serve the OpenAI-compatible HTTP API on this port (0: a free one), with the same TLS, "
                          "token, limits and drain (default: gRPC only)")
+    ap.add_argument("--default-params", help="JSON object of GenerationParams fields requests leave unset take "
+                                             "(as ServeConfig.default_params), on both transports")
     ap.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
-    lim = ap.add_argument_group("limits (cluster.config.Limits; defaults there)")
+    lim = ap.add_argument_group("limits (cluster.serve_config.Limits; defaults there)")
     lim.add_argument("--max-concurrent-requests", type=int, help="requests decoding at once")
     lim.add_argument("--max-queued-requests", type=int, help="requests waiting; past it RESOURCE_EXHAUSTED")
     lim.add_argument("--drain-timeout-s", type=float,

@@ -1,10 +1,19 @@
-"""Prometheus metrics of the serving layer: vLLM's speculative-decoding names under `viasd_`.
+"""Prometheus metrics of the serving layer: vLLM's metric stems and labels under our own prefix `viasd_`.
 
-Counters follow vLLM (`vllm:spec_decode_num_drafts` -> `viasd_spec_decode_num_drafts_total`,
-..., `..._num_accepted_tokens_per_pos_total{position="j"}`), plus the VIA-SD tier counters
-(q' accepted / rewritten, escalations to q), per-model forward passes, TTFT and inter-token
-latency histograms, the queue depth and requests by finish reason. Every series carries the
-pipeline's name as `model`; spec-decode and tier series also carry the request's `mode`.
+Every series a vLLM dashboard reads has vLLM's stem (`vllm:num_requests_running` ->
+`viasd_num_requests_running`, `vllm:spec_decode_num_drafts_total` ->
+`viasd_spec_decode_num_drafts_total`, ...) and its `model_name` label (the served model name),
+so that one Prometheus relabel rule makes a vLLM Grafana dashboard work (docs/SERVING.md):
+
+    metric_relabel_configs: [{source_labels: [__name__], regex: "(?:ray_)?viasd_(.*)", target_label: __name__, replacement: "vllm:$1"}]
+
+vLLM's series: requests running / waiting, KV-cache usage (positions the requests in flight
+hold / the pipeline's KV capacity), prompt and generation tokens, requests by finish reason,
+TTFT, inter-token latency, end-to-end latency, queue / prefill / decode / inference time,
+prompt and generation lengths per request, and the speculative-decoding counters
+(`..._num_accepted_tokens_per_pos_total{position="j"}`). Ours on top: the VIA-SD tier counters
+(q' accepted / rewritten, escalations to q), per-tier forward passes and seconds, and errors by
+status. Spec-decode and tier series also carry the request's `mode`.
 
 Vocabulary as in `viasd.metrics`: "mean acceptance length includes the bonus token", i.e.
 1 + accepted / drafts when every cycle ends with one rewritten, recovered or bonus token.
@@ -23,12 +32,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import prometheus_client as prom
+from prometheus_client.parser import text_string_to_metric_families
+from ray.util import metrics as rm
+
 from viasd.metrics import MODELS, RequestStats
 
 # seconds; TTFT on CPU runs to seconds, on GPU to milliseconds
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 @dataclass(frozen=True)
@@ -38,11 +53,12 @@ class Spec:
     name: str
     kind: str  # "counter" | "gauge" | "histogram"
     doc: str
-    labels: tuple[str, ...] = ("model",)
+    labels: tuple[str, ...] = ("model_name",)
     buckets: tuple[float, ...] = ()
 
 
-_SPEC = ("model", "mode")
+_M = ("model_name",)
+_SPEC = ("model_name", "mode")
 SPECS = (
     # vLLM's speculative-decoding counters
     Spec("spec_decode_num_drafts", "counter", "Draft blocks proposed (one per speculative cycle).", _SPEC),
@@ -60,26 +76,31 @@ SPECS = (
     Spec("escalations", "counter", "Blocks escalated to the full verifier q.", _SPEC),
     Spec("escalated_tokens", "counter", "Draft positions the full verifier q decided.", _SPEC),
     Spec("full_accepted_tokens", "counter", "Escalated draft tokens the full verifier q accepted.", _SPEC),
-    Spec("forward_passes", "counter", "Forward passes per tier (drafter, slim, full).", ("model", "tier")),
-    Spec("forward_seconds", "counter", "Seconds spent in forward passes per tier.", ("model", "tier")),
+    Spec("forward_passes", "counter", "Forward passes per tier (drafter, slim, full).", ("model_name", "tier")),
+    Spec("forward_seconds", "counter", "Seconds spent in forward passes per tier.", ("model_name", "tier")),
     # requests and tokens
-    Spec("prompt_tokens", "counter", "Prompt tokens of finished requests.", ("model",)),
-    Spec("generation_tokens", "counter", "Generated tokens of finished requests.", ("model",)),
+    Spec("prompt_tokens", "counter", "Prompt tokens of finished requests.", _M),
+    Spec("generation_tokens", "counter", "Generated tokens of finished requests.", _M),
     Spec("request_success", "counter", "Finished requests by finish reason (stop, length, abort).",
-         ("model", "finished_reason")),
+         ("model_name", "finished_reason")),
     Spec("request_errors", "counter", "Requests that ended with an error, by status (invalid, rejected, internal).",
-         ("model", "status")),
+         ("model_name", "status")),
     Spec("time_to_first_token_seconds", "histogram", "Arrival to first generated token (queue time included).",
-         ("model",), TTFT_BUCKETS),
+         _M, TTFT_BUCKETS),
     Spec("inter_token_latency_seconds", "histogram",
          "Time between generated tokens after the first chunk (a chunk of n tokens after a gap g counts n times g/n).",
-         ("model",), ITL_BUCKETS),
-    Spec("e2e_request_latency_seconds", "histogram", "Arrival to last token.", ("model",), E2E_BUCKETS),
-    Spec("request_queue_time_seconds", "histogram",
-         "Arrival to a decoding slot (admission: limits.max_concurrent_requests is the batch capacity).",
-         ("model",), TTFT_BUCKETS),
-    Spec("num_requests_running", "gauge", "Requests decoding in this replica.", ("model",)),
-    Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", ("model",)),
+         _M, ITL_BUCKETS),
+    Spec("e2e_request_latency_seconds", "histogram", "Arrival to last token.", _M, E2E_BUCKETS),
+    Spec("request_queue_time_seconds", "histogram", "Arrival to admission into a decoding slot.", _M, PHASE_BUCKETS),
+    Spec("request_prefill_time_seconds", "histogram", "Admission to the first generated token.", _M, PHASE_BUCKETS),
+    Spec("request_decode_time_seconds", "histogram", "First to last generated token.", _M, PHASE_BUCKETS),
+    Spec("request_inference_time_seconds", "histogram", "Admission to the last generated token.", _M, PHASE_BUCKETS),
+    Spec("request_prompt_tokens", "histogram", "Prompt tokens per finished request.", _M, TOKEN_BUCKETS),
+    Spec("request_generation_tokens", "histogram", "Generated tokens per finished request.", _M, TOKEN_BUCKETS),
+    Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
+    Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
+    Spec("kv_cache_usage_perc", "gauge", "KV-cache usage, 0 to 1: positions (prompt + generated) the requests in "
+         "flight hold / the pipeline's KV capacity in positions.", _M),
 )
 PREFIX = "viasd_"
 
@@ -88,8 +109,6 @@ class PrometheusSink:
     """The metrics in a private `prometheus_client` registry (one per replica)."""
 
     def __init__(self):
-        import prometheus_client as prom
-
         prom.disable_created_metrics()  # no `_created` twin of every counter (as vLLM does)
         self._prom = prom
         self.registry = prom.CollectorRegistry(auto_describe=True)
@@ -117,8 +136,6 @@ class RaySink:
     """The same series through Ray's metrics agent (cluster-wide Prometheus export)."""
 
     def __init__(self):
-        from ray.util import metrics as rm
-
         self.metrics = {}
         for s in SPECS:
             name = PREFIX + s.name + ("_total" if s.kind == "counter" else "")
@@ -141,12 +158,23 @@ class RaySink:
 
 
 class RequestTimer:
-    """Token timing of one request: TTFT and inter-token gaps, measured from its arrival."""
+    """The timeline of one request, from its arrival: admission, first token, every later token.
+
+    vLLM's phases, with admission into a decoding slot as "scheduled": queue = arrival to
+    admission; prefill = admission to the first token; decode = first to last token;
+    inference = admission to the last token; TTFT and end-to-end from the arrival.
+    """
 
     def __init__(self, metrics: "ServingMetrics"):
         self.metrics = metrics
         self.arrival = time.perf_counter()
-        self.last: float | None = None
+        self.start: float | None = None  # admitted
+        self.first: float | None = None  # first token
+        self.last: float | None = None  # latest token
+
+    def admitted(self) -> None:
+        self.start = time.perf_counter()
+        self.metrics._observe("request_queue_time_seconds", self.start - self.arrival)
 
     def tokens(self, n: int) -> None:
         """n tokens were committed now."""
@@ -154,7 +182,10 @@ class RequestTimer:
             return
         now = time.perf_counter()
         if self.last is None:  # the first chunk: a TTFT, no gaps
+            self.first = now
             self.metrics._observe("time_to_first_token_seconds", now - self.arrival)
+            if self.start is not None:
+                self.metrics._observe("request_prefill_time_seconds", now - self.start)
         else:
             gap = (now - self.last) / n
             for _ in range(n):
@@ -163,6 +194,10 @@ class RequestTimer:
 
     def finish(self, stats: RequestStats | None, finish_reason: str) -> None:
         self.metrics._observe("e2e_request_latency_seconds", time.perf_counter() - self.arrival)
+        if self.first is not None:
+            self.metrics._observe("request_decode_time_seconds", self.last - self.first)
+        if self.start is not None and self.last is not None:
+            self.metrics._observe("request_inference_time_seconds", self.last - self.start)
         self.metrics.record_stats(stats, finish_reason)
 
 
@@ -176,7 +211,7 @@ class ServingMetrics:
         self.sinks: list = [self.prometheus] if enabled else []
         if enabled and ray_export:
             self.sinks.append(RaySink())
-        self._labels = {"model": model}
+        self._labels = {"model_name": model}
 
     def _counter(self, name: str, value: float, **labels: str) -> None:
         for sink in self.sinks:
@@ -191,9 +226,9 @@ class ServingMetrics:
             sink.gauge("num_requests_running", running, self._labels)
             sink.gauge("num_requests_waiting", waiting, self._labels)
 
-    def queue_time(self, seconds: float) -> None:
-        """A request waited `seconds` for its decoding slot."""
-        self._observe("request_queue_time_seconds", seconds)
+    def set_kv_usage(self, fraction: float) -> None:
+        for sink in self.sinks:
+            sink.gauge("kv_cache_usage_perc", fraction, self._labels)
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
@@ -208,6 +243,8 @@ class ServingMetrics:
             return
         self._counter("prompt_tokens", stats.prompt_tokens)
         self._counter("generation_tokens", stats.generated_tokens)
+        self._observe("request_prompt_tokens", stats.prompt_tokens)
+        self._observe("request_generation_tokens", stats.generated_tokens)
         for tier in MODELS:
             self._counter("forward_passes", stats.forwards.get(tier, 0), tier=tier)
             self._counter("forward_seconds", stats.seconds.get(tier, 0.0), tier=tier)
@@ -242,8 +279,6 @@ class ServingMetrics:
 
 def parse_exposition(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Samples of a Prometheus text exposition keyed by (name, sorted labels) (for tests and tools)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

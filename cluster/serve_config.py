@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from viasd.cluster.pipeline import PipelineConfig
@@ -75,6 +76,11 @@ class Limits(BaseModel):
     request_timeout_s: float | None = Field(
         None, gt=0, description="End-to-end timeout of an HTTP request at Serve's proxy; none: no limit."
     )
+    max_tokens_default: int = Field(
+        2048, ge=1, le=1 << 20,
+        description="A chat completion that sets no max_tokens (and no default_params.max_tokens) may generate the "
+        "rest of the context, as with vLLM, but at most this many tokens: a cap on what one forgotten field costs.",
+    )
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600,
         description="On SIGTERM (standalone server, `viasd serve`) or `viasd drain` (a pod's preStop hook): how "
@@ -119,7 +125,7 @@ class Autoscaling(BaseModel):
 
 
 class MetricsOptions(BaseModel):
-    """Prometheus metrics (cluster/metrics.py)."""
+    """Prometheus metrics (cluster/serving_metrics.py)."""
 
     model_config = _STRICT
     enabled: bool = Field(True, description="Record metrics and serve them at GET /metrics of each replica.")
@@ -229,8 +235,6 @@ def load_serve_config(path: str | Path | None = None) -> ServeConfig:
     """The configuration in a YAML file (None: the defaults, the embedded pair on this machine)."""
     if path is None:
         return parse_serve_config({})
-    import yaml
-
     path = Path(path)
     try:
         data = yaml.safe_load(path.read_text())

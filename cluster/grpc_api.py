@@ -1,0 +1,162 @@
+"""The public gRPC API (viasd.v1.GenerationService): translation to and from the request handler.
+
+`GenerationServicer` serves named pipelines, one `handler.RequestHandler` each (requests naming
+no model go to the default one). It only translates:
+
+* a GenerateRequest becomes a `handler.Request` (`request_of`: the input oneof, the parameters
+  the client set, stop strings included), and each `handler.Piece` a GenerateResponse;
+* errors become status codes through the handler's error table (`status_of`): INVALID_ARGUMENT
+  with the message "field: what is wrong" and the field in the trailing metadata key
+  ``viasd-invalid-field``; RESOURCE_EXHAUSTED with a retry hint (``viasd-retry-after-ms``) when
+  the queue is full; UNAVAILABLE when draining or a backend is down; INTERNAL otherwise.
+  Cancelling a Generate call closes the request's stream, which aborts it in the pipeline.
+
+Two hosts run it: the standalone server (`cluster/standalone.py`, grpc.aio, with TLS, tokens and
+health) through the grpc.aio methods `Generate` / `ListModels`, and the Serve deployment
+(`cluster/app.py`) through the cores `generate` / `list_models`, which raise instead of aborting
+a grpc.aio context (Serve's proxy has its own).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+import grpc
+
+from viasd.client.errors import INVALID_FIELD_KEY, RETRY_AFTER_KEY
+from viasd.cluster.guard import Calls, parse_request
+from viasd.cluster.handler import INVALID, REJECTED, RETRY_AFTER_S, UNLIMITED, Admission, Backend, \
+    DrainedError, Request, RequestHandler, error_of
+from viasd.cluster.serving_metrics import ServingMetrics
+from viasd.config import Mode
+from viasd.errors import InvalidParameterError
+from viasd.v1 import generation_pb2 as pb
+from viasd.v1 import generation_pb2_grpc
+from viasd.v1.convert import FINISH_TO_PB, MODE_TO_PB, params_values_from_proto, stats_to_proto
+
+log = logging.getLogger("viasd.cluster.grpc_api")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # "viasd.v1.GenerationService"
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
+    """GenerationService over named request handlers; requests naming no model go to `default`."""
+
+    def __init__(self, pipelines: dict[str, Backend], default: str, *, admission: Admission | None = None):
+        """One handler per pipeline, sharing `admission` (None: no limit) and one drain."""
+        admission = admission or Admission(UNLIMITED, 0)
+        calls = Calls()
+        self._init({name: RequestHandler(p, name, admission=admission, calls=calls, metrics=ServingMetrics(name))
+                    for name, p in pipelines.items()}, default)
+
+    @classmethod
+    def over(cls, handlers: dict[str, RequestHandler], default: str) -> "GenerationServicer":
+        """The service over existing handlers (shared with the HTTP API of the same process)."""
+        servicer = cls.__new__(cls)
+        servicer._init(handlers, default)
+        return servicer
+
+    def _init(self, handlers: dict[str, RequestHandler], default: str) -> None:
+        if default not in handlers:
+            raise ValueError(f"default pipeline {default!r} is not among {sorted(handlers)}")
+        self.handlers = handlers
+        self.default = default
+        self.admission = handlers[default].admission
+        self.calls = handlers[default].calls
+
+    def in_flight(self) -> int:
+        """Requests running (or waiting for admission) on these handlers."""
+        return len(self.calls)
+
+    def handler(self, model: str) -> RequestHandler:
+        if not model:
+            return self.handlers[self.default]
+        found = next((h for h in self.handlers.values() if h.answers_to(model)), None)
+        if found is None:
+            names = sorted(n for h in self.handlers.values() for n in h.names)
+            raise InvalidParameterError("model", f"unknown model {model!r}; served: {names}")
+        return found
+
+    # ---------------------------------------------------------------- transport-free cores
+
+    async def generate(self, request: pb.GenerateRequest | bytes) -> AsyncIterator[pb.GenerateResponse]:
+        """The responses of one request; raises what `status_of` maps (a bad field, a full queue, ...)."""
+        try:
+            if isinstance(request, bytes):  # registered by serve_grpc: parsed here, bad fields named
+                request = parse_request(request, pb.GenerateRequest)
+            handler = self.handler(request.model)
+            values = request_of(request)
+        except InvalidParameterError as exc:
+            self.handlers[self.default].count_error(error_of(exc))
+            raise
+        try:
+            job = await handler.open(values)
+        except DrainedError as exc:  # drained while queued: the stream's last message says so
+            yield pb.GenerateResponse(request_id=exc.request_id, finish_reason=pb.FINISH_REASON_ABORT)
+            return
+        try:
+            async for piece in job:
+                yield pb.GenerateResponse(
+                    request_id=job.id, text=piece.text, token_ids=piece.token_ids,
+                    finish_reason=FINISH_TO_PB[piece.finish_reason],
+                    stats=stats_to_proto(piece.request_stats) if piece.request_stats is not None else None,
+                )
+        except Exception as exc:
+            raise await job.fail(exc) from None
+        finally:
+            await job.aclose()
+
+    async def list_models(self, request: pb.ListModelsRequest | None = None) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[model_info(h.info()) for h in self.handlers.values()])
+
+    # ---------------------------------------------------------------- grpc.aio methods
+
+    async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext):
+        try:
+            async with aclosing(self.generate(request)) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:
+            code, details, metadata = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.error("request failed", exc_info=exc)
+            await context.abort(code, details, trailing_metadata=metadata)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        return await self.list_models(request)
+
+
+_MODEL_INFO = tuple(pb.ModelInfo.DESCRIPTOR.fields_by_name)
+
+
+def model_info(info: dict) -> pb.ModelInfo:
+    """The ModelInfo message of a handler's info (the runtime facts flattened into it)."""
+    flat = {**info, **{k: v or "" for k, v in info.get("runtime", {}).items() if k in _MODEL_INFO}}
+    flat["default_mode"] = MODE_TO_PB[Mode(info["default_mode"])]
+    return pb.ModelInfo(**{k: v for k, v in flat.items() if k in _MODEL_INFO})
+
+
+def request_of(msg: pb.GenerateRequest) -> Request:
+    """The handler's view of a GenerateRequest (InvalidParameterError names a bad field)."""
+    which = msg.WhichOneof("input")
+    if which is None:
+        raise InvalidParameterError("prompt", "set one of prompt, messages or prompt_token_ids")
+    prompt = msg.prompt if which == "prompt" else list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" \
+        else None
+    messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages] if which == "messages" \
+        else None
+    return Request(prompt=prompt, messages=messages, params=params_values_from_proto(msg.params),
+                   model=msg.model or None, request_id=msg.request_id or None)
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:
+    """(status code, details, trailing metadata) of an error, from the handler's error table."""
+    err = error_of(exc)
+    metadata: tuple = ()
+    if err.kind is REJECTED:  # the queue is full: when to try again
+        metadata = ((RETRY_AFTER_KEY, str(RETRY_AFTER_S * 1000)),)
+    elif err.field is not None and err.kind.grpc == INVALID.grpc:
+        metadata = ((INVALID_FIELD_KEY, err.field),)
+    return grpc.StatusCode[err.kind.grpc], str(err), metadata

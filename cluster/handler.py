@@ -1,0 +1,488 @@
+"""The request handler: one request's lifecycle, the same for every transport.
+
+`RequestHandler` owns one pipeline backend (`Backend`: the Ray actors of `cluster/pipeline.py`
+or the in-process engine of `cluster/local.py`) and does, for every request: the server's
+default parameters, validation with the field named, the context check, admission (a bounded
+number decoding at once, a bounded queue), tokenization and the chat template, incremental
+detokenization and stop strings, metrics, drain and abort (closing a request's stream aborts it
+in the pipeline). It knows nothing of HTTP or gRPC:
+
+* input: a `Request` (a prompt, chat messages or token ids, plus parameter overrides);
+* output: a `Job`, an async iterator of `Piece` (text delta, token ids; the last one has the
+  finish reason and the statistics);
+* errors: `RequestError`, whose `ErrorKind` is one row of the error table `ERRORS` (HTTP status,
+  gRPC status code name, metrics label, OpenAI error type); `error_of` maps any exception to it.
+
+The OpenAI HTTP routes (`openai_api`), the gRPC service (`grpc_api`, run by the standalone
+server and by the Serve deployment) only translate to and from these types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from viasd.actors.coordinator import BackendError
+from viasd.cluster.guard import MAX_REQUEST_ID_CHARS, SHUTTING_DOWN, Aborted, Calls, until_aborted
+from viasd.cluster.pipeline import PipelineConfig
+from viasd.cluster.serving_metrics import ServingMetrics
+from viasd.config import GenerationParams, parse_params
+from viasd.engine import Chunk
+from viasd.errors import InvalidParameterError
+from viasd.llm import IncrementalDetokenizer, StopStrings, encode_prompt
+from viasd.metrics import RequestStats
+
+#: Seconds a client refused with 429 / RESOURCE_EXHAUSTED (the queue is full) should wait before it
+#: tries again: HTTP's ``Retry-After`` header and gRPC's trailing metadata (viasd.client.errors.RETRY_AFTER_KEY, ms).
+RETRY_AFTER_S = 1
+
+
+# ------------------------------------------------------------------------------- the error table
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    """One row of the error table: how each transport and the metrics report an error."""
+
+    label: str  # `request_errors_total{status=...}`
+    http: int  # HTTP status
+    grpc: str  # grpc.StatusCode name
+    openai_type: str  # OpenAI's `error.type`
+
+
+INVALID = ErrorKind("invalid", 400, "INVALID_ARGUMENT", "invalid_request_error")  # a bad field (named)
+MODEL_NOT_FOUND = ErrorKind("invalid", 404, "INVALID_ARGUMENT", "model_not_found")  # `model` names no pipeline
+REJECTED = ErrorKind("rejected", 429, "RESOURCE_EXHAUSTED", "rate_limit_exceeded")  # the queue is full: retry later
+SHUTTING = ErrorKind("unavailable", 503, "UNAVAILABLE", "service_unavailable")  # draining: go elsewhere
+UNAVAILABLE = ErrorKind("unavailable", 503, "UNAVAILABLE", "server_error")  # a pipeline actor is down or too slow
+INTERNAL = ErrorKind("internal", 500, "INTERNAL", "server_error")  # a bug or a broken backend
+ERRORS = (INVALID, MODEL_NOT_FOUND, REJECTED, SHUTTING, UNAVAILABLE, INTERNAL)
+
+
+class RequestError(Exception):
+    """A request that cannot be served: its row of the error table, a message, the field at fault."""
+
+    def __init__(self, kind: ErrorKind, message: str, field: str | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.field = field
+
+    @property
+    def status(self) -> int:
+        """The HTTP status."""
+        return self.kind.http
+
+
+class DrainedError(RequestError):
+    """The server drained while the request waited for admission: HTTP 503; the gRPC stream ends with
+    a last message of finish reason `abort`, as that of a request drained while running."""
+
+    def __init__(self, request_id: str):
+        super().__init__(SHUTTING, SHUTTING_DOWN)
+        self.request_id = request_id
+
+
+def error_of(exc: BaseException) -> RequestError:
+    """The table's view of an error raised while serving: INVALID for a bad field (InvalidParameterError),
+    UNAVAILABLE when a pipeline actor is down or too slow, INTERNAL otherwise."""
+    if isinstance(exc, RequestError):
+        return exc
+    if isinstance(exc, InvalidParameterError):
+        return RequestError(INVALID, str(exc), exc.field)
+    if isinstance(exc, BackendError):
+        return RequestError(UNAVAILABLE if exc.unavailable else INTERNAL, str(exc))
+    return RequestError(INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------------------- the backends
+
+
+class Coordinates(Protocol):
+    """Runs requests through a pipeline's models (`actors.coordinator.Coordinator`, `local.LocalCoordinator`)."""
+
+    def generate(self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams) -> AsyncIterator[Chunk]:
+        """The request's chunks; closing the iterator aborts the request and frees its caches."""
+        ...
+
+    def active_requests(self) -> int:
+        """Requests in flight."""
+        ...
+
+
+class Backend(Protocol):
+    """A running pipeline, as the handler and the deployments use it (`pipeline.Pipeline`, `local.LocalPipeline`)."""
+
+    config: PipelineConfig
+    tokenizer: Any  # a transformers tokenizer, or None for tokenizer-less (test) models
+    coordinator: Coordinates
+
+    def info(self) -> dict:
+        """What ListModels and /v1/models report (the ModelInfo fields)."""
+        ...
+
+    async def session_counts(self) -> dict:
+        """Open sessions per component; raises when a component does not answer (the health probe)."""
+        ...
+
+    async def supervise(self, on_health=None) -> None:
+        """Repair the backend while it runs (returns at once when there is nothing to repair)."""
+        ...
+
+    def wake(self) -> None:
+        """Make `supervise` check now."""
+        ...
+
+    def status(self) -> dict:
+        """For operators: process ids, rebuilds, requests taken."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+
+def model_names(config: PipelineConfig) -> tuple[str, ...]:
+    """The names a pipeline answers to, the served name first: `served_model_name`, else the
+    verifier's name for the unnamed pipeline `default` (as vLLM serves the model path), else the
+    pipeline's name; then the pipeline's name and the aliases."""
+    served = config.served_model_name or (config.engine.verifier if config.name == "default" else config.name)
+    return tuple(dict.fromkeys((served, config.name, *config.aliases)))
+
+
+# ------------------------------------------------------------------------------- admission
+
+
+class Admission:
+    """At most `max_running` requests decode at once; at most `max_waiting` wait for a slot.
+
+    A request past both limits is refused at once (429 / RESOURCE_EXHAUSTED) rather than queued
+    without bound: the router and the autoscaler then see the pressure.
+    """
+
+    def __init__(self, max_running: int, max_waiting: int, on_change=None):
+        self.max_running = max_running
+        self.max_waiting = max_waiting
+        self.running = 0
+        self.waiting = 0
+        self._sem: asyncio.Semaphore | None = None
+        self._on_change = on_change or (lambda running, waiting: None)
+
+    async def enter(self) -> None:
+        if self._sem is None:  # bound to the loop that serves requests
+            self._sem = asyncio.Semaphore(self.max_running)
+        if self.running >= self.max_running and self.waiting >= self.max_waiting:
+            raise RequestError(
+                REJECTED,
+                f"server busy: {self.running} requests decoding and {self.waiting} queued "
+                f"(limits.max_concurrent_requests={self.max_running}, limits.max_queued_requests={self.max_waiting})",
+            )
+        self.waiting += 1
+        self._on_change(self.running, self.waiting)
+        try:
+            await self._sem.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        self._on_change(self.running, self.waiting)
+
+    def leave(self) -> None:
+        self.running -= 1
+        self._sem.release()
+        self._on_change(self.running, self.waiting)
+
+
+UNLIMITED = 1 << 30  # admission of a handler given no limits (Serve's router bounds what reaches it)
+
+
+# ------------------------------------------------------------------------------- requests
+
+
+@dataclass
+class Request:
+    """What a transport hands the handler: one input and the parameters the client set."""
+
+    prompt: str | list[int] | None = None  # text, or token ids
+    messages: list[dict] | None = None  # chat messages {"role", "content"}, rendered with the chat template
+    params: dict[str, Any] = field(default_factory=dict)  # GenerationParams fields the client set
+    model: str | None = None  # a name the pipeline answers to; None / "": this one
+    request_id: str | None = None  # echoed; None: a fresh one (prefixed with `id_prefix`)
+    id_prefix: str = ""
+    fill_context: bool = False  # no max_tokens anywhere: the rest of the context, within limits.max_tokens_default
+
+
+@dataclass
+class Piece:
+    """Text and tokens of one streamed step; the last piece has the finish reason and statistics."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: dict | None = None  # JSON view (RequestStats.to_dict, or the counts of a request cut short)
+    request_stats: RequestStats | None = None  # the pipeline's statistics when it finished the request
+
+
+def prompt_ids_of(tokenizer, prompt: str | Sequence[int] | None = None,
+                  messages: list[dict] | None = None) -> list[int]:
+    """Token ids of a text prompt, pre-tokenized ids, or chat messages (the model's chat template).
+
+    Text and messages go through `viasd.llm.encode_prompt`, as in the in-process engine, so that
+    every entry point tokenizes the same text the same way.
+    """
+    if messages is not None:
+        if tokenizer is not None and not tokenizer.chat_template:
+            raise InvalidParameterError("messages", "this model has no chat template; send a prompt instead")
+        return encode_prompt(tokenizer, None, messages)
+    if isinstance(prompt, str):
+        return encode_prompt(tokenizer, prompt)
+    ids = list(prompt or [])
+    if not ids:
+        raise InvalidParameterError("prompt", "must contain at least one token")
+    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+        raise InvalidParameterError("prompt", "token ids must be non-negative integers")
+    return ids
+
+
+class Job:
+    """One admitted request's output stream (async iterator of `Piece`); `aclose()` ends it."""
+
+    def __init__(self, handler: "RequestHandler", request_id: str, prompt_ids: list[int], params: GenerationParams):
+        self.handler = handler
+        self.id = request_id
+        self.model = handler.name
+        self.created = int(time.time())
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stats: dict | None = None
+        self.finish_reason: str | None = None
+        self._stops = StopStrings(params.stop or ())
+        tok = handler.tokenizer
+        self._detok = IncrementalDetokenizer(tok) if tok is not None else None
+        self._timer = handler.metrics.timer()
+        self._gen: AsyncIterator[Chunk] | None = None
+        self._first: Piece | None = None
+        self._admitted = False
+        self._closed = False
+        self._generated = 0
+        self._held = 0  # KV positions this request holds (prompt + generated)
+        self._queued = 0.0  # seconds waited for admission
+        self._abort = handler.calls.enter()  # set when a drain runs out of time: end with `abort`
+
+    async def start(self) -> None:
+        """Admit the request and wait for its first step, so that a request the pipeline refuses
+        fails before any response header is sent (and streams then start with real tokens)."""
+        try:
+            await until_aborted(self.handler.admission.enter(), self._abort)
+            self._admitted = True
+            self._timer.admitted()
+            self._queued = self._timer.start - self._timer.arrival  # seconds waited for a decoding slot
+            self._hold(len(self.prompt_ids))
+            self._gen = self.handler.backend.coordinator.generate(self.id, self.prompt_ids, self.params)
+            self._first = await self._step()
+        except BaseException as exc:
+            await self.aclose(record=False)
+            if isinstance(exc, Aborted):  # drained while waiting for a slot
+                exc = DrainedError(self.id)
+            if not isinstance(exc, Exception):
+                raise
+            err = error_of(exc)
+            self.handler.count_error(err)
+            raise err from None
+
+    def _cut(self, reason: str, stopped_by: str) -> dict:
+        """Statistics of a request the handler ended itself (a stop string, a drain)."""
+        self.finish_reason = reason
+        self.stats = {"prompt_tokens": len(self.prompt_ids), "generated_tokens": self._generated,
+                      "finish_reason": reason, "stopped_by": stopped_by}
+        self._timer.finish(None, reason)
+        return self.stats
+
+    async def _step(self) -> Piece | None:
+        if self.finish_reason is not None:
+            return None
+        try:
+            chunk = await until_aborted(self._gen.__anext__(), self._abort)
+        except StopAsyncIteration:  # the pipeline ended without a final chunk: aborted
+            self.finish_reason = "abort"
+            self._timer.finish(None, "abort")
+            return Piece("", [], "abort", self.stats)
+        except Aborted:  # the server drained and this request's time is up
+            return Piece("", [], "abort", self._cut("abort", "drain"))
+        ids = [int(t) for t in chunk.token_ids]
+        self._generated += len(ids)
+        self._hold(len(ids))
+        self._timer.tokens(len(ids))
+        text = self._detok.push(ids, final=chunk.finished) if self._detok is not None else ""
+        text, hit = self._stops.push(text, final=chunk.finished)
+        if hit:  # a stop string: cut the text, end the request in the pipeline
+            return Piece(text, ids, "stop", self._cut("stop", "stop string"))
+        if chunk.finished:
+            self.finish_reason = chunk.finish_reason
+            if chunk.stats is not None:
+                chunk.stats.queue_seconds += self._queued  # admission here + (in-process) the scheduler's queue
+            self.stats = chunk.stats.to_dict() if chunk.stats is not None else None
+            self._timer.finish(chunk.stats, chunk.finish_reason)
+            return Piece(text, ids, chunk.finish_reason, self.stats, chunk.stats)
+        return Piece(text, ids)
+
+    def _hold(self, positions: int) -> None:
+        self._held += positions
+        self.handler.hold_kv(positions)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Piece:
+        if self._first is not None:
+            piece, self._first = self._first, None
+            return piece
+        piece = await self._step() if not self._closed else None
+        if piece is None:
+            raise StopAsyncIteration
+        return piece
+
+    async def fail(self, exc: BaseException) -> RequestError:
+        """An error after the stream started: counted, the request ended; the error to report."""
+        err = error_of(exc)
+        self.handler.count_error(err)
+        await self.aclose()
+        return err
+
+    async def aclose(self, record: bool = True) -> None:
+        """End the request: close its stream (the pipeline aborts it and frees its caches)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._gen is not None:
+                await self._gen.aclose()
+        finally:
+            if record and self.finish_reason is None:  # the client went away mid-stream
+                self._timer.finish(None, "abort")
+            if self._admitted:
+                self._hold(-self._held)
+                self.handler.admission.leave()
+            self.handler.calls.leave(self._abort)
+
+
+class RequestHandler:
+    """Serves one pipeline backend: defaults, validation, admission, tokenization, streaming, metrics, drain.
+
+    `admission` and `calls` may be shared by the handlers of one server (the standalone server's
+    pipelines share one limit and one drain); by default each handler has its own.
+    """
+
+    def __init__(self, backend: Backend, name: str | None = None, *, default_params: dict[str, Any] | None = None,
+                 max_concurrent_requests: int = 4, max_queued_requests: int = 16, max_tokens_default: int = 2048,
+                 metrics: ServingMetrics | None = None, admission: Admission | None = None,
+                 calls: Calls | None = None):
+        self.backend = backend
+        self.names = model_names(backend.config)
+        self.name = name or self.names[0]
+        self.aliases = backend.config.aliases
+        if name and name not in self.names:
+            self.names = (name, *self.names)
+        self.tokenizer = backend.tokenizer
+        info = backend.info()
+        self.max_context = info.get("max_context") or None
+        base = {"mode": info["default_mode"]} if info.get("default_mode") else {}
+        self.default_params = {**base, **(default_params or {})}
+        parse_params(self.default_params)  # fail at start-up, not on the first request
+        self.max_tokens_default = max_tokens_default
+        self.metrics = metrics or ServingMetrics(self.name)
+        # its own limits, or an admission shared with other entry points (the standalone server's)
+        self.admission = admission or Admission(max_concurrent_requests, max_queued_requests, self.metrics.set_queue)
+        self.metrics.set_queue(0, 0)
+        # KV usage: positions the requests in flight hold over the pipeline's capacity (its own
+        # figure, else one context per decoding slot)
+        self.kv_capacity = info.get("kv_capacity_tokens") or (self.admission.max_running * (self.max_context or 0))
+        self.kv_held = 0
+        self.calls = calls if calls is not None else Calls()  # requests in flight, HTTP and gRPC: for `drain`
+
+    async def drain(self, timeout_s: float) -> int:
+        """Refuse new requests (HTTP 503 / gRPC UNAVAILABLE), let the running ones finish for up to
+        `timeout_s`, then end the rest with finish reason `abort`; returns how many were aborted."""
+        return await self.calls.drain(timeout_s)
+
+    def hold_kv(self, positions: int) -> None:
+        """A request took (or, negative, gave back) KV-cache positions."""
+        self.kv_held += positions
+        if self.kv_capacity and self.kv_capacity < UNLIMITED:
+            self.metrics.set_kv_usage(min(1.0, self.kv_held / self.kv_capacity))
+
+    def count_error(self, err: RequestError) -> None:
+        self.metrics.error(err.kind.label)
+
+    def refuse(self, exc: BaseException) -> RequestError:
+        """The table's error of a request refused before it started, counted."""
+        err = error_of(exc)
+        self.count_error(err)
+        return err
+
+    def info(self) -> dict:
+        """The backend's ModelInfo fields, named by the served name."""
+        return {**self.backend.info(), "name": self.name}
+
+    def answers_to(self, model: str | None) -> bool:
+        return not model or model in self.names
+
+    def params(self, values: dict[str, Any]) -> GenerationParams:
+        """The server's defaults overridden by the request's values; InvalidParameterError names the field."""
+        return parse_params({**self.default_params, **values})
+
+    async def open(self, request: Request) -> Job:
+        """Validate a request, admit it and start it (its first piece is ready); RequestError when refused."""
+        try:
+            if self.calls.draining:
+                raise RequestError(SHUTTING, SHUTTING_DOWN)
+            if not self.answers_to(request.model):
+                raise RequestError(MODEL_NOT_FOUND, f"model: {request.model!r} is not served here; /v1/models lists "
+                                                    f"{self.name!r}", "model")
+            values = request.params
+            params = self.params(values)
+            if request.request_id is not None and len(request.request_id) > MAX_REQUEST_ID_CHARS:
+                raise InvalidParameterError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
+            prompt_ids = await asyncio.to_thread(prompt_ids_of, self.tokenizer, request.prompt, request.messages)
+            self.check_context(prompt_ids)
+            if request.fill_context and "max_tokens" not in values and "max_tokens" not in self.default_params:
+                room = self.max_context - len(prompt_ids) if self.max_context else self.max_tokens_default
+                params = params.model_copy(update={"max_tokens": min(room, self.max_tokens_default)})
+        except Exception as exc:
+            raise self.refuse(exc) from None
+        job = Job(self, request.request_id or request.id_prefix + uuid.uuid4().hex, prompt_ids, params)
+        await job.start()
+        return job
+
+    def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids of a prompt or chat messages, as a request would be tokenized."""
+        if (prompt is None) == (messages is None):
+            raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
+        return prompt_ids_of(self.tokenizer, prompt, messages)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids (special tokens kept, as vLLM's /detokenize)."""
+        if self.tokenizer is None:
+            raise InvalidParameterError("tokens", "this model has no tokenizer")
+        vocab = len(self.tokenizer)
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameterError("tokens", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        return self.tokenizer.decode(list(token_ids))
+
+    def check_context(self, prompt_ids: list[int]) -> None:
+        if self.max_context and len(prompt_ids) >= self.max_context:
+            raise InvalidParameterError(
+                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_context}")
+        # token ids outside the vocabulary are refused by the pipeline (field "prompt")
+
+    async def health(self, timeout_s: float = 10.0) -> tuple[bool, dict]:
+        """(healthy, detail): every component of the pipeline answers (its session counts) in time."""
+        detail = {"model": self.name, "running": self.admission.running, "waiting": self.admission.waiting}
+        try:
+            sessions = await asyncio.wait_for(self.backend.session_counts(), timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised: this is the health probe
+            return False, {"status": "unhealthy", **detail, "error": f"{type(exc).__name__}: {exc}"}
+        if sessions:
+            detail["sessions"] = sessions
+        return True, {"status": "ok", **detail}
