@@ -42,7 +42,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import grpc
 
@@ -277,7 +277,7 @@ class Coordinator:
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             self._wake.clear()
             rows = self._waiting()

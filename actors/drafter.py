@@ -23,8 +23,8 @@ from viasd.actors.rpc import (
     SessionNotFound,
     advertised_host,
     encode_probs,
-    internal_tls,
     free_row,
+    internal_tls,
     outcome_from_proto,
     row_error,
     rows_of,
@@ -33,10 +33,10 @@ from viasd.actors.rpc import (
 )
 from viasd.config import MAX_GAMMA, EngineConfig, Proposer
 from viasd.engine import DraftSession
-from viasd.sessions import drive
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.runtime import MaskedLM
+from viasd.sessions import drive
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import params_from_proto, stats_to_proto

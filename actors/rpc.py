@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -99,7 +100,7 @@ class InternalTLS(BaseModel):
         return grpc.aio.secure_channel(address, credentials, options=options)
 
 
-def internal_tls(value: "InternalTLS | dict | None") -> InternalTLS | None:
+def internal_tls(value: InternalTLS | dict | None) -> InternalTLS | None:
     """An InternalTLS from its JSON form (how it crosses a Ray call), or None."""
     if value is None or isinstance(value, InternalTLS):
         return value

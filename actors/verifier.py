@@ -36,8 +36,8 @@ from viasd.actors.rpc import (
     SessionNotFound,
     advertised_host,
     decode_probs,
-    internal_tls,
     free_row,
+    internal_tls,
     outcome_to_proto,
     row_error,
     rows_of,
@@ -46,10 +46,10 @@ from viasd.actors.rpc import (
 )
 from viasd.config import CachePolicy, EngineConfig, GenerationParams, Proposer
 from viasd.engine import VerifySession
-from viasd.sessions import drive, uses_slim
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.runtime import LayerMask, MaskedLM
+from viasd.sessions import drive, uses_slim
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import params_from_proto, stats_to_proto

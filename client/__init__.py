@@ -15,8 +15,16 @@ from viasd.errors import InvalidParameterError, ViaSDError
 from .aio import AsyncClient, AsyncGenerateStream
 from .common import NO_RETRY, Chunk, Completion, Keepalive, ModelInfo, RetryPolicy, TLSConfig
 from .errors import (
-    Cancelled, DeadlineExceeded, InternalError, InvalidArgument, PermissionDenied, ResourceExhausted, RPCError,
-    Unauthenticated, Unavailable, Unimplemented,
+    Cancelled,
+    DeadlineExceeded,
+    InternalError,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    RPCError,
+    Unauthenticated,
+    Unavailable,
+    Unimplemented,
 )
 from .sync import Client, GenerateStream
 

@@ -12,15 +12,20 @@ stream (``aclose()``, leaving the ``async with`` block) cancels the call on the 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
 from viasd.v1 import generation_pb2 as pb
 
 from .common import (
-    Chunk, Completion, Deadline, Endpoint, ModelInfo, build_request,
+    Chunk,
+    Completion,
+    Deadline,
+    Endpoint,
+    ModelInfo,
+    build_request,
 )
 from .errors import Cancelled, error_from_rpc
 from .sync import _retry_delay
@@ -32,7 +37,7 @@ class AsyncClient(Endpoint):
     _grpc = grpc.aio
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **kwargs: Any) -> "AsyncGenerateStream":
+                 **kwargs: Any) -> AsyncGenerateStream:
         """Start a request; returns its async stream of Chunk (validated here, before any I/O)."""
         request = build_request(prompt, **kwargs)
         return AsyncGenerateStream(self, request, self.timeout if timeout is None else timeout)
@@ -71,7 +76,7 @@ class AsyncClient(Endpoint):
         """Close the channel (cancels the calls still open on it)."""
         await self._channel.close()
 
-    async def __aenter__(self) -> "AsyncClient":
+    async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -118,7 +123,7 @@ class AsyncGenerateStream(AsyncIterator[Chunk]):
                 call.cancel()  # a no-op once the call has ended; ends it when the stream is closed early
             await asyncio.sleep(delay)
 
-    def __aiter__(self) -> "AsyncGenerateStream":
+    def __aiter__(self) -> AsyncGenerateStream:
         return self
 
     async def __anext__(self) -> Chunk:
@@ -138,7 +143,7 @@ class AsyncGenerateStream(AsyncIterator[Chunk]):
         except RuntimeError:  # being iterated by another task: the cancel above ends it there
             pass
 
-    async def __aenter__(self) -> "AsyncGenerateStream":
+    async def __aenter__(self) -> AsyncGenerateStream:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -29,6 +29,7 @@ from .common import DEFAULT_TARGET, NO_RETRY, TOKEN_ENV, Completion, RetryPolicy
 from .errors import RPCError
 from .sync import Client
 
+
 def _params_options(ap: argparse.ArgumentParser) -> None:
     group = ap.add_argument_group("generation parameters (viasd.config.GenerationParams; default: the server's)")
     for name, info in GenerationParams.model_fields.items():

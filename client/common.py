@@ -233,7 +233,7 @@ class Chunk:
     stats: RequestStats | None = None  # the request's statistics, on the last chunk only
 
     @classmethod
-    def from_proto(cls, msg: pb.GenerateResponse) -> "Chunk":
+    def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
         finish = finish_from_proto(msg.finish_reason)
         stats = stats_from_proto(msg.stats, finish) if msg.HasField("stats") else None
         return cls(msg.request_id, msg.text, list(msg.token_ids), finish, stats)
@@ -280,7 +280,7 @@ class ModelInfo:
     cpu_capability: str = ""  # torch.backends.cpu.get_cpu_capability() of the verifier's host (CPU)
 
     @classmethod
-    def from_proto(cls, msg: pb.ModelInfo) -> "ModelInfo":
+    def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
         mode = mode_from_proto(msg.default_mode).value if msg.default_mode else ""
         return cls(msg.name, msg.verifier, msg.drafter, msg.num_layers, tuple(msg.skipped_layers),
                    msg.tensor_parallel_size, msg.max_context, mode, msg.dtype, msg.dtype_reason, msg.device,

@@ -15,15 +15,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any, Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
 from viasd.v1 import generation_pb2 as pb
 
 from .common import (
-    Chunk, Completion, Deadline, Endpoint, ModelInfo, RetryPolicy, build_request,
+    Chunk,
+    Completion,
+    Deadline,
+    Endpoint,
+    ModelInfo,
+    RetryPolicy,
+    build_request,
 )
 from .errors import Cancelled, error_from_rpc, retry_after_s
 
@@ -45,7 +51,7 @@ class Client(Endpoint):
 
     # ---------------------------------------------------------------- calls
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> "GenerateStream":
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> GenerateStream:
         """Start a request and return its stream of Chunk (see `common.build_request` for the
         inputs: prompt | messages | prompt_token_ids, model, request_id, params and keywords).
         Bad parameters raise InvalidParameterError here, before any network I/O."""
@@ -89,7 +95,7 @@ class Client(Endpoint):
         """Close the channel (cancels the calls still open on it)."""
         self._channel.close()
 
-    def __enter__(self) -> "Client":
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -171,7 +177,7 @@ class GenerateStream(Iterator[Chunk]):
         except ValueError:  # being iterated in another thread: the cancel above ends it there
             pass
 
-    def __enter__(self) -> "GenerateStream":
+    def __enter__(self) -> GenerateStream:
         return self
 
     def __exit__(self, *exc) -> None:

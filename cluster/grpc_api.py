@@ -27,8 +27,18 @@ import grpc
 
 from viasd.client.errors import INVALID_FIELD_KEY, RETRY_AFTER_KEY
 from viasd.cluster.guard import Calls, parse_request
-from viasd.cluster.handler import INVALID, REJECTED, RETRY_AFTER_S, UNLIMITED, Admission, Backend, \
-    DrainedError, Request, RequestHandler, error_of
+from viasd.cluster.handler import (
+    INVALID,
+    REJECTED,
+    RETRY_AFTER_S,
+    UNLIMITED,
+    Admission,
+    Backend,
+    DrainedError,
+    Request,
+    RequestHandler,
+    error_of,
+)
 from viasd.cluster.serving_metrics import ServingMetrics
 from viasd.config import Mode
 from viasd.errors import InvalidParameterError
@@ -52,7 +62,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     for name, p in pipelines.items()}, default)
 
     @classmethod
-    def over(cls, handlers: dict[str, RequestHandler], default: str) -> "GenerationServicer":
+    def over(cls, handlers: dict[str, RequestHandler], default: str) -> GenerationServicer:
         """The service over existing handlers (shared with the HTTP API of the same process)."""
         servicer = cls.__new__(cls)
         servicer._init(handlers, default)

@@ -125,7 +125,7 @@ class Calls:
         if self._running:
             try:
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         aborted = len(self._running)
         for abort in list(self._running):
@@ -133,7 +133,7 @@ class Calls:
         if self._running:
             try:
                 await asyncio.wait_for(self._idle.wait(), abort_grace_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return aborted
 

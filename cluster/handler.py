@@ -247,7 +247,7 @@ def prompt_ids_of(tokenizer, prompt: str | Sequence[int] | None = None,
 class Job:
     """One admitted request's output stream (async iterator of `Piece`); `aclose()` ends it."""
 
-    def __init__(self, handler: "RequestHandler", request_id: str, prompt_ids: list[int], params: GenerationParams):
+    def __init__(self, handler: RequestHandler, request_id: str, prompt_ids: list[int], params: GenerationParams):
         self.handler = handler
         self.id = request_id
         self.model = handler.name

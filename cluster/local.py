@@ -61,7 +61,7 @@ class LocalPipeline:
         self.coordinator = LocalCoordinator(llm.engine)
 
     @classmethod
-    async def start(cls, config: PipelineConfig) -> "LocalPipeline":
+    async def start(cls, config: PipelineConfig) -> LocalPipeline:
         if config.tp_size != 1:
             raise InvalidParameterError("tp_size", "the local backend runs the verifier unsharded (tp_size 1)")
         return cls(await asyncio.to_thread(LLM, config.engine), config)

@@ -104,7 +104,7 @@ class PipelineConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "PipelineConfig":
+    def _check(self) -> PipelineConfig:
         if self.engine.drafter and self.drafter_cpus + self.drafter_gpus <= 0:
             raise ValueError("drafter_cpus: the drafter needs a CPU or GPU share (drafter_cpus or drafter_gpus > 0)")
         if self.verifier_cpus_per_rank + self.verifier_gpus_per_rank <= 0:
@@ -123,7 +123,7 @@ class PipelineConfig(BaseModel):
         return self.default_mode or (Mode.VIA if self.engine.drafter else Mode.AR)
 
     @classmethod
-    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> "PipelineConfig":
+    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> PipelineConfig:
         """Validate, raising InvalidParameterError that names the bad field (dotted for engine.*)."""
         return validate_named(cls, {**(values or {}), **overrides})
 
@@ -193,7 +193,7 @@ class Pipeline:
         self._stopping = False  # set by shutdown: nothing is rebuilt any more
 
     @classmethod
-    async def start(cls, config: PipelineConfig) -> "Pipeline":
+    async def start(cls, config: PipelineConfig) -> Pipeline:
         if not ray.is_initialized():
             raise RuntimeError("Pipeline.start needs a running Ray (ray.init(...), or a Serve replica)")
         has_drafter = config.engine.drafter is not None
@@ -333,7 +333,7 @@ class Pipeline:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), self.config.health_check_period_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             self._wake.clear()
             if self._stopping:
@@ -360,7 +360,7 @@ class Pipeline:
         actors = ([self.drafter] if self.drafter is not None else []) + self.ranks
         try:
             await asyncio.wait_for(asyncio.gather(*(a.stop.remote() for a in actors), return_exceptions=True), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("pipeline %r: actors did not stop within %.0fs; killing them", self.config.name, timeout_s)
         for actor in actors:
             ray.kill(actor)

@@ -61,7 +61,7 @@ class GRPCSecurity(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "GRPCSecurity":
+    def _check(self) -> GRPCSecurity:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("tls_key_file: TLS needs both tls_cert_file and tls_key_file")
         if self.client_ca_file is not None and self.tls_cert_file is None:
@@ -71,7 +71,7 @@ class GRPCSecurity(BaseModel):
         return self
 
     @classmethod
-    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> "GRPCSecurity":
+    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> GRPCSecurity:
         """Validate, raising InvalidParameterError that names the bad field."""
         return validate_named(cls, {**(values or {}), **overrides})
 

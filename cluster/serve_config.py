@@ -47,7 +47,7 @@ class HTTPOptions(BaseModel):
     tls_key_file: str | None = Field(None, description="PEM private key of tls_cert_file.")
 
     @model_validator(mode="after")
-    def _check_tls(self) -> "HTTPOptions":
+    def _check_tls(self) -> HTTPOptions:
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("http.tls_key_file: HTTPS needs both tls_cert_file and tls_key_file")
         return self
@@ -103,7 +103,7 @@ class Autoscaling(BaseModel):
     downscale_delay_s: float = Field(600.0, ge=0, description="How long the load must stay low before removing one.")
 
     @model_validator(mode="after")
-    def _check(self) -> "Autoscaling":
+    def _check(self) -> Autoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) must not exceed max_replicas ({self.max_replicas})")
         if self.initial_replicas is not None and not self.min_replicas <= self.initial_replicas <= self.max_replicas:
@@ -189,7 +189,7 @@ class ServeConfig(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _check(self) -> "ServeConfig":
+    def _check(self) -> ServeConfig:
         names = [p.name for p in self.pipelines]
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:

@@ -165,7 +165,7 @@ class RequestTimer:
     inference = admission to the last token; TTFT and end-to-end from the arrival.
     """
 
-    def __init__(self, metrics: "ServingMetrics"):
+    def __init__(self, metrics: ServingMetrics):
         self.metrics = metrics
         self.arrival = time.perf_counter()
         self.start: float | None = None  # admitted

@@ -62,8 +62,8 @@ def main() -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
     import openai
-
     from serve_throughput import check_tokens, in_process_stream, mode_params, one_stream, ratios, run_level
+
     from viasd.cluster import launch
     from viasd.cluster.serve_config import parse_serve_config
     from viasd.config import parse_params
@@ -122,7 +122,7 @@ def main() -> int:
         report["checks"] = checks
         report["throughput"] = []
         served = lambda prompt, mode, n, out: one_stream(client, info["name"], prompt, mode, n, out)  # noqa: E731
-        in_process = lambda prompt, mode, n, out: in_process_stream(ref, prompt, mode, n, {}, out)  # noqa: E731
+        in_process = lambda prompt, mode, n, out: in_process_stream(ref, prompt, mode, n, {}, out)  # noqa: E731, F821
         curve = [(mode, system, target) for mode in ("ar", "sd", "via")
                  for system, target in (("in_process", in_process), ("served", served))]
         curve += [(mode, "served", served) for mode in ("sd:overlap=true",

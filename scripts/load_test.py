@@ -265,9 +265,9 @@ async def main_async(args) -> int:
     import ray
 
     from viasd.cluster.grpc_api import GenerationServicer
-    from viasd.cluster.standalone import serve_grpc
-    from viasd.cluster.pipeline import Pipeline, PipelineConfig
     from viasd.cluster.handler import Admission
+    from viasd.cluster.pipeline import Pipeline, PipelineConfig
+    from viasd.cluster.standalone import serve_grpc
     from viasd.llm import LLM
     from viasd.v1 import generation_pb2_grpc
 

@@ -5,10 +5,16 @@
 `old`: whatever `viasd` is first on PYTHONPATH (scripts/measure_batch1.sh puts the baseline
 commit's checkout there); `plain`: this engine with packed_linears=false; `packed`: the default.
 """
-import json, sys, time, torch
+import json
+import sys
+import time
+
+import torch
+
+import viasd
 from viasd.config import EngineConfig, parse_params
 from viasd.llm import LLM
-import viasd
+
 torch.set_num_threads(2)
 extra = {"packed_linears": sys.argv[2] == "packed"} if len(sys.argv) > 2 and sys.argv[2] != "old" else {}
 llm = LLM(EngineConfig(dtype=sys.argv[1], **extra))
@@ -22,6 +28,7 @@ for mode in ("ar", "sd", "via"):
         ids = llm.encode(p)
         t0 = time.perf_counter()
         r = llm.complete(ids, parse_params(mode=mode, max_tokens=64, ignore_eos=True))
-        secs += time.perf_counter() - t0; toks += len(r.token_ids)
+        secs += time.perf_counter() - t0
+        toks += len(r.token_ids)
     out[mode] = round(toks / secs, 3)
 print(json.dumps(out), flush=True)

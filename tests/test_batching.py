@@ -88,7 +88,7 @@ def test_every_request_in_a_batch_equals_its_run_alone(tiny_pair, policy):
     assert all(len(t) == 24 for t in alone)
     engine = _engine(tiny_pair, policy, max_batch=5, prefill_chunk=8)  # fewer rows than requests: they queue
     batched = _run_batched(engine, jobs, random.Random(policy), cancel=3)
-    for i, job in enumerate(jobs):
+    for i, _job in enumerate(jobs):
         if i == 3:  # cancelled after two chunks: what it got is a prefix of its output alone
             assert 0 < len(batched[i]) < 24 and batched[i] == alone[i][: len(batched[i])]
         else:

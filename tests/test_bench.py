@@ -11,8 +11,8 @@ import threading
 import jsonschema
 import pytest
 import torch
-
 from conftest import drafter_from, tiny_model
+
 from viasd.bench import Bench, Prompt, parse_method, parse_methods, run_suite, suite_methods
 from viasd.bench.execution import STOP_SEQUENCES, check_completion, run_program, truncate
 from viasd.bench.methods import matched_baseline

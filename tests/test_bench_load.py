@@ -10,8 +10,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import drafter_from, tiny_model
+
 from viasd.bench import Bench, run_load
 from viasd.bench.load import (
     HF_CB,

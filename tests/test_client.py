@@ -37,12 +37,22 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from certs import make_certificates
 from conftest import save_tiny_pair
+
 from viasd.client import (
-    NO_RETRY, AsyncClient, Cancelled, Client, DeadlineExceeded, InvalidArgument, InvalidParameterError, RetryPolicy,
-    RPCError, TLSConfig, Unauthenticated, Unavailable,
+    NO_RETRY,
+    AsyncClient,
+    Cancelled,
+    Client,
+    DeadlineExceeded,
+    InvalidArgument,
+    InvalidParameterError,
+    RetryPolicy,
+    RPCError,
+    TLSConfig,
+    Unauthenticated,
+    Unavailable,
 )
 from viasd.config import EngineConfig, parse_params
 
@@ -337,7 +347,7 @@ def test_closing_a_stream_cancels_the_request_on_the_server(client, aio, pipelin
             raise KeyError("caller's error")
     assert idle(aio, pipeline)
     # breaking out of a for loop over the stream (dropped: CPython closes it at once)
-    for i, chunk in enumerate(client.generate(prompt_token_ids=PROMPT, **LONG)):
+    for i, _chunk in enumerate(client.generate(prompt_token_ids=PROMPT, **LONG)):
         if i == 2:
             break
     assert idle(aio, pipeline)
@@ -641,8 +651,8 @@ def test_mutual_tls(aio, servers, servicer, certs, llm):
 
 
 def test_server_security_settings(tmp_path, monkeypatch, certs):
-    from viasd.cluster.standalone import main
     from viasd.cluster.security import GRPCSecurity
+    from viasd.cluster.standalone import main
 
     token_file = tmp_path / "token"
     token_file.write_text(f"  {TOKEN}\n")

@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import drafter_from, tiny_model
+
 from viasd import dimr
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.llm import load_mask

@@ -18,9 +18,9 @@ import threading
 import grpc
 import pytest
 import torch
-
 from conftest import drafter_from, process_alive, tiny_model
 from test_serve import _free_port
+
 from viasd.config import parse_params
 from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from reference import reference_decode
+
 from viasd.config import parse_params
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError, MaskError

@@ -16,8 +16,8 @@ import logging
 import grpc
 import pytest
 import requests
-
 from conftest import served_http
+
 from viasd.config import parse_params
 
 MAX_CONTEXT = 96

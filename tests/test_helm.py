@@ -175,7 +175,7 @@ def test_kubernetes_validate_refuses_an_unknown_field(chart):
 def rayservice_validator():
     schema = yaml.safe_load((ROOT / "tests" / "data" / "kuberay-rayservice-v1.schema.yaml").read_text())
     base = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
-    version = max((p.name for p in base.glob(f"v{KUBE_VERSION}.*-local-strict")))
+    version = max(p.name for p in base.glob(f"v{KUBE_VERSION}.*-local-strict"))
     defs = json.loads((base / version / "_definitions.json").read_text())
     registry = Registry().with_resources([
         (schema["$id"], Resource.from_contents(schema)),
@@ -246,8 +246,8 @@ def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, val
 def test_chart_schema_knows_exactly_the_serve_config_fields():
     """values.schema.json's `serve` lists ServeConfig's fields: a field added to or removed from
     cluster/serve_config.py shows up here."""
-    from viasd.cluster.serve_config import ServeConfig
     from viasd.cluster.pipeline import PipelineConfig
+    from viasd.cluster.serve_config import ServeConfig
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["serve"]
     assert set(schema["properties"]) == set(ServeConfig.model_fields)
@@ -582,7 +582,7 @@ def test_service_monitor_scrapes_ray_metrics_of_every_pod(chart):
     assert matches(sm["spec"]["selector"], svc["metadata"]["labels"])
     assert sm["spec"]["endpoints"][0]["port"] == svc["spec"]["ports"][0]["name"] == "metrics"
     rs = one(docs, "RayService")
-    for node, template in pod_specs(rs).items():
+    for _node, template in pod_specs(rs).items():
         assert all(template["metadata"]["labels"].get(k) == v for k, v in svc["spec"]["selector"].items())
         port = next(p for p in container(template)["ports"] if p["name"] == "metrics")["containerPort"]
         assert port == svc["spec"]["ports"][0]["targetPort"]

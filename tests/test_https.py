@@ -9,7 +9,6 @@ second CA nobody trusts); the application serves a tiny float32 LLaMA pair (toke
 from __future__ import annotations
 
 import pytest
-
 from certs import make_certificates
 from conftest import save_tiny_pair
 from test_serve import _free_port
@@ -78,11 +77,11 @@ def test_plain_http_and_untrusted_certificates_are_refused(service, certs):
 def mtls_http(tmp_path_factory, certs, aio):
     """The standalone server's HTTP front (standalone.serve_http) requiring client certificates,
     over the in-process pipeline (no Ray needed), with the bearer token."""
-    from viasd.cluster.standalone import serve_http
+    from viasd.cluster.handler import RequestHandler
     from viasd.cluster.local import LocalPipeline
     from viasd.cluster.pipeline import PipelineConfig
     from viasd.cluster.security import GRPCSecurity
-    from viasd.cluster.handler import RequestHandler
+    from viasd.cluster.standalone import serve_http
 
     root = tmp_path_factory.mktemp("mtls-models")
     (root / "token").write_text(TOKEN)

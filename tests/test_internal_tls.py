@@ -14,10 +14,10 @@ import asyncio
 import grpc
 import pytest
 import ray
-
 from certs import make_certificates
 from conftest import save_tiny_pair
 from test_pipeline import _pipeline_config, collect, reference, request
+
 from viasd.actors.rpc import GRPC_OPTIONS, InternalTLS
 from viasd.errors import InvalidParameterError
 from viasd.v1 import internal_pb2 as ipb

@@ -26,8 +26,8 @@ import traceback
 
 import pytest
 import torch
-
 from conftest import drafter_from, tiny_model
+
 from viasd.errors import InvalidParameterError
 from viasd.parallel import TPBackend, TPGroup, check_shardable, free_port, init_tp, shard_model, shutdown_tp
 

@@ -23,9 +23,9 @@ import time
 
 import grpc
 import pytest
-
 from conftest import LOOP_TIMEOUT_S as TIMEOUT_S
 from conftest import save_tiny_pair
+
 from viasd.config import EngineConfig, parse_params
 from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import save_tiny_pair, tiny_model
 
 from viasd import precision as P
 from viasd.config import EngineConfig, parse_engine_config
 from viasd.errors import InvalidParameterError, ModelLoadError
-
-from conftest import save_tiny_pair, tiny_model
 
 
 @pytest.fixture

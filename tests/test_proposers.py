@@ -13,11 +13,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
-
-from conftest import tiny_model
 
 from viasd.config import parse_params
 from viasd.engine import Engine

@@ -19,8 +19,8 @@ stale or misplaced slot in the shared cache changes the output.
 from __future__ import annotations
 
 import pytest
-
 from reference import reference_decode
+
 from viasd.config import parse_params
 from viasd.engine import Engine
 from viasd.runtime import LayerMask

@@ -25,14 +25,13 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-
 from conftest import drafter_from, process_alive, save_tiny_pair, served_http, tiny_model
 from test_pipeline import collect
+
 from viasd.config import EngineConfig, parse_params
 from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc
 from viasd.v1.convert import params_to_proto, stats_from_proto
-
 
 TIMEOUT_S = 120
 REPO = Path(__file__).resolve().parents[1]
@@ -580,8 +579,8 @@ def test_text_and_chat_prompts_are_served_and_never_logged(aio, server, llm, cap
 def own_server(aio, pipeline):
     """A second GenerationService over the same pipeline, with its own admission and drain state."""
     from viasd.cluster.grpc_api import GenerationServicer
-    from viasd.cluster.standalone import serve_grpc
     from viasd.cluster.handler import Admission
+    from viasd.cluster.standalone import serve_grpc
 
     made = []
 

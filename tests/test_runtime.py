@@ -6,8 +6,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from viasd.errors import MaskError, ModelLoadError
 from viasd.runtime import LayerMask, MaskedLM, SlotKVCache
 

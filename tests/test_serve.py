@@ -17,7 +17,6 @@ import socket
 import time
 
 import pytest
-
 import ray.serve  # noqa: E402,F401  (declared: a missing one fails, it does not skip)
 
 from viasd.cluster.serve_config import load_serve_config, parse_serve_config  # noqa: E402
@@ -39,6 +38,7 @@ def _free_port() -> int:
 def models_dir(tmp_path_factory):
     """A 20-layer cut of SmolLM2-135M (the drafter) as an HF directory."""
     from test_runtime import physically_removed
+
     from viasd.models import embedded
     from viasd.models.loader import load_causal_lm
     from viasd.runtime import LayerMask
@@ -404,8 +404,8 @@ def test_admission_refuses_past_the_queue():
 def _tiny_local_config(tmp_path):
     """A PipelineConfig of a tiny random float32 pair saved under tmp_path (no tokenizer)."""
     import torch
-
     from conftest import drafter_from, tiny_model
+
     from viasd.cluster.pipeline import PipelineConfig
 
     v = tiny_model("llama", dtype=torch.float32)
@@ -417,10 +417,10 @@ def _tiny_local_config(tmp_path):
 
 def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
     """RequestHandler over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
+    from viasd.cluster.handler import RequestError, RequestHandler
     from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.serving_metrics import parse_exposition, total
     from viasd.cluster.openai_api import CompletionRequest, open_openai
-    from viasd.cluster.handler import RequestHandler, RequestError
+    from viasd.cluster.serving_metrics import parse_exposition, total
 
     config = _tiny_local_config(tmp_path)
 
@@ -456,10 +456,10 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
     """RequestHandler.drain (what `viasd drain` runs in every Serve replica), on the in-process
     pipeline: a request that ends within the timeout ends normally, new requests are 503, and
     with the timeout spent a running request and one waiting for admission end with `abort`."""
+    from viasd.cluster.handler import RequestError, RequestHandler
     from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.serving_metrics import parse_exposition, total
     from viasd.cluster.openai_api import CompletionRequest, open_openai
-    from viasd.cluster.handler import RequestHandler, RequestError
+    from viasd.cluster.serving_metrics import parse_exposition, total
 
     config = _tiny_local_config(tmp_path)
 

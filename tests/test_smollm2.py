@@ -6,11 +6,10 @@ ties between batched and step-by-step forwards (DESIGN.md, "Exactness and precis
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
 from test_runtime import physically_removed
+
 from viasd.config import parse_params
 from viasd.engine import Engine
 from viasd.runtime import LayerMask, MaskedLM

@@ -208,8 +208,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from viasd.cluster.serve_config import load_serve_config, parse_serve_config
     from viasd.cluster.launch import serve_forever
+    from viasd.cluster.serve_config import load_serve_config, parse_serve_config
 
     config = load_serve_config(args.config)
     overrides = {k: v for k, v in (("backend", args.backend),) if v is not None}

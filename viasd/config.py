@@ -222,7 +222,7 @@ class GenerationParams(BaseModel):
         return v or None
 
     @model_validator(mode="after")
-    def _check_thresholds(self) -> "GenerationParams":
+    def _check_thresholds(self) -> GenerationParams:
         if self.max_tokens == 0 and self.prompt_logprobs is None:
             raise ValueError("must be >= 1 (0 only scores the prompt: set prompt_logprobs)")
         if self.alpha2 >= self.alpha1:
@@ -350,7 +350,7 @@ class EngineConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _check(self) -> "EngineConfig":
+    def _check(self) -> EngineConfig:
         if self.dtype not in ("auto", "bfloat16", "float16", "float32", "float64"):
             raise ValueError(f"dtype must be auto, bfloat16, float16, float32 or float64, got {self.dtype!r}")
         if isinstance(self.mask, str) and not self.mask.endswith(".json"):

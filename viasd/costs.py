@@ -100,7 +100,7 @@ class CostModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
+    def from_dict(cls, d: dict) -> CostModel:
         """The profiled grid (what the cache file holds; corrections start afresh)."""
         return cls({k: [tuple(p) for p in v] for k, v in d["grid"].items()}, d.get("key", {}),
                    d.get("profile_seconds", 0.0))
@@ -190,7 +190,7 @@ class Acceptance:
 
     DECAY = 0.8  # weight of the past in each update
 
-    def __init__(self, prior: "Acceptance | None" = None, positions: int = 8):
+    def __init__(self, prior: Acceptance | None = None, positions: int = 8):
         self.model = list(prior.model) if prior else [0.6] * positions  # [gamma]
         self.ngram = list(prior.ngram) if prior else [0.5] * positions
 

@@ -76,7 +76,7 @@ class RequestStats:
             self.num_accepted_tokens_per_pos[j] += 1
         self.num_accepted_tokens += len(positions)
 
-    def add_counters(self, other: "RequestStats") -> None:
+    def add_counters(self, other: RequestStats) -> None:
         """Add the counters of another part of the same request (served: the drafter's and the
         verifier's sessions each count what they did); the request-level fields (mode, tokens,
         finish reason, times) stay this object's."""

@@ -173,7 +173,7 @@ def probe_matmul(dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, rep
     return best
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cpu_auto() -> DtypeChoice:
     """What ``auto`` means on this process's CPU (computed once)."""
     cap = cpu_capability()
@@ -254,7 +254,7 @@ def _packed_linear_class():
     return _PackedLinear
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def packed_linear_class():
     """The ``nn.Module`` class :func:`optimize_linears` swaps in (built on first use)."""
     return _packed_linear_class()

@@ -82,7 +82,7 @@ class SlotKVCache:
     def rows_in_use(self) -> int:
         return self.max_rows - len(self._free)
 
-    def row(self, row: int) -> "RowCache":
+    def row(self, row: int) -> RowCache:
         return RowCache(self, row)
 
     # ------------------------------------------------------------ lengths
@@ -130,7 +130,7 @@ class SlotKVCache:
     # ------------------------------------------------------------ forwards
 
     def batch(self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
-              device: torch.device | str = "cpu") -> "_BatchWrite":
+              device: torch.device | str = "cpu") -> _BatchWrite:
         """The cache view of one forward on `device`: row b = rows[b] appends lengths[b] tokens at starts[b]."""
         return _BatchWrite(self, list(rows), list(starts), list(lengths), torch.device(device))
 
@@ -226,7 +226,7 @@ class RowCache:
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.store.kv(self.row, layer)
 
-    def copy_from(self, other: "RowCache", length: int) -> None:
+    def copy_from(self, other: RowCache, length: int) -> None:
         """This row's first `length` positions become `other`'s (same store)."""
         assert other.store is self.store, "rows of different caches"
         self.store.copy_row(other.row, self.row, length)
@@ -245,11 +245,11 @@ class LayerMask:
     keep: tuple[bool, ...]
 
     @classmethod
-    def full(cls, num_layers: int) -> "LayerMask":
+    def full(cls, num_layers: int) -> LayerMask:
         return cls((True,) * num_layers)
 
     @classmethod
-    def from_skipped(cls, skipped: Iterable[int], num_layers: int) -> "LayerMask":
+    def from_skipped(cls, skipped: Iterable[int], num_layers: int) -> LayerMask:
         skipped = sorted(set(int(i) for i in skipped))
         bad = [i for i in skipped if not 0 <= i < num_layers]
         if bad:
@@ -257,7 +257,7 @@ class LayerMask:
         return cls(tuple(i not in skipped for i in range(num_layers)))
 
     @classmethod
-    def from_z(cls, z: Sequence[int | bool], num_layers: int) -> "LayerMask":
+    def from_z(cls, z: Sequence[int | bool], num_layers: int) -> LayerMask:
         if len(z) != num_layers:
             raise MaskError(f"mask has {len(z)} entries but the verifier has {num_layers} layers")
         if any(int(v) not in (0, 1) for v in z):
@@ -265,7 +265,7 @@ class LayerMask:
         return cls(tuple(bool(int(v)) for v in z))
 
     @classmethod
-    def evenly_spaced(cls, ratio: float, num_layers: int) -> "LayerMask":
+    def evenly_spaced(cls, ratio: float, num_layers: int) -> LayerMask:
         """Skip round(ratio * L) layers spread evenly over layers 1..L-2 (first and last kept).
 
         A placeholder until a DIMR-searched mask is given: on real models an evenly spread mask

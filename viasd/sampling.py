@@ -83,7 +83,7 @@ class Sampler:
             raise InvalidParameterError("min_p", f"must be in [0, 1), got {self.min_p}")
 
     @classmethod
-    def from_params(cls, params: GenerationParams) -> "Sampler":
+    def from_params(cls, params: GenerationParams) -> Sampler:
         """The sampler a request asks for."""
         return cls(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p)
 
@@ -177,7 +177,7 @@ class Penalties:
 
     @classmethod
     def for_request(cls, params: GenerationParams, prompt: Sequence[int], vocab_size: int, device
-                    ) -> "Penalties | None":
+                    ) -> Penalties | None:
         """The request's processor, or None when nothing changes the logits (the default path)."""
         return cls(params, prompt, vocab_size, device) if params.penalised else None
 

@@ -33,12 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
+from viasd.costs import Acceptance, CostModel
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.runtime import LayerMask, MaskedLM
-from viasd.costs import Acceptance, CostModel
 from viasd.planner import Plan, RowState, choose
 from viasd.proposers import ngram_lookup
+from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
     DraftSession,
     Outcome,
@@ -234,7 +234,7 @@ class _Running:
     via_tokens: float = 2.0  # `auto` with lossy plans: running mean of tokens per via cycle ...
     via_escalation: float = 0.5  # ... and of the probability that a via cycle escalates
     via_seen: int = 0  # escalations counted so far
-    leader: "_Running | None" = None  # n > 1: the sample whose prefill this one copies
+    leader: _Running | None = None  # n > 1: the sample whose prefill this one copies
 
     @property
     def sessions(self) -> list:

@@ -56,7 +56,7 @@ class Forward:
     """One request's ask for one forward of one tier: feed `tokens` at `start`, return the
     logits [num_logits, V] of the last positions."""
 
-    tier: "_Tier"
+    tier: _Tier
     tokens: list[int]  # [T]
     start: int
     num_logits: int
@@ -242,7 +242,7 @@ class _Session:
     def prefilled(self, forward: Forward, logits: Tensor) -> None:
         """What a prefill forward of this side returned (logits [num_logits, V]); nothing by default."""
 
-    def copy_prefill(self, leader: "_Session") -> None:
+    def copy_prefill(self, leader: _Session) -> None:
         """Take the prefilled prompt of another request's session of this side (same prompt, same
         tiers): its keys/values are copied row to row instead of recomputed (n > 1 samples)."""
         prefilled, done = len(self.seq) - 1, set()  # the prompt but its last token (the leader may be further)
@@ -472,7 +472,7 @@ class VerifySession(_Session):
             scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
             self.prompt_logprobs += token_logprobs(logits, scored, self.params.prompt_logprobs)
 
-    def copy_prefill(self, leader: "VerifySession") -> None:
+    def copy_prefill(self, leader: VerifySession) -> None:
         super().copy_prefill(leader)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = list(leader.prompt_logprobs)

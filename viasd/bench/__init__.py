@@ -34,9 +34,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from viasd.bench.load import run_load
 from viasd.bench.methods import Group, Method, matched_baseline, parse_method, parse_methods, suite_methods
 from viasd.bench.report import markdown, summarize, targets
-from viasd.bench.load import run_load
 from viasd.bench.runner import Bench
 from viasd.bench.workloads import Prompt, humaneval, load_jsonl, load_workload
 from viasd.config import EngineConfig, GenerationParams

@@ -151,7 +151,7 @@ def arrival_times(n: int, pattern: str, rate: float, seed: int) -> list[float]:
         raise InvalidParameterError("rate", f"must be > 0 requests/s for poisson arrivals, got {rate}")
     rng = random.Random(seed)
     times, t = [], 0.0
-    for i in range(n):
+    for _i in range(n):
         times.append(t)
         t += rng.expovariate(rate)
     return times

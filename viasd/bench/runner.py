@@ -53,7 +53,7 @@ class RSSSampler:
         while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self._rss())
 
-    def __enter__(self) -> "RSSSampler":
+    def __enter__(self) -> RSSSampler:
         self.start = self.peak = self._rss()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -173,7 +173,7 @@ class Bench:
         self._engines: dict[tuple, Engine] = {}
 
     @classmethod
-    def from_llm(cls, llm, *, mask_source: str | None = None, searched_masks=None) -> "Bench":
+    def from_llm(cls, llm, *, mask_source: str | None = None, searched_masks=None) -> Bench:
         """Around an already loaded `viasd.llm.LLM` (its verifier, drafter, tokenizer and mask)."""
         e = llm.engine
         source = mask_source or getattr(llm, "mask_source", None) or "evenly spaced"

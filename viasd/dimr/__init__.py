@@ -96,51 +96,6 @@ JSON, the fingerprint check, shipped masks), `report` (tables, plots), `cli` (`r
 
 from __future__ import annotations
 
-from viasd.dimr.space import (  # noqa: F401
-    evenly_spaced_skips,
-    normalize_keep,
-    num_skipped,
-)
-from viasd.dimr.calibration import (  # noqa: F401
-    Calibration,
-    file_calibration,
-    humaneval_calibration,
-    token_calibration,
-)
-from viasd.dimr.reference import (  # noqa: F401
-    Reference,
-    build_reference,
-    shared_policy_logits,
-    slim_logprobs,
-)
-from viasd.dimr.objectives import (  # noqa: F401
-    Costs,
-    E2EObjective,
-    KLObjective,
-    OBJECTIVES,
-    Objective,
-    RKLObjective,
-    TVObjective,
-    Top1Objective,
-    evaluate_mask,
-    make_objective,
-    measure_costs,
-    rkl_per_position,
-)
-from viasd.dimr.search import (  # noqa: F401
-    MaskSearch,
-    SearchResult,
-    SearchSettings,
-    TrialRecord,
-    _rung_ends,
-    search_mask,
-)
-from viasd.dimr.report import (  # noqa: F401
-    heldout_table,
-    plot_trials,
-    summary_table,
-    table4,
-)
 from viasd.dimr.artifact import (  # noqa: F401
     ARTIFACT_KIND,
     SCHEMA_VERSION,
@@ -154,9 +109,54 @@ from viasd.dimr.artifact import (  # noqa: F401
     shipped_artifacts,
     shipped_mask,
 )
+from viasd.dimr.calibration import (  # noqa: F401
+    Calibration,
+    file_calibration,
+    humaneval_calibration,
+    token_calibration,
+)
 from viasd.dimr.cli import (  # noqa: F401
     _default_out,
     run_dimr,
+)
+from viasd.dimr.objectives import (  # noqa: F401
+    OBJECTIVES,
+    Costs,
+    E2EObjective,
+    KLObjective,
+    Objective,
+    RKLObjective,
+    Top1Objective,
+    TVObjective,
+    evaluate_mask,
+    make_objective,
+    measure_costs,
+    rkl_per_position,
+)
+from viasd.dimr.reference import (  # noqa: F401
+    Reference,
+    build_reference,
+    shared_policy_logits,
+    slim_logprobs,
+)
+from viasd.dimr.report import (  # noqa: F401
+    heldout_table,
+    plot_trials,
+    summary_table,
+    table4,
+)
+from viasd.dimr.search import (  # noqa: F401
+    MaskSearch,
+    SearchResult,
+    SearchSettings,
+    TrialRecord,
+    _rung_ends,
+    search_mask,
+)
+from viasd.dimr.space import (  # noqa: F401
+    evenly_spaced_skips,
+    normalize_keep,
+    num_skipped,
 )
 
 __all__ = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,6 @@ from viasd.dimr.calibration import Calibration
 from viasd.dimr.search import SearchResult
 from viasd.errors import MaskError
 from viasd.runtime import LayerMask, MaskedLM
-
 
 SCHEMA_VERSION = 1
 ARTIFACT_KIND = "viasd.dimr.mask"
@@ -87,7 +86,7 @@ def build_artifact(result: SearchResult, verifier: MaskedLM, calibration: Calibr
         "verifier": verifier_name,
         "drafter": drafter_name,
         "dtype": dtype if dtype is not None else str(verifier.dtype).removeprefix("torch."),
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "viasd_version": __version__,
         "kept_layers_fixed": list(result.keep),
         "search": {

@@ -12,7 +12,7 @@ import torch
 
 from viasd.dimr.artifact import MaskArtifact, build_artifact, save_artifact
 from viasd.dimr.calibration import file_calibration, humaneval_calibration
-from viasd.dimr.objectives import Costs, OBJECTIVES, evaluate_mask, make_objective, measure_costs
+from viasd.dimr.objectives import OBJECTIVES, Costs, evaluate_mask, make_objective, measure_costs
 from viasd.dimr.reference import build_reference
 from viasd.dimr.report import heldout_table, plot_trials, summary_table, table4
 from viasd.dimr.search import search_mask

@@ -17,7 +17,6 @@ from viasd.gates import cycle
 from viasd.rules import Region, check_thresholds, regions_from_ratio
 from viasd.runtime import LayerMask, MaskedLM
 
-
 _ROW_CHUNK = 64  # positions per chunk when reducing over the vocabulary (bounds temporary memory)
 
 # --------------------------------------------------------------------------------------------
