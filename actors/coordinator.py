@@ -163,18 +163,30 @@ class Coordinator:
     ) -> AsyncIterator[Chunk]:
         """Stream the committed tokens of one request; the last chunk has the finish reason and the
         merged stats. Cancelling the consumer (or `aclose()`) closes both sessions."""
-        prompt = check_request(prompt_ids, params, vocab_size=self.vocab_size, max_context=self.max_context,
-                               has_drafter=self.drafter_address is not None)
+        prompt = check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.vocab_size,
+            max_context=self.max_context,
+            has_drafter=self.drafter_address is not None,
+        )
         if params.mode == Mode.AUTO:
             raise InvalidParameterError(
-                "mode", "mode 'auto' runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
-                "serves 'ar', 'sd' and 'via'")
-        for field, asked in (("logprobs", params.logprobs is not None), ("prompt_logprobs", params.prompt_logprobs is not None),
-                             ("n", params.n > 1)):
+                "mode",
+                "mode 'auto' runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
+                "serves 'ar', 'sd' and 'via'",
+            )
+        for field, asked in (
+            ("logprobs", params.logprobs is not None),
+            ("prompt_logprobs", params.prompt_logprobs is not None),
+            ("n", params.n > 1),
+        ):
             if asked:  # the engine computes them; the actors do not send them back yet: refused, not dropped
                 raise InvalidParameterError(
-                    field, f"{field} runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
-                    "does not return it yet")
+                    field,
+                    f"{field} runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
+                    "does not return it yet",
+                )
         if params.mode != Mode.AR and self.drafter_address is None:  # (the n-gram proposer runs on the drafter too)
             raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs the pipeline's drafter; it has none")
         if not request_id:
@@ -184,8 +196,15 @@ class Coordinator:
         self._connect()
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
         limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
-        req = _Request(request_id, params, limits, len(prompt), drafted=params.mode != Mode.AR,
-                       verifier=self._verifier, drafter=self._drafter)
+        req = _Request(
+            request_id,
+            params,
+            limits,
+            len(prompt),
+            drafted=params.mode != Mode.AR,
+            verifier=self._verifier,
+            drafter=self._drafter,
+        )
         self._active[request_id] = req
         self.totals.requests += 1
         try:
@@ -332,12 +351,14 @@ class Coordinator:
             verify: dict[_Request, ipb.VerifyRequest] = {}
             failed: dict[_Request, BaseException] = {}
             drafting = [r for r in rows if r.drafted]
-            await asyncio.gather(*(self._propose(group, verify, failed)
-                                   for group in _by_backend(drafting, "drafter").values()))
+            await asyncio.gather(
+                *(self._propose(group, verify, failed) for group in _by_backend(drafting, "drafter").values())
+            )
             checking = [r for r in rows if r not in failed]
             outcomes: dict[_Request, ipb.VerifyResponse] = {}
-            await asyncio.gather(*(self._verify(group, verify, outcomes, failed)
-                                   for group in _by_backend(checking, "verifier").values()))
+            await asyncio.gather(
+                *(self._verify(group, verify, outcomes, failed) for group in _by_backend(checking, "verifier").values())
+            )
             for r in rows:
                 if r in failed:
                     self._leave(r)
@@ -357,9 +378,12 @@ class Coordinator:
 
     async def _propose(self, group: list[_Request], verify: dict, failed: dict) -> None:
         """One Propose for the drafting rows of one drafter; their Verify rows go to `verify`."""
-        request = ipb.ProposeRequest(rows=[
-            ipb.ProposeRequest(request_id=r.request_id, previous=r.previous, k=r.limits.draft_length(r.seq_len))
-            for r in group])
+        request = ipb.ProposeRequest(
+            rows=[
+                ipb.ProposeRequest(request_id=r.request_id, previous=r.previous, k=r.limits.draft_length(r.seq_len))
+                for r in group
+            ]
+        )
         try:
             response = await self._call(group[0].drafter, "drafter", "Propose", request)
             answers: list = list(response.rows)
@@ -375,8 +399,9 @@ class Coordinator:
                     failed[r] = exc
                 continue
             r.drafter_stats = answer.stats
-            verify[r] = ipb.VerifyRequest(request_id=r.request_id, draft=answer.draft,
-                                          probs=answer.probs if answer.HasField("probs") else None)
+            verify[r] = ipb.VerifyRequest(
+                request_id=r.request_id, draft=answer.draft, probs=answer.probs if answer.HasField("probs") else None
+            )
 
     async def _verify(self, group: list[_Request], verify: dict, outcomes: dict, failed: dict) -> None:
         """One Verify for the rows of one verifier (an empty draft: `ar`, one token)."""

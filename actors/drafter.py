@@ -114,8 +114,12 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         out = {}
         for i, (request_id, session, _, _) in work.items():
             draft, p = proposals[i]  # [k], [k, V] or None
-            out[i] = ipb.ProposeResponse(request_id=request_id, draft=draft, probs=encode_probs(p, self.probs_dtype),
-                                         stats=stats_to_proto(session.stats))
+            out[i] = ipb.ProposeResponse(
+                request_id=request_id,
+                draft=draft,
+                probs=encode_probs(p, self.probs_dtype),
+                stats=stats_to_proto(session.stats),
+            )
         return out
 
     @staticmethod
@@ -165,22 +169,33 @@ class DrafterActor:
         self.server: grpc.aio.Server | None = None
         self.servicer: DrafterServicer | None = None
 
-    async def start(self, engine: dict, *, host: str = "127.0.0.1", device: str = "cpu", cpus: float = 1.0,
-                    probs_dtype: str = "auto", tls: dict | None = None) -> dict:
+    async def start(
+        self,
+        engine: dict,
+        *,
+        host: str = "127.0.0.1",
+        device: str = "cpu",
+        cpus: float = 1.0,
+        probs_dtype: str = "auto",
+        tls: dict | None = None,
+    ) -> dict:
         """Load the model, start the server (mutual TLS with `tls`, an InternalTLS); return its
         address and the model's facts."""
         from viasd.models.loader import load_causal_lm
 
         config = EngineConfig.model_validate(engine)
         set_threads(config.threads, cpus)
-        model, _ = load_causal_lm(config.drafter, dtype=config.dtype, device=device,
-                                  trust_remote_code=config.trust_remote_code)
+        model, _ = load_causal_lm(
+            config.drafter, dtype=config.dtype, device=device, trust_remote_code=config.trust_remote_code
+        )
         pack_linears(model, config, device)
         lm = MaskedLM(model)
         self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype)
         self.server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s), host,
-            tls=internal_tls(tls))
+            lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s),
+            host,
+            tls=internal_tls(tls),
+        )
         address = f"{advertised_host(host)}:{port}"
         log.info("drafter %s serving on %s (pid %d)", config.drafter, address, os.getpid())
         return {

@@ -77,7 +77,8 @@ class InternalTLS(BaseModel):
     key_file: Path = Field(..., description="PEM private key of cert_file.")
     ca_file: Path = Field(..., description="PEM CA bundle that verifies the peer's certificate, in both directions.")
     server_name: str = Field(
-        "viasd-internal", min_length=1,
+        "viasd-internal",
+        min_length=1,
         description="DNS name the servers' certificate carries; clients check it instead of the dialled address.",
     )
 
@@ -89,13 +90,18 @@ class InternalTLS(BaseModel):
             raise InvalidParameterError(f"internal_tls.{name}", f"cannot read {path}: {exc.strerror}") from None
 
     def server_credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials([(self._read("key_file"), self._read("cert_file"))],
-                                           root_certificates=self._read("ca_file"), require_client_auth=True)
+        return grpc.ssl_server_credentials(
+            [(self._read("key_file"), self._read("cert_file"))],
+            root_certificates=self._read("ca_file"),
+            require_client_auth=True,
+        )
 
     def channel(self, address: str) -> grpc.aio.Channel:
-        credentials = grpc.ssl_channel_credentials(root_certificates=self._read("ca_file"),
-                                                   private_key=self._read("key_file"),
-                                                   certificate_chain=self._read("cert_file"))
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self._read("ca_file"),
+            private_key=self._read("key_file"),
+            certificate_chain=self._read("cert_file"),
+        )
         options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", self.server_name)]
         return grpc.aio.secure_channel(address, credentials, options=options)
 
@@ -112,8 +118,9 @@ def open_channel(address: str, tls: InternalTLS | None = None) -> grpc.aio.Chann
     return tls.channel(address) if tls is not None else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
 
 
-async def start_server(add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0,
-                       tls: InternalTLS | None = None):
+async def start_server(
+    add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0, tls: InternalTLS | None = None
+):
     """A started grpc.aio server with the servicers `add` registers, plaintext or (with `tls`)
     requiring client certificates; returns (server, bound port)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
@@ -216,16 +223,21 @@ def decode_probs(msg: ipb.DraftProbs | None) -> torch.Tensor | None:
     sparse = bool(msg.indices)
     count = sum(msg.row_nnz) if sparse else msg.rows * msg.vocab_size
     if len(msg.data) != count * np.dtype(np_dtype).itemsize:
-        raise InvalidParameterError("probs.data", f"{len(msg.data)} bytes for {count} {msg.dtype} values "
-                                                  f"({msg.rows} x {msg.vocab_size}{' sparse' if sparse else ''})")
+        raise InvalidParameterError(
+            "probs.data",
+            f"{len(msg.data)} bytes for {count} {msg.dtype} values "
+            f"({msg.rows} x {msg.vocab_size}{' sparse' if sparse else ''})",
+        )
     t = torch.from_numpy(np.frombuffer(msg.data, dtype=np_dtype).astype(np_dtype[1:], copy=True))
     if msg.dtype == "bfloat16":
         t = t.view(torch.bfloat16).float()
     if not sparse:
         return t.view(msg.rows, msg.vocab_size)  # [k, V]
     if len(msg.row_nnz) != msg.rows or len(msg.indices) != 4 * count:
-        raise InvalidParameterError("probs.indices", f"{len(msg.indices) // 4} indices and {len(msg.row_nnz)} row "
-                                                     f"counts for {count} values in {msg.rows} rows")
+        raise InvalidParameterError(
+            "probs.indices",
+            f"{len(msg.indices) // 4} indices and {len(msg.row_nnz)} row counts for {count} values in {msg.rows} rows",
+        )
     cols = np.frombuffer(msg.indices, dtype="<i4")  # [nnz]
     if count and not 0 <= int(cols.min()) <= int(cols.max()) < msg.vocab_size:
         raise InvalidParameterError("probs.indices", f"a column outside the vocabulary ({msg.vocab_size})")

@@ -85,8 +85,9 @@ class VerifierCore:
         if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
             slim = free_row(self.slim_store) or self.lm.new_cache(self.mask)
         full = free_row(self.full_store) or self.lm.new_cache()
-        session = VerifySession(self.lm, self.mask, self.cache_policy, prompt, params, seed, stats,
-                                full_cache=full, slim_cache=slim)
+        session = VerifySession(
+            self.lm, self.mask, self.cache_policy, prompt, params, seed, stats, full_cache=full, slim_cache=slim
+        )
         session.prefill()  # the prompt but its last token, as the in-process scheduler prefills it
         self.sessions[request_id] = session
 
@@ -127,7 +128,8 @@ class VerifierCore:
         p = decode_probs(ipb.DraftProbs.FromString(probs)) if probs else None  # [k, V] or None (greedy)
         if p is not None and tuple(p.shape) != (len(draft), self.lm.vocab_size):
             raise InvalidParameterError(
-                "probs", f"shape {tuple(p.shape)} does not match {len(draft)} draft tokens x {self.lm.vocab_size}")
+                "probs", f"shape {tuple(p.shape)} does not match {len(draft)} draft tokens x {self.lm.vocab_size}"
+            )
         if p is None and not session.sampler.greedy and session.params.proposer == Proposer.MODEL:
             # (n-gram blocks come without p: it is a point mass at the draft tokens)
             raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
@@ -161,8 +163,9 @@ def _comparable(op: str, result):
     """What must agree across ranks: the outcome of each row of a Verify (tokens, accepted draft
     count; a failed row's error)."""
     if op == "verify":
-        return [repr(r.error) if isinstance(r, RowFailed) else (list(r[0].tokens), r[0].num_draft_accepted)
-                for r in result]
+        return [
+            repr(r.error) if isinstance(r, RowFailed) else (list(r[0].tokens), r[0].num_draft_accepted) for r in result
+        ]
     return result
 
 
@@ -196,8 +199,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
             if isinstance(other, BaseException):
                 raise RuntimeError(f"verifier rank {rank} failed where rank 0 did not: {other}") from other
             if self.check_ranks and _comparable(op, mine) != other:
-                raise RuntimeError(f"verifier ranks disagree on {op}: rank 0 {_comparable(op, mine)}, "
-                                   f"rank {rank} {other}")
+                raise RuntimeError(
+                    f"verifier ranks disagree on {op}: rank 0 {_comparable(op, mine)}, rank {rank} {other}"
+                )
         return mine
 
     @rpc
@@ -210,8 +214,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
     async def Verify(self, request: ipb.VerifyRequest, context) -> ipb.VerifyResponse:
         """One step over every row of the request, on every rank in lockstep."""
         rows, batched = rows_of(request)
-        args = [(r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None)
-                for r in rows]
+        args = [
+            (r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None) for r in rows
+        ]
         answers = []
         for row, result in zip(rows, await self._lockstep("verify", args, local_args=(True,))):
             if isinstance(result, RowFailed):
@@ -220,8 +225,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
                 answers.append(ipb.VerifyResponse(request_id=row.request_id, error=row_error(result.error)))
             else:
                 outcome, stats = result
-                answers.append(ipb.VerifyResponse(request_id=row.request_id, outcome=outcome_to_proto(outcome),
-                                                  stats=stats))
+                answers.append(
+                    ipb.VerifyResponse(request_id=row.request_id, outcome=outcome_to_proto(outcome), stats=stats)
+                )
         return ipb.VerifyResponse(rows=answers) if batched else answers[0]
 
     @rpc
@@ -246,9 +252,18 @@ class VerifierWorker:
 
         return {"master_addr": ray.util.get_node_ip_address(), "master_port": free_port()}
 
-    async def setup(self, engine: dict, *, rank: int, world_size: int, master_addr: str = "127.0.0.1",
-                    master_port: int = 29500, tp_backend: str = "torch", device: str = "cpu",
-                    cpus: float = 1.0) -> dict:
+    async def setup(
+        self,
+        engine: dict,
+        *,
+        rank: int,
+        world_size: int,
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        tp_backend: str = "torch",
+        device: str = "cpu",
+        cpus: float = 1.0,
+    ) -> dict:
         """Load q, resolve the mask, shard across the group (every rank calls this at once)."""
         from viasd.llm import eos_ids, resolve_mask
         from viasd.models.loader import load_causal_lm
@@ -259,15 +274,24 @@ class VerifierWorker:
         set_threads(config.threads, cpus)
         self.rank = rank
         # sharded ranks load on the host and move only their shards to the device (shard_model)
-        model, tokenizer = load_causal_lm(config.verifier, dtype=config.dtype,
-                                          device=device if world_size == 1 else "cpu",
-                                          trust_remote_code=config.trust_remote_code)
+        model, tokenizer = load_causal_lm(
+            config.verifier,
+            dtype=config.dtype,
+            device=device if world_size == 1 else "cpu",
+            trust_remote_code=config.trust_remote_code,
+        )
         mask, mask_source = resolve_mask(config, model)  # on the unsharded weights (fingerprint)
         eos = eos_ids(tokenizer, model)
         if world_size > 1:
             cuda = device.startswith("cuda")
-            group = TPGroup(rank=rank, world_size=world_size, master_addr=master_addr, master_port=master_port,
-                            backend="nccl" if cuda else "gloo", local_rank=0 if cuda else None)
+            group = TPGroup(
+                rank=rank,
+                world_size=world_size,
+                master_addr=master_addr,
+                master_port=master_port,
+                backend="nccl" if cuda else "gloo",
+                local_rank=0 if cuda else None,
+            )
             model = shard_model(model, TPBackend(tp_backend), group)
         else:
             pack_linears(model, config, device)  # (sharded linears keep their own kernels)
@@ -287,14 +311,15 @@ class VerifierWorker:
             "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
         }
 
-    async def serve(self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True,
-                    tls: dict | None = None) -> str:
+    async def serve(
+        self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: dict | None = None
+    ) -> str:
         """Rank 0: start VerifierService (mutual TLS with `tls`, an InternalTLS), driving
         `followers` (ranks 1..N-1); return its address."""
         servicer = VerifierServicer(self.core, followers, check_ranks=check_ranks)
         self.server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s), host,
-            tls=internal_tls(tls))
+            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s), host, tls=internal_tls(tls)
+        )
         address = f"{advertised_host(host)}:{port}"
         log.info("verifier rank 0 serving on %s with %d follower rank(s)", address, len(followers))
         return address
@@ -323,4 +348,3 @@ class VerifierWorker:
         from viasd.parallel import shutdown_tp
 
         shutdown_tp()
-

@@ -36,8 +36,9 @@ class AsyncClient(Endpoint):
 
     _grpc = grpc.aio
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None,
-                 **kwargs: Any) -> AsyncGenerateStream:
+    def generate(
+        self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any
+    ) -> AsyncGenerateStream:
         """Start a request; returns its async stream of Chunk (validated here, before any I/O)."""
         request = build_request(prompt, **kwargs)
         return AsyncGenerateStream(self, request, self.timeout if timeout is None else timeout)
@@ -102,8 +103,9 @@ class AsyncGenerateStream(AsyncIterator[Chunk]):
             attempt += 1
             if self._cancelled:  # cancelled while waiting to retry
                 raise Cancelled("CANCELLED", "cancelled by the client")
-            self._call = call = client._stub.Generate(self._request, timeout=self._deadline.remaining(),
-                                                       metadata=client._metadata)
+            self._call = call = client._stub.Generate(
+                self._request, timeout=self._deadline.remaining(), metadata=client._metadata
+            )
             started = False
             try:
                 async for response in call:

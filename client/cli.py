@@ -37,11 +37,20 @@ def _params_options(ap: argparse.ArgumentParser) -> None:
         if info.annotation is bool:  # a flag
             group.add_argument(flag, dest=f"param_{name}", action="store_true", default=None, help=info.description)
         elif name == "stop":  # strings: one per flag
-            group.add_argument(flag, dest=f"param_{name}", action="append", metavar="STRING",
-                               help=info.description + " Repeat the flag for several.")
+            group.add_argument(
+                flag,
+                dest=f"param_{name}",
+                action="append",
+                metavar="STRING",
+                help=info.description + " Repeat the flag for several.",
+            )
         else:
-            group.add_argument(flag, dest=f"param_{name}", metavar=name.upper(), help=info.description
-                               + (" Comma-separated." if name == "stop_token_ids" else ""))
+            group.add_argument(
+                flag,
+                dest=f"param_{name}",
+                metavar=name.upper(),
+                help=info.description + (" Comma-separated." if name == "stop_token_ids" else ""),
+            )
 
 
 def _params(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,10 +68,14 @@ def _ids(text: str, field: str) -> list[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="viasd-client", description="via-sd gRPC client (viasd.v1.GenerationService).",
-                                 allow_abbrev=False)  # "--token" must not pass for "--token-file"
-    ap.add_argument("--target", default=os.environ.get("VIASD_TARGET", DEFAULT_TARGET),
-                    help=f"server host:port (default: env VIASD_TARGET or {DEFAULT_TARGET})")
+    ap = argparse.ArgumentParser(
+        prog="viasd-client", description="via-sd gRPC client (viasd.v1.GenerationService).", allow_abbrev=False
+    )  # "--token" must not pass for "--token-file"
+    ap.add_argument(
+        "--target",
+        default=os.environ.get("VIASD_TARGET", DEFAULT_TARGET),
+        help=f"server host:port (default: env VIASD_TARGET or {DEFAULT_TARGET})",
+    )
     ap.add_argument("--tls", action="store_true", help="use TLS (system roots unless --ca-file)")
     ap.add_argument("--ca-file", help="PEM CA bundle that verifies the server (implies --tls)")
     ap.add_argument("--cert-file", help="PEM client certificate for mutual TLS (implies --tls)")
@@ -71,8 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-file", help=f"file holding the bearer token (default: env {TOKEN_ENV})")
     ap.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds (default: none)")
     ap.add_argument("--retries", type=int, default=3, help="retries on UNAVAILABLE before the first token (default 3)")
-    ap.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra call metadata, e.g. application=viasd for Ray Serve (repeatable)")
+    ap.add_argument(
+        "--metadata",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra call metadata, e.g. application=viasd for Ray Serve (repeatable)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -96,8 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _client(args: argparse.Namespace) -> Client:
     tls = None
     if args.tls or args.ca_file or args.cert_file:
-        tls = TLSConfig(ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file,
-                        server_name=args.server_name)
+        tls = TLSConfig(
+            ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file, server_name=args.server_name
+        )
     token = None
     if args.token_file:
         try:
@@ -119,7 +138,8 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
     kwargs: dict[str, Any] = dict(model=args.model, request_id=args.request_id, **_params(args))
     if args.command == "chat":
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": args.message}]
+            {"role": "user", "content": args.message}
+        ]
         kwargs["messages"] = messages
     elif args.prompt_ids:
         kwargs["prompt_token_ids"] = _ids(args.prompt_ids, "prompt_token_ids")
@@ -142,9 +162,11 @@ def _generate(client: Client, args: argparse.Namespace) -> int:
         if args.stats and result.stats is not None:
             s = result.stats
             seconds = time.perf_counter() - t0
-            print(f"[{s.mode}] {s.generated_tokens} tokens in {seconds:.2f}s ({s.generated_tokens / seconds:.1f} tok/s), "
-                  f"finish: {result.finish_reason}, mean acceptance length: {s.mean_acceptance_length}",
-                  file=sys.stderr)
+            print(
+                f"[{s.mode}] {s.generated_tokens} tokens in {seconds:.2f}s ({s.generated_tokens / seconds:.1f} tok/s), "
+                f"finish: {result.finish_reason}, mean acceptance length: {s.mean_acceptance_length}",
+                file=sys.stderr,
+            )
     return 0
 
 
@@ -157,9 +179,11 @@ def _run(args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps({"models": [asdict(m) for m in models]}))
             for m in models if not args.json else ():
-                print(f"{m.name}: verifier {m.verifier}, drafter {m.drafter or '-'}, {m.num_layers} layers "
-                      f"({len(m.skipped_layers)} skipped by q'), TP {m.tensor_parallel_size}, context {m.max_context}, "
-                      f"default mode {m.default_mode}")
+                print(
+                    f"{m.name}: verifier {m.verifier}, drafter {m.drafter or '-'}, {m.num_layers} layers "
+                    f"({len(m.skipped_layers)} skipped by q'), TP {m.tensor_parallel_size}, context {m.max_context}, "
+                    f"default mode {m.default_mode}"
+                )
             return 0
         status = client.health(args.service)
         print(json.dumps({"status": status}) if args.json else status)

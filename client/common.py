@@ -111,8 +111,9 @@ class Keepalive:
     permit_without_calls: bool = False  # also ping while no call is open
 
 
-def channel_options(retry: RetryPolicy, keepalive: Keepalive | None, tls: TLSConfig | None,
-                    extra: Iterable[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+def channel_options(
+    retry: RetryPolicy, keepalive: Keepalive | None, tls: TLSConfig | None, extra: Iterable[tuple[str, Any]] = ()
+) -> list[tuple[str, Any]]:
     """gRPC channel arguments: message sizes, keepalive, reconnect backoff matched to `retry`."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
@@ -176,9 +177,16 @@ class Deadline:
 Message = Mapping[str, str] | tuple[str, str]
 
 
-def build_request(prompt: str | None = None, *, messages: Sequence[Message] | None = None,
-                  prompt_token_ids: Sequence[int] | None = None, model: str = "", request_id: str | None = None,
-                  params: GenerationParams | Mapping[str, Any] | None = None, **kwargs: Any) -> pb.GenerateRequest:
+def build_request(
+    prompt: str | None = None,
+    *,
+    messages: Sequence[Message] | None = None,
+    prompt_token_ids: Sequence[int] | None = None,
+    model: str = "",
+    request_id: str | None = None,
+    params: GenerationParams | Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> pb.GenerateRequest:
     """A validated GenerateRequest; InvalidParameterError names a bad field before any network I/O.
 
     Exactly one input: `prompt` (text), `messages` (chat: dicts with ``role`` and ``content``, or
@@ -186,16 +194,25 @@ def build_request(prompt: str | None = None, *, messages: Sequence[Message] | No
     as `params` and/or keywords (keywords win); the fields left out are not sent, so they take
     the server's defaults (its configured defaults, then GenerationParams').
     """
-    given = [name for name, v in (("prompt", prompt), ("messages", messages), ("prompt_token_ids", prompt_token_ids))
-             if v is not None]
+    given = [
+        name
+        for name, v in (("prompt", prompt), ("messages", messages), ("prompt_token_ids", prompt_token_ids))
+        if v is not None
+    ]
     if len(given) != 1:
-        raise InvalidParameterError("prompt", "give exactly one of prompt, messages or prompt_token_ids"
-                                    + (f" (got {', '.join(given)})" if given else ""))
+        raise InvalidParameterError(
+            "prompt",
+            "give exactly one of prompt, messages or prompt_token_ids"
+            + (f" (got {', '.join(given)})" if given else ""),
+        )
     values = params.model_dump(exclude_unset=True) if isinstance(params, GenerationParams) else dict(params or {})
     values.update(kwargs)
     validated = parse_params(values)
-    request = pb.GenerateRequest(request_id=request_id or uuid.uuid4().hex, model=model or "",
-                                 params=params_to_proto(validated, only=validated.model_fields_set))
+    request = pb.GenerateRequest(
+        request_id=request_id or uuid.uuid4().hex,
+        model=model or "",
+        params=params_to_proto(validated, only=validated.model_fields_set),
+    )
     if prompt is not None:
         if not isinstance(prompt, str) or not prompt:
             raise InvalidParameterError("prompt", "must be a non-empty string")
@@ -258,8 +275,13 @@ class Completion:
         self.chunks += 1
 
     def to_dict(self) -> dict:
-        return {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "stats": self.stats.to_dict() if self.stats else None}
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.to_dict() if self.stats else None,
+        }
 
 
 @dataclass(frozen=True)
@@ -282,9 +304,20 @@ class ModelInfo:
     @classmethod
     def from_proto(cls, msg: pb.ModelInfo) -> ModelInfo:
         mode = mode_from_proto(msg.default_mode).value if msg.default_mode else ""
-        return cls(msg.name, msg.verifier, msg.drafter, msg.num_layers, tuple(msg.skipped_layers),
-                   msg.tensor_parallel_size, msg.max_context, mode, msg.dtype, msg.dtype_reason, msg.device,
-                   msg.cpu_capability)
+        return cls(
+            msg.name,
+            msg.verifier,
+            msg.drafter,
+            msg.num_layers,
+            tuple(msg.skipped_layers),
+            msg.tensor_parallel_size,
+            msg.max_context,
+            mode,
+            msg.dtype,
+            msg.dtype_reason,
+            msg.device,
+            msg.cpu_capability,
+        )
 
 
 # ------------------------------------------------------------------ health (grpc.health.v1, no extra package)
@@ -301,21 +334,33 @@ class Endpoint:
 
     _grpc: Any = grpc
 
-    def __init__(self, target: str = DEFAULT_TARGET, *, tls: bool | TLSConfig | None = None, token: str | None = None,
-                 timeout: float | None = None, retry: RetryPolicy = RetryPolicy(),
-                 keepalive: Keepalive | None = Keepalive(), metadata: Mapping[str, str] | Iterable = (),
-                 options: Iterable[tuple[str, Any]] = ()):
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        tls: bool | TLSConfig | None = None,
+        token: str | None = None,
+        timeout: float | None = None,
+        retry: RetryPolicy = RetryPolicy(),
+        keepalive: Keepalive | None = Keepalive(),
+        metadata: Mapping[str, str] | Iterable = (),
+        options: Iterable[tuple[str, Any]] = (),
+    ):
         self.target = target
         self.timeout = timeout
         self.retry = retry
         self._metadata = call_metadata(token, metadata)
         tls = resolve_tls(tls)
         opts = channel_options(retry, keepalive, tls, options)
-        self._channel = (self._grpc.secure_channel(target, tls.credentials(), opts) if tls
-                         else self._grpc.insecure_channel(target, opts))
+        self._channel = (
+            self._grpc.secure_channel(target, tls.credentials(), opts)
+            if tls
+            else self._grpc.insecure_channel(target, opts)
+        )
         self._stub = generation_pb2_grpc.GenerationServiceStub(self._channel)
-        self._health = self._channel.unary_unary(HEALTH_CHECK, request_serializer=encode_health_request,
-                                                 response_deserializer=decode_health_response)
+        self._health = self._channel.unary_unary(
+            HEALTH_CHECK, request_serializer=encode_health_request, response_deserializer=decode_health_response
+        )
 
 
 def encode_health_request(service: str) -> bytes:

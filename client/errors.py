@@ -16,7 +16,9 @@ import grpc
 from viasd.errors import InvalidParameterError, ViaSDError
 
 # the one definition of the service's trailing metadata keys (the servers import them from here):
-INVALID_FIELD_KEY = "viasd-invalid-field"  # trailing metadata of INVALID_ARGUMENT naming the field (cluster/grpc_api.py)
+INVALID_FIELD_KEY = (
+    "viasd-invalid-field"  # trailing metadata of INVALID_ARGUMENT naming the field (cluster/grpc_api.py)
+)
 # trailing metadata of RESOURCE_EXHAUSTED when the server's queue is full: milliseconds to wait before
 # trying again (cluster/handler.py RETRY_AFTER_KEY; HTTP's Retry-After)
 RETRY_AFTER_KEY = "viasd-retry-after-ms"

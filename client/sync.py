@@ -143,8 +143,9 @@ class GenerateStream(Iterator[Chunk]):
             attempt += 1
             if self._cancelled.is_set():  # cancelled while waiting to retry
                 raise Cancelled("CANCELLED", "cancelled by the client")
-            self._call = call = client._stub.Generate(self._request, timeout=self._deadline.remaining(),
-                                                       metadata=client._metadata)
+            self._call = call = client._stub.Generate(
+                self._request, timeout=self._deadline.remaining(), metadata=client._metadata
+            )
             started = False
             try:
                 for response in call:

@@ -66,6 +66,7 @@ DEPLOYMENT_DEFAULTS: dict[str, Any] = {
     "graceful_shutdown_timeout_s": 30.0,
 }
 
+
 @serve.deployment(**DEPLOYMENT_DEFAULTS)
 @serve.ingress()
 class PipelineDeployment:
@@ -78,11 +79,17 @@ class PipelineDeployment:
         backend = LocalPipeline if self.config.backend == "local" else Pipeline
         self.pipeline: Backend = await backend.start(pc)
         limits = self.config.limits
-        metrics = ServingMetrics(model_names(pc)[0], enabled=self.config.metrics.enabled,  # the served name
-                                 ray_export=self.config.metrics.ray_export)
+        metrics = ServingMetrics(
+            model_names(pc)[0],
+            enabled=self.config.metrics.enabled,  # the served name
+            ray_export=self.config.metrics.ray_export,
+        )
         self.server = RequestHandler(
-            self.pipeline, default_params=self.config.default_params, metrics=metrics,
-            max_concurrent_requests=limits.max_concurrent_requests, max_queued_requests=limits.max_queued_requests,
+            self.pipeline,
+            default_params=self.config.default_params,
+            metrics=metrics,
+            max_concurrent_requests=limits.max_concurrent_requests,
+            max_queued_requests=limits.max_queued_requests,
             max_tokens_default=limits.max_tokens_default,
         )
         self.servicer = GenerationServicer.over({pc.name: self.server}, pc.name)  # gRPC over the same handler
@@ -157,8 +164,12 @@ class PipelineDeployment:
         if self._supervisor is not None and not self._supervisor.done():
             self.pipeline.wake()  # probe and rebuild now rather than at the next period
             if now - self._down_since < self._rebuild_grace_s:
-                logger.warning("pipeline %s down for %.0fs, being rebuilt in place: %s", self.name,
-                               now - self._down_since, detail.get("error"))
+                logger.warning(
+                    "pipeline %s down for %.0fs, being rebuilt in place: %s",
+                    self.name,
+                    now - self._down_since,
+                    detail.get("error"),
+                )
                 return
         raise RuntimeError(f"pipeline {self.name} unhealthy: {detail.get('error')}")
 

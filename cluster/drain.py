@@ -81,8 +81,9 @@ class DrainControl:
 
 def control():
     """The cluster's DrainControl (created on first use)."""
-    return DrainControl.options(name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True,
-                                lifetime="detached").remote()
+    return DrainControl.options(
+        name=CONTROL_NAME, namespace=NAMESPACE, get_if_exists=True, lifetime="detached"
+    ).remote()
 
 
 async def watch(replica: str, drain, retry_s: float = 1.0) -> None:
@@ -146,10 +147,17 @@ def main(argv: list[str] | None = None) -> int:
     """`viasd drain`: join the running cluster and drain its replicas (a Kubernetes preStop hook)."""
     ap = argparse.ArgumentParser(prog="viasd drain", description=main.__doc__)
     ap.add_argument("--address", default="auto", help="Ray cluster address (default: the local one, 'auto')")
-    ap.add_argument("--timeout-s", type=float, default=30.0,
-                    help="how long requests in flight may still run before they are aborted")
-    ap.add_argument("--this-node", action="store_true",
-                    help="only the replicas on this machine's Ray node (a worker pod going away)")
+    ap.add_argument(
+        "--timeout-s",
+        type=float,
+        default=30.0,
+        help="how long requests in flight may still run before they are aborted",
+    )
+    ap.add_argument(
+        "--this-node",
+        action="store_true",
+        help="only the replicas on this machine's Ray node (a worker pod going away)",
+    )
     args = ap.parse_args(argv)
     if args.timeout_s < 0:
         ap.error("--timeout-s: must be >= 0")

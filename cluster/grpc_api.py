@@ -58,8 +58,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         """One handler per pipeline, sharing `admission` (None: no limit) and one drain."""
         admission = admission or Admission(UNLIMITED, 0)
         calls = Calls()
-        self._init({name: RequestHandler(p, name, admission=admission, calls=calls, metrics=ServingMetrics(name))
-                    for name, p in pipelines.items()}, default)
+        self._init(
+            {
+                name: RequestHandler(p, name, admission=admission, calls=calls, metrics=ServingMetrics(name))
+                for name, p in pipelines.items()
+            },
+            default,
+        )
 
     @classmethod
     def over(cls, handlers: dict[str, RequestHandler], default: str) -> GenerationServicer:
@@ -109,7 +114,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         try:
             async for piece in job:
                 yield pb.GenerateResponse(
-                    request_id=job.id, text=piece.text, token_ids=piece.token_ids,
+                    request_id=job.id,
+                    text=piece.text,
+                    token_ids=piece.token_ids,
                     finish_reason=FINISH_TO_PB[piece.finish_reason],
                     stats=stats_to_proto(piece.request_stats) if piece.request_stats is not None else None,
                 )
@@ -153,12 +160,17 @@ def request_of(msg: pb.GenerateRequest) -> Request:
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidParameterError("prompt", "set one of prompt, messages or prompt_token_ids")
-    prompt = msg.prompt if which == "prompt" else list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" \
-        else None
-    messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages] if which == "messages" \
-        else None
-    return Request(prompt=prompt, messages=messages, params=params_values_from_proto(msg.params),
-                   model=msg.model or None, request_id=msg.request_id or None)
+    prompt = (
+        msg.prompt if which == "prompt" else list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None
+    )
+    messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages] if which == "messages" else None
+    return Request(
+        prompt=prompt,
+        messages=messages,
+        params=params_values_from_proto(msg.params),
+        model=msg.model or None,
+        request_id=msg.request_id or None,
+    )
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str, tuple]:

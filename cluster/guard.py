@@ -38,8 +38,9 @@ def parse_request(data: bytes, message_class):
         field = _bad_utf8_field(message_class.DESCRIPTOR, data)
         if field is not None:
             raise InvalidParameterError(field, "not valid UTF-8") from None
-        raise InvalidParameterError("request", f"not a valid {message_class.DESCRIPTOR.full_name} message: {exc}") \
-            from None
+        raise InvalidParameterError(
+            "request", f"not a valid {message_class.DESCRIPTOR.full_name} message: {exc}"
+        ) from None
 
 
 def _varint(data: bytes, i: int) -> tuple[int, int]:
@@ -71,7 +72,7 @@ def _bad_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
             if wire != 2:
                 return None
             size, i = _varint(data, i)
-            payload, i = data[i:i + size], i + size
+            payload, i = data[i : i + size], i + size
             field = descriptor.fields_by_number.get(number)
             if field is None:
                 continue

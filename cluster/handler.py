@@ -223,8 +223,9 @@ class Piece:
     request_stats: RequestStats | None = None  # the pipeline's statistics when it finished the request
 
 
-def prompt_ids_of(tokenizer, prompt: str | Sequence[int] | None = None,
-                  messages: list[dict] | None = None) -> list[int]:
+def prompt_ids_of(
+    tokenizer, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None
+) -> list[int]:
     """Token ids of a text prompt, pre-tokenized ids, or chat messages (the model's chat template).
 
     Text and messages go through `viasd.llm.encode_prompt`, as in the in-process engine, so that
@@ -293,8 +294,12 @@ class Job:
     def _cut(self, reason: str, stopped_by: str) -> dict:
         """Statistics of a request the handler ended itself (a stop string, a drain)."""
         self.finish_reason = reason
-        self.stats = {"prompt_tokens": len(self.prompt_ids), "generated_tokens": self._generated,
-                      "finish_reason": reason, "stopped_by": stopped_by}
+        self.stats = {
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": self._generated,
+            "finish_reason": reason,
+            "stopped_by": stopped_by,
+        }
         self._timer.finish(None, reason)
         return self.stats
 
@@ -373,10 +378,19 @@ class RequestHandler:
     pipelines share one limit and one drain); by default each handler has its own.
     """
 
-    def __init__(self, backend: Backend, name: str | None = None, *, default_params: dict[str, Any] | None = None,
-                 max_concurrent_requests: int = 4, max_queued_requests: int = 16, max_tokens_default: int = 2048,
-                 metrics: ServingMetrics | None = None, admission: Admission | None = None,
-                 calls: Calls | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        name: str | None = None,
+        *,
+        default_params: dict[str, Any] | None = None,
+        max_concurrent_requests: int = 4,
+        max_queued_requests: int = 16,
+        max_tokens_default: int = 2048,
+        metrics: ServingMetrics | None = None,
+        admission: Admission | None = None,
+        calls: Calls | None = None,
+    ):
         self.backend = backend
         self.names = model_names(backend.config)
         self.name = name or self.names[0]
@@ -437,8 +451,11 @@ class RequestHandler:
             if self.calls.draining:
                 raise RequestError(SHUTTING, SHUTTING_DOWN)
             if not self.answers_to(request.model):
-                raise RequestError(MODEL_NOT_FOUND, f"model: {request.model!r} is not served here; /v1/models lists "
-                                                    f"{self.name!r}", "model")
+                raise RequestError(
+                    MODEL_NOT_FOUND,
+                    f"model: {request.model!r} is not served here; /v1/models lists {self.name!r}",
+                    "model",
+                )
             values = request.params
             params = self.params(values)
             if request.request_id is not None and len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -473,7 +490,8 @@ class RequestHandler:
     def check_context(self, prompt_ids: list[int]) -> None:
         if self.max_context and len(prompt_ids) >= self.max_context:
             raise InvalidParameterError(
-                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_context}")
+                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_context}"
+            )
         # token ids outside the vocabulary are refused by the pipeline (field "prompt")
 
     async def health(self, timeout_s: float = 10.0) -> tuple[bool, dict]:

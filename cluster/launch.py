@@ -69,7 +69,6 @@ def _ray_init(config: ServeConfig) -> None:
 def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> Endpoints:
     """Start Ray (unless running), Serve's proxies and every pipeline's application; wait until ready."""
 
-
     _ray_init(config)
     serve.start(http_options=HTTPOptions(**http_options(config)), grpc_options=grpc_options(config))
     apps, routes = {}, {}
@@ -86,7 +85,6 @@ def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> En
 
 
 def _wait_running(apps: list[str], timeout_s: float | None) -> None:
-
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
@@ -112,7 +110,6 @@ def drain(config: ServeConfig) -> dict:
 def stop() -> None:
     """Shut Serve and the Ray this process started down."""
 
-
     try:
         serve.shutdown()
         draining.reset()
@@ -129,9 +126,12 @@ def serve_forever(config: ServeConfig) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    print(f"[viasd] starting {len(config.pipelines)} pipeline(s) ({config.backend} backend): "
-          + ", ".join(f"{p.name}: {p.engine.verifier} <- {p.engine.drafter}" for p in config.pipelines),
-          file=sys.stderr, flush=True)
+    print(
+        f"[viasd] starting {len(config.pipelines)} pipeline(s) ({config.backend} backend): "
+        + ", ".join(f"{p.name}: {p.engine.verifier} <- {p.engine.drafter}" for p in config.pipelines),
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         endpoints = start(config)
         # again: ray.init installs its own SIGTERM handler, which would skip this clean shutdown
@@ -144,9 +144,13 @@ def serve_forever(config: ServeConfig) -> int:
         print(f"[viasd] draining for up to {config.limits.drain_timeout_s:g}s", file=sys.stderr, flush=True)
         result = drain(config)
         aborted = sum(result["reports"].values())
-        print(f"[viasd] drained {len(result['reports'])} replica(s), {aborted} request(s) aborted"
-              + (f", no report from {result['missing']}" if result["missing"] else "") + "; shutting down",
-              file=sys.stderr, flush=True)
+        print(
+            f"[viasd] drained {len(result['reports'])} replica(s), {aborted} request(s) aborted"
+            + (f", no report from {result['missing']}" if result["missing"] else "")
+            + "; shutting down",
+            file=sys.stderr,
+            flush=True,
+        )
     finally:
         stop()
     return 0

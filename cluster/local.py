@@ -31,7 +31,9 @@ class LocalCoordinator:
     def active_requests(self) -> int:
         return self._active
 
-    async def generate(self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams) -> AsyncIterator[Chunk]:
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams
+    ) -> AsyncIterator[Chunk]:
         loop = asyncio.get_running_loop()
         it = self.engine.generate(list(prompt_ids), params)
         self._active += 1

@@ -89,18 +89,36 @@ OPENAI_FIELDS: dict[str, OpenAIField] = {
     "suffix": OpenAIField(None, (None,), "suffix (fill in the middle) is not served; put the text in the prompt"),
     "min_tokens": OpenAIField(None, (None, 0), "min_tokens is not served; leave it unset (or 0)"),
     "use_beam_search": OpenAIField(None, (None, False), "beam search is not served"),
-    "tools": OpenAIField(None, (None, []), "tool calls are not served: describe the tools in the prompt and "
-                                           "parse the reply yourself"),
+    "tools": OpenAIField(
+        None, (None, []), "tool calls are not served: describe the tools in the prompt and parse the reply yourself"
+    ),
     "tool_choice": OpenAIField(None, (None, "none", "auto"), "tool calls are not served"),
-    "response_format": OpenAIField(None, (None, {"type": "text"}), "only {'type': 'text'} is served: ask for JSON "
-                                                                    "in the prompt"),
+    "response_format": OpenAIField(
+        None, (None, {"type": "text"}), "only {'type': 'text'} is served: ask for JSON in the prompt"
+    ),
 }
 _TYPES: dict[str, Any] = {  # the type of each OPENAI_FIELDS entry in a body (type errors name the field)
-    "max_tokens": int, "max_completion_tokens": int, "temperature": float, "top_p": float, "seed": int,
-    "stop": str | list[str], "n": int, "best_of": int, "presence_penalty": float, "frequency_penalty": float,
-    "repetition_penalty": float, "logit_bias": dict[str, float], "logprobs": bool | int, "top_logprobs": int,
-    "echo": bool, "suffix": str, "min_tokens": int, "use_beam_search": bool, "tools": list,
-    "tool_choice": str | dict, "response_format": dict,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+    "temperature": float,
+    "top_p": float,
+    "seed": int,
+    "stop": str | list[str],
+    "n": int,
+    "best_of": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "logit_bias": dict[str, float],
+    "logprobs": bool | int,
+    "top_logprobs": int,
+    "echo": bool,
+    "suffix": str,
+    "min_tokens": int,
+    "use_beam_search": bool,
+    "tools": list,
+    "tool_choice": str | dict,
+    "response_format": dict,
 }
 _COMPLETION_ONLY = ("echo", "best_of", "suffix")
 _CHAT_ONLY = ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")
@@ -153,8 +171,10 @@ _Common = create_model(
     stream=(bool, Field(False, description="Stream server-sent events (`data: {chunk}` ... `data: [DONE]`).")),
     stream_options=(StreamOptions | None, Field(None, description="Streaming options (include_usage).")),
     user=(str | None, Field(None, description="End-user id (accepted, not used).")),
-    return_token_ids=(bool, Field(False, description="via-sd extension: add the generated `token_ids` to each "
-                                                      "choice.")),
+    return_token_ids=(
+        bool,
+        Field(False, description="via-sd extension: add the generated `token_ids` to each choice."),
+    ),
     **_fields(n for n in OPENAI_FIELDS if n not in _COMPLETION_ONLY + _CHAT_ONLY),
 )
 
@@ -163,8 +183,10 @@ CompletionRequest = create_model(
     "CompletionRequest",
     __base__=_Common,
     __doc__="Body of POST /v1/completions.",
-    prompt=(str | list[int] | list[str] | list[list[int]],
-            Field(..., description="Text, or pre-tokenized ids; a list of prompts must hold exactly one.")),
+    prompt=(
+        str | list[int] | list[str] | list[list[int]],
+        Field(..., description="Text, or pre-tokenized ids; a list of prompts must hold exactly one."),
+    ),
     **_fields(_COMPLETION_ONLY),
 )
 
@@ -233,8 +255,9 @@ def check_fields(body: BaseModel) -> list[str]:
             raise InvalidParameterError(name, f"unknown parameter; did you mean {near[0]!r}?")
         if name not in _warned:
             _warned.add(name)
-            log.warning("request field %r is not known to via-sd; it is ignored (listed in %s)", name,
-                        IGNORED_FIELDS_HEADER)
+            log.warning(
+                "request field %r is not known to via-sd; it is ignored (listed in %s)", name, IGNORED_FIELDS_HEADER
+            )
     return unknown
 
 
@@ -256,8 +279,9 @@ def request_of(body: BaseModel, chat: bool) -> tuple[HandlerRequest, list[str]]:
     params = param_values(body)
     if chat:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return HandlerRequest(messages=messages, params=params, model=body.model, id_prefix="chatcmpl-",
-                              fill_context=True), ignored
+        return HandlerRequest(
+            messages=messages, params=params, model=body.model, id_prefix="chatcmpl-", fill_context=True
+        ), ignored
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -298,15 +322,22 @@ def error_body(status: int, message: str, param: str | None = None, kind: str = 
 def error_response(err: RequestError) -> JSONResponse:
     """An error of the handler's table in OpenAI's shape (429 with Retry-After)."""
     headers = {"Retry-After": str(RETRY_AFTER_S)} if err.kind is REJECTED else None
-    return JSONResponse(error_body(err.status, str(err), err.field, err.kind.openai_type), err.status,
-                        headers=headers)
+    return JSONResponse(error_body(err.status, str(err), err.field, err.kind.openai_type), err.status, headers=headers)
 
 
 def model_card(handler: RequestHandler, name: str, created: int) -> dict:
     """One entry of /v1/models: OpenAI's fields, vLLM's `root` and `max_model_len`, and `viasd`."""
     info = handler.info()
-    return {"id": name, "object": "model", "created": created, "owned_by": "via-sd", "root": info["verifier"],
-            "parent": None, "max_model_len": info["max_context"] or None, "viasd": info}
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "via-sd",
+        "root": info["verifier"],
+        "parent": None,
+        "max_model_len": info["max_context"] or None,
+        "viasd": info,
+    }
 
 
 # ------------------------------------------------------------------------------------ the routes
@@ -325,8 +356,10 @@ def build_http_app():
         """Bodies past MAX_BODY_BYTES (by their Content-Length) are refused with 413 before they are read."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(error_body(413, f"body: {length} bytes, more than the {MAX_BODY_BYTES} allowed",
-                                           "body"), status_code=413)
+            return JSONResponse(
+                error_body(413, f"body: {length} bytes, more than the {MAX_BODY_BYTES} allowed", "body"),
+                status_code=413,
+            )
         return await call_next(request)
 
     @app.middleware("http")
@@ -338,8 +371,11 @@ def build_http_app():
             presented = request.headers.get("authorization")
             if not bearer_ok(presented, token):
                 message = "missing bearer token" if presented is None else "invalid bearer token"
-                return JSONResponse(error_body(401, message, None, "authentication_error"), status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+                return JSONResponse(
+                    error_body(401, message, None, "authentication_error"),
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -367,8 +403,11 @@ def build_http_app():
 
     def check_model(handler: RequestHandler, model: str | None) -> None:
         if not handler.answers_to(model):
-            raise handler.refuse(RequestError(MODEL_NOT_FOUND, f"model: {model!r} is not served here; /v1/models "
-                                                               f"lists {handler.name!r}", "model"))
+            raise handler.refuse(
+                RequestError(
+                    MODEL_NOT_FOUND, f"model: {model!r} is not served here; /v1/models lists {handler.name!r}", "model"
+                )
+            )
 
     async def _serve(request: Request, body: BaseModel, chat: bool):
         handler = server(request)
@@ -384,9 +423,20 @@ def build_http_app():
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
             if chat:  # the first chunk announces the role, as OpenAI does
-                yield sse({**base, "object": obj, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                ]})
+                yield sse(
+                    {
+                        **base,
+                        "object": obj,
+                        "choices": [
+                            {
+                                "index": 0,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
             async for piece in job:
                 choice = {"index": 0, "logprobs": None, "finish_reason": piece.finish_reason}
                 if chat:

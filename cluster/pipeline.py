@@ -46,9 +46,13 @@ class PipelineConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    name: str = Field("default", min_length=1, description="Pipeline name: the `model` a request asks for (ListModels).")
+    name: str = Field(
+        "default", min_length=1, description="Pipeline name: the `model` a request asks for (ListModels)."
+    )
     served_model_name: str | None = Field(
-        None, min_length=1, description="The model name responses, /v1/models and metrics show; default: the "
+        None,
+        min_length=1,
+        description="The model name responses, /v1/models and metrics show; default: the "
         "pipeline's name, or the verifier's for the unnamed pipeline `default` (which still answers to `default`).",
     )
     aliases: tuple[str, ...] = Field((), description="More names a request's `model` may use for this pipeline.")
@@ -98,7 +102,8 @@ class PipelineConfig(BaseModel):
         "bundle; a dead rank rebuilds the whole verifier group).",
     )
     health_check_period_s: float = Field(
-        5.0, gt=0.0,
+        5.0,
+        gt=0.0,
         description="How often `Pipeline.supervise` probes every actor; a backend found down by a request wakes it "
         "at once.",
     )
@@ -133,8 +138,11 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 
 
 def _place(pg, index: int, cpus: float, gpus: float) -> dict:
-    return dict(num_cpus=cpus, num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
+    return dict(
+        num_cpus=cpus,
+        num_gpus=gpus,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+    )
 
 
 def _tls_json(config: PipelineConfig) -> dict | None:
@@ -146,9 +154,13 @@ async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
     drafter = DrafterActor.options(**_place(pg, 0, config.drafter_cpus, config.drafter_gpus)).remote()
     actors.append(drafter)
     info = await drafter.start.remote(
-        config.engine.model_dump(mode="json"), host=config.bind_host,
-        device="cuda" if config.drafter_gpus > 0 else "cpu", cpus=config.drafter_cpus,
-        probs_dtype=config.draft_probs_dtype, tls=_tls_json(config))
+        config.engine.model_dump(mode="json"),
+        host=config.bind_host,
+        device="cuda" if config.drafter_gpus > 0 else "cpu",
+        cpus=config.drafter_cpus,
+        probs_dtype=config.draft_probs_dtype,
+        tls=_tls_json(config),
+    )
     return drafter, info
 
 
@@ -156,19 +168,33 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
     """The verifier ranks in their bundles, loaded, sharded, rank 0 serving: (ranks, rank 0's info
     with every rank's pid, address, tokenizer)."""
     first = 1 if config.engine.drafter is not None else 0
-    ranks = [VerifierWorker.options(**_place(pg, first + r, config.verifier_cpus_per_rank,
-                                             config.verifier_gpus_per_rank)).remote()
-             for r in range(config.tp_size)]
+    ranks = [
+        VerifierWorker.options(
+            **_place(pg, first + r, config.verifier_cpus_per_rank, config.verifier_gpus_per_rank)
+        ).remote()
+        for r in range(config.tp_size)
+    ]
     actors += ranks
     rdv = await ranks[0].rendezvous.remote() if config.tp_size > 1 else {}
     device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
     engine = config.engine.model_dump(mode="json")
-    infos = await asyncio.gather(*(
-        rank.setup.remote(engine, rank=r, world_size=config.tp_size, tp_backend=config.tp_backend, device=device,
-                          cpus=config.verifier_cpus_per_rank, **rdv)
-        for r, rank in enumerate(ranks)))
-    address = await ranks[0].serve.remote(ranks[1:], host=config.bind_host, check_ranks=config.check_ranks,
-                                          tls=_tls_json(config))
+    infos = await asyncio.gather(
+        *(
+            rank.setup.remote(
+                engine,
+                rank=r,
+                world_size=config.tp_size,
+                tp_backend=config.tp_backend,
+                device=device,
+                cpus=config.verifier_cpus_per_rank,
+                **rdv,
+            )
+            for r, rank in enumerate(ranks)
+        )
+    )
+    address = await ranks[0].serve.remote(
+        ranks[1:], host=config.bind_host, check_ranks=config.check_ranks, tls=_tls_json(config)
+    )
     tokenizer = await ranks[0].tokenizer.remote()
     info = {**infos[0], "rank_pids": [i["pid"] for i in infos]}  # rank 0's facts; every rank's process
     return ranks, info, address, tokenizer
@@ -177,8 +203,18 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
 class Pipeline:
     """A running pipeline: its actors, their placement group, its coordinator and tokenizer."""
 
-    def __init__(self, config: PipelineConfig, *, coordinator: Coordinator, tokenizer, drafter, ranks: list,
-                 placement, drafter_info: dict | None, verifier_info: dict):
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        coordinator: Coordinator,
+        tokenizer,
+        drafter,
+        ranks: list,
+        placement,
+        drafter_info: dict | None,
+        verifier_info: dict,
+    ):
         self.config = config
         self.coordinator = coordinator
         self.tokenizer = tokenizer  # None for tokenizer-less (test) models: requests carry token ids
@@ -208,14 +244,20 @@ class Pipeline:
             if has_drafter:
                 starts.append(_start_drafter(config, pg, actors))
             results = await asyncio.wait_for(asyncio.gather(*starts), config.start_timeout_s)
-            (ranks, verifier_info, address, tokenizer), (drafter, drafter_info) = results[0], (
-                results[1] if has_drafter else (None, None))
+            (ranks, verifier_info, address, tokenizer), (drafter, drafter_info) = (
+                results[0],
+                (results[1] if has_drafter else (None, None)),
+            )
             if drafter_info and drafter_info["vocab_size"] != verifier_info["vocab_size"]:
-                raise ValueError(f"drafter vocabulary ({drafter_info['vocab_size']}) differs from the verifier's "
-                                 f"({verifier_info['vocab_size']}); the pair must share a tokenizer")
-            max_context = context_limit(verifier_info["max_position_embeddings"],
-                                        drafter_info["max_position_embeddings"] if drafter_info else None,
-                                        config.engine.max_context)
+                raise ValueError(
+                    f"drafter vocabulary ({drafter_info['vocab_size']}) differs from the verifier's "
+                    f"({verifier_info['vocab_size']}); the pair must share a tokenizer"
+                )
+            max_context = context_limit(
+                verifier_info["max_position_embeddings"],
+                drafter_info["max_position_embeddings"] if drafter_info else None,
+                config.engine.max_context,
+            )
             coordinator = Coordinator(
                 address,
                 drafter_info["address"] if drafter_info else None,
@@ -231,10 +273,24 @@ class Pipeline:
                 ray.kill(actor)
             remove_placement_group(pg)
             raise
-        log.info("pipeline %r up: verifier %s (TP=%d, %s), drafter %s", config.name, address, config.tp_size,
-                 config.tp_backend, drafter_info["address"] if drafter_info else None)
-        pipeline = cls(config, coordinator=coordinator, tokenizer=tokenizer, drafter=drafter, ranks=ranks,
-                       placement=pg, drafter_info=drafter_info, verifier_info=verifier_info)
+        log.info(
+            "pipeline %r up: verifier %s (TP=%d, %s), drafter %s",
+            config.name,
+            address,
+            config.tp_size,
+            config.tp_backend,
+            drafter_info["address"] if drafter_info else None,
+        )
+        pipeline = cls(
+            config,
+            coordinator=coordinator,
+            tokenizer=tokenizer,
+            drafter=drafter,
+            ranks=ranks,
+            placement=pg,
+            drafter_info=drafter_info,
+            verifier_info=verifier_info,
+        )
         coordinator.on_unavailable = pipeline._backend_down
         return pipeline
 
@@ -284,7 +340,8 @@ class Pipeline:
             return None
 
         drafter, verifier = await asyncio.gather(
-            ask([self.drafter]) if self.drafter is not None else asyncio.sleep(0), ask(self.ranks))
+            ask([self.drafter]) if self.drafter is not None else asyncio.sleep(0), ask(self.ranks)
+        )
         return {"drafter": drafter, "verifier": verifier}
 
     async def _start_in_place(self, start):
@@ -306,8 +363,7 @@ class Pipeline:
             probe = probe or await self.probe()
             rebuilt = []
             if probe["verifier"]:
-                log.warning("pipeline %r: verifier group down (%s); rebuilding it", self.config.name,
-                            probe["verifier"])
+                log.warning("pipeline %r: verifier group down (%s); rebuilding it", self.config.name, probe["verifier"])
                 for rank in self.ranks:
                     ray.kill(rank)
                 ranks, info, address, _ = await self._start_in_place(_start_verifier)
@@ -359,7 +415,9 @@ class Pipeline:
         await self.coordinator.close()
         actors = ([self.drafter] if self.drafter is not None else []) + self.ranks
         try:
-            await asyncio.wait_for(asyncio.gather(*(a.stop.remote() for a in actors), return_exceptions=True), timeout_s)
+            await asyncio.wait_for(
+                asyncio.gather(*(a.stop.remote() for a in actors), return_exceptions=True), timeout_s
+            )
         except TimeoutError:
             log.warning("pipeline %r: actors did not stop within %.0fs; killing them", self.config.name, timeout_s)
         for actor in actors:

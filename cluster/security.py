@@ -56,8 +56,9 @@ class GRPCSecurity(BaseModel):
         None, description="File holding the bearer token every call must present (surrounding whitespace ignored)."
     )
     token_env: str | None = Field(
-        TOKEN_ENV, description="Environment variable holding the bearer token when token_file is not set; "
-        "None: do not read the environment."
+        TOKEN_ENV,
+        description="Environment variable holding the bearer token when token_file is not set; "
+        "None: do not read the environment.",
     )
 
     @model_validator(mode="after")
@@ -101,8 +102,11 @@ class GRPCSecurity(BaseModel):
         """One line for the server's log: what protects the port (never the token itself)."""
         tls = "plaintext"
         if self.tls:
-            tls = "mutual TLS" if self.require_client_cert else "TLS" + (" (client certs optional)"
-                                                                      if self.client_ca_file else "")
+            tls = (
+                "mutual TLS"
+                if self.require_client_cert
+                else "TLS" + (" (client certs optional)" if self.client_ca_file else "")
+            )
         source = f"file {self.token_file}" if self.token_file else f"env {self.token_env}"
         auth = f"bearer token from {source}" if self.token() else "no authentication"
         return f"{tls}, {auth}"
@@ -184,5 +188,6 @@ def _denying(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHand
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
     }[(handler.request_streaming, handler.response_streaming)]
-    return kind(deny, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    return kind(
+        deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )

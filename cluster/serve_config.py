@@ -34,12 +34,14 @@ class HTTPOptions(BaseModel):
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of Serve's proxy.")
     route_prefix: str = Field("/", pattern=r"^/", description="Route prefix of the application (the default pipeline).")
     token_file: str | None = Field(
-        None, description="File holding the bearer token every API request must present (Authorization: Bearer); "
-        "/health and /metrics stay open. Read by each replica."
+        None,
+        description="File holding the bearer token every API request must present (Authorization: Bearer); "
+        "/health and /metrics stay open. Read by each replica.",
     )
     token_env: str | None = Field(
-        "VIASD_API_TOKEN", description="Environment variable holding the token when token_file is unset (the Helm "
-        "chart sets it from a Secret); unset or empty: no authentication. null: never read the environment."
+        "VIASD_API_TOKEN",
+        description="Environment variable holding the token when token_file is unset (the Helm "
+        "chart sets it from a Secret); unset or empty: no authentication. null: never read the environment.",
     )
     tls_cert_file: str | None = Field(
         None, description="PEM certificate chain of the HTTP proxy; with tls_key_file it serves HTTPS only."
@@ -59,7 +61,9 @@ class GRPCOptions(BaseModel):
     model_config = _STRICT
     enabled: bool = Field(True, description="Start Serve's gRPC proxy with viasd.v1.GenerationService.")
     port: int = Field(9000, ge=1, le=65535, description="gRPC port of Serve's proxy.")
-    request_timeout_s: float | None = Field(None, gt=0, description="End-to-end timeout of a gRPC call; none: no limit.")
+    request_timeout_s: float | None = Field(
+        None, gt=0, description="End-to-end timeout of a gRPC call; none: no limit."
+    )
 
 
 class Limits(BaseModel):
@@ -70,19 +74,25 @@ class Limits(BaseModel):
         4, ge=1, le=4096, description="Requests one replica decodes at once; more wait in its queue."
     )
     max_queued_requests: int = Field(
-        16, ge=0, le=65536,
+        16,
+        ge=0,
+        le=65536,
         description="Requests one replica holds waiting for a decoding slot; past it: HTTP 429 / gRPC RESOURCE_EXHAUSTED.",
     )
     request_timeout_s: float | None = Field(
         None, gt=0, description="End-to-end timeout of an HTTP request at Serve's proxy; none: no limit."
     )
     max_tokens_default: int = Field(
-        2048, ge=1, le=1 << 20,
+        2048,
+        ge=1,
+        le=1 << 20,
         description="A chat completion that sets no max_tokens (and no default_params.max_tokens) may generate the "
         "rest of the context, as with vLLM, but at most this many tokens: a cap on what one forgotten field costs.",
     )
     drain_timeout_s: float = Field(
-        30.0, ge=0, le=3600,
+        30.0,
+        ge=0,
+        le=3600,
         description="On SIGTERM (standalone server, `viasd serve`) or `viasd drain` (a pod's preStop hook): how "
         "long requests in flight may still run after new ones are refused; the rest then end with finish reason "
         "'abort'. Also the replicas' graceful_shutdown_timeout_s when Serve itself stops one.",
@@ -140,11 +150,14 @@ class RayOptions(BaseModel):
     model_config = _STRICT
     address: str | None = Field(None, description="Address of a running Ray cluster; none: start a local one.")
     num_cpus: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Logical CPUs of the local Ray (actor slots, not cores); default: enough for every pipeline's actors.",
     )
     replica_num_cpus: float = Field(
-        0.0, ge=0, description="CPUs the Serve replica (the ingress of one pipeline) reserves; its actors reserve their own."
+        0.0,
+        ge=0,
+        description="CPUs the Serve replica (the ingress of one pipeline) reserves; its actors reserve their own.",
     )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with the local Ray.")
 

@@ -65,10 +65,14 @@ SPECS = (
     Spec("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed by the drafter p.", _SPEC),
     Spec("spec_decode_num_accepted_tokens", "counter", "Draft tokens committed as drafted (by q' or q).", _SPEC),
     Spec(
-        "spec_decode_num_accepted_tokens_per_pos", "counter",
-        "Draft tokens accepted at block position `position` (0-based).", (*_SPEC, "position"),
+        "spec_decode_num_accepted_tokens_per_pos",
+        "counter",
+        "Draft tokens accepted at block position `position` (0-based).",
+        (*_SPEC, "position"),
     ),
-    Spec("spec_decode_num_rejected_tokens", "counter", "Draft tokens replaced (rewritten by q' or rejected by q).", _SPEC),
+    Spec(
+        "spec_decode_num_rejected_tokens", "counter", "Draft tokens replaced (rewritten by q' or rejected by q).", _SPEC
+    ),
     Spec("spec_decode_num_bonus_tokens", "counter", "Bonus tokens after fully accepted blocks.", _SPEC),
     # VIA-SD tiers
     Spec("slim_accepted_tokens", "counter", "Draft tokens accepted by the slim verifier q' (region A).", _SPEC),
@@ -81,15 +85,32 @@ SPECS = (
     # requests and tokens
     Spec("prompt_tokens", "counter", "Prompt tokens of finished requests.", _M),
     Spec("generation_tokens", "counter", "Generated tokens of finished requests.", _M),
-    Spec("request_success", "counter", "Finished requests by finish reason (stop, length, abort).",
-         ("model_name", "finished_reason")),
-    Spec("request_errors", "counter", "Requests that ended with an error, by status (invalid, rejected, internal).",
-         ("model_name", "status")),
-    Spec("time_to_first_token_seconds", "histogram", "Arrival to first generated token (queue time included).",
-         _M, TTFT_BUCKETS),
-    Spec("inter_token_latency_seconds", "histogram",
-         "Time between generated tokens after the first chunk (a chunk of n tokens after a gap g counts n times g/n).",
-         _M, ITL_BUCKETS),
+    Spec(
+        "request_success",
+        "counter",
+        "Finished requests by finish reason (stop, length, abort).",
+        ("model_name", "finished_reason"),
+    ),
+    Spec(
+        "request_errors",
+        "counter",
+        "Requests that ended with an error, by status (invalid, rejected, internal).",
+        ("model_name", "status"),
+    ),
+    Spec(
+        "time_to_first_token_seconds",
+        "histogram",
+        "Arrival to first generated token (queue time included).",
+        _M,
+        TTFT_BUCKETS,
+    ),
+    Spec(
+        "inter_token_latency_seconds",
+        "histogram",
+        "Time between generated tokens after the first chunk (a chunk of n tokens after a gap g counts n times g/n).",
+        _M,
+        ITL_BUCKETS,
+    ),
     Spec("e2e_request_latency_seconds", "histogram", "Arrival to last token.", _M, E2E_BUCKETS),
     Spec("request_queue_time_seconds", "histogram", "Arrival to admission into a decoding slot.", _M, PHASE_BUCKETS),
     Spec("request_prefill_time_seconds", "histogram", "Admission to the first generated token.", _M, PHASE_BUCKETS),
@@ -99,8 +120,13 @@ SPECS = (
     Spec("request_generation_tokens", "histogram", "Generated tokens per finished request.", _M, TOKEN_BUCKETS),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
     Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
-    Spec("kv_cache_usage_perc", "gauge", "KV-cache usage, 0 to 1: positions (prompt + generated) the requests in "
-         "flight hold / the pipeline's KV capacity in positions.", _M),
+    Spec(
+        "kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage, 0 to 1: positions (prompt + generated) the requests in "
+        "flight hold / the pipeline's KV capacity in positions.",
+        _M,
+    ),
 )
 PREFIX = "viasd_"
 

@@ -71,10 +71,13 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
     a malformed message is INVALID_ARGUMENT naming the field, not UNKNOWN)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString),
+            servicer.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString
+        ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels, request_deserializer=pb.ListModelsRequest.FromString,
-            response_serializer=pb.ListModelsResponse.SerializeToString),
+            servicer.ListModels,
+            request_deserializer=pb.ListModelsRequest.FromString,
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
@@ -87,8 +90,9 @@ def set_health(health, serving: bool) -> None:
         asyncio.ensure_future(health.set(service, status))
 
 
-async def serve_grpc(servicer: GenerationServicer, port: int, host: str = "127.0.0.1",
-                     security: GRPCSecurity | None = None) -> grpc.aio.Server:
+async def serve_grpc(
+    servicer: GenerationServicer, port: int, host: str = "127.0.0.1", security: GRPCSecurity | None = None
+) -> grpc.aio.Server:
     """Start a grpc.aio server with GenerationService and the health service on host:port (0: a
     free port). The bound port is `server.viasd_port`, the health servicer `server.viasd_health`.
     `security` (cluster/security.py) adds TLS / mutual TLS and bearer-token authentication;
@@ -111,8 +115,9 @@ async def serve_grpc(servicer: GenerationServicer, port: int, host: str = "127.0
     return server
 
 
-async def serve_http(servers: dict, default: str, port: int, host: str = "127.0.0.1",
-                     security: GRPCSecurity | None = None):
+async def serve_http(
+    servers: dict, default: str, port: int, host: str = "127.0.0.1", security: GRPCSecurity | None = None
+):
     """Start the OpenAI-compatible HTTP API (cluster/openai_api.py) over `servers` (pipeline name ->
     handler.RequestHandler) on host:port (0: a free port) with uvicorn in this event loop:
     the default pipeline at /, every other one under /<name> (as under Serve). `security` gives
@@ -143,8 +148,14 @@ async def serve_http(servers: dict, default: str, port: int, host: str = "127.0.
     except OSError as exc:
         sock.close()
         raise RuntimeError(f"cannot bind the HTTP server to {host}:{port}: {exc.strerror}") from None
-    config = uvicorn.Config(Starlette(routes=routes), lifespan="off", access_log=False, log_level="warning",
-                            timeout_graceful_shutdown=5, **tls)
+    config = uvicorn.Config(
+        Starlette(routes=routes),
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=5,
+        **tls,
+    )
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # the standalone server handles SIGTERM / SIGINT itself
     server.viasd_task = asyncio.ensure_future(server.serve(sockets=[sock]))
@@ -185,18 +196,32 @@ async def _main(args: argparse.Namespace) -> None:
             pipelines[config.name] = await Pipeline.start(config)
         # one handler per pipeline; every handler and both transports share one admission and one drain
         admission, calls = Admission(limits.max_concurrent_requests, limits.max_queued_requests), Calls()
-        handlers = {name: RequestHandler(p, name, default_params=default_params, admission=admission, calls=calls,
-                                         max_tokens_default=limits.max_tokens_default)
-                    for name, p in pipelines.items()}
+        handlers = {
+            name: RequestHandler(
+                p,
+                name,
+                default_params=default_params,
+                admission=admission,
+                calls=calls,
+                max_tokens_default=limits.max_tokens_default,
+            )
+            for name, p in pipelines.items()
+        }
         servicer = GenerationServicer.over(handlers, configs[0].name)
         server = await serve_grpc(servicer, args.port, args.host, security)
         if args.http_port is not None:
             http = await serve_http(handlers, configs[0].name, args.http_port, args.host, security)
         for pipeline in pipelines.values():
-            supervisors.append(asyncio.ensure_future(pipeline.supervise(
-                lambda ok: set_health(server.viasd_health, ok))))
-        log.info("GenerationService on %s:%d (models: %s; %s)", args.host, server.viasd_port, ", ".join(pipelines),
-                 description)
+            supervisors.append(
+                asyncio.ensure_future(pipeline.supervise(lambda ok: set_health(server.viasd_health, ok)))
+            )
+        log.info(
+            "GenerationService on %s:%d (models: %s; %s)",
+            args.host,
+            server.viasd_port,
+            ", ".join(pipelines),
+            description,
+        )
         print(f"serving on {args.host}:{server.viasd_port}", flush=True)
         if http is not None:
             scheme = "https" if security.tls else "http"
@@ -222,8 +247,11 @@ async def _main(args: argparse.Namespace) -> None:
 
 def limits_from_args(args: argparse.Namespace):
     """serve_config.Limits of the standalone server's flags (InvalidParameterError names a bad one)."""
-    values = {"max_concurrent_requests": args.max_concurrent_requests, "max_queued_requests": args.max_queued_requests,
-              "drain_timeout_s": args.drain_timeout_s}
+    values = {
+        "max_concurrent_requests": args.max_concurrent_requests,
+        "max_queued_requests": args.max_queued_requests,
+        "drain_timeout_s": args.drain_timeout_s,
+    }
     try:
         return Limits.model_validate({k: v for k, v in values.items() if v is not None})
     except Exception as exc:
@@ -246,34 +274,53 @@ def default_params_from_args(args: argparse.Namespace) -> dict:
 
 def security_from_args(args: argparse.Namespace) -> GRPCSecurity:
     """GRPCSecurity of the standalone server's flags (InvalidParameterError names a bad one)."""
-    return GRPCSecurity.parse(tls_cert_file=args.tls_cert, tls_key_file=args.tls_key, client_ca_file=args.tls_client_ca,
-                              require_client_cert=args.require_client_cert, token_file=args.token_file)
+    return GRPCSecurity.parse(
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        client_ca_file=args.tls_client_ca,
+        require_client_cert=args.require_client_cert,
+        token_file=args.token_file,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m viasd.cluster.standalone", description=__doc__.splitlines()[0],
-                                 allow_abbrev=False)  # "--token" must not pass for "--token-file"
+    ap = argparse.ArgumentParser(
+        prog="python -m viasd.cluster.standalone", description=__doc__.splitlines()[0], allow_abbrev=False
+    )  # "--token" must not pass for "--token-file"
     ap.add_argument("--config", help="JSON file: one PipelineConfig object, or a list (the first is the default)")
     ap.add_argument("--port", type=int, default=50051)
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--http-port", type=int, default=None,
-                    help="also serve the OpenAI-compatible HTTP API on this port (0: a free one), with the same TLS, "
-                         "token, limits and drain (default: gRPC only)")
-    ap.add_argument("--default-params", help="JSON object of GenerationParams fields requests leave unset take "
-                                             "(as ServeConfig.default_params), on both transports")
+    ap.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help="also serve the OpenAI-compatible HTTP API on this port (0: a free one), with the same TLS, "
+        "token, limits and drain (default: gRPC only)",
+    )
+    ap.add_argument(
+        "--default-params",
+        help="JSON object of GenerationParams fields requests leave unset take "
+        "(as ServeConfig.default_params), on both transports",
+    )
     ap.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
     lim = ap.add_argument_group("limits (cluster.serve_config.Limits; defaults there)")
     lim.add_argument("--max-concurrent-requests", type=int, help="requests decoding at once")
     lim.add_argument("--max-queued-requests", type=int, help="requests waiting; past it RESOURCE_EXHAUSTED")
-    lim.add_argument("--drain-timeout-s", type=float,
-                     help="on SIGTERM: seconds in-flight requests may still run before they are aborted")
+    lim.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        help="on SIGTERM: seconds in-flight requests may still run before they are aborted",
+    )
     sec = ap.add_argument_group("security (cluster/security.py; default: plaintext, no authentication)")
     sec.add_argument("--tls-cert", help="PEM certificate chain of the server: turns TLS on (with --tls-key)")
     sec.add_argument("--tls-key", help="PEM private key of --tls-cert")
     sec.add_argument("--tls-client-ca", help="PEM CA bundle verifying client certificates (mutual TLS)")
     sec.add_argument("--require-client-cert", action="store_true", help="refuse clients without a certificate")
-    sec.add_argument("--token-file", help=f"file holding the bearer token every call must present (default: env "
-                                          f"{TOKEN_ENV}; unset: no authentication)")
+    sec.add_argument(
+        "--token-file",
+        help=f"file holding the bearer token every call must present (default: env "
+        f"{TOKEN_ENV}; unset: no authentication)",
+    )
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_main(ap.parse_args(argv)))
 

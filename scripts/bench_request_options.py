@@ -23,8 +23,9 @@ PROMPTS = ["def quicksort(items):", "class LRUCache:\n    def __init__(self, cap
 CASES = {  # name -> extra parameters (the base code knows only the first two)
     "ar": dict(mode="ar"),
     "via": dict(mode="via"),
-    "via+penalties": dict(mode="via", presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1,
-                          logit_bias={0: -1.0}),
+    "via+penalties": dict(
+        mode="via", presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1, logit_bias={0: -1.0}
+    ),
     "via+logprobs(slim)": dict(mode="via", logprobs=5, logprobs_tier="slim"),
     "via+logprobs(full)": dict(mode="via", logprobs=5, logprobs_tier="full"),
 }
@@ -65,20 +66,35 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"base": [], "branch": []}
     for _ in range(args.rounds):
         for label, path in (("base", args.base), ("branch", str(ROOT))):
-            cmd = [sys.executable, __file__, "--label", label, "--max-tokens", str(args.max_tokens),
-                   "--threads", str(args.threads)]
-            res = subprocess.run(cmd, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
-                                 check=True)
+            cmd = [
+                sys.executable,
+                __file__,
+                "--label",
+                label,
+                "--max-tokens",
+                str(args.max_tokens),
+                "--threads",
+                str(args.threads),
+            ]
+            res = subprocess.run(
+                cmd, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, check=True
+            )
             runs[label].append(json.loads(res.stdout.strip().splitlines()[-1]))
     median = {label: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for label, rs in runs.items()}
     ratio = {k: median["branch"][k] / median["base"][k] for k in median["base"]}
     ratio.update({k: median["branch"][k] / median["branch"]["via"] for k in median["branch"] if k.startswith("via+")})
-    report = {**provenance(), "base_commit": Path(args.base, ".base-commit").read_text().strip()
-              if Path(args.base, ".base-commit").exists() else None,
-              "prompts": PROMPTS, "cases": {k: {**v} for k, v in CASES.items()}, "max_tokens": args.max_tokens,
-              "seconds_per_token": runs, "median_seconds_per_token": median,
-              "ratios": ratio,  # ar, via: branch / base (default path); via+X: branch via+X / branch via
-              }
+    report = {
+        **provenance(),
+        "base_commit": Path(args.base, ".base-commit").read_text().strip()
+        if Path(args.base, ".base-commit").exists()
+        else None,
+        "prompts": PROMPTS,
+        "cases": {k: {**v} for k, v in CASES.items()},
+        "max_tokens": args.max_tokens,
+        "seconds_per_token": runs,
+        "median_seconds_per_token": median,
+        "ratios": ratio,  # ar, via: branch / base (default path); via+X: branch via+X / branch via
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({"median": median, "ratios": ratio}, indent=2))

@@ -32,8 +32,14 @@ def row(values: dict) -> dict:
     out = {k: values[k] for k in ("top1", "rkl", "rkl_total", "kl", "tv") if k in values}
     if "e2e" in values:
         d = values["e2e_detail"]
-        out.update(e2e=values["e2e"], paper_cost=d["paper_expected_cost_s"], escalation_rate=d["escalation_rate"],
-                   regions_abc=d["regions_abc"], sd_tokens_per_s=d["sd_tokens_per_s"], ar_tokens_per_s=d["ar_tokens_per_s"])
+        out.update(
+            e2e=values["e2e"],
+            paper_cost=d["paper_expected_cost_s"],
+            escalation_rate=d["escalation_rate"],
+            regions_abc=d["regions_abc"],
+            sd_tokens_per_s=d["sd_tokens_per_s"],
+            ar_tokens_per_s=d["ar_tokens_per_s"],
+        )
     return out
 
 
@@ -61,15 +67,23 @@ def main() -> int:
     model, tok = load_causal_lm(verifier, dtype=args.dtype)
     vq = MaskedLM(model)
     vp = MaskedLM(load_causal_lm(args.drafter, dtype=args.dtype)[0]) if args.drafter else None
-    cal = dimr.humaneval_calibration(tok, start=args.heldout_start, max_tokens=args.heldout_tokens,
-                                     max_seq_tokens=args.max_seq_tokens)
+    cal = dimr.humaneval_calibration(
+        tok, start=args.heldout_start, max_tokens=args.heldout_tokens, max_seq_tokens=args.max_seq_tokens
+    )
     ref = dimr.build_reference(vq, cal, cache_policy=args.cache_policy, drafter=vp)
-    print(f"held-out: {cal.description}; cache policy {args.cache_policy}; reference in {time.perf_counter() - t0:.0f}s",
-          file=sys.stderr)
+    print(
+        f"held-out: {cal.description}; cache policy {args.cache_policy}; reference in {time.perf_counter() - t0:.0f}s",
+        file=sys.stderr,
+    )
     rng = random.Random(args.seed)
     costs_by_ratio: dict[float, dimr.Costs] = {}
-    results = {"command": "python " + " ".join(sys.argv), "heldout": cal.to_dict(), "cache_policy": args.cache_policy,
-               "threads": torch.get_num_threads(), "ratios": []}
+    results = {
+        "command": "python " + " ".join(sys.argv),
+        "heldout": cal.to_dict(),
+        "cache_policy": args.cache_policy,
+        "threads": torch.get_num_threads(),
+        "ratios": [],
+    }
     lines = ["| ratio | mask | skipped layers | " + " | ".join(COLUMNS) + " |", "|---|---|---|" + "---|" * len(COLUMNS)]
     for path, art in arts:
         searched = dimr.check_artifact(art, vq, source=path)
@@ -99,8 +113,10 @@ def main() -> int:
     print("\n".join(lines))
     for ratio, cost in costs_by_ratio.items():
         c = cost.to_dict()
-        print(f"\nr={ratio:g} costs (s): drafter token {c['drafter']:.4f}, slim block {c['slim']:.4f}, "
-              f"full block {c['full']:.4f}, full token {c['full_token']:.4f}")
+        print(
+            f"\nr={ratio:g} costs (s): drafter token {c['drafter']:.4f}, slim block {c['slim']:.4f}, "
+            f"full block {c['full']:.4f}, full token {c['full_token']:.4f}"
+        )
     print(f"\nthreads {torch.get_num_threads()}; {results['heldout']['description']}")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")

@@ -33,9 +33,9 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True when s reads the same backwards.\"\"\"\n",
-    "def merge_sorted(a: list, b: list) -> list:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'def is_palindrome(s: str) -> bool:\n    """Return True when s reads the same backwards."""\n',
+    'def merge_sorted(a: list, b: list) -> list:\n    """Merge two sorted lists into one sorted list."""\n',
 ]
 
 
@@ -50,8 +50,11 @@ def main() -> int:
     ap.add_argument("--tp-prefix", type=int, default=16)
     ap.add_argument("--concurrency", default="1,4,8,16")
     ap.add_argument("--out", default="gpu-e2e.json")
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="rehearse the script on CPU with SmolLM2-135M (checks the script, not the GPU path)")
+    ap.add_argument(
+        "--cpu-dry-run",
+        action="store_true",
+        help="rehearse the script on CPU with SmolLM2-135M (checks the script, not the GPU path)",
+    )
     args = ap.parse_args()
     cpu = args.cpu_dry_run
     if cpu:
@@ -69,31 +72,54 @@ def main() -> int:
     from viasd.config import parse_params
     from viasd.llm import LLM
 
-    engine = {"verifier": "qwen2.5-coder-1.5b-instruct", "drafter": "qwen2.5-coder-0.5b-instruct",
-              "dtype": args.dtype, "device": "cuda"}
+    engine = {
+        "verifier": "qwen2.5-coder-1.5b-instruct",
+        "drafter": "qwen2.5-coder-0.5b-instruct",
+        "dtype": args.dtype,
+        "device": "cuda",
+    }
     pipeline = {
-        "name": "qwen2.5-coder-1.5b", "engine": engine, "tp_size": args.tp, "tp_backend": args.tp_backend,
+        "name": "qwen2.5-coder-1.5b",
+        "engine": engine,
+        "tp_size": args.tp,
+        "tp_backend": args.tp_backend,
         # the drafter shares GPU 0 with rank 0; every rank has a GPU of its own (NCCL needs that)
-        "drafter_gpus": 0.2, "drafter_cpus": 1, "verifier_gpus_per_rank": 0.8, "verifier_cpus_per_rank": 1,
+        "drafter_gpus": 0.2,
+        "drafter_cpus": 1,
+        "verifier_gpus_per_rank": 0.8,
+        "verifier_cpus_per_rank": 1,
     }
     if cpu:
-        engine = {"verifier": "smollm2-135m-instruct", "drafter": "smollm2-135m-instruct", "dtype": "float32",
-                  "device": "cpu", "threads": 1}
+        engine = {
+            "verifier": "smollm2-135m-instruct",
+            "drafter": "smollm2-135m-instruct",
+            "dtype": "float32",
+            "device": "cpu",
+            "threads": 1,
+        }
         pipeline.update(name="smol", engine=engine, drafter_gpus=0, verifier_gpus_per_rank=0)
         args.max_tokens, args.concurrency = min(args.max_tokens, 16), "1,2"
     levels = [int(c) for c in args.concurrency.split(",")]
     engine["max_batch"] = max(levels)  # the in-process reference batches every stream of a level, as the served one
-    config = parse_serve_config({
-        "pipelines": [pipeline],
-        "limits": {"max_concurrent_requests": max(levels), "max_queued_requests": max(levels)},
-        "ray": {"num_cpus": max(8, 2 * args.tp + 4)},
-    })
-    report: dict = {"tp_size": args.tp, "tp_backend": args.tp_backend, "dtype": args.dtype,
-                    "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if not cpu else []}
+    config = parse_serve_config(
+        {
+            "pipelines": [pipeline],
+            "limits": {"max_concurrent_requests": max(levels), "max_queued_requests": max(levels)},
+            "ray": {"num_cpus": max(8, 2 * args.tp + 4)},
+        }
+    )
+    report: dict = {
+        "tp_size": args.tp,
+        "tp_backend": args.tp_backend,
+        "dtype": args.dtype,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if not cpu else [],
+    }
     t0 = time.perf_counter()
     endpoints = launch.start(config, blocking_timeout_s=480)
     report["startup_s"] = round(time.perf_counter() - t0, 1)
-    print(f"[gpu_e2e] served in {report['startup_s']}s at {endpoints.http} (TP={args.tp}, {args.tp_backend})", flush=True)
+    print(
+        f"[gpu_e2e] served in {report['startup_s']}s at {endpoints.http} (TP={args.tp}, {args.tp_backend})", flush=True
+    )
     ok = True
     try:
         client = openai.OpenAI(base_url=endpoints.http + "/v1", api_key="unused", max_retries=0, timeout=600)
@@ -107,7 +133,11 @@ def main() -> int:
                 want = ref.complete(ids, parse_params(**mode_params(mode), max_tokens=args.max_tokens)).token_ids
                 got, text = [], []
                 for chunk in client.completions.create(
-                    model=info["name"], prompt=prompt, max_tokens=args.max_tokens, temperature=0, stream=True,
+                    model=info["name"],
+                    prompt=prompt,
+                    max_tokens=args.max_tokens,
+                    temperature=0,
+                    stream=True,
                     extra_body={**mode_params(mode), "return_token_ids": True},
                 ):
                     got.extend(chunk.choices[0].model_extra.get("token_ids") or [])
@@ -116,24 +146,37 @@ def main() -> int:
                 equal = got == want
                 passed = equal if args.tp == 1 or args.dtype == "float32" else prefix >= min(args.tp_prefix, len(want))
                 ok &= passed
-                checks.append({"mode": mode, "equal": equal, "common_prefix": prefix, "tokens": len(want), "pass": passed})
-                print(f"[gpu_e2e] {mode} {'PASS' if passed else 'FAIL'} equal={equal} common_prefix={prefix}/{len(want)}"
-                      f" {''.join(text)[:60]!r}", flush=True)
+                checks.append(
+                    {"mode": mode, "equal": equal, "common_prefix": prefix, "tokens": len(want), "pass": passed}
+                )
+                print(
+                    f"[gpu_e2e] {mode} {'PASS' if passed else 'FAIL'} equal={equal} common_prefix={prefix}/{len(want)}"
+                    f" {''.join(text)[:60]!r}",
+                    flush=True,
+                )
         report["checks"] = checks
         report["throughput"] = []
         served = lambda prompt, mode, n, out: one_stream(client, info["name"], prompt, mode, n, out)  # noqa: E731
         in_process = lambda prompt, mode, n, out: in_process_stream(ref, prompt, mode, n, {}, out)  # noqa: E731, F821
-        curve = [(mode, system, target) for mode in ("ar", "sd", "via")
-                 for system, target in (("in_process", in_process), ("served", served))]
-        curve += [(mode, "served", served) for mode in ("sd:overlap=true",
-                                                        "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true")]
+        curve = [
+            (mode, system, target)
+            for mode in ("ar", "sd", "via")
+            for system, target in (("in_process", in_process), ("served", served))
+        ]
+        curve += [
+            (mode, "served", served)
+            for mode in ("sd:overlap=true", "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true")
+        ]
         for mode, system, target in curve:  # in-process and served side by side, level by level
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
                 r = run_level(target, mode, c, args.max_tokens, system)
                 report["throughput"].append(r)
-                print(f"[gpu_e2e] {system} {mode} streams={c}: {r['aggregate_tokens_per_s']} tokens/s aggregate, "
-                      f"TTFT p50 {r['p50_ttft_s']}s, ITL p50/p99 {r['p50_itl_s']}/{r['p99_itl_s']}s", flush=True)
+                print(
+                    f"[gpu_e2e] {system} {mode} streams={c}: {r['aggregate_tokens_per_s']} tokens/s aggregate, "
+                    f"TTFT p50 {r['p50_ttft_s']}s, ITL p50/p99 {r['p50_itl_s']}/{r['p99_itl_s']}s",
+                    flush=True,
+                )
         report["tokens"] = check_tokens(report["throughput"], {})
         report["ratios"] = ratios(report["throughput"])
         if args.tp == 1 or args.dtype == "float32":

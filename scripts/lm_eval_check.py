@@ -52,10 +52,22 @@ def task_dir(where: Path) -> Path:
         "output_type": "generate_until",
         "doc_to_text": "Answer with one word.\nQuestion: {{question}}\nAnswer:",
         "doc_to_target": "{{answer}}",
-        "generation_kwargs": {"until": ["\n", "."], "max_gen_toks": MAX_GEN_TOKS, "do_sample": False,
-                              "temperature": 0.0},
-        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                         "ignore_case": True, "ignore_punctuation": True, "regexes_to_ignore": [" "]}],
+        "generation_kwargs": {
+            "until": ["\n", "."],
+            "max_gen_toks": MAX_GEN_TOKS,
+            "do_sample": False,
+            "temperature": 0.0,
+        },
+        "metric_list": [
+            {
+                "metric": "exact_match",
+                "aggregation": "mean",
+                "higher_is_better": True,
+                "ignore_case": True,
+                "ignore_punctuation": True,
+                "regexes_to_ignore": [" "],
+            }
+        ],
         "metadata": {"version": 1},
     }
     where.mkdir(parents=True, exist_ok=True)
@@ -85,7 +97,9 @@ class InProcessLM(LM):
             until = [s for s in kwargs.get("until", []) if s]
             messages = json.loads(context) if self.chat else None
             ids = self.llm.encode(None if self.chat else context, messages)
-            result = self.llm.complete(ids, parse_params(mode="ar", max_tokens=kwargs.get("max_gen_toks", MAX_GEN_TOKS)))
+            result = self.llm.complete(
+                ids, parse_params(mode="ar", max_tokens=kwargs.get("max_gen_toks", MAX_GEN_TOKS))
+            )
             text = self.llm.decode(result.token_ids)
             cut = min([text.index(s) for s in until if s in text], default=len(text))
             out.append(text[:cut])
@@ -101,20 +115,37 @@ class InProcessLM(LM):
 def _score(results: dict) -> dict:
     """The task's exact match and, per document (in order), what the model answered."""
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
-    return {"exact_match": results["results"][TASK]["exact_match,none"],
-            "answers": [s["filtered_resps"][0] for s in samples]}
+    return {
+        "exact_match": results["results"][TASK]["exact_match,none"],
+        "answers": [s["filtered_resps"][0] for s in samples],
+    }
 
 
 def served_scores(base: str, model: str, tasks: Path) -> dict[str, dict]:
     """exact match of lm-eval's local-completions and local-chat-completions against `base`."""
     manager = TaskManager(include_path=str(tasks))
     out = {}
-    for name, path, chat in (("local-completions", "/v1/completions", False),
-                             ("local-chat-completions", "/v1/chat/completions", True)):
-        args = {"base_url": base + path, "model": model, "tokenizer_backend": None, "tokenized_requests": False,
-                "num_concurrent": 1, "max_retries": 1}
-        results = lm_eval.simple_evaluate(model=name, model_args=args, tasks=[TASK], task_manager=manager,
-                                          apply_chat_template=chat, log_samples=True, bootstrap_iters=0)
+    for name, path, chat in (
+        ("local-completions", "/v1/completions", False),
+        ("local-chat-completions", "/v1/chat/completions", True),
+    ):
+        args = {
+            "base_url": base + path,
+            "model": model,
+            "tokenizer_backend": None,
+            "tokenized_requests": False,
+            "num_concurrent": 1,
+            "max_retries": 1,
+        }
+        results = lm_eval.simple_evaluate(
+            model=name,
+            model_args=args,
+            tasks=[TASK],
+            task_manager=manager,
+            apply_chat_template=chat,
+            log_samples=True,
+            bootstrap_iters=0,
+        )
         out[name] = _score(results)
     return out
 
@@ -124,8 +155,14 @@ def in_process_scores(llm, tasks: Path) -> dict[str, dict]:
     manager = TaskManager(include_path=str(tasks))
     out = {}
     for name, chat in (("local-completions", False), ("local-chat-completions", True)):
-        results = lm_eval.simple_evaluate(model=InProcessLM(llm, chat), tasks=[TASK], task_manager=manager,
-                                          apply_chat_template=chat, log_samples=True, bootstrap_iters=0)
+        results = lm_eval.simple_evaluate(
+            model=InProcessLM(llm, chat),
+            tasks=[TASK],
+            task_manager=manager,
+            apply_chat_template=chat,
+            log_samples=True,
+            bootstrap_iters=0,
+        )
         out[name] = _score(results)
     return out
 
@@ -163,13 +200,25 @@ def main(argv: list[str] | None = None) -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     record = {
         "command": "python scripts/lm_eval_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit, "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
-        "machine": {"platform": platform.platform(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                    "torch": torch.__version__},
-        "task": {"name": TASK, "data": str(DATA.relative_to(ROOT)), "docs": sum(1 for _ in DATA.open()),
-                 "output_type": "generate_until", "metric": "exact_match", "decoding": "greedy, mode ar"},
-        "verifier": args.verifier, "served_model_name": handler.name,
-        "served": served, "in_process": local,
+        "commit": commit,
+        "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
+        "machine": {
+            "platform": platform.platform(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__,
+        },
+        "task": {
+            "name": TASK,
+            "data": str(DATA.relative_to(ROOT)),
+            "docs": sum(1 for _ in DATA.open()),
+            "output_type": "generate_until",
+            "metric": "exact_match",
+            "decoding": "greedy, mode ar",
+        },
+        "verifier": args.verifier,
+        "served_model_name": handler.name,
+        "served": served,
+        "in_process": local,
         "served_equals_in_process": served == local,
         "loglikelihood": "not run: needs completions echo + logprobs (not served yet, issue 17)",
     }

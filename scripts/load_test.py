@@ -45,8 +45,11 @@ from pathlib import Path
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60] * 12, [7, 8, 9, 10, 11], [30, 31, 40, 41, 50, 51, 60]]
 VIA = dict(mode="via", gamma=4, alpha1=0.9, alpha2=0.7)
 SETTINGS = [
-    dict(mode="ar"), dict(mode="sd", gamma=4), dict(VIA),
-    dict(mode="ar", temperature=1.0, seed=11), dict(mode="sd", gamma=3, temperature=0.8, top_k=40, seed=12),
+    dict(mode="ar"),
+    dict(mode="sd", gamma=4),
+    dict(VIA),
+    dict(mode="ar", temperature=1.0, seed=11),
+    dict(mode="sd", gamma=3, temperature=0.8, top_k=40, seed=12),
     dict(VIA, temperature=1.0, seed=13),
 ]
 
@@ -89,13 +92,20 @@ class LoadResult:
     def summary(self) -> dict:
         rss_total = [sum(s.values()) for _, s in self.rss_mb]
         return {
-            "streams": self.streams, "seconds": round(self.duration_s, 1), "requests": self.requests,
-            "tokens": self.tokens, "mismatched": self.mismatched, "errors": self.errors,
-            "drafter_fallbacks": self.fallbacks, "faults": self.faults,
+            "streams": self.streams,
+            "seconds": round(self.duration_s, 1),
+            "requests": self.requests,
+            "tokens": self.tokens,
+            "mismatched": self.mismatched,
+            "errors": self.errors,
+            "drafter_fallbacks": self.fallbacks,
+            "faults": self.faults,
             "tokens_per_s": round(self.tokens / self.duration_s, 1) if self.duration_s else None,
             "requests_per_s": round(self.requests / self.duration_s, 2) if self.duration_s else None,
-            "ttft_p50_s": _r(percentile(self.ttft_s, 50)), "ttft_p99_s": _r(percentile(self.ttft_s, 99)),
-            "e2e_p50_s": _r(percentile(self.e2e_s, 50)), "e2e_p99_s": _r(percentile(self.e2e_s, 99)),
+            "ttft_p50_s": _r(percentile(self.ttft_s, 50)),
+            "ttft_p99_s": _r(percentile(self.ttft_s, 99)),
+            "e2e_p50_s": _r(percentile(self.e2e_s, 50)),
+            "e2e_p99_s": _r(percentile(self.e2e_s, 99)),
             "rss_total_mb_first": _r(rss_total[0] if rss_total else None, 1),
             "rss_total_mb_max": _r(max(rss_total) if rss_total else None, 1),
             "rss_total_mb_last": _r(rss_total[-1] if rss_total else None, 1),
@@ -122,9 +132,18 @@ async def sample_rss(pids, out: list, every_s: float = 1.0) -> None:
         await asyncio.sleep(every_s)
 
 
-async def run_load(stub, case_list, refs, *, streams: int, duration_s: float | None = None,
-                   requests_per_stream: int | None = None, pids=None,
-                   faults: list[tuple[float, str]] = (), pipeline=None) -> LoadResult:
+async def run_load(
+    stub,
+    case_list,
+    refs,
+    *,
+    streams: int,
+    duration_s: float | None = None,
+    requests_per_stream: int | None = None,
+    pids=None,
+    faults: list[tuple[float, str]] = (),
+    pipeline=None,
+) -> LoadResult:
     """`streams` concurrent clients, each running cases one after another until `duration_s` has
     passed (or `requests_per_stream` are done); every stream is checked against its reference."""
     import grpc
@@ -139,13 +158,15 @@ async def run_load(stub, case_list, refs, *, streams: int, duration_s: float | N
 
     async def client(i: int) -> None:
         n = 0
-        while (requests_per_stream is None or n < requests_per_stream) and (deadline is None or
-                                                                            time.monotonic() < deadline):
+        while (requests_per_stream is None or n < requests_per_stream) and (
+            deadline is None or time.monotonic() < deadline
+        ):
             k = (i + n * streams) % len(case_list)
             prompt, params = case_list[k]
             rid = f"load-{i}-{n}"
-            req = pb.GenerateRequest(request_id=rid, prompt_token_ids=pb.TokenIds(ids=prompt),
-                                     params=params_to_proto(parse_params(params)))
+            req = pb.GenerateRequest(
+                request_id=rid, prompt_token_ids=pb.TokenIds(ids=prompt), params=params_to_proto(parse_params(params))
+            )
             start = time.monotonic()
             first = last = None
             tokens: list[int] = []
@@ -184,16 +205,26 @@ async def run_load(stub, case_list, refs, *, streams: int, duration_s: float | N
         for at, what in sorted(faults):
             await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
             # "drafter", "verifier" (rank 0) or "rank1", "rank2", ... (a follower rank of a TP group)
-            pid = pipeline.drafter_info["pid"] if what == "drafter" else \
-                pipeline.verifier_info["rank_pids"][int(what.removeprefix("rank")) if what.startswith("rank") else 0]
+            pid = (
+                pipeline.drafter_info["pid"]
+                if what == "drafter"
+                else pipeline.verifier_info["rank_pids"][
+                    int(what.removeprefix("rank")) if what.startswith("rank") else 0
+                ]
+            )
             before = dict(pipeline.rebuilds)
             os.kill(pid, signal.SIGKILL)
             result.faults.append([round(time.monotonic() - t0, 1), f"killed the {what} (pid {pid})"])
             while pipeline.rebuilds == before:
                 await asyncio.sleep(0.1)
             component = "drafter" if what == "drafter" else "verifier"
-            result.faults.append([round(time.monotonic() - t0, 1), f"{component} rebuilt, now pids "
-                                  f"{pipeline.drafter_info['pid'] if what == 'drafter' else pipeline.verifier_info['rank_pids']}"])
+            result.faults.append(
+                [
+                    round(time.monotonic() - t0, 1),
+                    f"{component} rebuilt, now pids "
+                    f"{pipeline.drafter_info['pid'] if what == 'drafter' else pipeline.verifier_info['rank_pids']}",
+                ]
+            )
 
     sampler = asyncio.ensure_future(sample_rss(pids, result.rss_mb)) if pids else None
     injector = asyncio.ensure_future(inject()) if faults else None
@@ -218,10 +249,17 @@ async def cancel_cycles(stub, n: int, *, long_tokens: int = 400) -> list[int]:
 
     read = []
     for i in range(n):
-        params = parse_params(mode=("sd", "via", "ar")[i % 3], max_tokens=long_tokens, ignore_eos=True,
-                              temperature=1.0, seed=i)
-        call = stub.Generate(pb.GenerateRequest(request_id=f"cancel-{i}", prompt_token_ids=pb.TokenIds(
-            ids=PROMPTS[i % len(PROMPTS)]), params=params_to_proto(params)), timeout=300)
+        params = parse_params(
+            mode=("sd", "via", "ar")[i % 3], max_tokens=long_tokens, ignore_eos=True, temperature=1.0, seed=i
+        )
+        call = stub.Generate(
+            pb.GenerateRequest(
+                request_id=f"cancel-{i}",
+                prompt_token_ids=pb.TokenIds(ids=PROMPTS[i % len(PROMPTS)]),
+                params=params_to_proto(params),
+            ),
+            timeout=300,
+        )
         for _ in range(i % 3):
             await call.read()
         call.cancel()
@@ -241,18 +279,30 @@ def tiny_models(root: Path):
     verifier = tiny_model("llama", dtype=torch.float32)
     verifier.save_pretrained(root / "verifier")
     drafter_from(verifier).save_pretrained(root / "drafter")
-    return EngineConfig(verifier=str(root / "verifier"), drafter=str(root / "drafter"), dtype="float32",
-                        mask=(1, 0, 1, 0, 1, 1), threads=1)
+    return EngineConfig(
+        verifier=str(root / "verifier"),
+        drafter=str(root / "drafter"),
+        dtype="float32",
+        mask=(1, 0, 1, 0, 1, 1),
+        threads=1,
+    )
 
 
 async def idle(pipeline, servicer, timeout_s: float = 60.0) -> dict:
     """Wait until nothing is open anywhere; return the counts as found."""
     deadline = time.monotonic() + timeout_s
     while True:
-        counts = {"coordinator": pipeline.coordinator.active_requests(), "servicer": servicer.in_flight(),
-                  **await pipeline.session_counts()}
-        if (counts["coordinator"], counts["servicer"], counts["drafter"], sum(counts["verifier"])) == (0, 0, 0, 0) \
-                or time.monotonic() > deadline:
+        counts = {
+            "coordinator": pipeline.coordinator.active_requests(),
+            "servicer": servicer.in_flight(),
+            **await pipeline.session_counts(),
+        }
+        if (counts["coordinator"], counts["servicer"], counts["drafter"], sum(counts["verifier"])) == (
+            0,
+            0,
+            0,
+            0,
+        ) or time.monotonic() > deadline:
             return counts
         await asyncio.sleep(0.2)
 
@@ -278,34 +328,63 @@ async def main_async(args) -> int:
         t = time.monotonic()
         refs = references(LLM(engine), case_list)
         print(f"{len(case_list)} cases, references computed in-process in {time.monotonic() - t:.1f}s", flush=True)
-        ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
-        pipeline = await Pipeline.start(PipelineConfig(name="tiny", engine=engine, drafter_cpus=0.5,
-                                                       verifier_cpus_per_rank=0.5, rpc_timeout_s=60,
-                                                       tp_size=args.tp))
-        servicer = GenerationServicer({"tiny": pipeline}, "tiny",
-                                      admission=Admission(args.max_concurrent, args.max_queued))
+        ray.init(
+            address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+        )
+        pipeline = await Pipeline.start(
+            PipelineConfig(
+                name="tiny",
+                engine=engine,
+                drafter_cpus=0.5,
+                verifier_cpus_per_rank=0.5,
+                rpc_timeout_s=60,
+                tp_size=args.tp,
+            )
+        )
+        servicer = GenerationServicer(
+            {"tiny": pipeline}, "tiny", admission=Admission(args.max_concurrent, args.max_queued)
+        )
         server = await serve_grpc(servicer, 0)
         supervisor = asyncio.ensure_future(pipeline.supervise()) if args.faults else None
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.viasd_port}")
         stub = generation_pb2_grpc.GenerationServiceStub(channel)
+
         def pids() -> dict[str, int]:  # the current actors (a fault replaces them)
-            return {"server+coordinator+client": os.getpid(), "drafter": pipeline.drafter_info["pid"],
-                    **{f"verifier rank {r}": p for r, p in enumerate(pipeline.verifier_info["rank_pids"])}}
+            return {
+                "server+coordinator+client": os.getpid(),
+                "drafter": pipeline.drafter_info["pid"],
+                **{f"verifier rank {r}": p for r, p in enumerate(pipeline.verifier_info["rank_pids"])},
+            }
 
         ok = True
         try:
             await run_load(stub, case_list, refs, streams=min(4, args.streams), requests_per_stream=1)  # warm-up
             if args.duration > 0:
                 print(f"load: {args.streams} streams for {args.duration:.0f}s ...", flush=True)
-                faults = [(float(at), what) for what, _, at in (f.partition("@") for f in args.faults.split(","))
-                          if what] if args.faults else []
-                load = await run_load(stub, case_list, refs, streams=args.streams, duration_s=args.duration,
-                                      pids=pids, faults=faults, pipeline=pipeline)
+                faults = (
+                    [(float(at), what) for what, _, at in (f.partition("@") for f in args.faults.split(",")) if what]
+                    if args.faults
+                    else []
+                )
+                load = await run_load(
+                    stub,
+                    case_list,
+                    refs,
+                    streams=args.streams,
+                    duration_s=args.duration,
+                    pids=pids,
+                    faults=faults,
+                    pipeline=pipeline,
+                )
                 summary = load.summary()
-                report["load"] = {"summary": summary, "rss_mb": load.rss_mb, "e2e_s": load.e2e_s,
-                                  "ttft_s": load.ttft_s, "mismatch_examples": load.examples,
-                                  "error_examples": load.error_examples}
+                report["load"] = {
+                    "summary": summary,
+                    "rss_mb": load.rss_mb,
+                    "e2e_s": load.e2e_s,
+                    "ttft_s": load.ttft_s,
+                    "mismatch_examples": load.examples,
+                    "error_examples": load.error_examples,
+                }
                 report["load"]["idle_after"] = await idle(pipeline, servicer)
                 print(json.dumps(summary), flush=True)
                 for example in load.error_examples:
@@ -324,9 +403,13 @@ async def main_async(args) -> int:
                 gc.collect()
                 after = {k: psutil.Process(p).memory_info().rss / 2**20 for k, p in pids().items()}
                 report["cancel"] = {
-                    "cycles": args.cancel_cycles, "seconds": round(time.monotonic() - t, 1),
-                    "cancelled_before_first_token": read.count(0), "cancelled_mid_stream": len(read) - read.count(0),
-                    "counts_after": counts, "rss_mb_before": _rounded(before), "rss_mb_after": _rounded(after),
+                    "cycles": args.cancel_cycles,
+                    "seconds": round(time.monotonic() - t, 1),
+                    "cancelled_before_first_token": read.count(0),
+                    "cancelled_mid_stream": len(read) - read.count(0),
+                    "counts_after": counts,
+                    "rss_mb_before": _rounded(before),
+                    "rss_mb_after": _rounded(after),
                     "rss_mb_delta_total": round(sum(after.values()) - sum(before.values()), 1),
                 }
                 print("cancel:", json.dumps(report["cancel"]), flush=True)
@@ -361,10 +444,15 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=90.0, help="seconds of load (0: skip the load phase)")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     ap.add_argument("--max-concurrent", type=int, default=8, help="requests the server decodes at once")
-    ap.add_argument("--max-queued", type=int, default=64, help="requests the server queues (past it: RESOURCE_EXHAUSTED)")
+    ap.add_argument(
+        "--max-queued", type=int, default=64, help="requests the server queues (past it: RESOURCE_EXHAUSTED)"
+    )
     ap.add_argument("--cancel-cycles", type=int, default=100, help="cancel cycles after the load (0: skip)")
-    ap.add_argument("--faults", default="",
-                    help="e.g. drafter@20,verifier@50 (rank 0), rank1@70 (with --tp 2): SIGKILL that process then")
+    ap.add_argument(
+        "--faults",
+        default="",
+        help="e.g. drafter@20,verifier@50 (rank 0), rank1@70 (with --tp 2): SIGKILL that process then",
+    )
     ap.add_argument("--tp", type=int, default=1, help="verifier tensor-parallel ranks")
     ap.add_argument("--out", help="write every figure to this JSON file")
     args = ap.parse_args()

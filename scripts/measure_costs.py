@@ -43,8 +43,11 @@ def break_even(grid: dict, plan: str, k: int, batch: int, escalation: float = 0.
     from viasd.costs import CostModel
 
     c = CostModel({t: [tuple(p) for p in pts] for t, pts in grid.items()})
-    verify = (c.seconds("full", batch * (k + 1)) if plan == "sd"
-              else c.seconds("slim", batch * (k + 1)) + c.seconds("full", escalation * batch * (k + 1)))
+    verify = (
+        c.seconds("full", batch * (k + 1))
+        if plan == "sd"
+        else c.seconds("slim", batch * (k + 1)) + c.seconds("full", escalation * batch * (k + 1))
+    )
     return (k * c.seconds("drafter", batch) + verify) / c.seconds("full", batch)
 
 
@@ -66,52 +69,86 @@ def cmd_run(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         for ids in prompts:
             stats = engine.complete(ids, parse_params(mode=mode, max_tokens=args.max_tokens, ignore_eos=True)).stats
-            tokens, cycles, escalations = tokens + stats.num_cycle_tokens, cycles + stats.num_drafts, escalations + stats.escalations
-        measured[mode] = {"tokens_per_cycle": tokens / max(cycles, 1), "cycles": cycles,
-                          "escalation_rate": escalations / max(cycles, 1), "seconds": time.perf_counter() - t0}
+            tokens, cycles, escalations = (
+                tokens + stats.num_cycle_tokens,
+                cycles + stats.num_drafts,
+                escalations + stats.escalations,
+            )
+        measured[mode] = {
+            "tokens_per_cycle": tokens / max(cycles, 1),
+            "cycles": cycles,
+            "escalation_rate": escalations / max(cycles, 1),
+            "seconds": time.perf_counter() - t0,
+        }
     p_esc = measured["via"]["escalation_rate"]
-    table = {f"{plan}:k={k}@B={b}": round(break_even(model.grid, plan, k, b, p_esc), 3)
-             for plan in ("sd", "via") for k in KS for b in BATCHES}
+    table = {
+        f"{plan}:k={k}@B={b}": round(break_even(model.grid, plan, k, b, p_esc), 3)
+        for plan in ("sd", "via")
+        for k in KS
+        for b in BATCHES
+    }
     label = "avx2" if torch.backends.cpu.get_cpu_capability().upper() == "AVX2" else "native"
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"costs-{args.dtype}-{label}.json"
     record = {
         "command": "python scripts/measure_costs.py " + " ".join(sys.argv[1:]),
-        "environment": environment(), "runtime": llm.runtime_info(), "mask": list(engine.mask.skipped),
-        "grid": model.grid, "profile_seconds": model.profile_seconds, "measured": measured,
-        "break_even": table, "batches": list(BATCHES), "ks": list(KS),
-        "prompts": args.prompts, "max_tokens": args.max_tokens,
+        "environment": environment(),
+        "runtime": llm.runtime_info(),
+        "mask": list(engine.mask.skipped),
+        "grid": model.grid,
+        "profile_seconds": model.profile_seconds,
+        "measured": measured,
+        "break_even": table,
+        "batches": list(BATCHES),
+        "ks": list(KS),
+        "prompts": args.prompts,
+        "max_tokens": args.max_tokens,
     }
     out.write_text(json.dumps(record, indent=1))
     print(f"wrote {out.relative_to(ROOT)}")
 
 
 def cmd_table(args: argparse.Namespace) -> None:
-    lines = ["# Cost curves and break-even acceptance lengths", "",
-             "Written by `python scripts/measure_costs.py table` from the `costs-*.json` files beside it "
-             "(each records its command, commit and machine). Seconds of one forward carrying M tokens; "
-             "E* = tokens a cycle must commit per row to match `ar` at batch B (scripts/measure_costs.py).", ""]
+    lines = [
+        "# Cost curves and break-even acceptance lengths",
+        "",
+        "Written by `python scripts/measure_costs.py table` from the `costs-*.json` files beside it "
+        "(each records its command, commit and machine). Seconds of one forward carrying M tokens; "
+        "E* = tokens a cycle must commit per row to match `ar` at batch B (scripts/measure_costs.py).",
+        "",
+    ]
     for path in sorted(OUT.glob("costs-*.json")):
         r = json.loads(path.read_text())
         env, rt = r["environment"], r["runtime"]
-        lines += [f"## {path.stem}", "",
-                  f"- `{r['command']}`; commit {env['git_commit'][:12]}{' (dirty)' if env['git_dirty'] else ''}; "
-                  f"{env['cpu']}, capability {env['cpu_capability']}, {env['threads']} threads; "
-                  f"dtype {rt.get('dtype')} ({rt.get('dtype_reason', '')}); linears {rt.get('linear_method')}", ""]
+        lines += [
+            f"## {path.stem}",
+            "",
+            f"- `{r['command']}`; commit {env['git_commit'][:12]}{' (dirty)' if env['git_dirty'] else ''}; "
+            f"{env['cpu']}, capability {env['cpu_capability']}, {env['threads']} threads; "
+            f"dtype {rt.get('dtype')} ({rt.get('dtype_reason', '')}); linears {rt.get('linear_method')}",
+            "",
+        ]
         ms = [m for m, _ in r["grid"]["full"]]
         lines += ["| tier | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---:|" * len(ms)]
         for tier, pts in r["grid"].items():
             lines.append(f"| {tier} | " + " | ".join(f"{s * 1e3:.1f} ms" for _, s in pts) + " |")
         meas = r["measured"]
-        lines += ["", f"Measured (greedy, {r['prompts']} HumanEval prompts x {r['max_tokens']} tokens): "
-                  f"`sd` {meas['sd']['tokens_per_cycle']:.2f} tokens per cycle, `via` "
-                  f"{meas['via']['tokens_per_cycle']:.2f} (escalation rate {meas['via']['escalation_rate']:.2f}).", "",
-                  "| plan | " + " | ".join(f"E* at B={b}" for b in r["batches"]) + " |",
-                  "|---|" + "---:|" * len(r["batches"])]
+        lines += [
+            "",
+            f"Measured (greedy, {r['prompts']} HumanEval prompts x {r['max_tokens']} tokens): "
+            f"`sd` {meas['sd']['tokens_per_cycle']:.2f} tokens per cycle, `via` "
+            f"{meas['via']['tokens_per_cycle']:.2f} (escalation rate {meas['via']['escalation_rate']:.2f}).",
+            "",
+            "| plan | " + " | ".join(f"E* at B={b}" for b in r["batches"]) + " |",
+            "|---|" + "---:|" * len(r["batches"]),
+        ]
         for plan in ("sd", "via"):
             for k in r["ks"]:
-                lines.append(f"| {plan} k={k} | " + " | ".join(f"{r['break_even'][f'{plan}:k={k}@B={b}']:.2f}"
-                                                           for b in r["batches"]) + " |")
+                lines.append(
+                    f"| {plan} k={k} | "
+                    + " | ".join(f"{r['break_even'][f'{plan}:k={k}@B={b}']:.2f}" for b in r["batches"])
+                    + " |"
+                )
         lines.append("")
     (OUT / "results.md").write_text("\n".join(lines))
     print(f"wrote {(OUT / 'results.md').relative_to(ROOT)}")

@@ -82,22 +82,33 @@ def machine() -> dict:
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
-        "env": {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                                              "OMP_NUM_THREADS")},
+        "env": {
+            k: os.environ.get(k)
+            for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+        },
         "loadavg": os.getloadavg(),
     }
 
 
 def header() -> dict:
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=False).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True,
-                                    check=False).stdout.strip())
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=False
+            ).stdout.strip()
+        )
     except OSError:
         commit, dirty = None, None
-    return {"command": [Path(sys.executable).name, *sys.argv], "commit": commit, "worktree_dirty": dirty,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine()}
+    return {
+        "command": [Path(sys.executable).name, *sys.argv],
+        "commit": commit,
+        "worktree_dirty": dirty,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(),
+    }
 
 
 def label() -> str:
@@ -157,8 +168,9 @@ def kernel_fns(ws: list[torch.Tensor], m: int, dtype: str):
     fns = {"linear": Cycle(F.linear, ws)}
     try:
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in ws]
-        fns["mkldnn_packed"] = Cycle(lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""),
-                                     packed)
+        fns["mkldnn_packed"] = Cycle(
+            lambda x, p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), packed
+        )
     except RuntimeError as exc:
         fns["mkldnn_packed"] = exc
     if dtype == "float32" and torch.backends.mkl.is_available():
@@ -198,8 +210,15 @@ def run_kernels(args) -> None:
                     x = torch.randn(m, k, generator=g).to(w.dtype)
                     ref = F.linear(x, w).float()
                     for method, fn in kernel_fns(ws, m, dtype).items():
-                        row = {"shape": name, "K": k, "N": n, "M": m, "dtype": dtype, "method": method,
-                               "weight_copies": copies}
+                        row = {
+                            "shape": name,
+                            "K": k,
+                            "N": n,
+                            "M": m,
+                            "dtype": dtype,
+                            "method": method,
+                            "weight_copies": copies,
+                        }
                         if isinstance(fn, Exception):
                             row["error"] = str(fn).splitlines()[0]
                         else:
@@ -212,8 +231,15 @@ def run_kernels(args) -> None:
                     for m in (1, 6, 64):
                         torch._dynamo.reset()
                         x = torch.randn(m, k, generator=g).to(w.dtype)
-                        row = {"shape": name, "K": k, "N": n, "M": m, "dtype": dtype, "method": "compiled",
-                               "weight_copies": copies}
+                        row = {
+                            "shape": name,
+                            "K": k,
+                            "N": n,
+                            "M": m,
+                            "dtype": dtype,
+                            "method": "compiled",
+                            "weight_copies": copies,
+                        }
                         try:
                             t0 = time.perf_counter()
                             fns = [compiled_fn(wi) for wi in ws]
@@ -249,8 +275,10 @@ def run_phases(args) -> None:
     from viasd.runtime import MaskedLM
 
     data = header()
-    data["what"] = ("MaskedLM forwards: decode = 1 token after a 64-token prefix (cache), block = 6 tokens after "
-                    "it (cache), prefill = 64 tokens from position 0 (no cache); lm_head alone at M = 1 and 6")
+    data["what"] = (
+        "MaskedLM forwards: decode = 1 token after a 64-token prefix (cache), block = 6 tokens after "
+        "it (cache), prefill = 64 tokens from position 0 (no cache); lm_head alone at M = 1 and 6"
+    )
     data["results"] = []
     g = torch.Generator().manual_seed(0)
     for spec in args.models:
@@ -269,6 +297,7 @@ def run_phases(args) -> None:
                     t = time.perf_counter()
                     lm.forward(tokens, len(prefix), cache)  # noqa: F821
                     return time.perf_counter() - t
+
                 return fn
 
             def cached(tokens, reps):
@@ -284,21 +313,41 @@ def run_phases(args) -> None:
                     if not report["linears_swapped"]:
                         break
                     lm = MaskedLM(model)  # it holds lm_head itself: rebuild after the swap
-                row = {"model": spec, "dtype": dtype, "linear": variant, "optimize": report, "load_s": load_s,
-                       "weight_bytes": param_bytes(model),
-                       "num_layers": lm.num_layers}
+                row = {
+                    "model": spec,
+                    "dtype": dtype,
+                    "linear": variant,
+                    "optimize": report,
+                    "load_s": load_s,
+                    "weight_bytes": param_bytes(model),
+                    "num_layers": lm.num_layers,
+                }
                 row["decode"] = summary(cached(block[:1], args.reps))
                 row["block6"] = summary(cached(block, args.reps))
-                row["prefill64"] = summary(timeit(lambda: lm.forward(prefix, 0), budget_s=0.0,  # noqa: F821
-                                                  min_reps=args.reps, warmup=1))
+                row["prefill64"] = summary(
+                    timeit(
+                        lambda: lm.forward(prefix, 0),  # noqa: F821
+                        budget_s=0.0,
+                        min_reps=args.reps,
+                        warmup=1,
+                    )
+                )
                 with torch.inference_mode():
                     for m in (1, 6):
                         h = torch.randn(m, lm.lm_head.in_features, generator=g).to(lm.dtype)
-                        row[f"lm_head_m{m}"] = summary(timeit(lambda: lm.lm_head(h), budget_s=0.0,  # noqa: F821
-                                                              min_reps=args.reps, warmup=1))
+                        row[f"lm_head_m{m}"] = summary(
+                            timeit(
+                                lambda: lm.lm_head(h),  # noqa: F821
+                                budget_s=0.0,
+                                min_reps=args.reps,
+                                warmup=1,
+                            )
+                        )
                 data["results"].append(row)
-                print(json.dumps({k: (v.get("median_s", v) if isinstance(v, dict) else v) for k, v in row.items()}),
-                      flush=True)
+                print(
+                    json.dumps({k: (v.get("median_s", v) if isinstance(v, dict) else v) for k, v in row.items()}),
+                    flush=True,
+                )
             del lm, model
     write("phases", data)
 
@@ -322,10 +371,15 @@ def run_sampling(args) -> None:
             s = Sampler(temperature=temperature)
             probs = s.probs(logits)
             q_slim = s.gate_probs(logits)
-            for name, fn in (("probs", lambda: s.probs(logits)), ("gate_probs", lambda: s.gate_probs(logits)),
-                             ("gate", lambda: gate(q_slim, draft, 0.9, 0.3)),
-                             ("probs+gate_probs+gate", lambda: gate(s.gate_probs(logits), draft, 0.9, 0.3)
-                              if s.probs(logits) is not None else None)):
+            for name, fn in (
+                ("probs", lambda: s.probs(logits)),
+                ("gate_probs", lambda: s.gate_probs(logits)),
+                ("gate", lambda: gate(q_slim, draft, 0.9, 0.3)),
+                (
+                    "probs+gate_probs+gate",
+                    lambda: gate(s.gate_probs(logits), draft, 0.9, 0.3) if s.probs(logits) is not None else None,
+                ),
+            ):
                 row = {"temperature": temperature, "op": name, "probs_dtype": str(probs.dtype)}
                 row.update(summary(timeit(fn, budget_s=0.3)))
                 data["results"].append(row)
@@ -346,26 +400,39 @@ def _ms(row: dict | None) -> str:
 
 
 def run_table(args) -> None:
-    lines = ["# Small-M CPU kernels, per-phase forwards, sampling", "",
-             "Raw figures: `kernels-*.json`, `phases-*.json`, `sampling-*.json` beside this file "
-             "(every run's times, command line, commit, machine). Made by `scripts/measure_kernels.py`; "
-             "`avx2` = the same machine with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
-             "MKL_ENABLE_INSTRUCTIONS=AVX2`. Times: median, ms. Ratio columns: time at M over time at M = 1 "
-             "of the same method.", ""]
+    lines = [
+        "# Small-M CPU kernels, per-phase forwards, sampling",
+        "",
+        "Raw figures: `kernels-*.json`, `phases-*.json`, `sampling-*.json` beside this file "
+        "(every run's times, command line, commit, machine). Made by `scripts/measure_kernels.py`; "
+        "`avx2` = the same machine with `ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 "
+        "MKL_ENABLE_INSTRUCTIONS=AVX2`. Times: median, ms. Ratio columns: time at M over time at M = 1 "
+        "of the same method.",
+        "",
+    ]
     for lab, data in _load("kernels").items():
         mach = data["machine"]
-        lines += [f"## Kernels, {lab}: {mach['cpu_model']}, capability {mach['cpu_capability']}, "
-                  f"{mach['torch_threads']} torch threads, oneDNN bf16 {mach['mkldnn_bf16_supported']}", "",
-                  f"commit `{data['commit']}` (dirty: {data['worktree_dirty']}), {data['date']}", ""]
+        lines += [
+            f"## Kernels, {lab}: {mach['cpu_model']}, capability {mach['cpu_capability']}, "
+            f"{mach['torch_threads']} torch threads, oneDNN bf16 {mach['mkldnn_bf16_supported']}",
+            "",
+            f"commit `{data['commit']}` (dirty: {data['worktree_dirty']}), {data['date']}",
+            "",
+        ]
         rows = data["results"]
         idx = {(r["shape"], r["dtype"], r["method"], r["M"]): r for r in rows}
-        methods = [m for m in ("linear", "mkldnn_packed", "mkl_packed", "compiled") if any(r["method"] == m for r in rows)]
+        methods = [
+            m for m in ("linear", "mkldnn_packed", "mkl_packed", "compiled") if any(r["method"] == m for r in rows)
+        ]
         for shape in dict.fromkeys(r["shape"] for r in rows):
             ms = sorted({r["M"] for r in rows if r["shape"] == shape})
             k, n = next((r["K"], r["N"]) for r in rows if r["shape"] == shape)
-            lines += [f"### {shape} [M, {k}] x [{k}, {n}]", "",
-                      "| dtype | method | " + " | ".join(f"M={m}" for m in ms) + " | M=6 / M=1 | M=64 / M=1 |",
-                      "|---|---|" + "---|" * (len(ms) + 2)]
+            lines += [
+                f"### {shape} [M, {k}] x [{k}, {n}]",
+                "",
+                "| dtype | method | " + " | ".join(f"M={m}" for m in ms) + " | M=6 / M=1 | M=64 / M=1 |",
+                "|---|---|" + "---|" * (len(ms) + 2),
+            ]
             for dtype in DTYPES:
                 for method in methods:
                     cells = [idx.get((shape, dtype, method, m)) for m in ms]
@@ -379,15 +446,26 @@ def run_table(args) -> None:
 
                     def ratio(m):
                         r = idx.get((shape, dtype, method, m))
-                        return "—" if not (r and one and "median_s" in r and "median_s" in one) else \
-                            f"{r['median_s'] / one['median_s']:.2f}"
-                    lines.append(f"| {dtype} | {method} | " + " | ".join(_ms(c) for c in cells) +
-                                 f" | {ratio(6)} | {ratio(64)} |")
+                        return (
+                            "—"
+                            if not (r and one and "median_s" in r and "median_s" in one)
+                            else f"{r['median_s'] / one['median_s']:.2f}"
+                        )
+
+                    lines.append(
+                        f"| {dtype} | {method} | "
+                        + " | ".join(_ms(c) for c in cells)
+                        + f" | {ratio(6)} | {ratio(64)} |"
+                    )
             lines.append("")
         # one decoder layer's linears, per dtype / method
         for prefix, tier in (("v.", "verifier 1.5B"), ("d.", "drafter 0.5B")):
-            lines += [f"### One {tier} decoder layer's linears (sum of q, k, v, o, gate, up, down), ms", "",
-                      "| dtype | method | " + " | ".join(f"M={m}" for m in MS) + " |", "|---|---|" + "---|" * len(MS)]
+            lines += [
+                f"### One {tier} decoder layer's linears (sum of q, k, v, o, gate, up, down), ms",
+                "",
+                "| dtype | method | " + " | ".join(f"M={m}" for m in MS) + " |",
+                "|---|---|" + "---|" * len(MS),
+            ]
             for dtype in DTYPES:
                 for method in methods:
                     if method == "compiled":
@@ -395,25 +473,40 @@ def run_table(args) -> None:
                     cells = []
                     for m in MS:
                         parts = [idx.get((prefix + s, dtype, method, m)) for s in PER_LAYER]
-                        cells.append("—" if any(p is None or "median_s" not in p for p in parts) else
-                                     f"{1e3 * sum(c * p['median_s'] for c, p in zip(PER_LAYER.values(), parts)):.1f}")
+                        cells.append(
+                            "—"
+                            if any(p is None or "median_s" not in p for p in parts)
+                            else f"{1e3 * sum(c * p['median_s'] for c, p in zip(PER_LAYER.values(), parts)):.1f}"
+                        )
                     if any(c != "—" for c in cells):
                         lines.append(f"| {dtype} | {method} | " + " | ".join(cells) + " |")
             lines.append("")
     for lab, data in _load("phases").items():
         mach = data["machine"]
-        lines += [f"## Per-phase forwards, {lab} (capability {mach['cpu_capability']}), ms", "",
-                  data["what"], "",
-                  "| model | dtype | linears | weights GiB | decode (1) | block (6) | prefill (64) | block / decode | "
-                  "lm_head M=1 | lm_head M=6 |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## Per-phase forwards, {lab} (capability {mach['cpu_capability']}), ms",
+            "",
+            data["what"],
+            "",
+            "| model | dtype | linears | weights GiB | decode (1) | block (6) | prefill (64) | block / decode | "
+            "lm_head M=1 | lm_head M=6 |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in data["results"]:
-            lines.append(f"| {r['model']} | {r['dtype']} | {r.get('linear', 'linear')} | {r['weight_bytes'] / 2**30:.2f} | {_ms(r['decode'])} | "
-                         f"{_ms(r['block6'])} | {_ms(r['prefill64'])} | "
-                         f"{r['block6']['median_s'] / r['decode']['median_s']:.2f} | {_ms(r['lm_head_m1'])} | "
-                         f"{_ms(r['lm_head_m6'])} |")
+            lines.append(
+                f"| {r['model']} | {r['dtype']} | {r.get('linear', 'linear')} | {r['weight_bytes'] / 2**30:.2f} | {_ms(r['decode'])} | "
+                f"{_ms(r['block6'])} | {_ms(r['prefill64'])} | "
+                f"{r['block6']['median_s'] / r['decode']['median_s']:.2f} | {_ms(r['lm_head_m1'])} | "
+                f"{_ms(r['lm_head_m6'])} |"
+            )
         lines.append("")
     for lab, data in _load("sampling").items():
-        lines += [f"## Sampling and gate on [6, 151936] logits, {lab}, ms", "", "| temperature | op | ms |", "|---|---|---|"]
+        lines += [
+            f"## Sampling and gate on [6, 151936] logits, {lab}, ms",
+            "",
+            "| temperature | op | ms |",
+            "|---|---|---|",
+        ]
         for r in data["results"]:
             lines.append(f"| {r['temperature']} | {r['op']} | {_ms(r)} |")
         lines.append("")

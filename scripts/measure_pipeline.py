@@ -86,16 +86,23 @@ async def _run(args) -> None:
         seconds = time.perf_counter() - t
         after = coord.totals.to_dict()
         stats = stats_from_proto(responses[-1].stats, "length")
-        return {"tokens": [t for r in responses for t in r.token_ids], "seconds": seconds, "stats": stats.to_dict(),
-                "rpc": {k: after[k] - before[k] for k in after}}
+        return {
+            "tokens": [t for r in responses for t in r.token_ids],
+            "seconds": seconds,
+            "stats": stats.to_dict(),
+            "rpc": {k: after[k] - before[k] for k in after},
+        }
 
     def in_process(ids, params) -> dict:
         t = time.perf_counter()
         res = llm.complete(ids, params)
         return {"tokens": res.token_ids, "seconds": time.perf_counter() - t, "stats": res.stats.to_dict()}
 
-    report: dict = {"config": {**vars(args), "mask": list(llm.engine.mask.skipped)}, "load_before": os.getloadavg(),
-                    "cases": {}}
+    report: dict = {
+        "config": {**vars(args), "mask": list(llm.engine.mask.skipped)},
+        "load_before": os.getloadavg(),
+        "cases": {},
+    }
     try:
         for kw in cases.values():  # warm-up: first forwards of each shape family are slow (oneDNN)
             params = parse_params(max_tokens=8, ignore_eos=True, **kw)
@@ -127,12 +134,16 @@ async def _run(args) -> None:
 
 
 def _summarise(report: dict) -> None:
-    print("\ncase       in-proc tok/s  served tok/s  ratio  same tokens  cycles  bytes/cycle (probs)  "
-          "per cycle ms: draft  verify  rpc+other")
+    print(
+        "\ncase       in-proc tok/s  served tok/s  ratio  same tokens  cycles  bytes/cycle (probs)  "
+        "per cycle ms: draft  verify  rpc+other"
+    )
     for name, c in report["cases"].items():
         ip, sv = c["in_process"], c.get("served", [])
+
         def tps(runs):
             return sum(len(r["tokens"]) for r in runs) / sum(r["seconds"] for r in runs)
+
         same = sum(a["tokens"] == b["tokens"] for a, b in zip(ip, sv))
         cycles = sum(r["rpc"]["cycles"] for r in sv)
         byts = sum(r["rpc"]["bytes_sent"] + r["rpc"]["bytes_received"] for r in sv)
@@ -141,21 +152,32 @@ def _summarise(report: dict) -> None:
         draft = sum(r["stats"]["seconds"]["drafter"] for r in sv)
         verify = sum(r["stats"]["seconds"]["slim"] + r["stats"]["seconds"]["full"] for r in sv)
         summary = {
-            "in_process_tok_s": tps(ip), "served_tok_s": tps(sv), "same_tokens": f"{same}/{len(ip)}", "cycles": cycles,
-            "bytes_per_cycle": byts / cycles, "probs_bytes_per_cycle": probs / cycles,
-            "ms_per_cycle": {"wall": 1e3 * wall / cycles, "draft": 1e3 * draft / cycles, "verify": 1e3 * verify / cycles,
-                             "rpc_and_other": 1e3 * (wall - draft - verify) / cycles,
-                             "propose_rpc_minus_draft": 1e3 * (sum(r["rpc"]["propose_seconds"] for r in sv) - draft) / cycles,
-                             "verify_rpc_minus_verify": 1e3 * (sum(r["rpc"]["verify_seconds"] for r in sv) - verify) / cycles},
-            "in_process_ms_per_cycle": 1e3 * sum(r["seconds"] for r in ip) / max(1, sum(
-                (r["stats"]["num_drafts"] or r["stats"]["generated_tokens"]) for r in ip)),
+            "in_process_tok_s": tps(ip),
+            "served_tok_s": tps(sv),
+            "same_tokens": f"{same}/{len(ip)}",
+            "cycles": cycles,
+            "bytes_per_cycle": byts / cycles,
+            "probs_bytes_per_cycle": probs / cycles,
+            "ms_per_cycle": {
+                "wall": 1e3 * wall / cycles,
+                "draft": 1e3 * draft / cycles,
+                "verify": 1e3 * verify / cycles,
+                "rpc_and_other": 1e3 * (wall - draft - verify) / cycles,
+                "propose_rpc_minus_draft": 1e3 * (sum(r["rpc"]["propose_seconds"] for r in sv) - draft) / cycles,
+                "verify_rpc_minus_verify": 1e3 * (sum(r["rpc"]["verify_seconds"] for r in sv) - verify) / cycles,
+            },
+            "in_process_ms_per_cycle": 1e3
+            * sum(r["seconds"] for r in ip)
+            / max(1, sum((r["stats"]["num_drafts"] or r["stats"]["generated_tokens"]) for r in ip)),
         }
         c["summary"] = summary
         m = summary["ms_per_cycle"]
-        print(f"{name:9s} {summary['in_process_tok_s']:13.2f} {summary['served_tok_s']:13.2f} "
-              f"{summary['served_tok_s'] / summary['in_process_tok_s']:6.3f} {summary['same_tokens']:>11s} {cycles:7d} "
-              f"{summary['bytes_per_cycle']:12.0f} ({summary['probs_bytes_per_cycle']:.0f})  "
-              f"{m['draft']:8.1f} {m['verify']:7.1f} {m['rpc_and_other']:9.1f}")
+        print(
+            f"{name:9s} {summary['in_process_tok_s']:13.2f} {summary['served_tok_s']:13.2f} "
+            f"{summary['served_tok_s'] / summary['in_process_tok_s']:6.3f} {summary['same_tokens']:>11s} {cycles:7d} "
+            f"{summary['bytes_per_cycle']:12.0f} ({summary['probs_bytes_per_cycle']:.0f})  "
+            f"{m['draft']:8.1f} {m['verify']:7.1f} {m['rpc_and_other']:9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -66,10 +66,16 @@ def main() -> None:
 
         from viasd.bench import provenance
 
-        out = {"model": args.model, "temperature": args.temperature, "prompts": args.prompts,
-               "skip_ratio": args.skip_ratio, "positions": tv.numel(),
-               "bfloat16": {"mean": float(tv.mean()), "median": float(tv.median()), "max": float(tv.max())},
-               "float32": {"max": float(tv0.max())}, **provenance()}
+        out = {
+            "model": args.model,
+            "temperature": args.temperature,
+            "prompts": args.prompts,
+            "skip_ratio": args.skip_ratio,
+            "positions": tv.numel(),
+            "bfloat16": {"mean": float(tv.mean()), "median": float(tv.median()), "max": float(tv.max())},
+            "float32": {"max": float(tv0.max())},
+            **provenance(),
+        }
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
 

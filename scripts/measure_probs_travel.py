@@ -29,9 +29,9 @@ import time
 import torch
 
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "def merge_sorted(a: list, b: list) -> list:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
-    "def parse_csv_line(line: str) -> list[str]:\n    \"\"\"Split one CSV line into fields.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'def merge_sorted(a: list, b: list) -> list:\n    """Merge two sorted lists into one sorted list."""\n',
+    'def parse_csv_line(line: str) -> list[str]:\n    """Split one CSV line into fields."""\n',
 ]
 SETTINGS = {  # the sampling parameters of a request -> how much of p is nonzero
     "T=1.0": dict(temperature=1.0),
@@ -67,8 +67,10 @@ async def hop_seconds(messages: list, repeats: int) -> float:
         await server.stop(None)
 
 
-TABLE_HEADER = ("| sampling | nonzero p per row (median) | encoding | bytes per block | codec s per block "
-                "| one gRPC hop s per block | per cycle, via coordinator / direct (TP=1) |")
+TABLE_HEADER = (
+    "| sampling | nonzero p per row (median) | encoding | bytes per block | codec s per block "
+    "| one gRPC hop s per block | per cycle, via coordinator / direct (TP=1) |"
+)
 
 
 def markdown_table(results: dict) -> str:
@@ -80,9 +82,11 @@ def markdown_table(results: dict) -> str:
             label = encoding + (" (sparse rows)" if e["sparse_rows"] and encoding != "sparse" else "")
             if encoding == "sparse" and not e["sparse_rows"]:
                 label = "sparse (rows stay dense)"
-            lines.append(f"| {name} | {row['nonzero_per_row_median']:g} | {label} | {e['bytes_per_block']:,} "
-                         f"| {e['encode_decode_s_per_block']:.4f} | {e['grpc_hop_s_per_block']:.4f} "
-                         f"| {e['cycle_bytes_via_coordinator_tp1']:,} / {e['cycle_bytes_direct_tp1']:,} |")
+            lines.append(
+                f"| {name} | {row['nonzero_per_row_median']:g} | {label} | {e['bytes_per_block']:,} "
+                f"| {e['encode_decode_s_per_block']:.4f} | {e['grpc_hop_s_per_block']:.4f} "
+                f"| {e['cycle_bytes_via_coordinator_tp1']:,} / {e['cycle_bytes_direct_tp1']:,} |"
+            )
     return "\n".join(lines)
 
 
@@ -110,8 +114,14 @@ def main() -> None:
     logits = torch.cat(logits)  # [N, V]
     blocks = [logits[i : i + args.k] for i in range(0, logits.shape[0] - args.k + 1, args.k)]
     vocab = logits.shape[1]
-    results = {**provenance(), "model": args.model, "vocab_size": vocab, "k": args.k, "blocks": len(blocks),
-               "settings": {}}
+    results = {
+        **provenance(),
+        "model": args.model,
+        "vocab_size": vocab,
+        "k": args.k,
+        "blocks": len(blocks),
+        "settings": {},
+    }
     for name, params in SETTINGS.items():
         sampler = Sampler.from_params(parse_params(**params))
         ps = [sampler.probs(b) for b in blocks]  # each [k, V]
@@ -123,8 +133,12 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if encoding == "dense":  # the encoding before sparse rows: every value
                     t = p.contiguous()
-                    msg = ipb.DraftProbs(rows=t.shape[0], vocab_size=vocab, dtype="float32",
-                                         data=t.numpy().astype("<f4", copy=False).tobytes())
+                    msg = ipb.DraftProbs(
+                        rows=t.shape[0],
+                        vocab_size=vocab,
+                        dtype="float32",
+                        data=t.numpy().astype("<f4", copy=False).tobytes(),
+                    )
                 else:
                     msg = encode_probs(p, "bfloat16" if encoding == "bfloat16" else "auto")
                 back = decode_probs(ipb.DraftProbs.FromString(msg.SerializeToString()))

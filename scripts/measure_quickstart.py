@@ -43,10 +43,18 @@ def one(name: str, max_tokens: int, threads: int) -> dict:
     llm.complete(ids, parse_params(max_tokens=8, **params_kw))  # warm-up
     result = llm.complete(ids, parse_params(max_tokens=max_tokens, **params_kw))
     s = result.stats
-    return {"config": name, "engine": engine_kw, "params": params_kw, "runtime": llm.runtime_info(),
-            "tokens": s.generated_tokens, "seconds": s.total_seconds,
-            "tokens_per_second": s.generated_tokens / s.total_seconds, "plans": s.plans,
-            "finish_reason": s.finish_reason, "mask": llm.mask_source}
+    return {
+        "config": name,
+        "engine": engine_kw,
+        "params": params_kw,
+        "runtime": llm.runtime_info(),
+        "tokens": s.generated_tokens,
+        "seconds": s.total_seconds,
+        "tokens_per_second": s.generated_tokens / s.total_seconds,
+        "plans": s.plans,
+        "finish_reason": s.finish_reason,
+        "mask": llm.mask_source,
+    }
 
 
 def main() -> None:
@@ -66,17 +74,36 @@ def main() -> None:
     runs = []
     for p in range(args.passes):
         for name in CONFIGS:
-            out = subprocess.run([sys.executable, __file__, "--child", name, "--max-tokens", str(args.max_tokens),
-                                  "--threads", str(args.threads)], check=True, capture_output=True, text=True)
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    name,
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--threads",
+                    str(args.threads),
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
             runs.append({"pass": p, **json.loads(out.stdout.strip().splitlines()[-1])})
             print(f"pass {p} {name}: {runs[-1]['tokens_per_second']:.2f} tok/s", file=sys.stderr)
     median = {n: statistics.median(r["tokens_per_second"] for r in runs if r["config"] == n) for n in CONFIGS}
     label = "avx2" if torch.backends.cpu.get_cpu_capability().upper() == "AVX2" else "native"
     OUT.mkdir(parents=True, exist_ok=True)
-    record = {"command": "python scripts/measure_quickstart.py " + " ".join(sys.argv[1:]),
-              "environment": environment(), "prompt": PROMPT, "max_tokens": args.max_tokens, "runs": runs,
-              "median_tokens_per_second": median,
-              "after_over_before": median["after"] / median["before"], "after_over_ar": median["after"] / median["ar"]}
+    record = {
+        "command": "python scripts/measure_quickstart.py " + " ".join(sys.argv[1:]),
+        "environment": environment(),
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "runs": runs,
+        "median_tokens_per_second": median,
+        "after_over_before": median["after"] / median["before"],
+        "after_over_ar": median["after"] / median["ar"],
+    }
     path = OUT / f"quickstart-{label}.json"
     path.write_text(json.dumps(record, indent=1))
     print(json.dumps({k: record[k] for k in ("median_tokens_per_second", "after_over_before", "after_over_ar")}))

@@ -61,19 +61,30 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(parse_engine_config(threads=args.threads))
     if llm.engine.gates is not None:  # the mask's calibrated gates, spelled out (viasd.gates)
         greedy = settings_from(";".join([*(s.label for s in greedy), llm.engine.gates.spec()]), (0,), base)
-    engine = Engine(llm.verifier, llm.drafter, mask=llm.engine.mask, eos_token_ids=llm.engine.eos_token_ids,
-                    max_batch=args.max_batch, cost_cache_dir=cost_cache_dir())
+    engine = Engine(
+        llm.verifier,
+        llm.drafter,
+        mask=llm.engine.mask,
+        eos_token_ids=llm.engine.eos_token_ids,
+        max_batch=args.max_batch,
+        cost_cache_dir=cost_cache_dir(),
+    )
     he, lib = humaneval(args.humaneval), stdlib_functions(args.stdlib)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     res_g = evaluate(engine, llm.tokenizer, greedy, {"humaneval": he, "stdlib": lib}, log=log)
     res_s = evaluate(engine, llm.tokenizer, sampled, {"humaneval": he}, log=log) if sampled else None
     summary = {**res_g["summary"], **(res_s["summary"] if res_s else {})}
     results = {
-        "meta": {**provenance(str(llm.verifier.device)), "runtime": llm.runtime_info(),
-                 "mask": {"skipped_layers": list(llm.engine.mask.skipped), "source": llm.mask_source},
-                 "max_tokens": args.max_tokens, "max_batch": args.max_batch, "seeds": list(seeds),
-                 "corpora": {"humaneval": [p.id for p in he], "stdlib": [p.id for p in lib]},
-                 "wall_seconds": res_g["wall_seconds"] + (res_s["wall_seconds"] if res_s else 0.0)},
+        "meta": {
+            **provenance(str(llm.verifier.device)),
+            "runtime": llm.runtime_info(),
+            "mask": {"skipped_layers": list(llm.engine.mask.skipped), "source": llm.mask_source},
+            "max_tokens": args.max_tokens,
+            "max_batch": args.max_batch,
+            "seeds": list(seeds),
+            "corpora": {"humaneval": [p.id for p in he], "stdlib": [p.id for p in lib]},
+            "wall_seconds": res_g["wall_seconds"] + (res_s["wall_seconds"] if res_s else 0.0),
+        },
         "summary": summary,
         "runs": res_g["runs"] + (res_s["runs"] if res_s else []),
     }
@@ -81,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(summary, ["humaneval", "stdlib"])
-    (out / "results.md").write_text(f"wall time of the whole evaluation: {results['meta']['wall_seconds']:.0f} s\n\n"
-                                    + table)
+    (out / "results.md").write_text(
+        f"wall time of the whole evaluation: {results['meta']['wall_seconds']:.0f} s\n\n" + table
+    )
     print(table)
     print(f"wall time {results['meta']['wall_seconds']:.0f} s; wrote {out}/results.json, results.md", file=sys.stderr)
     return 0

@@ -32,14 +32,14 @@ import threading
 import time
 
 PROMPTS = [
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
-    "def is_palindrome(s: str) -> bool:\n    \"\"\"Return True when s reads the same backwards.\"\"\"\n",
-    "def merge_sorted(a: list, b: list) -> list:\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
-    "def count_words(text: str) -> dict:\n    \"\"\"Count how often each word occurs in text.\"\"\"\n",
-    "def flatten(xs):\n    \"\"\"Flatten a nested list of lists into one list.\"\"\"\n",
-    "def gcd(a: int, b: int) -> int:\n    \"\"\"Greatest common divisor of a and b.\"\"\"\n",
-    "def transpose(m: list[list[int]]) -> list[list[int]]:\n    \"\"\"Transpose a matrix.\"\"\"\n",
-    "def parse_csv_line(line: str) -> list[str]:\n    \"\"\"Split one CSV line into fields.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    'def is_palindrome(s: str) -> bool:\n    """Return True when s reads the same backwards."""\n',
+    'def merge_sorted(a: list, b: list) -> list:\n    """Merge two sorted lists into one sorted list."""\n',
+    'def count_words(text: str) -> dict:\n    """Count how often each word occurs in text."""\n',
+    'def flatten(xs):\n    """Flatten a nested list of lists into one list."""\n',
+    'def gcd(a: int, b: int) -> int:\n    """Greatest common divisor of a and b."""\n',
+    'def transpose(m: list[list[int]]) -> list[list[int]]:\n    """Transpose a matrix."""\n',
+    'def parse_csv_line(line: str) -> list[str]:\n    """Split one CSV line into fields."""\n',
 ]
 
 
@@ -57,7 +57,11 @@ def one_stream(client, model: str, prompt: str, mode: str, max_tokens: int, out:
     t0 = time.perf_counter()
     ttft, ids, itl, last, text = None, [], [], None, []
     stream = client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         extra_body={**mode_params(mode), "ignore_eos": True, "return_token_ids": True},
     )
     for chunk in stream:
@@ -81,8 +85,9 @@ def in_process_stream(llm, prompt: str, mode: str, max_tokens: int, defaults: di
     """The same request through the in-process engine (threads share its steps: one batch)."""
     from viasd.config import parse_params
 
-    params = parse_params(**{**defaults, **mode_params(mode), "max_tokens": max_tokens, "temperature": 0,
-                             "ignore_eos": True})
+    params = parse_params(
+        **{**defaults, **mode_params(mode), "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    )
     t0 = time.perf_counter()
     ttft, ids, itl, last = None, [], [], None
     for chunk in llm.engine.generate(llm.encode(prompt), params):
@@ -109,8 +114,10 @@ def percentile(xs: list[float], q: float) -> float | None:
 def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str = "served") -> dict:
     """`concurrency` streams at once (prompt i % 8 each); `target(prompt, mode, max_tokens, out)`."""
     results = [{} for _ in range(concurrency)]
-    threads = [threading.Thread(target=target, args=(PROMPTS[i % len(PROMPTS)], mode, max_tokens, results[i]))
-               for i in range(concurrency)]
+    threads = [
+        threading.Thread(target=target, args=(PROMPTS[i % len(PROMPTS)], mode, max_tokens, results[i]))
+        for i in range(concurrency)
+    ]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -158,8 +165,17 @@ def tokenizer_dir(spec: str) -> str:
     raise SystemExit(f"no local tokenizer for {spec!r}: load the model once first")
 
 
-def run_guidellm(exe: str, base: str, model: str, tokenizer: str, mode: str, levels: list[int], max_tokens: int,
-                 requests_per_stream: int, workdir: str) -> dict:
+def run_guidellm(
+    exe: str,
+    base: str,
+    model: str,
+    tokenizer: str,
+    mode: str,
+    levels: list[int],
+    max_tokens: int,
+    requests_per_stream: int,
+    workdir: str,
+) -> dict:
     """guidellm (a third-party load generator) against the served /v1/completions at each level:
     synthetic 64-token prompts, `max_tokens` output tokens (ignore_eos), greedy, this mode; its
     per-level figures (tokens/s, TTFT and ITL p50 / p99) from its JSON report."""
@@ -167,9 +183,14 @@ def run_guidellm(exe: str, base: str, model: str, tokenizer: str, mode: str, lev
 
     scenario = {
         "spec": {
-            "backend": {"kind": "openai_http", "target": base, "model": model, "request_format": "/v1/completions",
-                        "max_tokens": max_tokens,
-                        "extras": {"body": {**mode_params(mode), "ignore_eos": True, "temperature": 0}}},
+            "backend": {
+                "kind": "openai_http",
+                "target": base,
+                "model": model,
+                "request_format": "/v1/completions",
+                "max_tokens": max_tokens,
+                "extras": {"body": {**mode_params(mode), "ignore_eos": True, "temperature": 0}},
+            },
             "profile": {"kind": "concurrent"},
             "data": [{"kind": "synthetic_text", "prompt_tokens": 64, "output_tokens": max_tokens}],
             "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
@@ -189,8 +210,11 @@ def run_guidellm(exe: str, base: str, model: str, tokenizer: str, mode: str, lev
     with open(report) as f:
         benchmarks = json.load(f)["benchmarks"]
     scenario["spec"]["tokenizer"]["model"] = f"<the local tokenizer of {model}>"  # (no machine path in the figures)
-    return {"command": " ".join(["guidellm", *cmd[1:3], "<scenario>", *cmd[4:5], "kind=json,path=<report>", *cmd[6:]]),
-            "scenario": scenario, "levels": [guidellm_level(b) for b in benchmarks]}
+    return {
+        "command": " ".join(["guidellm", *cmd[1:3], "<scenario>", *cmd[4:5], "kind=json,path=<report>", *cmd[6:]]),
+        "scenario": scenario,
+        "levels": [guidellm_level(b) for b in benchmarks],
+    }
 
 
 def guidellm_level(benchmark: dict) -> dict:
@@ -241,17 +265,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="sd", help="comma-separated: ar, sd, via (served); auto runs in-process only")
-    ap.add_argument("--in-process", action="store_true",
-                    help="first measure the in-process batched engine (the config's pipeline engine) at the same "
-                    "levels, then free it and start the served application")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="first measure the in-process batched engine (the config's pipeline engine) at the same "
+        "levels, then free it and start the served application",
+    )
     ap.add_argument("--dtype", default=None, help="override the pipeline's engine dtype (float32, bfloat16)")
-    ap.add_argument("--guidellm", default=None,
-                    help="the guidellm executable, e.g. `guidellm` on PATH (pip install -e .[load], or its own "
-                    "venv): also drive the served endpoint with it at the same levels")
+    ap.add_argument(
+        "--guidellm",
+        default=None,
+        help="the guidellm executable, e.g. `guidellm` on PATH (pip install -e .[load], or its own "
+        "venv): also drive the served endpoint with it at the same levels",
+    )
     ap.add_argument("--guidellm-requests", type=int, default=1, help="guidellm requests per stream and level")
-    ap.add_argument("--merge-guidellm", default=None,
-                    help="a results file of this script whose guidellm figures join these ones (its command, "
-                    "commit and machine are kept under `merged`)")
+    ap.add_argument(
+        "--merge-guidellm",
+        default=None,
+        help="a results file of this script whose guidellm figures join these ones (its command, "
+        "commit and machine are kept under `merged`)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -266,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     config = load_serve_config(args.config)
     raw = config.model_dump(mode="json")
     # the batch capacity: every stream of the largest level decodes at once
-    raw["limits"] = {**raw["limits"], "max_concurrent_requests": max(levels),
-                     "max_queued_requests": max(raw["limits"]["max_queued_requests"], max(levels))}
+    raw["limits"] = {
+        **raw["limits"],
+        "max_concurrent_requests": max(levels),
+        "max_queued_requests": max(raw["limits"]["max_queued_requests"], max(levels)),
+    }
     for p in raw["pipelines"]:
         p["engine"]["max_batch"] = max(p["engine"].get("max_batch") or 1, max(levels))
         # positions per cache row: fixed, not a share of the memory that happens to be free at start
@@ -302,8 +338,9 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(pc.engine)
         results["in_process"] = {"engine": pc.engine.model_dump(mode="json"), "runtime": llm.runtime_info()}
         defaults = dict(config.default_params)
-        measure(lambda prompt, mode, n, out: in_process_stream(llm, prompt, mode, n, defaults, out), "in_process",
-                modes)
+        measure(
+            lambda prompt, mode, n, out: in_process_stream(llm, prompt, mode, n, defaults, out), "in_process", modes
+        )
         llm.engine.close()
         del llm
         gc.collect()
@@ -322,16 +359,18 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
         model = client.models.list().data[0]
         results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
-        measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served",
-                served_modes)
+        measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served", served_modes)
         if args.guidellm:
             import tempfile
 
             tok = tokenizer_dir(config.pipeline().engine.verifier)
             with tempfile.TemporaryDirectory() as work:
-                results["guidellm"] = {mode: run_guidellm(args.guidellm, base, model.id, tok, mode, levels,
-                                                          args.max_tokens, args.guidellm_requests, work)
-                                       for mode in served_modes}
+                results["guidellm"] = {
+                    mode: run_guidellm(
+                        args.guidellm, base, model.id, tok, mode, levels, args.max_tokens, args.guidellm_requests, work
+                    )
+                    for mode in served_modes
+                }
     finally:
         if started is not None:
             from viasd.cluster import launch
@@ -352,29 +391,37 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if results["tokens"]["streams_mismatched"] else 0
 
 
-TABLE_HEADER = ("| mode | streams | in-process tok/s | served tok/s | served / in-process | served TTFT p50 / p99 (s) "
-                "| served ITL p50 / p99 (s) | guidellm tok/s | guidellm TTFT p50 / p99 (s) | guidellm ITL p50 / p99 (s) |")
+TABLE_HEADER = (
+    "| mode | streams | in-process tok/s | served tok/s | served / in-process | served TTFT p50 / p99 (s) "
+    "| served ITL p50 / p99 (s) | guidellm tok/s | guidellm TTFT p50 / p99 (s) | guidellm ITL p50 / p99 (s) |"
+)
 
 
 def markdown_table(results: dict, in_process: bool = True) -> str:
     """The figures of a results file as the table docs/SERVING.md shows (tests/test_docs_figures.py
     checks that the page's table is this one); `in_process=False` leaves the in-process runs out."""
-    runs = {(r["system"], r["mode"], r["concurrency"]): r for r in results["runs"]
-            if in_process or r["system"] != "in_process"}
+    runs = {
+        (r["system"], r["mode"], r["concurrency"]): r
+        for r in results["runs"]
+        if in_process or r["system"] != "in_process"
+    }
     guide = {(mode, lv["streams"]): lv for mode, g in results.get("guidellm", {}).items() for lv in g["levels"]}
     lines = [TABLE_HEADER, "|" + " --- |" * TABLE_HEADER.count(" | ") + " --- |"]
     for mode in results["modes"]:
         for c in results["levels"]:
             ip, sv, g = runs.get(("in_process", mode, c)), runs.get(("served", mode, c)), guide.get((mode, c))
-            cells = [mode, str(c),
-                     f"{ip['aggregate_tokens_per_s']:.2f}" if ip else "-",
-                     f"{sv['aggregate_tokens_per_s']:.2f}" if sv else "-",
-                     f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}" if ip and sv else "-",
-                     f"{sv['p50_ttft_s']:.2f} / {sv['p99_ttft_s']:.2f}" if sv else "-",
-                     f"{sv['p50_itl_s']:.3f} / {sv['p99_itl_s']:.3f}" if sv and sv["p50_itl_s"] is not None else "-",
-                     f"{g['aggregate_tokens_per_s']:.2f}" if g else "-",
-                     f"{g['p50_ttft_s']:.2f} / {g['p99_ttft_s']:.2f}" if g else "-",
-                     f"{g['p50_itl_s']:.3f} / {g['p99_itl_s']:.3f}" if g else "-"]
+            cells = [
+                mode,
+                str(c),
+                f"{ip['aggregate_tokens_per_s']:.2f}" if ip else "-",
+                f"{sv['aggregate_tokens_per_s']:.2f}" if sv else "-",
+                f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}" if ip and sv else "-",
+                f"{sv['p50_ttft_s']:.2f} / {sv['p99_ttft_s']:.2f}" if sv else "-",
+                f"{sv['p50_itl_s']:.3f} / {sv['p99_itl_s']:.3f}" if sv and sv["p50_itl_s"] is not None else "-",
+                f"{g['aggregate_tokens_per_s']:.2f}" if g else "-",
+                f"{g['p50_ttft_s']:.2f} / {g['p99_ttft_s']:.2f}" if g else "-",
+                f"{g['p50_itl_s']:.3f} / {g['p99_itl_s']:.3f}" if g else "-",
+            ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -30,20 +30,26 @@ def make_certificates(root: Path) -> dict[str, Path]:
         paths[f"{name}.pem"] = root / f"{name}.pem"
         paths[f"{name}.pem"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         paths[f"{name}.key"] = root / f"{name}.key"
-        paths[f"{name}.key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                           serialization.PrivateFormat.PKCS8,
-                                                           serialization.NoEncryption()))
+        paths[f"{name}.key"].write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
 
     def make(name: str, issuer=None, *, ca: bool = False, usages=(), names=()):
         key = ec.generate_private_key(ec.SECP256R1())
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         issuer_cert, issuer_key = issuer or (None, key)
-        builder = (x509.CertificateBuilder().subject_name(subject)
-                   .issuer_name(issuer_cert.subject if issuer_cert else subject)
-                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(issuer_cert.subject if issuer_cert else subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
         if names:
             builder = builder.add_extension(x509.SubjectAlternativeName(list(names)), critical=False)
         if usages:

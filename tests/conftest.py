@@ -79,8 +79,9 @@ def ray_session():
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 log_to_driver=False)
+        ray.init(
+            address="local", num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
+        )
     yield ray
     if started:
         ray.shutdown()
@@ -134,8 +135,13 @@ def save_tiny_pair(root, tokenizer=None):
         model.save_pretrained(root / name)
         if tokenizer is not None:
             tokenizer.save_pretrained(root / name)
-    return EngineConfig(verifier=str(root / "verifier"), drafter=str(root / "drafter"), dtype="float32",
-                        mask=(1, 0, 1, 0, 1, 1), threads=1)
+    return EngineConfig(
+        verifier=str(root / "verifier"),
+        drafter=str(root / "drafter"),
+        dtype="float32",
+        mask=(1, 0, 1, 0, 1, 1),
+        threads=1,
+    )
 
 
 @contextlib.contextmanager

@@ -46,7 +46,7 @@ def _logits(lm: MaskedLM, seq: list[int], rows: int, mask: LayerMask | None = No
 
 
 def regions(q_slim: Tensor, draft: list[int], alpha1: float, alpha2: float, rewrite: bool) -> list[str]:
-    """"A" (r >= alpha1), "B" (alpha2 <= r < alpha1; "C" when rewrite is off) or "C" per position,
+    """ "A" (r >= alpha1), "B" (alpha2 <= r < alpha1; "C" when rewrite is off) or "C" per position,
     with r_i = q'_i(x_i) / max_v q'_i(v): q_slim [T, V]."""
     out = []
     for i, x in enumerate(draft):
@@ -82,8 +82,9 @@ def draw(law: Tensor, gen: torch.Generator) -> int:
     return int(torch.multinomial(law[None], 1, generator=gen)[0, 0])
 
 
-def verify_block(params: GenerationParams, p: Tensor, q: Tensor, draft: list[int], gen: torch.Generator
-                 ) -> tuple[int, int]:
+def verify_block(
+    params: GenerationParams, p: Tensor, q: Tensor, draft: list[int], gen: torch.Generator
+) -> tuple[int, int]:
     """(accepted draft tokens, the committed token after them): p [T, V], q [T + 1, V]."""
     t = len(draft)
     idx = torch.tensor(draft)
@@ -169,7 +170,9 @@ class _Drafter:
         params = self.params
         length_now = self._length(params.gamma)
         if params.adaptive_gamma and self.last:
-            self.current = min(params.gamma, self.current + 2) if accepted == len(self.last) else max(1, self.current - 1)
+            self.current = (
+                min(params.gamma, self.current + 2) if accepted == len(self.last) else max(1, self.current - 1)
+            )
         if not params.overlap:
             return
         gen = _block_generator(self.seed, self.blocks)
@@ -213,8 +216,13 @@ def reference_decode(
             new = None
             if params.mode == Mode.VIA:
                 s = _logits(verifier, seq + draft, k + 1, mask)
-                gate = regions(sampler.gate_probs(s[:k]), draft, params.alpha1, params.alpha2,
-                               rewrite=params.region_b == RegionB.REWRITE)
+                gate = regions(
+                    sampler.gate_probs(s[:k]),
+                    draft,
+                    params.alpha1,
+                    params.alpha2,
+                    rewrite=params.region_b == RegionB.REWRITE,
+                )
                 i = next((j for j, g in enumerate(gate) if g != "A"), k)
                 if i == k:
                     new, accepted = list(draft), k

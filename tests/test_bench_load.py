@@ -51,8 +51,17 @@ def results(bench, tmp_path_factory):
     torch.set_num_threads(1)
     out = tmp_path_factory.mktemp("load")
     try:
-        res = run_load(bench, CONCURRENCY, METHODS, prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                       arrivals=("all", "poisson"), rate=200.0, arrival_seed=3, out=out)
+        res = run_load(
+            bench,
+            CONCURRENCY,
+            METHODS,
+            prompts=PROMPTS,
+            max_tokens=MAX_TOKENS,
+            arrivals=("all", "poisson"),
+            rate=200.0,
+            arrival_seed=3,
+            out=out,
+        )
     finally:
         torch.set_num_threads(n)
     res["_out"] = out
@@ -66,8 +75,11 @@ def runs_of(results, method, arrival=None):
 def test_every_method_runs_everywhere(results):
     got = {(r["method"], r["arrival"], r["concurrency"]) for r in results["runs"]}
     assert got == {(m, a, c) for m in METHODS for a in ("all", "poisson") for c in CONCURRENCY}
-    failed = {(r["method"], r["arrival"], r["concurrency"]): (r["error"], r.get("traceback")) for r in results["runs"]
-              if not r["ok"]}
+    failed = {
+        (r["method"], r["arrival"], r["concurrency"]): (r["error"], r.get("traceback"))
+        for r in results["runs"]
+        if not r["ok"]
+    }
     assert not failed, failed  # generate_batch included: its error and traceback show here if it cannot run
 
 
@@ -85,9 +97,13 @@ def test_every_request_generates_exactly_max_tokens(results):
 def test_batching_never_changes_greedy_tokens(results):
     """Batched and batch-1 runs of the same greedy requests produce identical tokens, and
     transformers' generate_batch (greedy, eos off) matches our `ar` on the same weights."""
+
     def tokens(method):
-        return {(r["arrival"], r["concurrency"], q["index"]): q["tokens"] for r in runs_of(results, method)
-                for q in r["requests"]}
+        return {
+            (r["arrival"], r["concurrency"], q["index"]): q["tokens"]
+            for r in runs_of(results, method)
+            for q in r["requests"]
+        }
 
     for mode in ENGINE_MODES:
         assert tokens(mode) == tokens(f"{mode}@batch1"), mode
@@ -98,7 +114,9 @@ def test_batching_never_changes_greedy_tokens(results):
     for (_, _, i), toks in tokens("ar").items():
         by_prompt.setdefault(i % len(PROMPTS), set()).add(tuple(toks))
     assert all(len(v) == 1 for v in by_prompt.values()), by_prompt
-    row = next(r for r in results["summary"] if r["method"] == HF_CB and r["arrival"] == "all" and r["concurrency"] == 3)
+    row = next(
+        r for r in results["summary"] if r["method"] == HF_CB and r["arrival"] == "all" and r["concurrency"] == 3
+    )
     assert row["agree_with_ar"] == 1.0
 
 
@@ -127,9 +145,11 @@ def test_records_have_the_documented_fields(results):
         assert r["peak_rss_bytes"] > 0
     hf = runs_of(results, HF_CB)
     assert {(r["arrival"], r["concurrency"] > 1): r["hf_api"] for r in hf} == {
-        ("all", False): "model.generate_batch", ("all", True): "model.generate_batch",
+        ("all", False): "model.generate_batch",
+        ("all", True): "model.generate_batch",
         ("poisson", False): "model.generate_batch",  # one request, at t = 0
-        ("poisson", True): "its manager (continuous_batching_context_manager) + add_request at each arrival"}
+        ("poisson", True): "its manager (continuous_batching_context_manager) + add_request at each arrival",
+    }
     assert all(r["hf_attn_implementation"] in ("sdpa", "paged|eager") for r in hf)
 
 
@@ -194,8 +214,17 @@ def test_a_failing_method_is_recorded(bench, tmp_path, monkeypatch):
         raise RuntimeError("roofline exploded")
 
     monkeypatch.setattr(LoadBench, "_roofline", boom)
-    res = run_load(bench, [1], ["ar", ROOFLINE], prompts=PROMPTS[:1], max_tokens=2, arrivals=("all",),
-                   warmup=False, out=tmp_path, plots=False)
+    res = run_load(
+        bench,
+        [1],
+        ["ar", ROOFLINE],
+        prompts=PROMPTS[:1],
+        max_tokens=2,
+        arrivals=("all",),
+        warmup=False,
+        out=tmp_path,
+        plots=False,
+    )
     by = {r["method"]: r for r in res["runs"]}
     assert by["ar"]["ok"] and not by[ROOFLINE]["ok"]
     assert "roofline exploded" in by[ROOFLINE]["error"] and by[ROOFLINE]["traceback"]
@@ -226,16 +255,36 @@ def test_method_specs():
     base = parse_params({"max_tokens": 4, "ignore_eos": True})
     ms = parse_load_methods("ar;via:region_b=escalate@batch1;generate_batch;roofline", base)
     assert [(m.label, m.kind, m.batch1) for m in ms] == [
-        ("ar", "engine", False), ("via:region_b=escalate@batch1", "engine", True),
-        (HF_CB, "hf_cb", False), (ROOFLINE, "roofline", False)]
+        ("ar", "engine", False),
+        ("via:region_b=escalate@batch1", "engine", True),
+        (HF_CB, "hf_cb", False),
+        (ROOFLINE, "roofline", False),
+    ]
     assert ms[1].method.params.region_b.value == "escalate"
     with pytest.raises(InvalidParameterError, match="load suite"):
         parse_load_methods("hf-assisted", base)
 
 
 def test_cli_flags():
-    args = build_parser().parse_args(["bench", "--suite", "load", "--concurrency", "1,2,4", "--arrival", "poisson",
-                                      "--rate", "2.5", "--passes", "2", "--max-tokens", "8", "--dtype", "float32"])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "--suite",
+            "load",
+            "--concurrency",
+            "1,2,4",
+            "--arrival",
+            "poisson",
+            "--rate",
+            "2.5",
+            "--passes",
+            "2",
+            "--max-tokens",
+            "8",
+            "--dtype",
+            "float32",
+        ]
+    )
     assert (args.suite, args.concurrency, args.arrival, args.rate, args.passes) == ("load", "1,2,4", "poisson", 2.5, 2)
     args = build_parser().parse_args(["bench", "--suite", "load"])
     assert (args.concurrency, args.arrival) == ("1,2,4,8,16", "all,poisson")

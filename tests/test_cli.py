@@ -32,10 +32,24 @@ def test_unknown_model_is_a_clear_error(capsys):
 
 @pytest.mark.slow
 def test_generate_json_on_smollm2(capsys):
-    rc = main([
-        "generate", "def add(a, b):", "--verifier", "smollm2-135m-instruct", "--drafter", "smollm2-135m-instruct",
-        "--dtype", "float32", "--mode", "via", "--max-tokens", "12", "--json", "--ignore-eos",
-    ])
+    rc = main(
+        [
+            "generate",
+            "def add(a, b):",
+            "--verifier",
+            "smollm2-135m-instruct",
+            "--drafter",
+            "smollm2-135m-instruct",
+            "--dtype",
+            "float32",
+            "--mode",
+            "via",
+            "--max-tokens",
+            "12",
+            "--json",
+            "--ignore-eos",
+        ]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert out["text"] and out["stats"]["generated_tokens"] == 12 and out["stats"]["mode"] == "via"

@@ -66,9 +66,22 @@ CASES = {
     "via-sampled": dict(VIA, temperature=1.0, seed=13),
 }
 LONG = dict(mode="ar", max_tokens=500, ignore_eos=True)  # still running when the test acts on it
-COUNTERS = ("generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
-            "num_rejected_tokens", "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations",
-            "escalated_tokens", "full_accepted", "forwards", "finish_reason")
+COUNTERS = (
+    "generated_tokens",
+    "num_drafts",
+    "num_draft_tokens",
+    "num_accepted_tokens",
+    "num_accepted_tokens_per_pos",
+    "num_rejected_tokens",
+    "num_bonus_tokens",
+    "slim_accepted",
+    "slim_rewritten",
+    "escalations",
+    "escalated_tokens",
+    "full_accepted",
+    "forwards",
+    "finish_reason",
+)
 FAST_RETRY = RetryPolicy(max_attempts=30, initial_backoff_s=0.05, max_backoff_s=0.3)
 TOKEN = "s3cret-token"
 
@@ -92,8 +105,9 @@ def llm(engine_config):
 def pipeline(ray_session, aio, engine_config):
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
 
-    config = PipelineConfig(name="tiny", engine=engine_config, drafter_cpus=0.5, verifier_cpus_per_rank=0.5,
-                            rpc_timeout_s=60)
+    config = PipelineConfig(
+        name="tiny", engine=engine_config, drafter_cpus=0.5, verifier_cpus_per_rank=0.5, rpc_timeout_s=60
+    )
     p = aio.run(Pipeline.start(config))
     yield p
     aio.run(p.shutdown())
@@ -156,8 +170,10 @@ def idle(aio, pipeline, timeout_s: float = 30) -> bool:
     """Wait until no request is open anywhere in the pipeline (sessions and coordinator)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (aio.run(pipeline.session_counts()) == {"drafter": 0, "verifier": [0]}
-                and pipeline.coordinator.active_requests() == 0):
+        if (
+            aio.run(pipeline.session_counts()) == {"drafter": 0, "verifier": [0]}
+            and pipeline.coordinator.active_requests() == 0
+        ):
             return True
         time.sleep(0.1)
     return False
@@ -181,28 +197,45 @@ def retries(caplog) -> list[str]:
 
 
 def test_client_imports_neither_torch_nor_ray():
-    code = ("import sys, viasd.client, viasd.client.cli\n"
-            "print([m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules])")
+    code = (
+        "import sys, viasd.client, viasd.client.cli\n"
+        "print([m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules])"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(prompt="x", temperature=-1), "temperature"),
-    (dict(prompt="x", gamma=99), "gamma"),
-    (dict(prompt="x", alpha1=0.3, alpha2=0.4), "alpha2"),
-    (dict(prompt="x", mode="fast"), "mode"),
-    (dict(prompt="x", no_such_param=1), "no_such_param"),
-    (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt"),
-    (dict(), "prompt"),
-    (dict(messages=[{"role": "robot", "content": "y"}]), "messages.0"),
-    (dict(prompt_token_ids=[]), "prompt_token_ids"),
-    (dict(prompt_token_ids=[1, -2]), "prompt_token_ids"),
-    (dict(prompt="x", timeout=-1), "timeout"),
-], ids=["temperature", "gamma", "alpha2", "mode", "unknown", "two-inputs", "no-input", "role", "empty-ids",
-        "negative-id", "timeout"])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(prompt="x", temperature=-1), "temperature"),
+        (dict(prompt="x", gamma=99), "gamma"),
+        (dict(prompt="x", alpha1=0.3, alpha2=0.4), "alpha2"),
+        (dict(prompt="x", mode="fast"), "mode"),
+        (dict(prompt="x", no_such_param=1), "no_such_param"),
+        (dict(prompt="x", messages=[{"role": "user", "content": "y"}]), "prompt"),
+        (dict(), "prompt"),
+        (dict(messages=[{"role": "robot", "content": "y"}]), "messages.0"),
+        (dict(prompt_token_ids=[]), "prompt_token_ids"),
+        (dict(prompt_token_ids=[1, -2]), "prompt_token_ids"),
+        (dict(prompt="x", timeout=-1), "timeout"),
+    ],
+    ids=[
+        "temperature",
+        "gamma",
+        "alpha2",
+        "mode",
+        "unknown",
+        "two-inputs",
+        "no-input",
+        "role",
+        "empty-ids",
+        "negative-id",
+        "timeout",
+    ],
+)
 def test_bad_parameters_fail_before_any_network_io(kwargs, field):
     """Nothing listens on the target: a bad value must be reported by the client itself."""
     client = Client(f"127.0.0.1:{free_port()}", retry=NO_RETRY)
@@ -284,15 +317,21 @@ def test_unset_parameters_take_the_servers_defaults(client, llm):
 
 
 def test_async_client_16_concurrent_streams_equal_their_sequential_runs(aio, target, llm):
-    settings = [dict(VIA, temperature=1.0, seed=200 + i) if i % 2 else dict(mode="sd", gamma=3, temperature=0.9,
-                                                                            seed=200 + i) for i in range(16)]
+    settings = [
+        dict(VIA, temperature=1.0, seed=200 + i) if i % 2 else dict(mode="sd", gamma=3, temperature=0.9, seed=200 + i)
+        for i in range(16)
+    ]
     prompts = [PROMPT, [60] * 12]
     expected = [reference(llm, prompts[i % 2], **s) for i, s in enumerate(settings)]
 
     async def all_at_once():
         async with AsyncClient(target, timeout=TIMEOUT_S) as client:
-            return await asyncio.gather(*(client.complete(prompt_token_ids=prompts[i % 2], request_id=f"s{i}",
-                                                          max_tokens=24, **s) for i, s in enumerate(settings)))
+            return await asyncio.gather(
+                *(
+                    client.complete(prompt_token_ids=prompts[i % 2], request_id=f"s{i}", max_tokens=24, **s)
+                    for i, s in enumerate(settings)
+                )
+            )
 
     results = aio.run(all_at_once())
     for i, (got, ref) in enumerate(zip(results, expected)):
@@ -304,7 +343,13 @@ def test_async_client_16_concurrent_streams_equal_their_sequential_runs(aio, tar
 def test_models_and_health(client):
     (m,) = client.models()
     assert (m.name, m.num_layers, m.skipped_layers, m.tensor_parallel_size, m.max_context, m.default_mode) == (
-        "tiny", 6, (1, 3), 1, 512, "via")
+        "tiny",
+        6,
+        (1, 3),
+        1,
+        512,
+        "via",
+    )
     assert client.health() == "SERVING" and client.health("viasd.v1.GenerationService") == "SERVING"
     with pytest.raises(RPCError) as err:
         client.health("no.such.Service")
@@ -319,9 +364,11 @@ def test_server_side_invalid_argument_names_the_field(client, aio):
             return err.value
 
     assert aio.run(on_async()).field == "prompt"
-    for kwargs, field in [(dict(prompt_token_ids=[1, 500]), "prompt"),  # outside the 96-token vocabulary
-                          (dict(prompt="def f():"), "prompt"),  # these test models have no tokenizer
-                          (dict(prompt_token_ids=[1], model="nope"), "model")]:
+    for kwargs, field in [
+        (dict(prompt_token_ids=[1, 500]), "prompt"),  # outside the 96-token vocabulary
+        (dict(prompt="def f():"), "prompt"),  # these test models have no tokenizer
+        (dict(prompt_token_ids=[1], model="nope"), "model"),
+    ]:
         with pytest.raises(InvalidArgument) as err:
             client.complete(**kwargs)
         e = err.value
@@ -421,8 +468,14 @@ class Flaky:
     and trailing `metadata`: before the first response (`fail_first` calls) or after the first
     response (`fail_after_first`)."""
 
-    def __init__(self, servicer, fail_first: int = 0, fail_after_first: bool = False,
-                 code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE, metadata: tuple = ()):
+    def __init__(
+        self,
+        servicer,
+        fail_first: int = 0,
+        fail_after_first: bool = False,
+        code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
+        metadata: tuple = (),
+    ):
         self.servicer = servicer
         self.fail_first = fail_first
         self.fail_after_first = fail_after_first
@@ -500,8 +553,9 @@ def test_queue_full_before_the_first_token_is_retried_after_the_servers_hint(aio
 
 
 @pytest.mark.parametrize("after_first", [False, True], ids=["no-hint", "after-the-first-token"])
-def test_resource_exhausted_without_the_hint_or_after_a_token_is_not_retried(aio, servers, servicer, pipeline, llm,
-                                                                             caplog, after_first):
+def test_resource_exhausted_without_the_hint_or_after_a_token_is_not_retried(
+    aio, servers, servicer, pipeline, llm, caplog, after_first
+):
     """Without the hint RESOURCE_EXHAUSTED is gRPC's own (a message past the size limit): another
     attempt would fail the same way. After the first token nothing is retried, hint or not."""
     from viasd.client import ResourceExhausted
@@ -509,8 +563,13 @@ def test_resource_exhausted_without_the_hint_or_after_a_token_is_not_retried(aio
 
     caplog.set_level(logging.INFO, logger="viasd.client")
     hint = ((RETRY_AFTER_KEY, "10"),) if after_first else ()
-    flaky = Flaky(servicer, fail_first=0 if after_first else 1, fail_after_first=after_first,
-                  code=grpc.StatusCode.RESOURCE_EXHAUSTED, metadata=hint)
+    flaky = Flaky(
+        servicer,
+        fail_first=0 if after_first else 1,
+        fail_after_first=after_first,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED,
+        metadata=hint,
+    )
     server, address = servers.start(flaky)
     got = []
     try:
@@ -540,8 +599,11 @@ def test_a_full_queue_of_a_real_server_is_retried_until_a_slot_frees(aio, server
 
     def call():
         try:
-            with Client(address, retry=RetryPolicy(max_attempts=50, initial_backoff_s=0.05, max_backoff_s=0.1),
-                        timeout=TIMEOUT_S) as client:
+            with Client(
+                address,
+                retry=RetryPolicy(max_attempts=50, initial_backoff_s=0.05, max_backoff_s=0.1),
+                timeout=TIMEOUT_S,
+            ) as client:
                 out["got"] = client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["via-greedy"])
         except BaseException as exc:  # noqa: BLE001 - reported below
             out["error"] = exc
@@ -552,6 +614,7 @@ def test_a_full_queue_of_a_real_server_is_retried_until_a_slot_frees(aio, server
         while counting.calls < 2 and worker.is_alive():  # refused at least once, then tried again
             time.sleep(0.05)
     finally:
+
         async def free():
             admission.leave()
 
@@ -595,8 +658,7 @@ def test_tls_with_a_bearer_token(servers, servicer, certs, llm, tmp_path):
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
-                            token_file=token_file)
+    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"], token_file=token_file)
     server, address = servers.start(servicer, security=security)
     tls = TLSConfig(ca_file=certs["ca.pem"])
     ref = reference(llm, PROMPT, **CASES["via-greedy"])
@@ -606,8 +668,11 @@ def test_tls_with_a_bearer_token(servers, servicer, certs, llm, tmp_path):
             assert [m.name for m in client.models()] == ["tiny"]
         with Client(address.replace("127.0.0.1", "localhost"), tls=tls, token=TOKEN, timeout=TIMEOUT_S) as client:
             assert [m.name for m in client.models()] == ["tiny"]  # the DNS name of the certificate
-        for token, message in [(None, "missing bearer token"), ("wrong", "invalid bearer token"),
-                               (TOKEN + "x", "invalid bearer token")]:
+        for token, message in [
+            (None, "missing bearer token"),
+            ("wrong", "invalid bearer token"),
+            (TOKEN + "x", "invalid bearer token"),
+        ]:
             with Client(address, tls=tls, token=token, retry=NO_RETRY, timeout=TIMEOUT_S) as client:
                 with pytest.raises(Unauthenticated, match=message):
                     client.complete(prompt_token_ids=PROMPT, max_tokens=4)
@@ -617,8 +682,10 @@ def test_tls_with_a_bearer_token(servers, servicer, certs, llm, tmp_path):
         with Client(address, token=TOKEN, retry=NO_RETRY, timeout=10) as plaintext, pytest.raises(Unavailable):
             plaintext.models()  # a plaintext client cannot talk to a TLS port
         untrusted = TLSConfig(ca_file=certs["other-ca.pem"])
-        with Client(address, tls=untrusted, token=TOKEN, retry=NO_RETRY, timeout=10) as client, \
-                pytest.raises(Unavailable):
+        with (
+            Client(address, tls=untrusted, token=TOKEN, retry=NO_RETRY, timeout=10) as client,
+            pytest.raises(Unavailable),
+        ):
             client.models()  # the server's certificate is not signed by the CA this client trusts
     finally:
         servers.stop(server)
@@ -627,8 +694,13 @@ def test_tls_with_a_bearer_token(servers, servicer, certs, llm, tmp_path):
 def test_mutual_tls(aio, servers, servicer, certs, llm):
     from viasd.cluster.security import GRPCSecurity
 
-    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
-                            client_ca_file=certs["ca.pem"], require_client_cert=True, token_env=None)
+    security = GRPCSecurity(
+        tls_cert_file=certs["server.pem"],
+        tls_key_file=certs["server.key"],
+        client_ca_file=certs["ca.pem"],
+        require_client_cert=True,
+        token_env=None,
+    )
     server, address = servers.start(servicer, security=security)
     ref = reference(llm, PROMPT, **CASES["sd-sampled"])
     try:
@@ -641,9 +713,10 @@ def test_mutual_tls(aio, servers, servicer, certs, llm):
                 return await client.complete(prompt_token_ids=PROMPT, max_tokens=24, **CASES["sd-sampled"])
 
         assert_same(aio.run(on_async()), ref)
-        for bad in [TLSConfig(ca_file=certs["ca.pem"]),  # no client certificate
-                    TLSConfig(ca_file=certs["ca.pem"], cert_file=certs["other-client.pem"],
-                              key_file=certs["other-client.key"])]:  # signed by a CA the server does not trust
+        for bad in [
+            TLSConfig(ca_file=certs["ca.pem"]),  # no client certificate
+            TLSConfig(ca_file=certs["ca.pem"], cert_file=certs["other-client.pem"], key_file=certs["other-client.key"]),
+        ]:  # signed by a CA the server does not trust
             with Client(address, tls=bad, retry=NO_RETRY, timeout=10) as client, pytest.raises(Unavailable):
                 client.models()
     finally:
@@ -663,15 +736,19 @@ def test_server_security_settings(tmp_path, monkeypatch, certs):
     sec = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"], token_file=token_file)
     assert TOKEN not in sec.describe() and TOKEN not in repr(sec) and sec.describe().startswith("TLS")
     token_file.write_text("\n")
-    for values, field in [(dict(token_file=token_file), "token_file"),
-                          (dict(token_file=tmp_path / "missing"), "token_file")]:
+    for values, field in [
+        (dict(token_file=token_file), "token_file"),
+        (dict(token_file=tmp_path / "missing"), "token_file"),
+    ]:
         with pytest.raises(InvalidParameterError) as err:
             GRPCSecurity.parse(values).token()
         assert err.value.field == field
-    for values, field in [(dict(tls_cert_file="a.pem"), "tls_key_file"),
-                          (dict(client_ca_file="ca.pem"), "client_ca_file"),
-                          (dict(require_client_cert=True), "require_client_cert"),
-                          (dict(tls_cert_file="a", tls_key_file="b", nope=1), "nope")]:
+    for values, field in [
+        (dict(tls_cert_file="a.pem"), "tls_key_file"),
+        (dict(client_ca_file="ca.pem"), "client_ca_file"),
+        (dict(require_client_cert=True), "require_client_cert"),
+        (dict(tls_cert_file="a", tls_key_file="b", nope=1), "nope"),
+    ]:
         with pytest.raises(InvalidParameterError) as err:
             GRPCSecurity.parse(values)
         assert err.value.field == field
@@ -687,15 +764,33 @@ def test_server_security_settings(tmp_path, monkeypatch, certs):
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("viasd-client")  # the console script pyproject installs
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "viasd.client.cli"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [*cmd, *args], capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, **(env or {})}
+    )
 
 
 def test_cli_generate_models_health_json(target, llm):
     ref = reference(llm, PROMPT, **CASES["sd-sampled"])
-    res = _cli("--target", target, "--json", "generate", "--prompt-ids", ",".join(map(str, PROMPT)),
-               "--max-tokens", "24", "--mode", "sd", "--gamma", "4", "--temperature", "0.8", "--top-k", "40",
-               "--seed", "12")
+    res = _cli(
+        "--target",
+        target,
+        "--json",
+        "generate",
+        "--prompt-ids",
+        ",".join(map(str, PROMPT)),
+        "--max-tokens",
+        "24",
+        "--mode",
+        "sd",
+        "--gamma",
+        "4",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "40",
+        "--seed",
+        "12",
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
     assert out["token_ids"] == ref.token_ids and out["finish_reason"] == ref.finish_reason
@@ -723,8 +818,9 @@ def test_cli_in_process(target, certs, servers, servicer, capsys, tmp_path, monk
     # TLS and the token from the environment or a file
     from viasd.cluster.security import GRPCSecurity
 
-    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
-                            token_env="VIASD_TEST_SERVER_TOKEN")
+    security = GRPCSecurity(
+        tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"], token_env="VIASD_TEST_SERVER_TOKEN"
+    )
     monkeypatch.setenv("VIASD_TEST_SERVER_TOKEN", TOKEN)
     server, address = servers.start(servicer, security=security)
     try:
@@ -752,17 +848,38 @@ def test_standalone_server_process_with_tls_and_token(engine_config, llm, certs,
 
     caplog.set_level(logging.INFO, logger="viasd.client")
     config = tmp_path / "pipeline.json"
-    config.write_text(json.dumps({"name": "tiny", "engine": engine_config.model_dump(mode="json"),
-                                  "drafter_cpus": 0.5, "verifier_cpus_per_rank": 0.5}))
+    config.write_text(
+        json.dumps(
+            {
+                "name": "tiny",
+                "engine": engine_config.model_dump(mode="json"),
+                "drafter_cpus": 0.5,
+                "verifier_cpus_per_rank": 0.5,
+            }
+        )
+    )
     (tmp_path / "token").write_text(TOKEN)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIASD_API_TOKEN")}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_enable_worker_prestart="0", PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "viasd.cluster.standalone", "--config", str(config), "--port", str(port),
-           "--tls-cert", str(certs["server.pem"]), "--tls-key", str(certs["server.key"]),
-           "--token-file", str(tmp_path / "token")]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "viasd.cluster.standalone",
+        "--config",
+        str(config),
+        "--port",
+        str(port),
+        "--tls-cert",
+        str(certs["server.pem"]),
+        "--tls-key",
+        str(certs["server.key"]),
+        "--token-file",
+        str(tmp_path / "token"),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     output: list[str] = []
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()

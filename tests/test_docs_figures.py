@@ -37,7 +37,7 @@ def table(doc: str, header_start: str) -> list[list[str]]:
     starts = [i for i, line in enumerate(lines) if line.startswith(header_start)]
     assert len(starts) == 1, f"{doc}: {len(starts)} tables start with {header_start!r}"
     rows = []
-    for line in lines[starts[0] + 2:]:
+    for line in lines[starts[0] + 2 :]:
         if not line.startswith("|"):
             break
         rows.append([c.strip() for c in line.strip().strip("|").split("|")])
@@ -51,7 +51,7 @@ def numbers(cell: str) -> list[float]:
 
 def close(shown: float, exact: float, places: int) -> bool:
     """Whether `shown` is `exact` rounded to `places` decimals (half a unit of slack either way)."""
-    return abs(shown - exact) <= 0.5 * 10 ** -places + 1e-12
+    return abs(shown - exact) <= 0.5 * 10**-places + 1e-12
 
 
 def decimals(text: str) -> int:
@@ -74,7 +74,9 @@ def test_dimr_heldout_table_equals_the_shipped_045_artifact():
     rows = {r[0]: r[1:] for r in table("DIMR.md", "| held-out, 512 tokens |")}
     for col, side in enumerate(("searched", "evenly_spaced")):
         s = h[side]
-        check_cell(rows["paper's cost `C(z)` (sum) / per token"][col].replace("*", ""), [s["rkl_total"], s["rkl"]], side)
+        check_cell(
+            rows["paper's cost `C(z)` (sum) / per token"][col].replace("*", ""), [s["rkl_total"], s["rkl"]], side
+        )
         check_cell(rows["KL(q ‖ q'_z) per token"][col].replace("*", ""), [s["kl"]], side)
         check_cell(rows["total variation per token"][col].replace("*", ""), [s["tv"]], side)
         check_cell(rows["top-1 agreement with q"][col].replace("*", "").rstrip("%"), [100 * s["top1"]], side)
@@ -94,8 +96,11 @@ def test_dimr_ratio_table_equals_dimr_compare_json_and_the_artifacts():
     assert [r[0] for r in rows] == ["0.25", "0.35", "0.45", "0.45, `e2e` objective", "0.55"]
     for label, searched, evenly, best_random in rows:
         ratio = label.split(",")[0]
-        artifact = (f"viasd/masks/qwen2.5-coder-1.5b-instruct-r{ratio}.json" if "e2e" not in label
-                    else "docs/dimr-extra/qwen2.5-coder-1.5b-instruct-r0.45-e2e.json")
+        artifact = (
+            f"viasd/masks/qwen2.5-coder-1.5b-instruct-r{ratio}.json"
+            if "e2e" not in label
+            else "docs/dimr-extra/qwen2.5-coder-1.5b-instruct-r0.45-e2e.json"
+        )
         entry = by_artifact[artifact]
         masks = {m["name"]: m for m in entry["masks"]}
         shipped = load(ROOT / artifact)
@@ -188,13 +193,20 @@ def test_draft_probability_dtype_figures_equal_their_raw_file():
     assert raw["command"].startswith("scripts/measure_probs_dtype.py") and env["git_commit"]
     assert env["cpu"] and env["cpu_capability"] and env["cpu_count"]
     text = " ".join((DOCS / "SERVING.md").read_text().split())
-    m = re.search(r"total variation of ([\d.e-]+) on average \(median ([\d.e-]+), max ([\d.e-]+)\) per verified "
-                  r"position, against ([\d.e-]+) with float32", text)
+    m = re.search(
+        r"total variation of ([\d.e-]+) on average \(median ([\d.e-]+), max ([\d.e-]+)\) per verified "
+        r"position, against ([\d.e-]+) with float32",
+        text,
+    )
     assert m, "the dtype figures are not where the test expects them"
-    for shown, exact in zip(m.groups(), (raw["bfloat16"]["mean"], raw["bfloat16"]["median"], raw["bfloat16"]["max"],
-                                         raw["float32"]["max"])):
+    for shown, exact in zip(
+        m.groups(), (raw["bfloat16"]["mean"], raw["bfloat16"]["median"], raw["bfloat16"]["max"], raw["float32"]["max"])
+    ):
         mantissa = shown.split("e")[0]
-        assert abs(float(shown) - exact) <= 0.5 * 10 ** (-decimals(mantissa)) * 10 ** int(shown.split("e")[1]), (shown, exact)
+        assert abs(float(shown) - exact) <= 0.5 * 10 ** (-decimals(mantissa)) * 10 ** int(shown.split("e")[1]), (
+            shown,
+            exact,
+        )
     assert f"{raw['positions']} positions" in text
 
 
@@ -220,15 +232,25 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
     """BENCHMARKS.md, "Calibrated gates": every row against the artifact's `gates` entry."""
     g = load(MASKS / "qwen2.5-coder-1.5b-instruct-r0.45.json")["gates"]
     text = (DOCS / "BENCHMARKS.md").read_text()
-    rows = {"paper": g["paper"], "calibrated": g["chosen"],
-            "literal": next(x for x in g["grid"] if (x["alpha1"], x["region_b"]) == (0.7, "escalate"))}
+    rows = {
+        "paper": g["paper"],
+        "calibrated": g["chosen"],
+        "literal": next(x for x in g["grid"] if (x["alpha1"], x["region_b"]) == (0.7, "escalate")),
+    }
     for name, r in rows.items():
-        line = next(li for li in text.splitlines() if li.startswith(f"| {name}") and "| rewrite |" in li or
-                    li.startswith(f"| {name}") and "| escalate |" in li)
+        line = next(
+            li
+            for li in text.splitlines()
+            if li.startswith(f"| {name}") and "| rewrite |" in li or li.startswith(f"| {name}") and "| escalate |" in li
+        )
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert float(cells[1]) == r["alpha1"] and float(cells[2]) == r["alpha2"] and cells[3] == r["region_b"], line
-        for cell, key, spec in ((4, "agreement", ".3f"), (5, "tokens_per_cycle", ".2f"), (6, "escalation", ".2f"),
-                                (7, "tokens_per_second", ".1f")):
+        for cell, key, spec in (
+            (4, "agreement", ".3f"),
+            (5, "tokens_per_cycle", ".2f"),
+            (6, "escalation", ".2f"),
+            (7, "tokens_per_second", ".1f"),
+        ):
             assert cells[cell] == format(r[key], spec), (name, key, cells[cell])
     staged = next(li for li in text.splitlines() if li.startswith("| staged (lossless) | - |"))
     assert f"| {g['staged_tokens_per_cycle']:.2f} |" in staged and f"| {g['staged_tokens_per_second']:.1f} |" in staged
@@ -238,11 +260,14 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
 # ------------------------------------------------------------------ docs/SERVING.md: served batching
 
 
-@pytest.mark.parametrize("script, raw, kwargs", [
-    ("serve_throughput", "serve-throughput-cpu-guidellm.json", {"in_process": False}),
-    ("serve_throughput", "serve-throughput-cpu.json", {}),
-    ("measure_probs_travel", "probs-travel-cpu.json", {}),
-])
+@pytest.mark.parametrize(
+    "script, raw, kwargs",
+    [
+        ("serve_throughput", "serve-throughput-cpu-guidellm.json", {"in_process": False}),
+        ("serve_throughput", "serve-throughput-cpu.json", {}),
+        ("measure_probs_travel", "probs-travel-cpu.json", {}),
+    ],
+)
 def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     """The load table and the draft-probability table of docs/SERVING.md are the ones their
     scripts render from the committed raw files, which record command, commit and machine; the

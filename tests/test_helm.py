@@ -65,11 +65,13 @@ def one(docs: list[dict], kind: str) -> dict:
 
 def merged(*layers: dict) -> dict:
     """Helm's coalescing of user values (later wins; maps merge, lists are replaced)."""
+
     def merge(a, b):
         out = copy.deepcopy(a)
         for k, v in b.items():
             out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
         return out
+
     out: dict = {}
     for layer in layers:
         out = merge(out, layer)
@@ -103,17 +105,24 @@ def matches(selector: dict, labels: dict) -> bool:
 def everything() -> dict:
     """A preset with every optional part on: token, TLS and internal TLS Secrets, object-store init step, mask,
     metrics."""
-    return merged(preset("values-qwen-72b.yaml"), {
-        "auth": {"tokenSecret": {"name": "viasd-api-token"}}, "tls": {"secretName": "viasd-tls"},
-        "internalTLS": {"secretName": "viasd-internal-tls"},
-        "mask": {"artifact": (ROOT / "viasd" / "masks" / "qwen2.5-coder-1.5b-instruct-r0.45.json").read_text()},
-        "serviceMonitor": {"enabled": True, "vllmNames": True}, "grafanaDashboard": {"enabled": True},
-        "cacheDir": "/home/ray/.cache/via-sd",
-        "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
-        "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
-                          "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}]},
-        "serve": {"limits": {"request_timeout_s": 300}, "grpc": {"request_timeout_s": 300}},
-    })
+    return merged(
+        preset("values-qwen-72b.yaml"),
+        {
+            "auth": {"tokenSecret": {"name": "viasd-api-token"}},
+            "tls": {"secretName": "viasd-tls"},
+            "internalTLS": {"secretName": "viasd-internal-tls"},
+            "mask": {"artifact": (ROOT / "viasd" / "masks" / "qwen2.5-coder-1.5b-instruct-r0.45.json").read_text()},
+            "serviceMonitor": {"enabled": True, "vllmNames": True},
+            "grafanaDashboard": {"enabled": True},
+            "cacheDir": "/home/ray/.cache/via-sd",
+            "extraEnv": [{"name": "NCCL_DEBUG", "value": "WARN"}],
+            "networkPolicy": {
+                "clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}],
+                "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+            },
+            "serve": {"limits": {"request_timeout_s": 300}, "grpc": {"request_timeout_s": 300}},
+        },
+    )
 
 
 def all_values() -> list[tuple[str, dict]]:
@@ -177,10 +186,12 @@ def rayservice_validator():
     base = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
     version = max(p.name for p in base.glob(f"v{KUBE_VERSION}.*-local-strict"))
     defs = json.loads((base / version / "_definitions.json").read_text())
-    registry = Registry().with_resources([
-        (schema["$id"], Resource.from_contents(schema)),
-        (defs["$id"], Resource.from_contents(defs)),
-    ])
+    registry = Registry().with_resources(
+        [
+            (schema["$id"], Resource.from_contents(schema)),
+            (defs["$id"], Resource.from_contents(defs)),
+        ]
+    )
     return jsonschema.Draft202012Validator(schema, registry=registry)
 
 
@@ -191,14 +202,18 @@ def test_rayservice_validates_against_the_kuberay_schema(chart, rayservice_valid
     assert errors == []
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(minReplica=1),  # typo
-    lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(maxReplicas="4"),  # a string
-    lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"].pop("rayStartParams"),  # required
-    lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    .update(imagePullPolicy=None, resourcez={}),  # an unknown core field inside the pod template
-    lambda rs: rs["spec"].update(serveConfigV2={"applications": []}),  # must be a YAML string
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(minReplica=1),  # typo
+        lambda rs: rs["spec"]["rayClusterConfig"]["workerGroupSpecs"][0].update(maxReplicas="4"),  # a string
+        lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"].pop("rayStartParams"),  # required
+        lambda rs: rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0].update(
+            imagePullPolicy=None, resourcez={}
+        ),  # an unknown core field inside the pod template
+        lambda rs: rs["spec"].update(serveConfigV2={"applications": []}),  # must be a YAML string
+    ],
+)
 def test_the_rayservice_schema_refuses_broken_objects(chart, rayservice_validator, mutate):
     rs = one(render(chart, preset("values-llama2-70b.yaml")), "RayService")
     mutate(rs)
@@ -255,7 +270,8 @@ def test_chart_schema_knows_exactly_the_serve_config_fields():
     assert set(pipeline) <= set(PipelineConfig.model_fields)
     for group in ("http", "grpc", "autoscaling"):
         assert set(schema["properties"][group]["properties"]) == set(
-            ServeConfig.model_fields[group].annotation.model_fields)
+            ServeConfig.model_fields[group].annotation.model_fields
+        )
 
 
 def test_values_yaml_serve_block_equals_cluster_serve_yaml_pipeline():
@@ -321,12 +337,18 @@ def test_ports_and_probes_follow_the_serving_config(chart, http_port, grpc_port,
         if node == "worker":  # the model, through the pod's own Serve proxies
             assert ready[2] == "ready"
             opts = dict(zip(ready[3::2], ready[4::2]))
-            assert opts == {"--node": "worker", "--http-port": str(http_port), "--grpc-port": str(grpc_port),
-                            "--route": route, "--app": args["app_name"]}
+            assert opts == {
+                "--node": "worker",
+                "--http-port": str(http_port),
+                "--grpc-port": str(grpc_port),
+                "--route": route,
+                "--app": args["app_name"],
+            }
         else:  # KubeRay deploys the application only once the head is ready: Ray's checks alone
             assert ready[2] == "live"
-    np_ports = {p["port"] for rule in one(docs, "NetworkPolicy")["spec"]["ingress"] if "from" not in rule
-                for p in rule["ports"]}
+    np_ports = {
+        p["port"] for rule in one(docs, "NetworkPolicy")["spec"]["ingress"] if "from" not in rule for p in rule["ports"]
+    }
     assert np_ports == {http_port, grpc_port}
 
 
@@ -382,11 +404,15 @@ def test_values_schema_refuses_what_the_chart_cannot_serve(chart):
 SENTINEL = "s3cr3t-VALUE-never-rendered"
 
 
-@pytest.mark.parametrize("values, ports", [
-    ({}, "HTTP 8000 and gRPC 9000"),
-    ({"serve": {"http": {"port": 8080}, "grpc": {"port": 9090}}}, "HTTP 8080 and gRPC 9090"),
-    ({"serve": {"grpc": {"enabled": False}}}, "HTTP 8000"),
-], ids=["defaults", "other-ports", "http-only"])
+@pytest.mark.parametrize(
+    "values, ports",
+    [
+        ({}, "HTTP 8000 and gRPC 9000"),
+        ({"serve": {"http": {"port": 8080}, "grpc": {"port": 9090}}}, "HTTP 8080 and gRPC 9090"),
+        ({"serve": {"grpc": {"enabled": False}}}, "HTTP 8000"),
+    ],
+    ids=["defaults", "other-ports", "http-only"],
+)
 def test_auth_chart_refuses_public_ports_without_a_token(chart, values, ports):
     """Should refuse to render when no token protects the Service's ports and anonymity is not asked for."""
     with pytest.raises(Exception, match=f"auth.tokenSecret.name: the Service exposes {ports} without authentication"):
@@ -418,22 +444,31 @@ def test_auth_a_token_file_or_secret_is_enough_and_must_be_read(chart):
 def test_secrets_are_referenced_never_inlined(chart):
     refs = helm.parse_set_string(
         "auth.tokenSecret.name=viasd-api-token,auth.tokenSecret.key=token,tls.secretName=viasd-tls,"
-        "modelStorage.objectStore.credentialsSecret=model-store-credentials")
+        "modelStorage.objectStore.credentialsSecret=model-store-credentials"
+    )
     docs = render(chart, merged(preset("values-qwen-72b.yaml"), refs))
     text = yaml.safe_dump_all(docs)
     assert SENTINEL not in text and "Secret" not in {d["kind"] for d in docs}
     rs = one(docs, "RayService")
     for template in pod_specs(rs).values():
         env = {e["name"]: e for e in container(template)["env"]}
-        assert env["VIASD_API_TOKEN"] == {"name": "VIASD_API_TOKEN", "valueFrom": {
-            "secretKeyRef": {"name": "viasd-api-token", "key": "token"}}}
-        assert {"name": "tls", "secret": {"secretName": "viasd-tls", "defaultMode": 0o440}} in template["spec"]["volumes"]
+        assert env["VIASD_API_TOKEN"] == {
+            "name": "VIASD_API_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": "viasd-api-token", "key": "token"}},
+        }
+        assert {"name": "tls", "secret": {"secretName": "viasd-tls", "defaultMode": 0o440}} in template["spec"][
+            "volumes"
+        ]
     (init,) = pod_specs(rs)["worker"]["spec"]["initContainers"]
     assert init["envFrom"] == [{"secretRef": {"name": "model-store-credentials"}}]
     # a secret value given to the chart the way --set gives it is refused by values.schema.json
-    for expr in [f"auth.token={SENTINEL}", f"tls.key={SENTINEL}", f"tls.crt={SENTINEL}",
-                 f"modelStorage.objectStore.accessKey={SENTINEL}",
-                 f"extraEnv[0].name=HF_TOKEN,extraEnv[0].value={SENTINEL}"]:
+    for expr in [
+        f"auth.token={SENTINEL}",
+        f"tls.key={SENTINEL}",
+        f"tls.crt={SENTINEL}",
+        f"modelStorage.objectStore.accessKey={SENTINEL}",
+        f"extraEnv[0].name=HF_TOKEN,extraEnv[0].value={SENTINEL}",
+    ]:
         with pytest.raises(helm.HelmValuesError):
             chart.render(merged(preset("values-qwen-72b.yaml"), helm.parse_set_string(expr)), name="rel")
 
@@ -441,17 +476,22 @@ def test_secrets_are_referenced_never_inlined(chart):
 def test_internal_tls_secret_is_mounted_and_named_in_the_pipeline(chart):
     docs = render(chart, everything())
     (pipeline,) = app_args(docs)["pipelines"]
-    assert pipeline["internal_tls"] == {"cert_file": "/etc/viasd/internal-tls/tls.crt",
-                                        "key_file": "/etc/viasd/internal-tls/tls.key",
-                                        "ca_file": "/etc/viasd/internal-tls/ca.crt"}
+    assert pipeline["internal_tls"] == {
+        "cert_file": "/etc/viasd/internal-tls/tls.crt",
+        "key_file": "/etc/viasd/internal-tls/tls.key",
+        "ca_file": "/etc/viasd/internal-tls/ca.crt",
+    }
     from viasd.cluster.serve_config import parse_serve_config
 
     assert parse_serve_config(app_args(docs)).pipelines[0].internal_tls.server_name == "viasd-internal"
     for template in pod_specs(one(docs, "RayService")).values():
-        assert {"name": "internal-tls", "mountPath": "/etc/viasd/internal-tls", "readOnly": True} in \
-            container(template)["volumeMounts"]
-        assert {"name": "internal-tls", "secret": {"secretName": "viasd-internal-tls", "defaultMode": 0o440}} in \
-            template["spec"]["volumes"]
+        assert {"name": "internal-tls", "mountPath": "/etc/viasd/internal-tls", "readOnly": True} in container(
+            template
+        )["volumeMounts"]
+        assert {
+            "name": "internal-tls",
+            "secret": {"secretName": "viasd-internal-tls", "defaultMode": 0o440},
+        } in template["spec"]["volumes"]
     assert "internal_tls" not in app_args(render(chart, preset("values-qwen-72b.yaml")))["pipelines"][0]
 
 
@@ -468,9 +508,11 @@ def test_pods_run_as_non_root(chart):
 def test_pods_drain_their_replicas_before_they_stop(chart):
     """preStop: the head drains the whole cluster, a worker its own node, for the serving config's
     drain timeout; a grace period too short for it is refused at render time."""
-    for values, timeout in ((preset("values-llama2-70b.yaml"), "30"),
-                            (merged(preset("values-llama2-70b.yaml"), {"serve": {"limits": {"drain_timeout_s": 0}}}), "0"),
-                            ({"serve": {"limits": {"drain_timeout_s": 120}}, "terminationGracePeriodSeconds": 135}, "120")):
+    for values, timeout in (
+        (preset("values-llama2-70b.yaml"), "30"),
+        (merged(preset("values-llama2-70b.yaml"), {"serve": {"limits": {"drain_timeout_s": 0}}}), "0"),
+        ({"serve": {"limits": {"drain_timeout_s": 120}}, "terminationGracePeriodSeconds": 135}, "120"),
+    ):
         rs = one(render(chart, values), "RayService")
         for node, template in pod_specs(rs).items():
             command = container(template)["lifecycle"]["preStop"]["exec"]["command"]
@@ -493,8 +535,9 @@ def test_model_storage_pvc_and_object_store(chart):
     docs = render(chart, preset("values-llama2-70b.yaml"))  # existing claim: mounted read-only, none created
     assert "PersistentVolumeClaim" not in {d["kind"] for d in docs}
     worker = pod_specs(one(docs, "RayService"))["worker"]
-    assert {"name": "models", "persistentVolumeClaim": {"claimName": "llama2-weights", "readOnly": True}} in \
-        worker["spec"]["volumes"]
+    assert {"name": "models", "persistentVolumeClaim": {"claimName": "llama2-weights", "readOnly": True}} in worker[
+        "spec"
+    ]["volumes"]
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in container(worker)["volumeMounts"]
     args = app_args(docs)
     assert args["pipelines"][0]["engine"]["verifier"].startswith("/models/")
@@ -529,7 +572,9 @@ def test_mask_artifact_becomes_a_configmap_and_the_verifier_mask(chart, tmp_path
     data = json.loads(artifact)
     mounted = tmp_path / "mask.json"
     mounted.write_text(cms["rel-via-sd-mask"]["data"]["mask.json"])
-    assert load_mask(str(mounted), data["num_layers"]) == LayerMask.from_skipped(data["skipped_layers"], data["num_layers"])
+    assert load_mask(str(mounted), data["num_layers"]) == LayerMask.from_skipped(
+        data["skipped_layers"], data["num_layers"]
+    )
     with pytest.raises(MaskError):
         load_mask(str(mounted), data["num_layers"] + 1)
 
@@ -563,8 +608,9 @@ def test_network_policy_selects_the_release_pods_and_keeps_internal_ports_inside
         if "from" not in rule:
             assert ports == {args["http"]["port"], args["grpc"]["port"]}
         else:
-            assert ports and all(p.get("namespaceSelector") is not None or p.get("podSelector") is not None
-                                 for p in rule["from"])
+            assert ports and all(
+                p.get("namespaceSelector") is not None or p.get("podSelector") is not None for p in rule["from"]
+            )
 
 
 def test_pdb_selects_the_worker_pods_only(chart):
@@ -612,8 +658,11 @@ def test_grafana_dashboard_is_a_configmap_off_by_default_reading_only_exported_s
             for group in re.findall(r"by \(([^)]*)\)", target["expr"]):
                 assert {g.strip() for g in group.split(",")} <= labels, target["expr"]
     assert read and read <= exported, read - exported
-    assert {"ray_viasd_kv_cache_usage_perc", "ray_viasd_request_queue_time_seconds_bucket",
-            "ray_viasd_spec_decode_num_drafts_total"} <= read
+    assert {
+        "ray_viasd_kv_cache_usage_perc",
+        "ray_viasd_request_queue_time_seconds_bucket",
+        "ray_viasd_spec_decode_num_drafts_total",
+    } <= read
 
 
 def test_service_monitor_can_rename_the_series_to_vllms(chart):
@@ -659,9 +708,14 @@ def _grpc_server(ok: bool, seen: list) -> tuple[grpc.Server, int]:
             context.abort(grpc.StatusCode.UNAVAILABLE, "pipeline down")
         return b""
 
-    handler = grpc.method_handlers_generic_handler("viasd.v1.GenerationService", {
-        "ListModels": grpc.unary_unary_rpc_method_handler(list_models, request_deserializer=None,
-                                                          response_serializer=None)})
+    handler = grpc.method_handlers_generic_handler(
+        "viasd.v1.GenerationService",
+        {
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                list_models, request_deserializer=None, response_serializer=None
+            )
+        },
+    )
     server = grpc.server(futures.ThreadPoolExecutor(2), handlers=[handler])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -687,8 +741,9 @@ def test_probe_live_checks_ray_on_the_pod(probe):
         assert probe.main(["live", "--node", "worker", "--agent-port", str(agent)]) == 0
         assert probe.main(["live", "--node", "head", "--agent-port", str(agent), "--dashboard-port", str(agent)]) == 0
         assert probe.main(["live", "--node", "worker", "--agent-port", str(bad_agent)]) == 1
-        assert probe.main(["live", "--node", "head", "--agent-port", str(agent),
-                           "--dashboard-port", str(bad_agent)]) == 1  # GCS not answering
+        assert (
+            probe.main(["live", "--node", "head", "--agent-port", str(agent), "--dashboard-port", str(bad_agent)]) == 1
+        )  # GCS not answering
     finally:
         _stop(ok)
         _stop(bad)
@@ -701,8 +756,25 @@ def test_probe_ready_exercises_the_model_through_both_proxies(probe, health, grp
     seen: list = []
     gserver, grpc_port = _grpc_server(grpc_ok, seen)
     try:
-        rc = probe.main(["ready", "--node", "worker", "--agent-port", str(agent), "--http-port", str(http_port),
-                         "--grpc-port", str(grpc_port), "--route", "/llm", "--app", "viasd", "--timeout", "3"])
+        rc = probe.main(
+            [
+                "ready",
+                "--node",
+                "worker",
+                "--agent-port",
+                str(agent),
+                "--http-port",
+                str(http_port),
+                "--grpc-port",
+                str(grpc_port),
+                "--route",
+                "/llm",
+                "--app",
+                "viasd",
+                "--timeout",
+                "3",
+            ]
+        )
         assert rc == expected
         if health == 200:
             assert seen and seen[0].get("application") == "viasd"  # Serve's proxy routes by this key
@@ -717,8 +789,12 @@ def test_probe_ready_without_a_proxy_on_the_pod_checks_ray_only(probe):
     closed, port = _http_server({})
     _stop(closed)  # nothing listens on `port` now
     try:
-        assert probe.main(["ready", "--node", "worker", "--agent-port", str(agent), "--http-port", str(port),
-                           "--timeout", "2"]) == 0
+        assert (
+            probe.main(
+                ["ready", "--node", "worker", "--agent-port", str(agent), "--http-port", str(port), "--timeout", "2"]
+            )
+            == 0
+        )
     finally:
         _stop(ray)
 
@@ -737,7 +813,7 @@ def test_dockerfile_installs_with_the_ci_script_as_non_root():
     assert re.search(r"^ARG TORCH_VERSION=(.+)$", dockerfile, re.M).group(1) == torch_pin
     users = re.findall(r"^USER (\S+)", dockerfile, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root")
-    assert 'EXTRAS:-serve,dev' in setup  # CI's install (no EXTRAS) stays [serve,dev]
+    assert "EXTRAS:-serve,dev" in setup  # CI's install (no EXTRAS) stays [serve,dev]
 
 
 def test_chart_ray_version_matches_the_pinned_ray():

@@ -31,14 +31,26 @@ def service(tmp_path_factory, certs, ray_session):
 
     root = tmp_path_factory.mktemp("https-models")
     (root / "token").write_text(TOKEN)
-    config = parse_serve_config({
-        "pipelines": [{"name": "tiny", "engine": save_tiny_pair(root).model_dump(mode="json"),
-                       "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
-        "http": {"port": _free_port(), "token_file": str(root / "token"),
-                 "tls_cert_file": str(certs["server.pem"]), "tls_key_file": str(certs["server.key"])},
-        "grpc": {"port": _free_port()},
-        "metrics": {"ray_export": False},
-    })
+    config = parse_serve_config(
+        {
+            "pipelines": [
+                {
+                    "name": "tiny",
+                    "engine": save_tiny_pair(root).model_dump(mode="json"),
+                    "drafter_cpus": 0.25,
+                    "verifier_cpus_per_rank": 0.25,
+                }
+            ],
+            "http": {
+                "port": _free_port(),
+                "token_file": str(root / "token"),
+                "tls_cert_file": str(certs["server.pem"]),
+                "tls_key_file": str(certs["server.key"]),
+            },
+            "grpc": {"port": _free_port()},
+            "metrics": {"ray_export": False},
+        }
+    )
     endpoints = launch.start(config, blocking_timeout_s=240)
     yield endpoints
     serve.shutdown()
@@ -54,8 +66,9 @@ def test_the_api_is_served_over_https_with_the_token(service, certs):
     r = requests.get(service.http + "/v1/models", headers=auth, verify=str(certs["ca.pem"]), timeout=CALL_TIMEOUT)
     assert r.status_code == 200 and [m["id"] for m in r.json()["data"]] == ["tiny"]
     body = {"model": "tiny", "prompt": [5, 17, 3, 88], "max_tokens": 4, "return_token_ids": True}
-    r = requests.post(service.http + "/v1/completions", json=body, headers=auth, verify=str(certs["ca.pem"]),
-                      timeout=CALL_TIMEOUT)
+    r = requests.post(
+        service.http + "/v1/completions", json=body, headers=auth, verify=str(certs["ca.pem"]), timeout=CALL_TIMEOUT
+    )
     assert r.status_code == 200, r.text
     r = requests.get(service.http + "/v1/models", verify=str(certs["ca.pem"]), timeout=CALL_TIMEOUT)
     assert r.status_code == 401
@@ -86,8 +99,13 @@ def mtls_http(tmp_path_factory, certs, aio):
     root = tmp_path_factory.mktemp("mtls-models")
     (root / "token").write_text(TOKEN)
     config = PipelineConfig(name="tiny", engine=save_tiny_pair(root))
-    security = GRPCSecurity(tls_cert_file=certs["server.pem"], tls_key_file=certs["server.key"],
-                            client_ca_file=certs["ca.pem"], require_client_cert=True, token_file=root / "token")
+    security = GRPCSecurity(
+        tls_cert_file=certs["server.pem"],
+        tls_key_file=certs["server.key"],
+        client_ca_file=certs["ca.pem"],
+        require_client_cert=True,
+        token_file=root / "token",
+    )
 
     async def start():
         pipeline = await LocalPipeline.start(config)
@@ -111,8 +129,14 @@ def test_http_mutual_tls_serves_clients_with_a_certificate_signed_by_the_ca(mtls
     mine = (str(certs["client.pem"]), str(certs["client.key"]))
     auth = {"Authorization": f"Bearer {TOKEN}"}
     body = {"prompt": [5, 17, 3, 88], "max_tokens": 4, "return_token_ids": True}
-    r = requests.post(mtls_http + "/v1/completions", json=body, headers=auth, cert=mine, verify=str(certs["ca.pem"]),
-                      timeout=CALL_TIMEOUT)
+    r = requests.post(
+        mtls_http + "/v1/completions",
+        json=body,
+        headers=auth,
+        cert=mine,
+        verify=str(certs["ca.pem"]),
+        timeout=CALL_TIMEOUT,
+    )
     assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
     r = requests.get(mtls_http + "/v1/models", cert=mine, verify=str(certs["ca.pem"]), timeout=CALL_TIMEOUT)
     assert r.status_code == 401  # the certificate gets a client through TLS, not past the token
@@ -125,10 +149,15 @@ def test_http_mutual_tls_refuses_clients_without_a_trusted_certificate(mtls_http
     with pytest.raises(requests.exceptions.ConnectionError):  # no certificate (SSLError or a reset)
         requests.get(mtls_http + "/health", verify=ca, timeout=30)
     with pytest.raises(requests.exceptions.ConnectionError):  # signed by a CA the server does not trust
-        requests.get(mtls_http + "/health", cert=(str(certs["other-client.pem"]), str(certs["other-client.key"])),
-                     verify=ca, timeout=30)
+        requests.get(
+            mtls_http + "/health",
+            cert=(str(certs["other-client.pem"]), str(certs["other-client.key"])),
+            verify=ca,
+            timeout=30,
+        )
     with pytest.raises(requests.exceptions.ConnectionError):  # plaintext
         requests.get(mtls_http.replace("https://", "http://") + "/health", timeout=30)
-    r = requests.get(mtls_http + "/health", cert=(str(certs["client.pem"]), str(certs["client.key"])), verify=ca,
-                     timeout=30)
+    r = requests.get(
+        mtls_http + "/health", cert=(str(certs["client.pem"]), str(certs["client.key"])), verify=ca, timeout=30
+    )
     assert r.status_code == 200  # and the server is still up

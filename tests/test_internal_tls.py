@@ -80,7 +80,9 @@ async def _close_unknown_session(channel, service: str) -> grpc.StatusCode:
     """Close a session nobody opened (Close is idempotent): OK proves the call got through the
     handshake. `channel` is a callable making the channel in the running loop."""
     channel = channel()
-    stub = (internal_pb2_grpc.DrafterServiceStub if service == "drafter" else internal_pb2_grpc.VerifierServiceStub)(channel)
+    stub = (internal_pb2_grpc.DrafterServiceStub if service == "drafter" else internal_pb2_grpc.VerifierServiceStub)(
+        channel
+    )
     try:
         await stub.Close(ipb.CloseRequest(request_id="nobody"), timeout=CALL_S)
         return grpc.StatusCode.OK
@@ -96,7 +98,10 @@ def _addresses(pipeline) -> dict[str, str]:
 
 def test_served_tokens_equal_the_engine_over_mutual_tls(pipeline, aio, stub, llm):
     prompt = [5, 17, 3, 88, 41, 9]
-    for params in (dict(mode="sd", gamma=4, temperature=1.0, seed=3), dict(mode="via", gamma=4, alpha1=0.9, alpha2=0.7)):
+    for params in (
+        dict(mode="sd", gamma=4, temperature=1.0, seed=3),
+        dict(mode="via", gamma=4, alpha1=0.9, alpha2=0.7),
+    ):
         tokens, responses = aio.run(collect(stub, request(prompt, **params)))
         assert tokens == reference(llm, prompt, **params).token_ids, params
         assert not responses[-1].stats.drafter_fallback
@@ -115,9 +120,11 @@ def test_internal_ports_refuse_anyone_without_the_pipeline_certificate(pipeline,
         if kind == "no client certificate":
             return grpc.aio.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=name)
         if kind == "another CA's certificate":
-            creds = grpc.ssl_channel_credentials(root_certificates=ca,
-                                                 private_key=certs["other-internal.key"].read_bytes(),
-                                                 certificate_chain=certs["other-internal.pem"].read_bytes())
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=ca,
+                private_key=certs["other-internal.key"].read_bytes(),
+                certificate_chain=certs["other-internal.pem"].read_bytes(),
+            )
             return grpc.aio.secure_channel(address, creds, options=name)
         return tls.channel(address)
 
@@ -131,8 +138,12 @@ def test_internal_ports_refuse_anyone_without_the_pipeline_certificate(pipeline,
 
 def test_a_server_certificate_for_another_name_is_refused_by_the_client(pipeline, aio, certs):
     """The client checks the server's name: the internal certificate names viasd-internal only."""
-    wrong = InternalTLS(cert_file=certs["internal.pem"], key_file=certs["internal.key"], ca_file=certs["ca.pem"],
-                        server_name="someone-else")
+    wrong = InternalTLS(
+        cert_file=certs["internal.pem"],
+        key_file=certs["internal.key"],
+        ca_file=certs["ca.pem"],
+        server_name="someone-else",
+    )
     address = _addresses(pipeline)["drafter"]
     code = aio.run(_close_unknown_session(lambda: wrong.channel(address), "drafter"))
     assert code == grpc.StatusCode.UNAVAILABLE

@@ -123,7 +123,9 @@ def _dtensor_runtime(arch: str, group: TPGroup, ref, x, mask) -> dict:
 
     lm = MaskedLM(_shard_torch(tiny_model(arch, dtype=DTYPE["torch"]), group, dtensor_runtime=True))
     cache = lm.new_cache(mask)
-    steps = torch.cat([lm.forward(x[:7], 0, cache, mask)] + [lm.forward(x[i : i + 1], i, cache, mask) for i in range(7, 10)])
+    steps = torch.cat(
+        [lm.forward(x[:7], 0, cache, mask)] + [lm.forward(x[i : i + 1], i, cache, mask) for i in range(7, 10)]
+    )
     return {
         "full": _maxdiff(lm.forward(x, 0), ref.forward(x, 0)),
         "masked": _maxdiff(lm.forward(x, 0, mask=mask), ref.forward(x, 0, mask=mask)),
@@ -157,7 +159,9 @@ def run_ranks(target, args: tuple, world: int = WORLD, timeout_s: float = TIMEOU
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(*args[:1], r, port, *args[1:], results), daemon=True) for r in range(world)]
+    procs = [
+        ctx.Process(target=target, args=(*args[:1], r, port, *args[1:], results), daemon=True) for r in range(world)
+    ]
     for p in procs:
         p.start()
     got: dict[int, object] = {}
@@ -188,8 +192,10 @@ def run_ranks(target, args: tuple, world: int = WORLD, timeout_s: float = TIMEOU
     if errors:
         pytest.fail("\n".join(f"rank {r} failed:\n{e}" for r, e in errors.items()))
     if len(got) < world:
-        pytest.fail(f"ranks {sorted(set(range(world)) - set(got))} gave no result (time limit {timeout_s}s; "
-                    f"exit codes {[p.exitcode for p in procs]})")
+        pytest.fail(
+            f"ranks {sorted(set(range(world)) - set(got))} gave no result (time limit {timeout_s}s; "
+            f"exit codes {[p.exitcode for p in procs]})"
+        )
     return got
 
 
@@ -275,7 +281,9 @@ def test_group_is_validated():
 def test_indivisible_heads_raise_a_clear_error():
     model = tiny_model("llama", layers=2)
     check_shardable(model.config, 2)
-    with pytest.raises(InvalidParameterError, match="num_attention_heads=4 is not divisible by the tensor-parallel size 3"):
+    with pytest.raises(
+        InvalidParameterError, match="num_attention_heads=4 is not divisible by the tensor-parallel size 3"
+    ):
         shard_model(model, TPBackend.TORCH, TPGroup(0, 3))
     model.config.num_key_value_heads = 1
     with pytest.raises(InvalidParameterError, match="num_key_value_heads=1"):
@@ -324,7 +332,7 @@ def _smol_worker(backend: str, rank: int, port: int, world: int, results) -> Non
         ref_model, tok = load_causal_lm(embedded.TEST_MODEL, dtype="float32")
         model, _ = load_causal_lm(embedded.TEST_MODEL, dtype="float32")
         ref, lm = MaskedLM(ref_model), MaskedLM(shard_model(model, backend, group))
-        x = torch.tensor(tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"))
+        x = torch.tensor(tok.encode('def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'))
         mask = LayerMask.evenly_spaced(0.3, lm.num_layers)
         out = {
             "full": _maxdiff(lm.forward(x, 0), ref.forward(x, 0)),
@@ -332,8 +340,10 @@ def _smol_worker(backend: str, rank: int, port: int, world: int, results) -> Non
             "scale": ref.forward(x, 0).abs().max().item(),
         }
         params = parse_params(mode="ar", max_tokens=16)
-        out["tokens"] = (Engine(lm, mask=mask).complete(x.tolist(), params).token_ids,
-                         Engine(ref, mask=mask).complete(x.tolist(), params).token_ids)
+        out["tokens"] = (
+            Engine(lm, mask=mask).complete(x.tolist(), params).token_ids,
+            Engine(ref, mask=mask).complete(x.tolist(), params).token_ids,
+        )
         results.put((rank, out))
     except BaseException:
         results.put((rank, traceback.format_exc()))

@@ -41,16 +41,40 @@ CASES = {
     "sd-sampled": dict(mode="sd", gamma=4, temperature=0.8, top_k=40, seed=12),
     "via-sampled": dict(VIA, temperature=1.0, seed=13),
     # issue 9's options run on the drafter actor: n-gram blocks travel without p
-    "sd-hybrid-adaptive-sampled": dict(mode="sd", gamma=6, proposer="hybrid", ngram_max=2, draft_confidence=0.3,
-                                       adaptive_gamma=True, temperature=1.0, seed=14),
+    "sd-hybrid-adaptive-sampled": dict(
+        mode="sd",
+        gamma=6,
+        proposer="hybrid",
+        ngram_max=2,
+        draft_confidence=0.3,
+        adaptive_gamma=True,
+        temperature=1.0,
+        seed=14,
+    ),
     "via-ngram-greedy": dict(VIA, proposer="ngram"),
     # overlap: the drafter actor drafts ahead while the verifier verifies; timing must not matter
     "sd-overlap-sampled": dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=15),
     "via-overlap-greedy": dict(VIA, overlap=True),
 }
-COUNTERS = ("generated_tokens", "num_drafts", "num_draft_tokens", "ngram_draft_tokens", "overlap_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos",
-            "num_rejected_tokens", "num_bonus_tokens", "num_cycle_tokens", "slim_accepted", "slim_rewritten",
-            "escalations", "escalated_tokens", "full_accepted", "forwards", "finish_reason")
+COUNTERS = (
+    "generated_tokens",
+    "num_drafts",
+    "num_draft_tokens",
+    "ngram_draft_tokens",
+    "overlap_draft_tokens",
+    "num_accepted_tokens",
+    "num_accepted_tokens_per_pos",
+    "num_rejected_tokens",
+    "num_bonus_tokens",
+    "num_cycle_tokens",
+    "slim_accepted",
+    "slim_rewritten",
+    "escalations",
+    "escalated_tokens",
+    "full_accepted",
+    "forwards",
+    "finish_reason",
+)
 
 
 # ------------------------------------------------------------------ fixtures
@@ -75,8 +99,9 @@ def llm(engine_config):
 def _pipeline_config(engine_config, **kw):
     from viasd.cluster.pipeline import PipelineConfig
 
-    return PipelineConfig(engine=engine_config, drafter_cpus=0.5, verifier_cpus_per_rank=0.5, rpc_timeout_s=60,
-                          check_ranks=True, **kw)
+    return PipelineConfig(
+        engine=engine_config, drafter_cpus=0.5, verifier_cpus_per_rank=0.5, rpc_timeout_s=60, check_ranks=True, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +135,12 @@ def server(aio, pipeline):
 
 
 def request(prompt, model: str = "", request_id: str = "", **params) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, model=model, prompt_token_ids=pb.TokenIds(ids=prompt),
-                              params=params_to_proto(parse_params(max_tokens=24, **params)))
+    return pb.GenerateRequest(
+        request_id=request_id,
+        model=model,
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        params=params_to_proto(parse_params(max_tokens=24, **params)),
+    )
 
 
 async def collect(stub, req: pb.GenerateRequest):
@@ -147,8 +176,13 @@ def test_served_equals_in_process(server, aio, llm, case):
     _, _, stub = server
     for prompt in PROMPTS:
         tokens, responses = aio.run(collect(stub, request(prompt, **CASES[case])))
-        assert_same_run(tokens, responses, reference(llm, prompt, **CASES[case]), f"{case} {prompt}",
-                        overlap=CASES[case].get("overlap", False))
+        assert_same_run(
+            tokens,
+            responses,
+            reference(llm, prompt, **CASES[case]),
+            f"{case} {prompt}",
+            overlap=CASES[case].get("overlap", False),
+        )
         assert len(responses) > 1  # streamed cycle by cycle
 
 
@@ -173,13 +207,16 @@ def test_served_run_covers_the_tiers_and_the_stop_tokens(server, aio, llm):
 
 def test_concurrent_streams_equal_their_sequential_runs(server, aio, llm):
     _, _, stub = server
-    settings = [dict(VIA, temperature=1.0, seed=100 + i) if i % 2 else dict(mode="sd", gamma=3, temperature=0.9,
-                                                                            seed=100 + i) for i in range(8)]
+    settings = [
+        dict(VIA, temperature=1.0, seed=100 + i) if i % 2 else dict(mode="sd", gamma=3, temperature=0.9, seed=100 + i)
+        for i in range(8)
+    ]
     expected = [reference(llm, PROMPTS[i % 2], **s) for i, s in enumerate(settings)]
 
     async def all_at_once():
-        return await asyncio.gather(*(collect(stub, request(PROMPTS[i % 2], request_id=f"c{i}", **s))
-                                      for i, s in enumerate(settings)))
+        return await asyncio.gather(
+            *(collect(stub, request(PROMPTS[i % 2], request_id=f"c{i}", **s)) for i, s in enumerate(settings))
+        )
 
     results = aio.run(all_at_once())
     for i, ((tokens, responses), ref) in enumerate(zip(results, expected)):
@@ -193,12 +230,20 @@ def test_concurrent_streams_equal_their_sequential_runs(server, aio, llm):
 # a mixed batch: every mode, greedy and sampled, n-gram and overlap rows, different lengths
 # (rows leave at different steps); the second wave joins while the first is decoding
 BATCH_WAVES = [
-    [(0, dict(mode="ar", max_tokens=10)), (1, dict(VIA, temperature=1.0, seed=21, max_tokens=24)),
-     (0, dict(mode="sd", gamma=3, temperature=0.9, seed=22, max_tokens=18)), (1, dict(VIA, max_tokens=30)),
-     (0, dict(mode="ar", temperature=1.0, seed=23, max_tokens=24))],
-    [(1, dict(mode="sd", gamma=4, max_tokens=14)), (0, dict(VIA, proposer="ngram", max_tokens=20)),
-     (1, dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=24, max_tokens=22)),
-     (0, dict(VIA, temperature=1.0, seed=25, max_tokens=8)), (1, dict(mode="ar", max_tokens=26))],
+    [
+        (0, dict(mode="ar", max_tokens=10)),
+        (1, dict(VIA, temperature=1.0, seed=21, max_tokens=24)),
+        (0, dict(mode="sd", gamma=3, temperature=0.9, seed=22, max_tokens=18)),
+        (1, dict(VIA, max_tokens=30)),
+        (0, dict(mode="ar", temperature=1.0, seed=23, max_tokens=24)),
+    ],
+    [
+        (1, dict(mode="sd", gamma=4, max_tokens=14)),
+        (0, dict(VIA, proposer="ngram", max_tokens=20)),
+        (1, dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=24, max_tokens=22)),
+        (0, dict(VIA, temperature=1.0, seed=25, max_tokens=8)),
+        (1, dict(mode="ar", max_tokens=26)),
+    ],
 ]
 
 
@@ -219,6 +264,7 @@ def in_process_batched(llm, waves, steps_between: int = 2) -> list[list[int]]:
 async def served_waves(coordinator, waves, prefix: str) -> list[list[int]]:
     """The waves through a coordinator at once, each wave starting after every stream of the
     waves before it has its second chunk (so it joins a batch that is decoding)."""
+
     async def stream(name, i, params, started: asyncio.Event):
         chunks = []
         async for c in coordinator.generate(name, PROMPTS[i], parse_params(**params)):
@@ -230,8 +276,10 @@ async def served_waves(coordinator, waves, prefix: str) -> list[list[int]]:
     tasks = []
     for w, wave in enumerate(waves):
         events = [asyncio.Event() for _ in wave]
-        tasks += [asyncio.ensure_future(stream(f"{prefix}-{w}-{j}", i, params, e))
-                  for j, ((i, params), e) in enumerate(zip(wave, events))]
+        tasks += [
+            asyncio.ensure_future(stream(f"{prefix}-{w}-{j}", i, params, e))
+            for j, ((i, params), e) in enumerate(zip(wave, events))
+        ]
         await asyncio.gather(*(e.wait() for e in events))
     return list(await asyncio.gather(*tasks))
 
@@ -277,7 +325,9 @@ def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     async def run():
         core = VerifierCore(llm.verifier, llm.engine.mask, "separate")
         servicer = VerifierServicer(core)
-        server, port = await start_server(lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s))
+        server, port = await start_server(
+            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s)
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = internal_pb2_grpc.VerifierServiceStub(ch)
@@ -286,10 +336,17 @@ def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
                     await stub.Open(ipb.OpenRequest(request_id=rid, prompt_token_ids=PROMPTS[0], params=params, seed=1))
                 llm.verifier.forward_batch = counting
                 try:
-                    batch = await stub.Verify(ipb.VerifyRequest(rows=[
-                    ipb.VerifyRequest(request_id="a"), ipb.VerifyRequest(request_id="nope"),
-                        ipb.VerifyRequest(request_id="b", draft=[5, 999]), ipb.VerifyRequest(request_id="b", draft=[5, 6])]),
-                        timeout=30)
+                    batch = await stub.Verify(
+                        ipb.VerifyRequest(
+                            rows=[
+                                ipb.VerifyRequest(request_id="a"),
+                                ipb.VerifyRequest(request_id="nope"),
+                                ipb.VerifyRequest(request_id="b", draft=[5, 999]),
+                                ipb.VerifyRequest(request_id="b", draft=[5, 6]),
+                            ]
+                        ),
+                        timeout=30,
+                    )
                 finally:
                     del llm.verifier.forward_batch
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -324,8 +381,11 @@ def test_cancelled_stream_closes_both_sessions(server, aio, pipeline):
 
     async def start_then_cancel():
         params = parse_params(mode="via", max_tokens=400, ignore_eos=True, temperature=1.0, seed=5)
-        call = stub.Generate(pb.GenerateRequest(request_id="to-cancel", prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]),
-                                                params=params_to_proto(params)))
+        call = stub.Generate(
+            pb.GenerateRequest(
+                request_id="to-cancel", prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), params=params_to_proto(params)
+            )
+        )
         got = [await call.read() for _ in range(2)]
         mid = await pipeline.session_counts()
         call.cancel()
@@ -370,20 +430,35 @@ def test_finished_requests_leave_no_session(server, aio, pipeline):
     assert pipeline.coordinator.active_requests() == 0
 
 
-@pytest.mark.parametrize("make, field", [
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2]), params=pb.GenerationParams(temperature=-1)),
-     "temperature"),
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 500])), "prompt"),
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[])), "prompt"),
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]),
-                                params=pb.GenerationParams(alpha1=0.3, alpha2=0.4)), "alpha2"),
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), params=pb.GenerationParams(gamma=99)), "gamma"),
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), params=pb.GenerationParams(mode=9)), "mode"),
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), model="nope"), "model"),
-    (lambda: pb.GenerateRequest(), "prompt"),
-    (lambda: pb.GenerateRequest(prompt="def f():"), "prompt"),  # these test models have no tokenizer
-    (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1] * 600)), "prompt"),  # past the context (512)
-], ids=["temperature", "vocab", "empty", "alpha2", "gamma", "mode", "model", "no-input", "text", "context"])
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (
+            lambda: pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=[1, 2]), params=pb.GenerationParams(temperature=-1)
+            ),
+            "temperature",
+        ),
+        (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 500])), "prompt"),
+        (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[])), "prompt"),
+        (
+            lambda: pb.GenerateRequest(
+                prompt_token_ids=pb.TokenIds(ids=[1]), params=pb.GenerationParams(alpha1=0.3, alpha2=0.4)
+            ),
+            "alpha2",
+        ),
+        (
+            lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), params=pb.GenerationParams(gamma=99)),
+            "gamma",
+        ),
+        (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), params=pb.GenerationParams(mode=9)), "mode"),
+        (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1]), model="nope"), "model"),
+        (lambda: pb.GenerateRequest(), "prompt"),
+        (lambda: pb.GenerateRequest(prompt="def f():"), "prompt"),  # these test models have no tokenizer
+        (lambda: pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1] * 600)), "prompt"),  # past the context (512)
+    ],
+    ids=["temperature", "vocab", "empty", "alpha2", "gamma", "mode", "model", "no-input", "text", "context"],
+)
 def test_bad_input_is_invalid_argument_naming_the_field(server, aio, pipeline, make, field):
     _, _, stub = server
 
@@ -395,7 +470,7 @@ def test_bad_input_is_invalid_argument_naming_the_field(server, aio, pipeline, m
     err = aio.run(call())
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
     assert err.details().startswith(f"{field}:"), err.details()
-    assert (("viasd-invalid-field", field) in tuple(err.trailing_metadata())), err.trailing_metadata()
+    assert ("viasd-invalid-field", field) in tuple(err.trailing_metadata()), err.trailing_metadata()
     assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
 
 
@@ -408,15 +483,23 @@ def test_list_models_and_health(server, aio):
         models = await stub.ListModels(pb.ListModelsRequest(), timeout=10)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{srv.viasd_port}") as ch:
             health = health_pb2_grpc.HealthStub(ch)
-            statuses = [(await health.Check(health_pb2.HealthCheckRequest(service=s), timeout=10)).status
-                        for s in ("", "viasd.v1.GenerationService")]
+            statuses = [
+                (await health.Check(health_pb2.HealthCheckRequest(service=s), timeout=10)).status
+                for s in ("", "viasd.v1.GenerationService")
+            ]
         return models, statuses
 
     models, statuses = aio.run(calls())
     assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 2
     (m,) = models.models
     assert (m.name, m.num_layers, list(m.skipped_layers), m.tensor_parallel_size, m.max_context, m.default_mode) == (
-        "tiny", 6, [1, 3], 1, 512, pb.MODE_VIA)
+        "tiny",
+        6,
+        [1, 3],
+        1,
+        512,
+        pb.MODE_VIA,
+    )
     assert m.verifier.endswith("verifier") and m.drafter.endswith("drafter")
 
 
@@ -445,11 +528,18 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
         drafter = Failing(llm.drafter)
         server, port = await start_server(lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(drafter, s))
         base = pipeline.coordinator
-        coord = Coordinator(base.verifier_address, f"127.0.0.1:{port}", vocab_size=base.vocab_size,
-                            max_context=base.max_context, eos_token_ids=base.eos_token_ids, rpc_timeout_s=30)
+        coord = Coordinator(
+            base.verifier_address,
+            f"127.0.0.1:{port}",
+            vocab_size=base.vocab_size,
+            max_context=base.max_context,
+            eos_token_ids=base.eos_token_ids,
+            rpc_timeout_s=30,
+        )
         try:
-            chunks = [c async for c in coord.generate("fallback", PROMPTS[0], parse_params(mode="sd", gamma=3,
-                                                                                            max_tokens=24))]
+            chunks = [
+                c async for c in coord.generate("fallback", PROMPTS[0], parse_params(mode="sd", gamma=3, max_tokens=24))
+            ]
             return chunks, len(drafter.sessions)
         finally:
             await coord.close()
@@ -475,8 +565,10 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
         import deepspeed  # noqa: F401  (a declared dependency: missing is a broken install, not a skip)
     _, _, stub = server
     t0 = time.perf_counter()
-    tp2 = aio.run(Pipeline.start(_pipeline_config(engine_config, name=f"tiny-tp2-{backend}", tp_size=2,
-                                                  tp_backend=backend)), timeout=240)
+    tp2 = aio.run(
+        Pipeline.start(_pipeline_config(engine_config, name=f"tiny-tp2-{backend}", tp_size=2, tp_backend=backend)),
+        timeout=240,
+    )
     print(f"\nTP=2 ({backend}) pipeline up in {time.perf_counter() - t0:.1f}s")
     try:
         assert tp2.info()["tensor_parallel_size"] == 2
@@ -485,8 +577,12 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
             tp1_tokens, tp1 = aio.run(collect(stub, request(PROMPTS[0], **params)))
 
             async def on_tp2():
-                return [c async for c in tp2.coordinator.generate(f"tp2-{case}", PROMPTS[0],
-                                                                  parse_params(max_tokens=24, **params))]
+                return [
+                    c
+                    async for c in tp2.coordinator.generate(
+                        f"tp2-{case}", PROMPTS[0], parse_params(max_tokens=24, **params)
+                    )
+                ]
 
             chunks = aio.run(on_tp2())
             assert [t for c in chunks for t in c.token_ids] == tp1_tokens, (backend, case)
@@ -526,12 +622,15 @@ def test_rank_disagreement_is_detected(aio, llm):
 
             async def run():
                 return _comparable(op, await self.core.work.enqueue(seq, getattr(self.core, op), *args))
+
             return asyncio.ensure_future(run())
 
     async def run():
         core = VerifierCore(llm.verifier, llm.engine.mask, "separate")
         servicer = VerifierServicer(core, [Follower()], check_ranks=True)
-        server, port = await start_server(lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s))
+        server, port = await start_server(
+            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s)
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 stub = internal_pb2_grpc.VerifierServiceStub(ch)

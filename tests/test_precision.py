@@ -56,8 +56,9 @@ def test_auto_stays_float32_when_the_probe_is_slower(fresh):
     assert (choice.dtype, choice.reason) == ("float32", "native-bf16-probe-slower")
 
 
-@pytest.mark.parametrize("kw", [dict(flags=set()), dict(flags={"avx512_bf16"}, onednn=False),
-                                dict(flags={"avx512_bf16"}, capability="AVX2")])
+@pytest.mark.parametrize(
+    "kw", [dict(flags=set()), dict(flags={"avx512_bf16"}, onednn=False), dict(flags={"avx512_bf16"}, capability="AVX2")]
+)
 def test_auto_is_float32_without_native_bf16(fresh, kw):
     calls = _cpu(fresh, **kw)
     choice = P.resolve_dtype("auto", "cpu")
@@ -65,8 +66,17 @@ def test_auto_is_float32_without_native_bf16(fresh, kw):
     assert calls == [] and choice.probe_seconds == {}  # no probe without native bf16
 
 
-@pytest.mark.parametrize("name,want", [("bfloat16", "bfloat16"), ("bf16", "bfloat16"), ("float16", "float16"),
-                                       ("float32", "float32"), ("float64", "float64"), (torch.float32, "float32")])
+@pytest.mark.parametrize(
+    "name,want",
+    [
+        ("bfloat16", "bfloat16"),
+        ("bf16", "bfloat16"),
+        ("float16", "float16"),
+        ("float32", "float32"),
+        ("float64", "float64"),
+        (torch.float32, "float32"),
+    ],
+)
 def test_explicit_dtypes_pass_through(fresh, name, want):
     calls = _cpu(fresh, flags=set())
     choice = P.resolve_dtype(name, "cpu")

@@ -103,8 +103,10 @@ def test_confidence_and_adaptive_gamma_shorten_blocks(tiny_pair):
     engine = Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers))
 
     def mean_block(**option) -> float:
-        runs = [engine.complete(p, parse_params(mode="sd", max_tokens=60, gamma=8, **option)).stats
-                for p in ([5, 17, 3, 88, 41, 9], [1, 2, 3], [60] * 12)]
+        runs = [
+            engine.complete(p, parse_params(mode="sd", max_tokens=60, gamma=8, **option)).stats
+            for p in ([5, 17, 3, 88, 41, 9], [1, 2, 3], [60] * 12)
+        ]
         assert sum(s.num_rejected_tokens for s in runs) > 0  # there is something to adapt to
         return sum(s.num_draft_tokens for s in runs) / sum(s.num_drafts for s in runs)
 
@@ -170,8 +172,12 @@ def test_sampled_sd_with_lookup_follows_the_verifier(proposer, n):
     counts = np.zeros((2, verifier.vocab_size))
     lookups = model_drafted = 0
     for seed in range(n):
-        out = engine.complete(LOOKUP_PROMPT, parse_params(mode="sd", proposer=proposer, temperature=1.0, seed=seed,
-                                                           max_tokens=2, gamma=2, ignore_eos=True))
+        out = engine.complete(
+            LOOKUP_PROMPT,
+            parse_params(
+                mode="sd", proposer=proposer, temperature=1.0, seed=seed, max_tokens=2, gamma=2, ignore_eos=True
+            ),
+        )
         counts[0, out.token_ids[0]] += 1
         counts[1, out.token_ids[1]] += 1
         lookups += out.stats.ngram_draft_tokens
@@ -226,7 +232,9 @@ def test_sampled_overlap_is_reproducible_and_its_pending_rows_are_the_drafters(t
     draft_seed, verify_seed = request_seeds(7)
     params = parse_params(mode="sd", overlap=True, temperature=1.0, seed=7, gamma=3)
     ds = DraftSession(drafter, PROMPTS[1], params, draft_seed, stats)
-    vs = VerifySession(verifier, LayerMask.full(verifier.num_layers), "separate", PROMPTS[1], params, verify_seed, stats)
+    vs = VerifySession(
+        verifier, LayerMask.full(verifier.num_layers), "separate", PROMPTS[1], params, verify_seed, stats
+    )
     checked = 0
     for _ in range(20):
         draft, p = ds.propose(3)

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_committed_stubs_are_fresh(tmp_path):
     import grpc_tools  # noqa: F401  (declared in the dev extra: missing fails)
+
     env = {**os.environ, "OUT": str(tmp_path)}
     res = subprocess.run(["bash", str(ROOT / "scripts" / "gen_protos.sh")], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
@@ -50,35 +51,61 @@ def test_unset_fields_take_the_defaults():
     assert p.temperature == 0.0 and p.max_tokens == 7
 
 
-@pytest.mark.parametrize("values", [
-    dict(),
-    dict(mode="sd", temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=2**63 - 1, gamma=7),
-    dict(mode="via", alpha1=0.7, alpha2=0.3, region_b="escalate", slim_bonus=True, rule="lossy", lossy_alpha=0.3,
-         lossy_beta=0.8, stop_token_ids=(3, 9), ignore_eos=True),
-    dict(mode="ar", rule="overshoot", overshoot_ceiling=0.123456789),
-    dict(presence_penalty=0.3, frequency_penalty=-0.2, repetition_penalty=1.1, logit_bias={3: -100.0, 7: 0.5},
-         logprobs=3, logprobs_tier="slim", prompt_logprobs=0, max_tokens=0, stop=("a", "\n\n"), n=3),
-])
+@pytest.mark.parametrize(
+    "values",
+    [
+        dict(),
+        dict(mode="sd", temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=2**63 - 1, gamma=7),
+        dict(
+            mode="via",
+            alpha1=0.7,
+            alpha2=0.3,
+            region_b="escalate",
+            slim_bonus=True,
+            rule="lossy",
+            lossy_alpha=0.3,
+            lossy_beta=0.8,
+            stop_token_ids=(3, 9),
+            ignore_eos=True,
+        ),
+        dict(mode="ar", rule="overshoot", overshoot_ceiling=0.123456789),
+        dict(
+            presence_penalty=0.3,
+            frequency_penalty=-0.2,
+            repetition_penalty=1.1,
+            logit_bias={3: -100.0, 7: 0.5},
+            logprobs=3,
+            logprobs_tier="slim",
+            prompt_logprobs=0,
+            max_tokens=0,
+            stop=("a", "\n\n"),
+            n=3,
+        ),
+    ],
+)
 def test_params_round_trip_exactly(values):
     params = parse_params(values)
     msg = pb.GenerationParams.FromString(params_to_proto(params).SerializeToString())
     assert params_from_proto(msg) == params  # doubles on the wire: 0.3 stays 0.3
 
 
-@pytest.mark.parametrize("msg, field", [
-    (pb.GenerationParams(temperature=-0.5), "temperature"),
-    (pb.GenerationParams(top_p=0.0), "top_p"),
-    (pb.GenerationParams(alpha1=0.2, alpha2=0.3), "alpha2"),
-    (pb.GenerationParams(mode=17), "mode"),
-    (pb.GenerationParams(rule=9), "rule"),
-    (pb.GenerationParams(seed=2**64 - 1), "seed"),
-    (pb.GenerationParams(max_tokens=0), "max_tokens"),
-    (pb.GenerationParams(presence_penalty=3.0), "presence_penalty"),
-    (pb.GenerationParams(logit_bias={5: 250.0}), "logit_bias"),
-    (pb.GenerationParams(logprobs_tier=7), "logprobs_tier"),
-    (pb.GenerationParams(stop=["", "x"]), "stop"),
-    (pb.GenerationParams(n=0), "n"),
-])
+@pytest.mark.parametrize(
+    "msg, field",
+    [
+        (pb.GenerationParams(temperature=-0.5), "temperature"),
+        (pb.GenerationParams(top_p=0.0), "top_p"),
+        (pb.GenerationParams(alpha1=0.2, alpha2=0.3), "alpha2"),
+        (pb.GenerationParams(mode=17), "mode"),
+        (pb.GenerationParams(rule=9), "rule"),
+        (pb.GenerationParams(seed=2**64 - 1), "seed"),
+        (pb.GenerationParams(max_tokens=0), "max_tokens"),
+        (pb.GenerationParams(presence_penalty=3.0), "presence_penalty"),
+        (pb.GenerationParams(logit_bias={5: 250.0}), "logit_bias"),
+        (pb.GenerationParams(logprobs_tier=7), "logprobs_tier"),
+        (pb.GenerationParams(stop=["", "x"]), "stop"),
+        (pb.GenerationParams(n=0), "n"),
+    ],
+)
 def test_bad_params_name_the_field(msg, field):
     with pytest.raises(InvalidParameterError) as err:
         params_from_proto(msg)
@@ -92,13 +119,29 @@ def test_logprobs_round_trip():
 
 
 def test_stats_round_trip():
-    s = RequestStats(mode="via", prompt_tokens=6, generated_tokens=24, finish_reason="length", num_drafts=5,
-                     num_draft_tokens=20, num_accepted_tokens=14, num_accepted_tokens_per_pos=[5, 4, 3, 2],
-                     num_rejected_tokens=3, num_cycle_tokens=19, num_bonus_tokens=1, slim_accepted=9,
-                     slim_rewritten=2, escalations=2, escalated_tokens=6, full_accepted=5,
-                     forwards={"drafter": 20, "slim": 5, "full": 2},
-                     seconds={"drafter": 0.5, "slim": 0.25, "full": 0.125},
-                     time_to_first_token=0.01, total_seconds=1.5, drafter_fallback=True)
+    s = RequestStats(
+        mode="via",
+        prompt_tokens=6,
+        generated_tokens=24,
+        finish_reason="length",
+        num_drafts=5,
+        num_draft_tokens=20,
+        num_accepted_tokens=14,
+        num_accepted_tokens_per_pos=[5, 4, 3, 2],
+        num_rejected_tokens=3,
+        num_cycle_tokens=19,
+        num_bonus_tokens=1,
+        slim_accepted=9,
+        slim_rewritten=2,
+        escalations=2,
+        escalated_tokens=6,
+        full_accepted=5,
+        forwards={"drafter": 20, "slim": 5, "full": 2},
+        seconds={"drafter": 0.5, "slim": 0.25, "full": 0.125},
+        time_to_first_token=0.01,
+        total_seconds=1.5,
+        drafter_fallback=True,
+    )
     msg = pb.RequestStats.FromString(stats_to_proto(s).SerializeToString())
     assert msg.mean_acceptance_length == pytest.approx(19 / 5)
     assert stats_from_proto(msg, "length") == s
@@ -107,8 +150,12 @@ def test_stats_round_trip():
 
 def test_add_counters_sums_the_two_sides():
     drafter = RequestStats(num_drafts=3, num_draft_tokens=9, forwards={"drafter": 9, "slim": 0, "full": 0})
-    verifier = RequestStats(num_accepted_tokens=5, num_accepted_tokens_per_pos=[3, 2], num_cycle_tokens=8,
-                            forwards={"drafter": 0, "slim": 3, "full": 1})
+    verifier = RequestStats(
+        num_accepted_tokens=5,
+        num_accepted_tokens_per_pos=[3, 2],
+        num_cycle_tokens=8,
+        forwards={"drafter": 0, "slim": 3, "full": 1},
+    )
     total = RequestStats(mode="via", generated_tokens=8)
     total.add_counters(drafter)
     total.add_counters(verifier)
@@ -167,11 +214,22 @@ def test_sparse_draft_probs_travel_exactly_and_small():
     assert not encode_probs(dense).indices  # plain temperature sampling: dense rows
     msg = encode_probs(p)
     with pytest.raises(InvalidParameterError, match="probs.indices"):
-        decode_probs(ipb.DraftProbs(rows=msg.rows, vocab_size=10, dtype="float32", data=msg.data, indices=msg.indices,
-                                    row_nnz=msg.row_nnz))
+        decode_probs(
+            ipb.DraftProbs(
+                rows=msg.rows, vocab_size=10, dtype="float32", data=msg.data, indices=msg.indices, row_nnz=msg.row_nnz
+            )
+        )
     with pytest.raises(InvalidParameterError, match="probs.indices"):
-        decode_probs(ipb.DraftProbs(rows=msg.rows, vocab_size=msg.vocab_size, dtype="float32", data=msg.data,
-                                    indices=msg.indices[:-4], row_nnz=msg.row_nnz))
+        decode_probs(
+            ipb.DraftProbs(
+                rows=msg.rows,
+                vocab_size=msg.vocab_size,
+                dtype="float32",
+                data=msg.data,
+                indices=msg.indices[:-4],
+                row_nnz=msg.row_nnz,
+            )
+        )
 
 
 def test_in_order_runs_calls_by_number_whatever_the_arrival_order():

@@ -79,16 +79,24 @@ def test_sampled_rules_equal_the_reference(tiny_pair, rule, mode):
 @pytest.mark.parametrize("rule", RULES, ids=lambda r: r["rule"])
 def test_greedy_rules_and_top_k_top_p_equal_the_reference(tiny_pair, rule):
     stats = run_both(tiny_pair, engine(tiny_pair), PROMPTS, seed=0, **VIA, **rule)
-    stats += run_both(tiny_pair, engine(tiny_pair), PROMPTS, seed=3, temperature=0.8, top_k=20, top_p=0.9,
-                      **VIA, **rule)
+    stats += run_both(
+        tiny_pair, engine(tiny_pair), PROMPTS, seed=3, temperature=0.8, top_k=20, top_p=0.9, **VIA, **rule
+    )
     assert total(stats, "escalations") > 0 and total(stats, "slim_accepted") > 0
 
 
 def test_region_b_escalate_and_slim_bonus_equal_the_reference(tiny_pair):
     stats = run_both(tiny_pair, engine(tiny_pair), PROMPTS, temperature=1.0, seed=5, region_b="escalate", **VIA)
     assert total(stats, "slim_rewritten") == 0 and total(stats, "escalations") > 0
-    stats = run_both(tiny_pair, engine(tiny_pair), PROMPTS, temperature=1.0, seed=6, slim_bonus=True,
-                     **dict(VIA, alpha1=0.3, alpha2=0.1))
+    stats = run_both(
+        tiny_pair,
+        engine(tiny_pair),
+        PROMPTS,
+        temperature=1.0,
+        seed=6,
+        slim_bonus=True,
+        **dict(VIA, alpha1=0.3, alpha2=0.1),
+    )
     assert total(stats, "num_bonus_tokens") > 0
 
 
@@ -100,8 +108,16 @@ def test_region_b_escalate_and_slim_bonus_equal_the_reference(tiny_pair):
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_ngram_and_hybrid_proposers_equal_the_reference(tiny_pair, proposer, mode, temperature):
     settings = dict(mode="sd", gamma=4) if mode == "sd" else dict(VIA)
-    stats = run_both(tiny_pair, engine(tiny_pair), REPEATING, proposer=proposer, ngram_max=3,
-                     temperature=temperature, seed=11, **settings)
+    stats = run_both(
+        tiny_pair,
+        engine(tiny_pair),
+        REPEATING,
+        proposer=proposer,
+        ngram_max=3,
+        temperature=temperature,
+        seed=11,
+        **settings,
+    )
     copied, drafted = total(stats, "ngram_draft_tokens"), total(stats, "num_draft_tokens")
     assert copied > 0
     if proposer == "hybrid":
@@ -117,8 +133,9 @@ def test_ngram_and_hybrid_proposers_equal_the_reference(tiny_pair, proposer, mod
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_draft_confidence_stop_equals_the_reference(tiny_pair, mode, temperature):
     settings = dict(mode="sd", gamma=5) if mode == "sd" else dict(VIA, gamma=5)
-    stats = run_both(tiny_pair, engine(tiny_pair), PROMPTS, draft_confidence=0.3, temperature=temperature, seed=21,
-                     **settings)
+    stats = run_both(
+        tiny_pair, engine(tiny_pair), PROMPTS, draft_confidence=0.3, temperature=temperature, seed=21, **settings
+    )
     full_blocks = total(stats, "num_drafts") * 5
     assert total(stats, "num_draft_tokens") < full_blocks - 10  # blocks were cut short (not only at the budget's end)
 
@@ -127,8 +144,9 @@ def test_draft_confidence_stop_equals_the_reference(tiny_pair, mode, temperature
 def test_adaptive_gamma_equals_the_reference(tiny_pair, mode):
     settings = dict(mode="sd", gamma=6) if mode == "sd" else dict(VIA, gamma=6)
     fixed = run_both(tiny_pair, engine(tiny_pair), PROMPTS, temperature=1.0, seed=31, **settings)
-    adaptive = run_both(tiny_pair, engine(tiny_pair), PROMPTS, temperature=1.0, seed=31, adaptive_gamma=True,
-                        **settings)
+    adaptive = run_both(
+        tiny_pair, engine(tiny_pair), PROMPTS, temperature=1.0, seed=31, adaptive_gamma=True, **settings
+    )
     mean = total(adaptive, "num_draft_tokens") / total(adaptive, "num_drafts")
     assert mean < total(fixed, "num_draft_tokens") / total(fixed, "num_drafts")  # shorter blocks after rejections
 
@@ -144,8 +162,9 @@ def test_overlap_equals_the_reference(tiny_pair, mode, temperature):
     settings = dict(mode="sd", gamma=4) if mode == "sd" else dict(VIA)
     stats = []
     for seed in (41, 42):
-        stats += run_both(tiny_pair, engine(tiny_pair), PROMPTS, overlap=True, temperature=temperature, seed=seed,
-                          **settings)
+        stats += run_both(
+            tiny_pair, engine(tiny_pair), PROMPTS, overlap=True, temperature=temperature, seed=seed, **settings
+        )
     assert total(stats, "overlap_draft_tokens") > 0  # drafted-ahead tokens were used
 
 
@@ -154,20 +173,32 @@ def test_sampled_overlap_reference_is_not_the_plain_one(tiny_pair):
     beyond the plain decoder): sampled, the two differ."""
     verifier, drafter = tiny_pair
     mask = LayerMask.from_skipped((1, 3), verifier.num_layers)
-    outs = [reference_decode(verifier, drafter, mask, PROMPTS[0], parse_params(
-        max_tokens=MAX_TOKENS, temperature=1.0, seed=41, overlap=overlap, **VIA)) for overlap in (False, True)]
+    outs = [
+        reference_decode(
+            verifier,
+            drafter,
+            mask,
+            PROMPTS[0],
+            parse_params(max_tokens=MAX_TOKENS, temperature=1.0, seed=41, overlap=overlap, **VIA),
+        )
+        for overlap in (False, True)
+    ]
     assert outs[0] != outs[1]
 
 
 # ------------------------------------------------------------------ the shared cache policy
 
 
-@pytest.mark.parametrize("settings", [
-    dict(VIA, temperature=1.0, seed=51),
-    dict(VIA, temperature=1.0, seed=52, rule="lossy", lossy_alpha=0.3, lossy_beta=0.6),
-    dict(VIA, seed=0),
-    dict(VIA, temperature=1.0, seed=53, overlap=True, adaptive_gamma=True),
-], ids=["sampled", "lossy", "greedy", "overlap-adaptive"])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(VIA, temperature=1.0, seed=51),
+        dict(VIA, temperature=1.0, seed=52, rule="lossy", lossy_alpha=0.3, lossy_beta=0.6),
+        dict(VIA, seed=0),
+        dict(VIA, temperature=1.0, seed=53, overlap=True, adaptive_gamma=True),
+    ],
+    ids=["sampled", "lossy", "greedy", "overlap-adaptive"],
+)
 def test_shared_cache_with_an_all_ones_mask_equals_separate_and_the_reference(tiny_pair, settings):
     """q' = q: the shared policy holds q's own keys and values, so it must give the separate
     policy's tokens, and the reference's."""
@@ -187,8 +218,12 @@ def test_greedy_shared_via_with_alpha1_one_equals_ar(tiny_pair, region_b):
     shared = engine(tiny_pair, "shared", skipped=())
     stats = []
     for prompt in PROMPTS + REPEATING:
-        via = shared.complete(prompt, parse_params(mode="via", gamma=4, alpha1=1.0, alpha2=0.5, region_b=region_b,
-                                                   max_tokens=MAX_TOKENS, ignore_eos=True))
+        via = shared.complete(
+            prompt,
+            parse_params(
+                mode="via", gamma=4, alpha1=1.0, alpha2=0.5, region_b=region_b, max_tokens=MAX_TOKENS, ignore_eos=True
+            ),
+        )
         ar = shared.complete(prompt, parse_params(mode="ar", max_tokens=MAX_TOKENS, ignore_eos=True))
         assert via.token_ids == ar.token_ids, prompt
         stats.append(via.stats)

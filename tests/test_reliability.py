@@ -73,8 +73,14 @@ def llm(engine_config):
 def pipeline(ray_session, aio, engine_config):
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
 
-    config = PipelineConfig(name="tiny", engine=engine_config, drafter_cpus=0.5, verifier_cpus_per_rank=0.5,
-                            rpc_timeout_s=30, health_check_period_s=2.0)
+    config = PipelineConfig(
+        name="tiny",
+        engine=engine_config,
+        drafter_cpus=0.5,
+        verifier_cpus_per_rank=0.5,
+        rpc_timeout_s=30,
+        health_check_period_s=2.0,
+    )
     p = aio.run(Pipeline.start(config))
     yield p
     aio.run(p.shutdown())
@@ -112,8 +118,11 @@ def _supervised_server(aio, pipeline, name: str):
 
 
 def request(prompt, request_id: str = "", max_tokens: int = 24, **params) -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, prompt_token_ids=pb.TokenIds(ids=prompt),
-                              params=params_to_proto(parse_params(max_tokens=max_tokens, **params)))
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt_token_ids=pb.TokenIds(ids=prompt),
+        params=params_to_proto(parse_params(max_tokens=max_tokens, **params)),
+    )
 
 
 def reference(llm, prompt, max_tokens: int = 24, **params):
@@ -137,8 +146,14 @@ def wait_until(what, predicate, timeout: float = TIMEOUT_S, step: float = 0.1):
 
 def assert_idle(aio, pipeline, servicer=None):
     """No request left anywhere: coordinator, drafter, every verifier rank (and the servicer's slots)."""
-    wait_until("all sessions closed", lambda: counts(aio, pipeline) == {"drafter": 0, "verifier": [0] * len(
-        pipeline.ranks)} and pipeline.coordinator.active_requests() == 0, timeout=30)
+    wait_until(
+        "all sessions closed",
+        lambda: (
+            counts(aio, pipeline) == {"drafter": 0, "verifier": [0] * len(pipeline.ranks)}
+            and pipeline.coordinator.active_requests() == 0
+        ),
+        timeout=30,
+    )
     if servicer is not None:
         wait_until("no request in flight in the servicer", lambda: servicer.in_flight() == 0, timeout=30)
 
@@ -175,8 +190,12 @@ def test_killed_drafter_finishes_requests_as_ar_and_is_restarted(aio, server, pi
     before, old_pid = pipeline.rebuilds["drafter"], pipeline.drafter_info["pid"]
 
     async def run():
-        gens = [pipeline.coordinator.generate(f"dk-{how}-{i}", PROMPTS[i], parse_params(
-            mode="sd", gamma=3, max_tokens=40, ignore_eos=True)) for i in range(3)]
+        gens = [
+            pipeline.coordinator.generate(
+                f"dk-{how}-{i}", PROMPTS[i], parse_params(mode="sd", gamma=3, max_tokens=40, ignore_eos=True)
+            )
+            for i in range(3)
+        ]
         firsts = [await g.__anext__() for g in gens]  # one drafted cycle each; now paused
         bystander = pipeline.coordinator.generate(f"dk-{how}-ar", PROMPTS[3], parse_params(mode="ar", max_tokens=40))
         firsts.append(await bystander.__anext__())
@@ -225,8 +244,15 @@ def tp2_server(ray_session, aio, engine_config):
     like `server`; shut down after the test."""
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
 
-    config = PipelineConfig(name="tiny-tp2", engine=engine_config, tp_size=2, drafter_cpus=0.5,
-                            verifier_cpus_per_rank=0.5, rpc_timeout_s=30, health_check_period_s=2.0)
+    config = PipelineConfig(
+        name="tiny-tp2",
+        engine=engine_config,
+        tp_size=2,
+        drafter_cpus=0.5,
+        verifier_cpus_per_rank=0.5,
+        rpc_timeout_s=30,
+        health_check_period_s=2.0,
+    )
     pipeline = aio.run(Pipeline.start(config), timeout=300)
     with _supervised_server(aio, pipeline, "tiny-tp2") as (servicer, _, stub, channel):
         yield pipeline, servicer, stub, channel
@@ -261,14 +287,17 @@ def _kill_a_verifier_rank_mid_requests(aio, pipeline, servicer, stub, channel, l
         async def watcher():
             async for r in watch:
                 statuses.append(r.status)
-                if health_pb2.HealthCheckResponse.NOT_SERVING in statuses and r.status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health_pb2.HealthCheckResponse.NOT_SERVING in statuses
+                    and r.status == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
 
         watching = asyncio.ensure_future(watcher())
-        gens = [pipeline.coordinator.generate(f"vk-{i}", PROMPTS[i], parse_params(mode=m, max_tokens=LONG,
-                                                                                  ignore_eos=True))
-                for i, m in enumerate(("ar", "sd"))]
+        gens = [
+            pipeline.coordinator.generate(f"vk-{i}", PROMPTS[i], parse_params(mode=m, max_tokens=LONG, ignore_eos=True))
+            for i, m in enumerate(("ar", "sd"))
+        ]
         for g in gens:
             await g.__anext__()
         while not statuses:  # the Watch stream has reported the state before the fault
@@ -308,8 +337,15 @@ async def cancel_cycle(stub, i: int) -> list:
     """Start a long sampled request, read 0-2 responses, cancel it; returns what the server sent
     before the cancel (GenerateResponse messages, or grpc.aio.EOF if its stream had ended)."""
     mode = ("sd", "via", "ar")[i % 3]
-    req = request(PROMPTS[i % len(PROMPTS)], request_id=f"cancel-{i}", mode=mode, max_tokens=LONG, ignore_eos=True,
-                  temperature=1.0, seed=i)
+    req = request(
+        PROMPTS[i % len(PROMPTS)],
+        request_id=f"cancel-{i}",
+        mode=mode,
+        max_tokens=LONG,
+        ignore_eos=True,
+        temperature=1.0,
+        seed=i,
+    )
     call = stub.Generate(req, timeout=TIMEOUT_S)
     got = []
     for _ in range(i % 3):  # 0: cancelled before any token (while opening), 1-2: mid-stream
@@ -329,13 +365,20 @@ def test_reusing_the_id_of_a_cancelled_request(aio, server, pipeline):
         for i in range(8):
             while pipeline.coordinator.active_requests() or servicer.in_flight():  # the previous round is over
                 await asyncio.sleep(0.01)
-            first = stub.Generate(request(PROMPTS[0], request_id="reused", mode="sd", max_tokens=LONG,
-                                          ignore_eos=True), timeout=60)
+            first = stub.Generate(
+                request(PROMPTS[0], request_id="reused", mode="sd", max_tokens=LONG, ignore_eos=True), timeout=60
+            )
             for _ in range(i % 2):
                 await first.read()
             first.cancel()
-            answers.append(await _answer(lambda: stub.Generate(request(PROMPTS[1], request_id="reused", mode="ar",
-                                                                       max_tokens=4), timeout=60), max_reads=10))
+            answers.append(
+                await _answer(
+                    lambda: stub.Generate(
+                        request(PROMPTS[1], request_id="reused", mode="ar", max_tokens=4), timeout=60
+                    ),
+                    max_reads=10,
+                )
+            )
         return answers
 
     for kind, got in aio.run(run()):
@@ -380,42 +423,77 @@ def test_cancel_cycles_free_every_session_and_memory(aio, server, pipeline):
 # ------------------------------------------------------------------ bad input, property-based
 
 FUZZ_EXAMPLES = int(os.environ.get("VIASD_FUZZ_EXAMPLES", "150"))
-_FIELDS = {"request_id", "model", "prompt", "messages", "messages.content", "messages.role", "request", "mode",
-           "region_b", "rule", "proposer", *(f.name for f in pb.GenerationParams.DESCRIPTOR.fields)}
+_FIELDS = {
+    "request_id",
+    "model",
+    "prompt",
+    "messages",
+    "messages.content",
+    "messages.role",
+    "request",
+    "mode",
+    "region_b",
+    "rule",
+    "proposer",
+    *(f.name for f in pb.GenerationParams.DESCRIPTOR.fields),
+}
 
 
 def _strategies():
     from hypothesis import strategies as st
 
-    i32 = st.one_of(st.integers(-3, 40), st.integers(-2**31, 2**31 - 1))
+    i32 = st.one_of(st.integers(-3, 40), st.integers(-(2**31), 2**31 - 1))
     u32 = st.integers(0, 2**32 - 1)
     real = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 0.3, 0.5, 0.9, 1.0]))
     optional = {
-        "max_tokens": i32, "top_k": i32, "gamma": i32, "seed": st.integers(0, 2**64 - 1),
-        "temperature": real, "top_p": real, "min_p": real, "alpha1": real, "alpha2": real, "lossy_alpha": real,
-        "lossy_beta": real, "overshoot_ceiling": real, "slim_bonus": st.booleans(), "ignore_eos": st.booleans(),
-        "mode": st.integers(0, 6), "region_b": st.integers(0, 4), "rule": st.integers(0, 5),
+        "max_tokens": i32,
+        "top_k": i32,
+        "gamma": i32,
+        "seed": st.integers(0, 2**64 - 1),
+        "temperature": real,
+        "top_p": real,
+        "min_p": real,
+        "alpha1": real,
+        "alpha2": real,
+        "lossy_alpha": real,
+        "lossy_beta": real,
+        "overshoot_ceiling": real,
+        "slim_bonus": st.booleans(),
+        "ignore_eos": st.booleans(),
+        "mode": st.integers(0, 6),
+        "region_b": st.integers(0, 4),
+        "rule": st.integers(0, 5),
         "stop_token_ids": st.lists(st.one_of(st.integers(0, 120), u32), max_size=4),
-        "proposer": st.integers(0, 5), "ngram_max": i32, "draft_confidence": real, "adaptive_gamma": st.booleans(),
+        "proposer": st.integers(0, 5),
+        "ngram_max": i32,
+        "draft_confidence": real,
+        "adaptive_gamma": st.booleans(),
         "overlap": st.booleans(),
     }
     params = st.fixed_dictionaries({}, optional=optional).map(lambda d: pb.GenerationParams(**d))
     text = st.text(max_size=40)
-    tokens = st.one_of(st.lists(st.integers(0, 110), max_size=16), st.lists(u32, max_size=4),
-                       st.integers(500, 520).map(lambda n: [7] * n))
+    tokens = st.one_of(
+        st.lists(st.integers(0, 110), max_size=16),
+        st.lists(u32, max_size=4),
+        st.integers(500, 520).map(lambda n: [7] * n),
+    )
     messages = st.lists(st.tuples(st.sampled_from(["user", "system", "assistant", ""]) | text, text), max_size=3)
     inputs = st.one_of(
         st.none(),
         text.map(lambda t: {"prompt": t}),
         st.integers(500, 520).map(lambda n: {"prompt": "x" * n}),  # past the context of 512
-        messages.map(lambda ms: {"messages": pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c)
-                                                                       for r, c in ms])}),
+        messages.map(
+            lambda ms: {"messages": pb.ChatMessages(messages=[pb.ChatMessage(role=r, content=c) for r, c in ms])}
+        ),
         tokens.map(lambda ids: {"prompt_token_ids": pb.TokenIds(ids=ids)}),
     )
     return st.builds(
         lambda rid, model, inp, p: pb.GenerateRequest(request_id=rid, model=model, params=p, **(inp or {})),
-        st.one_of(st.just(""), text, st.just("r" * 300)), st.one_of(st.just(""), st.just("tiny"), text), inputs,
-        st.one_of(st.none(), params))
+        st.one_of(st.just(""), text, st.just("r" * 300)),
+        st.one_of(st.just(""), st.just("tiny"), text),
+        inputs,
+        st.one_of(st.none(), params),
+    )
 
 
 async def _answer(call_factory, max_reads: int = 3):
@@ -459,8 +537,13 @@ def test_fuzz_generate_requests(aio, server, pipeline, llm):
     servicer, _, stub, _ = server
     seen = {"ok": 0, "error": 0}
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(_strategies())
     def check(req):
         kind, got = aio.run(_answer(lambda: stub.Generate(req, timeout=60)))
@@ -482,14 +565,23 @@ def test_fuzz_raw_bytes(aio, server, pipeline):
     from hypothesis import strategies as st
 
     servicer, _, _, channel = server
-    raw = channel.unary_stream("/viasd.v1.GenerationService/Generate", request_serializer=lambda b: b,
-                               response_deserializer=pb.GenerateResponse.FromString)
+    raw = channel.unary_stream(
+        "/viasd.v1.GenerationService/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     valid = request(PROMPTS[0], request_id="b", mode="sd").SerializeToString()
     mutated = st.lists(st.tuples(st.integers(0, len(valid) - 1), st.integers(0, 255)), min_size=1, max_size=4).map(
-        lambda flips: bytes(_flip(valid, flips)))
+        lambda flips: bytes(_flip(valid, flips))
+    )
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(st.one_of(st.binary(max_size=64), mutated))
     def check(data):
         kind, got = aio.run(_answer(lambda: raw(data, timeout=60)))
@@ -506,33 +598,64 @@ def _flip(data: bytes, flips) -> bytearray:
     return out
 
 
-@pytest.mark.parametrize("data, field", [
-    (b"", "prompt"),  # the empty message: no input at all
-    (b"\x1a\x03\xff\xfe\xfd", "prompt"),  # field 3 (prompt), malformed UTF-8
-    (b"\x12\x02\xc3\x28\x1a\x01a", "model"),
-    (b"\x0a\x01\xff\x1a\x01a", "request_id"),
-    (b"\x22\x07\x0a\x05\x12\x03\xe2\x28\xa1", "messages.content"),  # messages[0].content, malformed UTF-8
-    (b"\x22\x00", "messages"),  # messages set, but empty
-    (pb.GenerateRequest(prompt="x" * 600).SerializeToString(), "prompt"),  # longer than the context (512)
-    (pb.GenerateRequest(prompt="hi", model="gpt-5").SerializeToString(), "model"),
-    (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(mode=7)).SerializeToString(), "mode"),
-    (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(max_tokens=2**31 - 1)).SerializeToString(),
-     "max_tokens"),
-    (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(seed=2**64 - 1)).SerializeToString(), "seed"),
-    (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(temperature=float("nan"))).SerializeToString(),
-     "temperature"),
-    (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(temperature=1e-300)).SerializeToString(),
-     "temperature"),  # (overflowed float32 into NaN probabilities: INTERNAL before it was refused)
-    (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(stop_token_ids=[2] * 2000)).SerializeToString(),
-     "stop_token_ids"),
-    (pb.GenerateRequest(prompt="hi", request_id="r" * 1000).SerializeToString(), "request_id"),
-    (b"\xff\xff\xff\xff", "request"),  # not a message at all
-], ids=["empty", "utf8-prompt", "utf8-model", "utf8-request-id", "utf8-messages", "no-messages", "context",
-        "model", "mode", "max-tokens", "seed", "nan", "tiny-temperature", "stop-ids", "long-id", "garbage"])
+@pytest.mark.parametrize(
+    "data, field",
+    [
+        (b"", "prompt"),  # the empty message: no input at all
+        (b"\x1a\x03\xff\xfe\xfd", "prompt"),  # field 3 (prompt), malformed UTF-8
+        (b"\x12\x02\xc3\x28\x1a\x01a", "model"),
+        (b"\x0a\x01\xff\x1a\x01a", "request_id"),
+        (b"\x22\x07\x0a\x05\x12\x03\xe2\x28\xa1", "messages.content"),  # messages[0].content, malformed UTF-8
+        (b"\x22\x00", "messages"),  # messages set, but empty
+        (pb.GenerateRequest(prompt="x" * 600).SerializeToString(), "prompt"),  # longer than the context (512)
+        (pb.GenerateRequest(prompt="hi", model="gpt-5").SerializeToString(), "model"),
+        (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(mode=7)).SerializeToString(), "mode"),
+        (
+            pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(max_tokens=2**31 - 1)).SerializeToString(),
+            "max_tokens",
+        ),
+        (pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(seed=2**64 - 1)).SerializeToString(), "seed"),
+        (
+            pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(temperature=float("nan"))).SerializeToString(),
+            "temperature",
+        ),
+        (
+            pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(temperature=1e-300)).SerializeToString(),
+            "temperature",
+        ),  # (overflowed float32 into NaN probabilities: INTERNAL before it was refused)
+        (
+            pb.GenerateRequest(prompt="hi", params=pb.GenerationParams(stop_token_ids=[2] * 2000)).SerializeToString(),
+            "stop_token_ids",
+        ),
+        (pb.GenerateRequest(prompt="hi", request_id="r" * 1000).SerializeToString(), "request_id"),
+        (b"\xff\xff\xff\xff", "request"),  # not a message at all
+    ],
+    ids=[
+        "empty",
+        "utf8-prompt",
+        "utf8-model",
+        "utf8-request-id",
+        "utf8-messages",
+        "no-messages",
+        "context",
+        "model",
+        "mode",
+        "max-tokens",
+        "seed",
+        "nan",
+        "tiny-temperature",
+        "stop-ids",
+        "long-id",
+        "garbage",
+    ],
+)
 def test_bad_messages_are_invalid_argument_naming_the_field(aio, server, data, field):
     _, _, _, channel = server
-    raw = channel.unary_stream("/viasd.v1.GenerationService/Generate", request_serializer=lambda b: b,
-                               response_deserializer=pb.GenerateResponse.FromString)
+    raw = channel.unary_stream(
+        "/viasd.v1.GenerationService/Generate",
+        request_serializer=lambda b: b,
+        response_deserializer=pb.GenerateResponse.FromString,
+    )
     kind, got = aio.run(_answer(lambda: raw(data, timeout=60)))
     assert kind == "error", got
     assert _check_answer(kind, got) == field, got.details()
@@ -557,13 +680,14 @@ def test_text_and_chat_prompts_are_served_and_never_logged(aio, server, llm, cap
     secret = "zq#secret-prompt#qz"
     ids = llm.tokenizer.encode(secret, add_special_tokens=False)
     with caplog.at_level(logging.DEBUG):
-        req = pb.GenerateRequest(prompt=secret, params=params_to_proto(parse_params(mode="sd", gamma=3,
-                                                                                    max_tokens=12)))
+        req = pb.GenerateRequest(prompt=secret, params=params_to_proto(parse_params(mode="sd", gamma=3, max_tokens=12)))
         tokens, responses = aio.run(collect(stub, req))
         assert tokens == reference(llm, ids, mode="sd", gamma=3, max_tokens=12).token_ids
         assert "".join(r.text for r in responses) == llm.tokenizer.decode(tokens)
-        chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=secret)]),
-                                  params=params_to_proto(parse_params(mode="via", max_tokens=8)))
+        chat = pb.GenerateRequest(
+            messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=secret)]),
+            params=params_to_proto(parse_params(mode="via", max_tokens=8)),
+        )
         assert aio.run(collect(stub, chat))[0]
         bad = pb.GenerateRequest(prompt=secret * 40)  # too long: refused
         kind, got = aio.run(_answer(lambda: stub.Generate(bad, timeout=60)))
@@ -663,14 +787,16 @@ def test_drain_lets_requests_finish_then_aborts_the_rest(aio, own_server, pipeli
     responses, (kind, got), aborted = aio.run(finish_within())
     assert kind == "error" and got.code() == grpc.StatusCode.UNAVAILABLE, got
     assert aborted == 0 and responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert [t for r in responses for t in r.token_ids] == reference(llm, PROMPTS[1], mode="sd", gamma=3,
-                                                                    max_tokens=12).token_ids
+    assert [t for r in responses for t in r.token_ids] == reference(
+        llm, PROMPTS[1], mode="sd", gamma=3, max_tokens=12
+    ).token_ids
 
     servicer, stub = own_server(max_running=1, max_waiting=1)
 
     async def abort_the_rest():
-        running = stub.Generate(request(PROMPTS[0], request_id="long", mode="via", max_tokens=LONG,
-                                        ignore_eos=True), timeout=60)
+        running = stub.Generate(
+            request(PROMPTS[0], request_id="long", mode="via", max_tokens=LONG, ignore_eos=True), timeout=60
+        )
         first = await running.read()
         waiting = stub.Generate(request(PROMPTS[2], request_id="queued", mode="ar"), timeout=60)
         while servicer.admission.waiting == 0:  # the second call waits for the one slot
@@ -706,22 +832,50 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
     drafter = drafter_from(verifier)
     for name, model in (("verifier", verifier), ("drafter", drafter)):
         model.save_pretrained(tmp_path / name)
-    config = {"name": "tiny", "engine": {"verifier": str(tmp_path / "verifier"), "drafter": str(tmp_path / "drafter"),
-                                         "dtype": "float32", "threads": 1},
-              "drafter_cpus": 0.5, "verifier_cpus_per_rank": 0.5, "rpc_timeout_s": 30}
+    config = {
+        "name": "tiny",
+        "engine": {
+            "verifier": str(tmp_path / "verifier"),
+            "drafter": str(tmp_path / "drafter"),
+            "dtype": "float32",
+            "threads": 1,
+        },
+        "drafter_cpus": 0.5,
+        "verifier_cpus_per_rank": 0.5,
+        "rpc_timeout_s": 30,
+    }
     (tmp_path / "pipeline.json").write_text(json.dumps(config))
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     stderr = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "viasd.cluster.standalone", "--config", str(tmp_path / "pipeline.json"),
-                             "--port", "0", "--http-port", "0", "--drain-timeout-s", "2"], stdout=subprocess.PIPE,
-                            stderr=stderr, text=True,
-                            env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "viasd.cluster.standalone",
+            "--config",
+            str(tmp_path / "pipeline.json"),
+            "--port",
+            "0",
+            "--http-port",
+            "0",
+            "--drain-timeout-s",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        wait_until("the server is up", lambda: any(x.startswith("serving on ") for x in lines) or proc.poll() is not None,
-                   timeout=240)
+        wait_until(
+            "the server is up",
+            lambda: any(x.startswith("serving on ") for x in lines) or proc.poll() is not None,
+            timeout=240,
+        )
         assert proc.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
         address = next(x for x in lines if x.startswith("serving on ")).split()[-1]
         wait_until("the HTTP API is up", lambda: any(x.startswith("http on ") for x in lines), timeout=30)
@@ -734,8 +888,14 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
         def http_stream():  # a long stream on the HTTP API: drained like the gRPC one
             import requests
 
-            body = {"prompt": [5, 6, 7], "max_tokens": 6000, "ignore_eos": True, "mode": "ar", "stream": True,
-                    "return_token_ids": True}
+            body = {
+                "prompt": [5, 6, 7],
+                "max_tokens": 6000,
+                "ignore_eos": True,
+                "mode": "ar",
+                "stream": True,
+                "return_token_ids": True,
+            }
             with requests.post(http_base + "/v1/completions", json=body, stream=True, timeout=TIMEOUT_S) as r:
                 for line in r.iter_lines():
                     if line:
@@ -751,14 +911,19 @@ def test_sigterm_drains_the_standalone_server(tmp_path, llm):
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = generation_pb2_grpc.GenerationServiceStub(channel)
                 health = health_pb2_grpc.HealthStub(channel)
-                long = stub.Generate(request([5, 6, 7], request_id="long", mode="ar", max_tokens=6000, ignore_eos=True),
-                                     timeout=TIMEOUT_S)
-                short = stub.Generate(request([8, 9], request_id="short", mode="sd", gamma=3, max_tokens=8,
-                                              ignore_eos=True), timeout=TIMEOUT_S)
+                long = stub.Generate(
+                    request([5, 6, 7], request_id="long", mode="ar", max_tokens=6000, ignore_eos=True),
+                    timeout=TIMEOUT_S,
+                )
+                short = stub.Generate(
+                    request([8, 9], request_id="short", mode="sd", gamma=3, max_tokens=8, ignore_eos=True),
+                    timeout=TIMEOUT_S,
+                )
                 first_long, first_short = await long.read(), await short.read()
                 proc.send_signal(signal.SIGTERM)
-                while (await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)).status != \
-                        health_pb2.HealthCheckResponse.NOT_SERVING:
+                while (
+                    await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+                ).status != health_pb2.HealthCheckResponse.NOT_SERVING:
                     await asyncio.sleep(0.05)
                 refused = await _answer(lambda: stub.Generate(request([5]), timeout=30))
                 return [first_long, *await read_all(long)], [first_short, *await read_all(short)], refused
@@ -802,8 +967,13 @@ def http_base(aio, pipeline):
     from viasd.cluster.handler import RequestHandler
     from viasd.cluster.serving_metrics import ServingMetrics
 
-    handler = RequestHandler(pipeline, "tiny", metrics=ServingMetrics("tiny", enabled=False),
-                             max_concurrent_requests=4, max_queued_requests=16)
+    handler = RequestHandler(
+        pipeline,
+        "tiny",
+        metrics=ServingMetrics("tiny", enabled=False),
+        max_concurrent_requests=4,
+        max_queued_requests=16,
+    )
     with served_http(aio, handler) as base:
         yield base, handler
 
@@ -813,8 +983,12 @@ async def _post(base: str, path: str, data: bytes) -> tuple[int, object]:
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
-        async with session.post(base + path, data=data, headers={"Content-Type": "application/json"},
-                                timeout=aiohttp.ClientTimeout(total=60)) as resp:
+        async with session.post(
+            base + path,
+            data=data,
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=60),
+        ) as resp:
             if resp.content_type == "text/event-stream":
                 line = b""
                 while not line.strip():
@@ -826,17 +1000,47 @@ async def _post(base: str, path: str, data: bytes) -> tuple[int, object]:
 def _json_bodies():
     from hypothesis import strategies as st
 
-    scalar = st.one_of(st.none(), st.booleans(), st.integers(-10, 40), st.integers(-2**70, 2**70),
-                       st.floats(allow_nan=False), st.text(max_size=12))
-    anything = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
-        st.text(max_size=6), inner, max_size=3), max_leaves=6)
+    scalar = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-10, 40),
+        st.integers(-(2**70), 2**70),
+        st.floats(allow_nan=False),
+        st.text(max_size=12),
+    )
+    anything = st.recursive(
+        scalar,
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+        max_leaves=6,
+    )
     keys = {
         "prompt": st.one_of(st.text(max_size=30), st.lists(st.integers(-2, 110), max_size=10), anything),
         "max_tokens": st.one_of(st.integers(1, 8), st.integers(-3, 0), st.integers(2**20 + 1, 2**40), anything),
-        "stream": st.one_of(st.just(True), anything), "model": st.one_of(st.just("tiny"), anything),
-        **{k: anything for k in ("temperature", "top_p", "seed", "stop", "n", "mode", "gamma", "alpha1", "alpha2",
-                                  "top_k", "min_p", "stop_token_ids", "ignore_eos", "return_token_ids", "logprobs",
-                                  "echo", "stream_options", "unknown_field")},
+        "stream": st.one_of(st.just(True), anything),
+        "model": st.one_of(st.just("tiny"), anything),
+        **{
+            k: anything
+            for k in (
+                "temperature",
+                "top_p",
+                "seed",
+                "stop",
+                "n",
+                "mode",
+                "gamma",
+                "alpha1",
+                "alpha2",
+                "top_k",
+                "min_p",
+                "stop_token_ids",
+                "ignore_eos",
+                "return_token_ids",
+                "logprobs",
+                "echo",
+                "stream_options",
+                "unknown_field",
+            )
+        },
     }
     return st.fixed_dictionaries({"prompt": keys.pop("prompt")}, optional=keys)
 
@@ -870,10 +1074,21 @@ def test_fuzz_http_completions(aio, http_base, pipeline, llm):
         else:
             assert body["error"]["code"] == status and body["error"]["message"], body
 
-    @settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
-    @given(st.one_of(_json_bodies().map(lambda b: json.dumps(b).encode()), st.binary(max_size=40),
-                     st.just(b'{"prompt": "\xff\xfe"}'), st.just(b"")))
+    @settings(
+        max_examples=FUZZ_EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(
+        st.one_of(
+            _json_bodies().map(lambda b: json.dumps(b).encode()),
+            st.binary(max_size=40),
+            st.just(b'{"prompt": "\xff\xfe"}'),
+            st.just(b""),
+        )
+    )
     def check(data):
         check_one(data)
 
@@ -884,10 +1099,17 @@ def test_fuzz_http_completions(aio, http_base, pipeline, llm):
     assert (replica.admission.running, replica.admission.waiting) == (0, 0)
     ok, detail = aio.run(replica.health())
     assert ok, detail
-    status, body = aio.run(_post(base, "/v1/completions", json.dumps(
-        {"prompt": PROMPTS[0], "max_tokens": 12, "mode": "sd", "return_token_ids": True}).encode()))
-    assert status == 200 and body["choices"][0]["token_ids"] == reference(llm, PROMPTS[0], mode="sd",
-                                                                          max_tokens=12).token_ids
+    status, body = aio.run(
+        _post(
+            base,
+            "/v1/completions",
+            json.dumps({"prompt": PROMPTS[0], "max_tokens": 12, "mode": "sd", "return_token_ids": True}).encode(),
+        )
+    )
+    assert (
+        status == 200
+        and body["choices"][0]["token_ids"] == reference(llm, PROMPTS[0], mode="sd", max_tokens=12).token_ids
+    )
 
 
 # ------------------------------------------------------------------ load (short version of scripts/load_test.py)
@@ -912,8 +1134,9 @@ def test_concurrent_streams_lose_nothing(aio, server, pipeline, llm):
     case_list = load.cases(16)
     refs = load.references(llm, case_list)
     pids = {"server": os.getpid(), "drafter": pipeline.drafter_info["pid"], "verifier": pipeline.verifier_info["pid"]}
-    result = aio.run(load.run_load(stub, case_list, refs, streams=8, requests_per_stream=6, pids=pids),
-                     timeout=TIMEOUT_S * 2)
+    result = aio.run(
+        load.run_load(stub, case_list, refs, streams=8, requests_per_stream=6, pids=pids), timeout=TIMEOUT_S * 2
+    )
     summary = result.summary()
     print(f"\nload: {summary}")
     assert result.errors == {} and result.mismatched == 0, (result.errors, result.examples)
@@ -955,10 +1178,12 @@ def test_remote_code_runs_only_when_the_operator_allows_it(tmp_path):
     d = tmp_path / "remote"
     tiny_model("llama", layers=2, dtype=torch.float32).save_pretrained(d)
     marker = tmp_path / "code-ran"
-    (d / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
-                               "from transformers import LlamaConfig, LlamaForCausalLM\n"
-                               "class EvilConfig(LlamaConfig):\n    pass\n"
-                               "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n")
+    (d / "evil.py").write_text(
+        f"open({str(marker)!r}, 'w').write('ran')\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "class EvilConfig(LlamaConfig):\n    pass\n"
+        "class EvilModel(LlamaForCausalLM):\n    config_class = EvilConfig\n"
+    )
     config = json.loads((d / "config.json").read_text())
     config["auto_map"] = {"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"}
     (d / "config.json").write_text(json.dumps(config))

@@ -76,8 +76,8 @@ def _reference_greedy(verifier, prompt, params, n):
     seq = list(prompt)
     for _ in range(n):
         logits = verifier.forward(torch.tensor(seq), 0)[-1]  # [V]
-        seq.append(int(reference_penalise(logits, prompt, seq[len(prompt):], params).argmax()))
-    return seq[len(prompt):]
+        seq.append(int(reference_penalise(logits, prompt, seq[len(prompt) :], params).argmax()))
+    return seq[len(prompt) :]
 
 
 @pytest.mark.parametrize("spec", PENALTIES)
@@ -110,8 +110,12 @@ def test_lossless_rule_with_penalties_reproduces_the_penalised_q(tiny_pair):
     spec = dict(presence_penalty=-2.0, frequency_penalty=-2.0, repetition_penalty=1.2, logit_bias={40: 1.0})
     prompt, n = PROMPTS[3], 3000
     engine = _engine(tiny_pair, max_batch=16)
-    handles = [engine.submit(prompt, parse_params(mode="sd", gamma=2, max_tokens=2, temperature=1.0, seed=s,
-                                                  ignore_eos=True, **spec)) for s in range(n)]
+    handles = [
+        engine.submit(
+            prompt, parse_params(mode="sd", gamma=2, max_tokens=2, temperature=1.0, seed=s, ignore_eos=True, **spec)
+        )
+        for s in range(n)
+    ]
     while engine.scheduler.has_work():
         engine.step()
     pairs = [sum((c.token_ids for c in h.chunks), []) for h in handles]
@@ -120,10 +124,12 @@ def test_lossless_rule_with_penalties_reproduces_the_penalised_q(tiny_pair):
     v = verifier.vocab_size
     first = torch.softmax(reference_penalise(verifier.forward(torch.tensor(prompt), 0)[-1], prompt, [], params), -1)
     nexts = verifier.forward_batch([Row(prompt + [t1], 0, 1) for t1 in range(v)])  # v x [1, V]
-    right = torch.stack([first[t1] * torch.softmax(reference_penalise(lg[0], prompt, [t1], params), -1)
-                         for t1, lg in enumerate(nexts)])  # [V, V]: the law of (t1, t2)
-    wrong = torch.stack([first[t1] * torch.softmax(reference_penalise(lg[0], prompt, [], params), -1)
-                         for t1, lg in enumerate(nexts)])  # [V, V]: penalties blind to t1
+    right = torch.stack(
+        [first[t1] * torch.softmax(reference_penalise(lg[0], prompt, [t1], params), -1) for t1, lg in enumerate(nexts)]
+    )  # [V, V]: the law of (t1, t2)
+    wrong = torch.stack(
+        [first[t1] * torch.softmax(reference_penalise(lg[0], prompt, [], params), -1) for t1, lg in enumerate(nexts)]
+    )  # [V, V]: penalties blind to t1
     counts = torch.bincount(torch.tensor([p[0] * v + p[1] for p in pairs]), minlength=v * v).double()
 
     def pvalue(law):
@@ -212,8 +218,10 @@ def test_requests_with_penalties_and_logprobs_in_a_batch_equal_them_alone(tiny_p
         dict(mode="via", max_tokens=0, prompt_logprobs=3),
         dict(mode="sd"),
     ]
-    jobs = [(PROMPTS[i % len(PROMPTS)], parse_params(**{"max_tokens": 20, "alpha1": 0.9, "alpha2": 0.7, **s}))
-            for i, s in enumerate(specs)]
+    jobs = [
+        (PROMPTS[i % len(PROMPTS)], parse_params(**{"max_tokens": 20, "alpha1": 0.9, "alpha2": 0.7, **s}))
+        for i, s in enumerate(specs)
+    ]
     alone = [_engine(tiny_pair, max_batch=1).complete(*job) for job in jobs]
     engine = _engine(tiny_pair, max_batch=4, prefill_chunk=5)
     rng, order, handles = random.Random(0), list(range(len(jobs))), {}
@@ -235,26 +243,30 @@ def test_requests_with_penalties_and_logprobs_in_a_batch_equal_them_alone(tiny_p
         else:
             assert len(scored) == 1 and len(scored[0]) == len(alone[i].prompt_logprobs)
             assert [e and e.logprob for e in scored[0][1:]] == pytest.approx(
-                [e.logprob for e in alone[i].prompt_logprobs[1:]], abs=1e-9)
+                [e.logprob for e in alone[i].prompt_logprobs[1:]], abs=1e-9
+            )
 
 
-@pytest.mark.parametrize("values, field", [
-    (dict(presence_penalty=2.5), "presence_penalty"),
-    (dict(frequency_penalty=-3), "frequency_penalty"),
-    (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logit_bias={3: 101.0}), "logit_bias"),
-    (dict(logit_bias={-1: 1.0}), "logit_bias"),
-    (dict(logit_bias={"x": 1.0}), "logit_bias"),
-    (dict(logprobs=21), "logprobs"),
-    (dict(logprobs=-1), "logprobs"),
-    (dict(logprobs_tier="draft"), "logprobs_tier"),
-    (dict(prompt_logprobs=21), "prompt_logprobs"),
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(stop=["ok", ""]), "stop"),
-    (dict(stop=["s"] * 17), "stop"),
-    (dict(n=0), "n"),
-    (dict(n=129), "n"),
-])
+@pytest.mark.parametrize(
+    "values, field",
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(logit_bias={3: 101.0}), "logit_bias"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias"),
+        (dict(logit_bias={"x": 1.0}), "logit_bias"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=-1), "logprobs"),
+        (dict(logprobs_tier="draft"), "logprobs_tier"),
+        (dict(prompt_logprobs=21), "prompt_logprobs"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(stop=["ok", ""]), "stop"),
+        (dict(stop=["s"] * 17), "stop"),
+        (dict(n=0), "n"),
+        (dict(n=129), "n"),
+    ],
+)
 def test_bad_values_name_the_field(values, field):
     with pytest.raises(InvalidParameterError) as info:
         parse_params(**values)
@@ -277,22 +289,25 @@ def test_a_logit_bias_outside_the_vocabulary_names_the_field(tiny_pair):
 @pytest.mark.parametrize("max_batch", [8, 2])
 def test_n_samples_equal_each_sample_alone_and_share_one_prefill(tiny_pair, policy, max_batch):
     prompt, fallbacks = list(range(10, 30)), 0
-    for spec in (dict(mode="via", temperature=1.0, seed=21, logprobs=1, prompt_logprobs=1, **PENALTIES[0]),
-                 dict(mode="sd", temperature=0.9, top_k=30, seed=22), dict(mode="ar", temperature=1.0, seed=23)):
+    for spec in (
+        dict(mode="via", temperature=1.0, seed=21, logprobs=1, prompt_logprobs=1, **PENALTIES[0]),
+        dict(mode="sd", temperature=0.9, top_k=30, seed=22),
+        dict(mode="ar", temperature=1.0, seed=23),
+    ):
         engine = _engine(tiny_pair, cache_policy=policy, max_batch=max_batch, prefill_chunk=8)
         params = parse_params(n=4, max_tokens=16, alpha1=0.9, alpha2=0.7, **spec)
         results = engine.complete_n(prompt, params)
         assert [r.index for r in results] == [0, 1, 2, 3]
         assert len({tuple(r.token_ids) for r in results}) > 1  # the samples differ
         for i, res in enumerate(results):
-            one = parse_params(**{**spec, "seed": sample_seed(spec["seed"], i)}, max_tokens=16, alpha1=0.9,
-                               alpha2=0.7)
+            one = parse_params(**{**spec, "seed": sample_seed(spec["seed"], i)}, max_tokens=16, alpha1=0.9, alpha2=0.7)
             alone = _engine(tiny_pair, cache_policy=policy).complete(prompt, one)
             assert res.token_ids == alone.token_ids, (spec, i)
             assert (res.prompt_logprobs is None) == (alone.prompt_logprobs is None)
             if alone.prompt_logprobs is not None:
                 assert [e and e.logprob for e in res.prompt_logprobs] == pytest.approx(
-                    [e and e.logprob for e in alone.prompt_logprobs], abs=1e-9)
+                    [e and e.logprob for e in alone.prompt_logprobs], abs=1e-9
+                )
         copied = [r.stats.prefill_forwards == 0 for r in results[1:]]
         if max_batch >= 4:  # all four ran together: one prefill, three copies
             assert results[0].stats.prefill_forwards > 0 and all(copied)

@@ -22,7 +22,7 @@ import ray.serve  # noqa: E402,F401  (declared: a missing one fails, it does not
 from viasd.cluster.serve_config import load_serve_config, parse_serve_config  # noqa: E402
 from viasd.errors import InvalidParameterError  # noqa: E402
 
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 MAX_TOKENS = 24
 CALL_TIMEOUT = 120
@@ -64,16 +64,23 @@ def config(models_dir):
 
     (models_dir / "token").write_text(TOKEN + "\n")
 
-    engine = {"verifier": embedded.TEST_MODEL, "drafter": str(models_dir / "drafter"),
-              "dtype": "float32", "skip_ratio": 0.3, "threads": 1}
-    return parse_serve_config({
-        "pipelines": [{"name": "smol", "engine": engine}],
-        "default_params": {"max_tokens": MAX_TOKENS},
-        "http": {"port": _free_port(), "token_file": str(models_dir / "token")},
-        "grpc": {"port": _free_port()},
-        "limits": {"max_concurrent_requests": 4, "max_queued_requests": 8},
-        "metrics": {"ray_export": False},
-    })
+    engine = {
+        "verifier": embedded.TEST_MODEL,
+        "drafter": str(models_dir / "drafter"),
+        "dtype": "float32",
+        "skip_ratio": 0.3,
+        "threads": 1,
+    }
+    return parse_serve_config(
+        {
+            "pipelines": [{"name": "smol", "engine": engine}],
+            "default_params": {"max_tokens": MAX_TOKENS},
+            "http": {"port": _free_port(), "token_file": str(models_dir / "token")},
+            "grpc": {"port": _free_port()},
+            "limits": {"max_concurrent_requests": 4, "max_queued_requests": 8},
+            "metrics": {"ray_export": False},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +144,14 @@ def test_models_lists_the_pipeline(client, config):
 @pytest.mark.parametrize("mode", ["sd", "via"])
 def test_openai_client_streams_a_completion_equal_to_the_engine(client, reference, mode):
     want_text, want_ids = _expected(reference, mode, prompt=PROMPT)
-    stream = client.completions.create(model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                       stream=True, extra_body={"mode": mode, "return_token_ids": True})
+    stream = client.completions.create(
+        model="smol",
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        extra_body={"mode": mode, "return_token_ids": True},
+    )
     chunks = list(stream)
     assert len(chunks) > 1, "a stream, not one response"
     assert "".join(c.choices[0].text for c in chunks) == want_text
@@ -153,8 +166,14 @@ def test_openai_client_streams_a_completion_equal_to_the_engine(client, referenc
 
 def test_openai_client_streams_a_chat_completion_with_the_chat_template(client, reference):
     want_text, _ = _expected(reference, "via", messages=CHAT)
-    stream = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="smol",
+        messages=CHAT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -166,8 +185,9 @@ def test_openai_client_streams_a_chat_completion_with_the_chat_template(client, 
 
 def test_non_streaming_responses_carry_usage_and_stats(client, reference):
     want_text, _ = _expected(reference, "ar", messages=CHAT)
-    r = client.chat.completions.create(model="smol", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"mode": "ar"})
+    r = client.chat.completions.create(
+        model="smol", messages=CHAT, max_tokens=MAX_TOKENS, temperature=0, extra_body={"mode": "ar"}
+    )
     assert r.choices[0].message.content == want_text and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == MAX_TOKENS
     assert r.model_extra["viasd_stats"]["mode"] == "ar" and r.model_extra["viasd_stats"]["forwards"]["full"] > 0
@@ -176,8 +196,9 @@ def test_non_streaming_responses_carry_usage_and_stats(client, reference):
 def test_stop_strings_cut_the_text(client, reference):
     want_text, _ = _expected(reference, "sd", prompt=PROMPT)
     stop = want_text.strip()[4:8]
-    r = client.completions.create(model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, stop=[stop],
-                                  extra_body={"mode": "sd"})
+    r = client.completions.create(
+        model="smol", prompt=PROMPT, max_tokens=MAX_TOKENS, stop=[stop], extra_body={"mode": "sd"}
+    )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == want_text[: want_text.index(stop)]
 
@@ -217,8 +238,9 @@ def test_a_client_that_goes_away_aborts_the_request_everywhere(service):
     import requests
 
     body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True, "mode": "via"}
-    with requests.post(service.http + "/v1/completions", json=body, headers=AUTH, stream=True,
-                       timeout=CALL_TIMEOUT) as r:
+    with requests.post(
+        service.http + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=CALL_TIMEOUT
+    ) as r:
         assert r.status_code == 200
         first = next(line for line in r.iter_lines() if line)
         assert first.startswith(b"data: {")
@@ -236,8 +258,9 @@ def test_api_needs_the_bearer_token_health_and_metrics_do_not(service, headers):
     import requests
 
     for method, path in (("post", "/v1/completions"), ("get", "/v1/models")):
-        r = requests.request(method, service.http + path, json={"prompt": "x", "max_tokens": 2}, headers=headers,
-                             timeout=CALL_TIMEOUT)
+        r = requests.request(
+            method, service.http + path, json={"prompt": "x", "max_tokens": 2}, headers=headers, timeout=CALL_TIMEOUT
+        )
         assert r.status_code == 401, (path, r.text)
         assert r.json()["error"]["type"] == "authentication_error" and r.headers["WWW-Authenticate"] == "Bearer"
     for path in ("/health", "/metrics"):
@@ -260,7 +283,8 @@ def test_grpc_generate_through_serves_proxy_equals_the_engine(stub, reference, m
 
     want_text, want_ids = _expected(reference, mode, prompt=PROMPT)
     request = pb.GenerateRequest(
-        request_id=f"grpc-{mode}", prompt=PROMPT,
+        request_id=f"grpc-{mode}",
+        prompt=PROMPT,
         # max_tokens left unset: the config's default_params apply to gRPC as to HTTP
         params=pb.GenerationParams(mode=getattr(pb, f"MODE_{mode.upper()}"), temperature=0.0),
     )
@@ -291,12 +315,16 @@ def test_grpc_bad_input_is_invalid_argument(stub):
     assert "alpha1" in info.value.details()
 
 
-@pytest.mark.parametrize("metadata, message", [
-    ((), "missing bearer token"),
-    ((("authorization", "Bearer wrong"),), "invalid bearer token"),
-    ((("authorization", TOKEN),), "invalid bearer token"),  # the token without "Bearer "
-    ((("authorization", f"Bearer {TOKEN}x"),), "invalid bearer token"),
-], ids=["none", "wrong", "no-scheme", "longer"])
+@pytest.mark.parametrize(
+    "metadata, message",
+    [
+        ((), "missing bearer token"),
+        ((("authorization", "Bearer wrong"),), "invalid bearer token"),
+        ((("authorization", TOKEN),), "invalid bearer token"),  # the token without "Bearer "
+        ((("authorization", f"Bearer {TOKEN}x"),), "invalid bearer token"),
+    ],
+    ids=["none", "wrong", "no-scheme", "longer"],
+)
 def test_grpc_through_serves_proxy_needs_the_same_bearer_token_as_http(service, stub, metadata, message):
     """Serve's gRPC proxy runs no interceptor: the deployment checks the token of the HTTP API
     (http.token_file) in each call's metadata and ends the call with UNAUTHENTICATED, before
@@ -307,8 +335,10 @@ def test_grpc_through_serves_proxy_needs_the_same_bearer_token_as_http(service, 
     from viasd.v1 import generation_pb2 as pb
 
     request = pb.GenerateRequest(prompt=PROMPT, params=pb.GenerationParams(mode=pb.MODE_AR, max_tokens=400))
-    for call in (lambda: list(stub.Generate(request, timeout=CALL_TIMEOUT, metadata=metadata)),
-                 lambda: stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT, metadata=metadata)):
+    for call in (
+        lambda: list(stub.Generate(request, timeout=CALL_TIMEOUT, metadata=metadata)),
+        lambda: stub.ListModels(pb.ListModelsRequest(), timeout=CALL_TIMEOUT, metadata=metadata),
+    ):
         with pytest.raises(grpc.RpcError) as info:
             call()
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value
@@ -330,9 +360,13 @@ def test_metrics_expose_the_counters_after_requests(service, client):
     s = parse_exposition(text)
     assert total(s, "viasd_spec_decode_num_drafts_total", model_name="smol") > 0
     assert total(s, "viasd_spec_decode_num_draft_tokens_total", mode="via") >= total(
-        s, "viasd_spec_decode_num_accepted_tokens_total", mode="via")
+        s, "viasd_spec_decode_num_accepted_tokens_total", mode="via"
+    )
     assert total(s, "viasd_spec_decode_num_accepted_tokens_per_pos_total", position="0") > 0
-    tiers = sum(total(s, f"viasd_{n}_total", mode="via") for n in ("slim_accepted_tokens", "slim_rewritten_tokens", "escalations"))
+    tiers = sum(
+        total(s, f"viasd_{n}_total", mode="via")
+        for n in ("slim_accepted_tokens", "slim_rewritten_tokens", "escalations")
+    )
     assert tiers > 0
     assert total(s, "viasd_request_success_total", finished_reason="length") > 0
     assert total(s, "viasd_time_to_first_token_seconds_count") > 0
@@ -411,8 +445,9 @@ def _tiny_local_config(tmp_path):
     v = tiny_model("llama", dtype=torch.float32)
     v.save_pretrained(tmp_path / "v")
     drafter_from(v).save_pretrained(tmp_path / "d")
-    return PipelineConfig(name="tiny", engine={"verifier": str(tmp_path / "v"), "drafter": str(tmp_path / "d"),
-                                                "dtype": "float32"})
+    return PipelineConfig(
+        name="tiny", engine={"verifier": str(tmp_path / "v"), "drafter": str(tmp_path / "d"), "dtype": "float32"}
+    )
 
 
 def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
@@ -426,8 +461,9 @@ def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
 
     async def run():
         pipeline = await LocalPipeline.start(config)
-        server = RequestHandler(pipeline, "tiny", default_params={"max_tokens": 8},
-                               max_concurrent_requests=1, max_queued_requests=0)
+        server = RequestHandler(
+            pipeline, "tiny", default_params={"max_tokens": 8}, max_concurrent_requests=1, max_queued_requests=0
+        )
         body = CompletionRequest(prompt=[1, 2, 3], return_token_ids=True)
         first = await open_openai(server, body, chat=False)
         with pytest.raises(RequestError) as info:
@@ -466,8 +502,9 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
     async def run():
         pipeline = await LocalPipeline.start(config)
         server = RequestHandler(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
-        short = await open_openai(server, CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"),
-                                         chat=False)
+        short = await open_openai(
+            server, CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"), chat=False
+        )
         drained = asyncio.ensure_future(server.drain(60.0))
         await asyncio.sleep(0)
         with pytest.raises(RequestError) as info:
@@ -479,8 +516,9 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
         assert await drained == 0
 
         server = RequestHandler(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
-        long = await open_openai(server, CompletionRequest(prompt=[1, 2, 3], max_tokens=400, ignore_eos=True,
-                                                          mode="via"), chat=False)
+        long = await open_openai(
+            server, CompletionRequest(prompt=[1, 2, 3], max_tokens=400, ignore_eos=True, mode="via"), chat=False
+        )
         first = await long.__anext__()
         queued = asyncio.ensure_future(open_openai(server, CompletionRequest(prompt=[4, 5]), chat=False))
         while server.admission.waiting == 0:  # the second request waits for the one slot
@@ -552,7 +590,7 @@ def test_serve_config_fields_all_have_descriptions():
         for name, f in model.model_fields.items():
             assert f.description, f"{model.__name__}.{name} has no description"
             ann = f.annotation
-            for sub in (getattr(ann, "__args__", None) or (ann,)):
+            for sub in getattr(ann, "__args__", None) or (ann,):
                 if isinstance(sub, type) and issubclass(sub, BaseModel):
                     walk(sub)
 

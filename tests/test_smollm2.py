@@ -28,7 +28,7 @@ def smol():
     return model.double(), tokenizer
 
 
-PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 
 def test_masked_smollm2_equals_physically_removed_layers(smol):
@@ -55,8 +55,9 @@ def test_greedy_sd_and_via_on_smollm2(smol):
     assert sd.token_ids == ar.token_ids
     assert sd.stats.num_accepted_tokens > 0 and sd.stats.forwards["full"] < ar.stats.forwards["full"]
     # HF generate agrees with our ar on the real model
-    hf = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                        pad_token_id=tok.eos_token_id)[0, len(prompt):].tolist()
+    hf = model.generate(
+        torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id
+    )[0, len(prompt) :].tolist()
     assert ar.token_ids == hf
     via = engine.complete(prompt, parse_params(mode="via", max_tokens=32, gamma=4))
     assert via.stats.slim_accepted > 0 and len(via.token_ids) == 32

@@ -25,8 +25,9 @@ SKIPPED = (1, 3)
 
 def _engine(pair, policy="separate", **kw):
     verifier, drafter = pair
-    return Engine(verifier, drafter, mask=LayerMask.from_skipped(SKIPPED, verifier.num_layers), cache_policy=policy,
-                  **kw)
+    return Engine(
+        verifier, drafter, mask=LayerMask.from_skipped(SKIPPED, verifier.num_layers), cache_policy=policy, **kw
+    )
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
@@ -71,8 +72,10 @@ def test_sampled_staged_follows_q(tiny_pair):
     prompt = PROMPTS[0]
     engine = _engine(tiny_pair, max_batch=16)
     n = 4000
-    handles = [engine.submit(prompt, parse_params(mode="via", rule="staged", gamma=3, max_tokens=2,
-                                                  temperature=1.0, seed=s)) for s in range(n)]
+    handles = [
+        engine.submit(prompt, parse_params(mode="via", rule="staged", gamma=3, max_tokens=2, temperature=1.0, seed=s))
+        for s in range(n)
+    ]
     while engine.scheduler.has_work():
         engine.step()
     tokens = torch.tensor([sum((c.token_ids for c in h.chunks), [])[:2] for h in handles])  # [n, 2]

@@ -1,11 +1,11 @@
 """`viasd` command line: generate text, compare modes, manage the built-in models.
 
-    viasd generate --mode via "def fib(n):"      stream text, then print the request statistics
-    viasd bench --prompts 5 --max-tokens 128     ar / sd / via, HF generate / assisted, matched baselines
-    viasd models list | fetch NAME... | convert NAME...
-    viasd dimr --ratio 0.45 --trials 100 --out mask.json   search the slim verifier's layer mask
-    viasd serve [--config serve.yaml]            Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
-    viasd drain [--timeout-s 30]                 drain every replica of the running cluster (preStop hook)
+viasd generate --mode via "def fib(n):"      stream text, then print the request statistics
+viasd bench --prompts 5 --max-tokens 128     ar / sd / via, HF generate / assisted, matched baselines
+viasd models list | fetch NAME... | convert NAME...
+viasd dimr --ratio 0.45 --trials 100 --out mask.json   search the slim verifier's layer mask
+viasd serve [--config serve.yaml]            Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
+viasd drain [--timeout-s 30]                 drain every replica of the running cluster (preStop hook)
 """
 
 from __future__ import annotations
@@ -23,18 +23,31 @@ from viasd.errors import ViaSDError
 def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("models")
     g.add_argument("--verifier", default=EngineConfig.model_fields["verifier"].default, help="full verifier q")
-    g.add_argument("--drafter", default=EngineConfig.model_fields["drafter"].default, help="drafter p ('none' for ar only)")
-    g.add_argument("--dtype", default=EngineConfig.model_fields["dtype"].default,
-                   help="auto (what runs fastest on this device), bfloat16, float16, float32 or float64")
+    g.add_argument(
+        "--drafter", default=EngineConfig.model_fields["drafter"].default, help="drafter p ('none' for ar only)"
+    )
+    g.add_argument(
+        "--dtype",
+        default=EngineConfig.model_fields["dtype"].default,
+        help="auto (what runs fastest on this device), bfloat16, float16, float32 or float64",
+    )
     g.add_argument("--mask", default=None, help="q' layer mask: JSON file or comma list of skipped layers")
     g.add_argument("--skip-ratio", type=float, default=0.45, help="skip ratio of the placeholder mask")
     g.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
-    g.add_argument("--gates", default="calibrated", choices=["calibrated", "paper"],
-                   help="gates of via requests that set no threshold: the mask's calibrated ones or the paper's")
+    g.add_argument(
+        "--gates",
+        default="calibrated",
+        choices=["calibrated", "paper"],
+        help="gates of via requests that set no threshold: the mask's calibrated ones or the paper's",
+    )
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    g.add_argument("--max-batch", type=int, default=EngineConfig.model_fields["max_batch"].default,
-                   help="requests decoding together (KV cache rows per tier)")
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=EngineConfig.model_fields["max_batch"].default,
+        help="requests decoding together (KV cache rows per tier)",
+    )
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget of all tiers (GiB)")
 
 
@@ -65,7 +78,9 @@ def _add_param_args(ap: argparse.ArgumentParser) -> None:
         elif f.annotation is bool:
             g.add_argument(flag, action="store_true", default=None, help=f.description)
         else:
-            g.add_argument(flag, default=None, help=f"{f.description} (default: {getattr(f.default, 'value', f.default)})")
+            g.add_argument(
+                flag, default=None, help=f"{f.description} (default: {getattr(f.default, 'value', f.default)})"
+            )
 
 
 def _params(args: argparse.Namespace, **defaults) -> GenerationParams:
@@ -167,26 +182,39 @@ def cmd_gates(args: argparse.Namespace) -> int:
     from viasd.llm import LLM
 
     art = read_artifact(args.artifact)
-    config = parse_engine_config(verifier=art.verifier or EngineConfig.model_fields["verifier"].default,
-                                 drafter=args.drafter or art.drafter or EngineConfig.model_fields["drafter"].default,
-                                 dtype=art.dtype or "auto", threads=args.threads, gates="paper")
+    config = parse_engine_config(
+        verifier=art.verifier or EngineConfig.model_fields["verifier"].default,
+        drafter=args.drafter or art.drafter or EngineConfig.model_fields["drafter"].default,
+        dtype=art.dtype or "auto",
+        threads=args.threads,
+        gates="paper",
+    )
     llm = LLM(config, mask=args.artifact)  # the fingerprint check: the artifact fits these weights
-    calib = humaneval_calibration(llm.tokenizer, start=args.calib_start, max_tokens=args.calib_tokens,
-                                  max_seq_tokens=args.max_seq_tokens)
+    calib = humaneval_calibration(
+        llm.tokenizer, start=args.calib_start, max_tokens=args.calib_tokens, max_seq_tokens=args.max_seq_tokens
+    )
     t0 = time.perf_counter()
     sigs = signals(llm.verifier, llm.drafter, llm.engine.mask, calib.sequences)
     costs = llm.engine.cost_model()
     entry = calibrate(sigs, costs, gamma=args.gamma, min_agreement=args.min_agreement)
-    entry.update(calibration=calib.to_dict(), seconds=round(time.perf_counter() - t0, 3), command=args.command_line,
-                 costs=costs.to_dict())
+    entry.update(
+        calibration=calib.to_dict(),
+        seconds=round(time.perf_counter() - t0, 3),
+        command=args.command_line,
+        costs=costs.to_dict(),
+    )
     out = save_artifact(art.model_copy(update={"gates": entry}), args.out or args.artifact)
     chosen, paper = entry["chosen"], entry["paper"]
     for name, row in (("calibrated", chosen), ("paper", paper)):
-        print(f"{name:<11} alpha1 {row['alpha1']:g} alpha2 {row['alpha2']:g} region B {row['region_b']:<8} "
-              f"agreement {row['agreement']:.3f}  {row['tokens_per_cycle']:.2f} tokens/cycle  "
-              f"escalation {row['escalation']:.2f}  modelled {row['tokens_per_second']:.1f} tok/s")
-    print(f"ar {entry['ar_tokens_per_second']:.1f} tok/s, sd {entry['sd_tokens_per_second']:.1f} tok/s (modelled); "
-          f"budget met: {entry['budget']['met']}; wrote {out}")
+        print(
+            f"{name:<11} alpha1 {row['alpha1']:g} alpha2 {row['alpha2']:g} region B {row['region_b']:<8} "
+            f"agreement {row['agreement']:.3f}  {row['tokens_per_cycle']:.2f} tokens/cycle  "
+            f"escalation {row['escalation']:.2f}  modelled {row['tokens_per_second']:.1f} tok/s"
+        )
+    print(
+        f"ar {entry['ar_tokens_per_second']:.1f} tok/s, sd {entry['sd_tokens_per_second']:.1f} tok/s (modelled); "
+        f"budget met: {entry['budget']['met']}; wrote {out}"
+    )
     return 0
 
 
@@ -225,8 +253,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_drain(args: argparse.Namespace) -> int:
     from viasd.cluster.drain import main as drain_main
 
-    return drain_main(["--address", args.address, "--timeout-s", str(args.timeout_s)]
-                      + (["--this-node"] if args.this_node else []))
+    return drain_main(
+        ["--address", args.address, "--timeout-s", str(args.timeout_s)] + (["--this-node"] if args.this_node else [])
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,29 +271,49 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     bench = sub.add_parser("bench", help="our ar / sd / via, HF generate / assisted and matched baselines, interleaved")
-    bench.add_argument("--suite", default=None, choices=["main", "ablations", "proposers", "quick", "load"],
-                       help="a named set of methods and plots (default: main, unless --methods is given); load: "
-                       "throughput under concurrency (viasd.bench.load)")
-    bench.add_argument("--methods", "--modes", dest="methods", default=None,
-                       help="methods, comma-separated (';' when a spec has commas): ar, sd, via, hf, hf-assisted, "
-                       "variants as via:region_b=escalate:gamma=3, via:mask=random, ar:min_p=0.5, hf-assisted:draft=fixed; "
-                       "--suite load: engine specs, SPEC@batch1, generate_batch, roofline")
+    bench.add_argument(
+        "--suite",
+        default=None,
+        choices=["main", "ablations", "proposers", "quick", "load"],
+        help="a named set of methods and plots (default: main, unless --methods is given); load: "
+        "throughput under concurrency (viasd.bench.load)",
+    )
+    bench.add_argument(
+        "--methods",
+        "--modes",
+        dest="methods",
+        default=None,
+        help="methods, comma-separated (';' when a spec has commas): ar, sd, via, hf, hf-assisted, "
+        "variants as via:region_b=escalate:gamma=3, via:mask=random, ar:min_p=0.5, hf-assisted:draft=fixed; "
+        "--suite load: engine specs, SPEC@batch1, generate_batch, roofline",
+    )
     bench.add_argument("--workload", default="humaneval", help="'humaneval' or a JSONL file of prompts")
     bench.add_argument("--prompts", type=int, default=5, help="number of prompts")
     bench.add_argument("--prompt-offset", type=int, default=0, help="first prompt of the workload")
     bench.add_argument("--repeats", type=int, default=1, help="passes over the prompts per seed (timing spread)")
     bench.add_argument("--seeds", default=None, help="comma-separated seeds (sampled runs); default: --seed or 0")
     bench.add_argument("--warmup-tokens", type=int, default=8, help="untimed warm-up decode per method (0: none)")
-    bench.add_argument("--searched-mask", action="append", default=None,
-                       help="a DIMR artifact to use as the searched mask at its ratio (repeatable)")
+    bench.add_argument(
+        "--searched-mask",
+        action="append",
+        default=None,
+        help="a DIMR artifact to use as the searched mask at its ratio (repeatable)",
+    )
     bench.add_argument("--no-pass-at-1", action="store_true", help="skip executing the HumanEval tests")
     bench.add_argument("--exec-timeout", type=float, default=10.0, help="seconds per pass@1 check")
-    bench.add_argument("--time-budget", type=float, default=None,
-                       help="seconds; no new prompt round starts after it (every method keeps the same prompts)")
+    bench.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds; no new prompt round starts after it (every method keeps the same prompts)",
+    )
     load = bench.add_argument_group("load suite (--suite load)")
     load.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated numbers of concurrent requests")
-    load.add_argument("--arrival", default="all,poisson",
-                      help="arrival patterns, comma-separated: all (every request at t=0), poisson (at --rate)")
+    load.add_argument(
+        "--arrival",
+        default="all,poisson",
+        help="arrival patterns, comma-separated: all (every request at t=0), poisson (at --rate)",
+    )
     load.add_argument("--rate", type=float, default=1.0, help="poisson arrivals: requests per second")
     load.add_argument("--arrival-seed", type=int, default=0, help="poisson arrivals: seed of the inter-arrival times")
     load.add_argument("--passes", type=int, default=1, help="passes over every (arrival, concurrency, method)")
@@ -283,8 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
     dimr.add_argument("--ratio", type=float, default=0.45, help="skip ratio r: round(r * L) layers skipped")
     dimr.add_argument("--sweep", default=None, help="comma-separated ratios, one mask each (e.g. 0.25,0.35,0.45,0.55)")
     dimr.add_argument("--trials", type=int, default=100)
-    dimr.add_argument("--objective", default="rkl", choices=["rkl", "kl", "tv", "top1", "e2e"],
-                      help="rkl: the paper's C(z) (default); kl; tv; top1 agreement; e2e: modelled tokens/s")
+    dimr.add_argument(
+        "--objective",
+        default="rkl",
+        choices=["rkl", "kl", "tv", "top1", "e2e"],
+        help="rkl: the paper's C(z) (default); kl; tv; top1 agreement; e2e: modelled tokens/s",
+    )
     dimr.add_argument("--rkl-alpha", type=float, default=0.0, help="alpha of R^KL (lossy acceptance constraint)")
     dimr.add_argument("--rkl-beta", type=float, default=1.0, help="beta of R^KL (lossy residual constraint)")
     dimr.add_argument("--theta", type=int, default=5, help="a Bayesian-optimisation proposal every theta-th trial")
@@ -296,25 +349,39 @@ def build_parser() -> argparse.ArgumentParser:
     dimr.add_argument("--calib-tokens", type=int, default=1024)
     dimr.add_argument("--max-seq-tokens", type=int, default=256)
     dimr.add_argument("--calib-start", type=int, default=0, help="first HumanEval problem of the calibration text")
-    dimr.add_argument("--heldout-tokens", type=int, default=0, help="also compare with the evenly spaced mask on held-out text")
+    dimr.add_argument(
+        "--heldout-tokens", type=int, default=0, help="also compare with the evenly spaced mask on held-out text"
+    )
     dimr.add_argument("--heldout-start", type=int, default=100, help="first HumanEval problem of the held-out text")
     dimr.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
     dimr.add_argument("--gamma", type=int, default=5)
     dimr.add_argument("--alpha1", type=float, default=0.5)
     dimr.add_argument("--alpha2", type=float, default=0.3)
     dimr.add_argument("--region-b", default="rewrite", choices=["rewrite", "escalate"])
-    dimr.add_argument("--costs", default=None,
-                      help="e2e forward costs in seconds instead of measuring: drafter token,slim block,full block,full token")
-    dimr.add_argument("--out", default="mask.json", help="artifact path (with --sweep: NAME-r<ratio>.json or a directory)")
+    dimr.add_argument(
+        "--costs",
+        default=None,
+        help="e2e forward costs in seconds instead of measuring: drafter token,slim block,full block,full token",
+    )
+    dimr.add_argument(
+        "--out", default="mask.json", help="artifact path (with --sweep: NAME-r<ratio>.json or a directory)"
+    )
     dimr.add_argument("--plot", default=None, help="PNG of the objective against trial")
     dimr.add_argument("--no-progress", action="store_true")
     dimr.set_defaults(func=cmd_dimr)
 
-    gates = sub.add_parser("gates", help="calibrate the gates (alpha1, alpha2, region B) of a DIMR mask artifact "
-                           "against a quality budget; written into the artifact")
+    gates = sub.add_parser(
+        "gates",
+        help="calibrate the gates (alpha1, alpha2, region B) of a DIMR mask artifact "
+        "against a quality budget; written into the artifact",
+    )
     gates.add_argument("artifact", help="the mask artifact (.json)")
-    gates.add_argument("--min-agreement", type=float, default=0.95,
-                       help="quality budget: teacher-forced greedy token agreement with q on the calibration text")
+    gates.add_argument(
+        "--min-agreement",
+        type=float,
+        default=0.95,
+        help="quality budget: teacher-forced greedy token agreement with q on the calibration text",
+    )
     gates.add_argument("--drafter", default=None, help="drafter p (default: the artifact's)")
     gates.add_argument("--gamma", type=int, default=5)
     gates.add_argument("--calib-start", type=int, default=120, help="first HumanEval problem of the calibration text")
@@ -331,21 +398,38 @@ def build_parser() -> argparse.ArgumentParser:
     models.set_defaults(func=cmd_models)
 
     serve = sub.add_parser("serve", help="start a local Ray and the Serve application (HTTP + gRPC) until stopped")
-    serve.add_argument("--config", default=None,
-                       help="serving configuration (YAML, viasd.cluster.serve_config.ServeConfig); default: the embedded pair")
-    serve.add_argument("--backend", default=None, choices=["actors", "local"],
-                       help="actors: drafter / verifier / coordinator actors; local: the engine in the replica")
+    serve.add_argument(
+        "--config",
+        default=None,
+        help="serving configuration (YAML, viasd.cluster.serve_config.ServeConfig); default: the embedded pair",
+    )
+    serve.add_argument(
+        "--backend",
+        default=None,
+        choices=["actors", "local"],
+        help="actors: drafter / verifier / coordinator actors; local: the engine in the replica",
+    )
     serve.add_argument("--http-port", type=int, default=None)
     serve.add_argument("--grpc-port", type=int, default=None)
     serve.set_defaults(func=cmd_serve)
 
-    drain = sub.add_parser("drain", help="drain every Serve replica of the running cluster: refuse new requests, "
-                                         "let running ones finish, end the rest with finish reason 'abort'")
+    drain = sub.add_parser(
+        "drain",
+        help="drain every Serve replica of the running cluster: refuse new requests, "
+        "let running ones finish, end the rest with finish reason 'abort'",
+    )
     drain.add_argument("--address", default="auto", help="Ray cluster address (default: the local one)")
-    drain.add_argument("--timeout-s", type=float, default=30.0,
-                       help="how long requests in flight may still run before they are aborted")
-    drain.add_argument("--this-node", action="store_true",
-                       help="only the replicas on this machine's Ray node (a worker pod going away)")
+    drain.add_argument(
+        "--timeout-s",
+        type=float,
+        default=30.0,
+        help="how long requests in flight may still run before they are aborted",
+    )
+    drain.add_argument(
+        "--this-node",
+        action="store_true",
+        help="only the replicas on this machine's Ray node (a worker pod going away)",
+    )
     drain.set_defaults(func=cmd_drain)
     return ap
 

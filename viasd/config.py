@@ -46,7 +46,9 @@ class Rule(str, Enum):
     LOSSLESS = "lossless"  # min(1, q/p), residual norm(max(0, q - p)): output ~ q exactly
     LOSSY = "lossy"  # the (alpha, beta) relaxation of the paper's appendix A
     OVERSHOOT = "overshoot"  # overshoot ceiling of seed 003: the draft's excess over q/l is capped
-    STAGED = "staged"  # `via` only, lossless: q' filters the block with min(1, q'/p), then q verifies it with min(1, q/q')
+    STAGED = (
+        "staged"  # `via` only, lossless: q' filters the block with min(1, q'/p), then q verifies it with min(1, q/q')
+    )
 
 
 class Proposer(str, Enum):
@@ -78,7 +80,9 @@ class GenerationParams(BaseModel):
 
     mode: Mode = Field(Mode.VIA, description="Decoder: 'ar' (verifier alone), 'sd' (two-tier), 'via' (three-tier).")
     max_tokens: int = Field(
-        128, ge=0, le=1 << 20,
+        128,
+        ge=0,
+        le=1 << 20,
         description="Maximum number of new tokens to generate; 0 only with prompt_logprobs (score the prompt).",
     )
     temperature: float = Field(
@@ -106,26 +110,32 @@ class GenerationParams(BaseModel):
         False, description="When q' accepts the whole block, also commit a bonus token sampled from q'_{gamma+1}."
     )
     proposer: Proposer = Field(
-        Proposer.MODEL, description="Draft proposer: 'model' (drafter p), 'ngram' (prompt lookup), 'hybrid' (n-gram first)."
+        Proposer.MODEL,
+        description="Draft proposer: 'model' (drafter p), 'ngram' (prompt lookup), 'hybrid' (n-gram first).",
     )
     ngram_max: int = Field(
         3, ge=1, le=8, description="Prompt lookup: longest suffix n-gram matched in the context (tries n..1)."
     )
     draft_confidence: float = Field(
-        0.0, ge=0.0, lt=1.0,
+        0.0,
+        ge=0.0,
+        lt=1.0,
         description="Adaptive drafting: end a model-drafted block after a token whose drafter probability "
         "(temperature 1) is below this; 0 disables.",
     )
     adaptive_gamma: bool = Field(
-        False, description="Adapt the block length per request from its acceptance: +2 after a fully accepted "
+        False,
+        description="Adapt the block length per request from its acceptance: +2 after a fully accepted "
         "block, -1 otherwise, within [1, gamma].",
     )
     overlap: bool = Field(
-        False, description="Overlap drafting and verification (PEARL-style): draft the next block from the "
+        False,
+        description="Overlap drafting and verification (PEARL-style): draft the next block from the "
         "optimistic prefix while the verifier checks this one; keep it where the outcome agrees.",
     )
     rule: Rule = Field(
-        Rule.LOSSLESS, description="Acceptance rule of the full verifier: lossless, lossy, overshoot, or staged "
+        Rule.LOSSLESS,
+        description="Acceptance rule of the full verifier: lossless, lossy, overshoot, or staged "
         "(mode 'via' only: q' filters and corrects the draft losslessly, then q verifies the filtered block "
         "losslessly; the output follows q exactly and the gates alpha1 / alpha2 are not used).",
     )
@@ -133,55 +143,81 @@ class GenerationParams(BaseModel):
         0.0, ge=0.0, lt=1.0, description="Lossy rule: accept x with probability min(1, q(x) / ((1 - alpha) p(x)))."
     )
     lossy_beta: float = Field(
-        1.0, gt=0.0, le=1.0, description="Lossy rule: on rejection sample from norm(max(0, q - beta p)).")
+        1.0, gt=0.0, le=1.0, description="Lossy rule: on rejection sample from norm(max(0, q - beta p))."
+    )
     overshoot_ceiling: float = Field(
         1.0, gt=0.0, le=1.0, description="Overshoot rule: the draft's probability is capped at q(x)/l (l=1: lossless)."
     )
     stop_token_ids: tuple[int, ...] | None = Field(
-        None, max_length=MAX_STOP_TOKEN_IDS,
+        None,
+        max_length=MAX_STOP_TOKEN_IDS,
         description="Token ids that end generation (at most 1024); default: the tokenizer's end-of-sequence tokens.",
     )
     ignore_eos: bool = Field(False, description="Keep generating past end-of-sequence tokens (benchmarks).")
     presence_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from the logit of every token the output already contains "
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted from the logit of every token the output already contains "
         "(OpenAI / vLLM); > 0 favours new tokens.",
     )
     frequency_penalty: float = Field(
-        0.0, ge=-2.0, le=2.0, description="Subtracted from a token's logit once per occurrence in the output "
+        0.0,
+        ge=-2.0,
+        le=2.0,
+        description="Subtracted from a token's logit once per occurrence in the output "
         "(OpenAI / vLLM); > 0 discourages repetition.",
     )
     repetition_penalty: float = Field(
-        1.0, gt=0.0, le=100.0, description="CTRL / vLLM repetition penalty on every token of the prompt and output: "
+        1.0,
+        gt=0.0,
+        le=100.0,
+        description="CTRL / vLLM repetition penalty on every token of the prompt and output: "
         "a positive logit is divided by it, a negative one multiplied; 1 disables.",
     )
     logit_bias: dict[int, float] | None = Field(
-        None, max_length=MAX_LOGIT_BIAS, description="Token id -> bias in [-100, 100] added to its logit before "
+        None,
+        max_length=MAX_LOGIT_BIAS,
+        description="Token id -> bias in [-100, 100] added to its logit before "
         "the penalties (OpenAI / vLLM); at most 1024 entries.",
     )
     logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the log-probability of every generated token under the "
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Return the log-probability of every generated token under the "
         "full verifier (raw logits, before penalties and temperature) and of the k most likely tokens (0..20); "
         "None or false: no logprobs; true: 0 alternatives (OpenAI chat's flag).",
     )
     logprobs_tier: LogprobTier = Field(
-        LogprobTier.FULL, description="Mode via: logprobs of tokens the slim tier committed come from q recomputed "
+        LogprobTier.FULL,
+        description="Mode via: logprobs of tokens the slim tier committed come from q recomputed "
         "('full', one extra full forward per such cycle) or from q' ('slim', free, approximate).",
     )
     prompt_logprobs: int | None = Field(
-        None, ge=0, le=MAX_TOP_LOGPROBS, description="Return the full verifier's log-probability of every prompt "
+        None,
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="Return the full verifier's log-probability of every prompt "
         "token given its prefix (the first has none) and the k most likely tokens there; None: none.",
     )
     stop: tuple[str, ...] | None = Field(
-        None, max_length=MAX_STOP_STRINGS, description="Strings that end the text (not included in it), matched "
+        None,
+        max_length=MAX_STOP_STRINGS,
+        description="Strings that end the text (not included in it), matched "
         "on the detokenized text (viasd.llm.StopStrings: LLM.stream and the serving layer, every transport); at "
         "most 16, each non-empty. LLM.complete, which returns token ids only, does not apply them.",
     )
     n: int = Field(
-        1, ge=1, le=MAX_N, description="Samples of the prompt: n requests sharing one prefill; sample i uses "
+        1,
+        ge=1,
+        le=MAX_N,
+        description="Samples of the prompt: n requests sharing one prefill; sample i uses "
         "seed sample_seed(seed, i) (sample 0: the request's seed).",
     )
     auto_lossy: bool = Field(
-        False, description="Mode 'auto' may choose the lossy three-tier plan (via, gated by alpha1/alpha2); "
+        False,
+        description="Mode 'auto' may choose the lossy three-tier plan (via, gated by alpha1/alpha2); "
         "off: only lossless plans (ar, sd, n-gram), whose output follows the verifier exactly.",
     )
 
@@ -232,8 +268,9 @@ class GenerationParams(BaseModel):
         if self.rule == Rule.STAGED and self.mode != Mode.VIA:
             raise ValueError(f"rule: 'staged' is a three-tier rule; it needs mode 'via', got {self.mode.value!r}")
         if self.mode == Mode.AUTO and (self.overlap or self.adaptive_gamma):
-            raise ValueError("mode: 'auto' chooses the block length itself; it cannot be combined with "
-                             "overlap or adaptive_gamma")
+            raise ValueError(
+                "mode: 'auto' chooses the block length itself; it cannot be combined with overlap or adaptive_gamma"
+            )
         return self
 
     @property
@@ -243,13 +280,24 @@ class GenerationParams(BaseModel):
     @property
     def penalised(self) -> bool:
         """Whether logit_bias or a penalty changes the logits (viasd.sampling.Penalties)."""
-        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or (
-            self.repetition_penalty != 1.0)
+        return (
+            bool(self.logit_bias)
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or (self.repetition_penalty != 1.0)
+        )
 
 
 # The after-validator's cross-field errors name these fields.
-_CROSS_FIELD = {"0 only scores the prompt": "max_tokens", "alpha2 (": "alpha2", "stop_token_ids": "stop_token_ids",
-                "dtype": "dtype", "mask": "mask", "mode: ": "mode", "rule: ": "rule"}
+_CROSS_FIELD = {
+    "0 only scores the prompt": "max_tokens",
+    "alpha2 (": "alpha2",
+    "stop_token_ids": "stop_token_ids",
+    "dtype": "dtype",
+    "mask": "mask",
+    "mode: ": "mode",
+    "rule: ": "rule",
+}
 
 
 def _validate(model: type[BaseModel], values: dict[str, Any] | None, overrides: dict[str, Any]) -> Any:
@@ -300,7 +348,8 @@ class EngineConfig(BaseModel):
         description="Drafter p (same tokenizer as the verifier): built-in name or local directory; None serves 'ar' only.",
     )
     dtype: str = Field(
-        "auto", description="Weight dtype: auto (per device, what runs fastest: bfloat16 on CUDA and on CPUs with "
+        "auto",
+        description="Weight dtype: auto (per device, what runs fastest: bfloat16 on CUDA and on CPUs with "
         "native bf16, float32 elsewhere; see viasd.precision), bfloat16, float16, float32 or float64.",
     )
     mask: tuple[int, ...] | str | None = Field(
@@ -309,12 +358,16 @@ class EngineConfig(BaseModel):
         "of a DIMR artifact (.json; its model fingerprint is checked against the verifier). None: the shipped "
         "DIMR mask of a built-in verifier at skip_ratio, else round(skip_ratio * L) layers spread evenly.",
     )
-    skip_ratio: float = Field(0.45, ge=0.0, lt=1.0, description="Share of verifier layers q' skips when no mask is given.")
+    skip_ratio: float = Field(
+        0.45, ge=0.0, lt=1.0, description="Share of verifier layers q' skips when no mask is given."
+    )
     cache_policy: CachePolicy = Field(
-        CachePolicy.SEPARATE, description="q' cache: 'separate' (own cache, exact) or 'shared' (q's slots, 1.0x memory)."
+        CachePolicy.SEPARATE,
+        description="q' cache: 'separate' (own cache, exact) or 'shared' (q's slots, 1.0x memory).",
     )
     gates: str = Field(
-        "calibrated", pattern=r"^(calibrated|paper)$",
+        "calibrated",
+        pattern=r"^(calibrated|paper)$",
         description="Gates of `via` requests that set none of alpha1 / alpha2 / region_b: 'calibrated' (the "
         "mask artifact's calibrated gates, viasd.gates; the paper's where the artifact has none) or 'paper' "
         "(alpha1 0.5, alpha2 0.3, region B rewrites).",
@@ -324,23 +377,32 @@ class EngineConfig(BaseModel):
     )
     threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
     max_batch: int = Field(
-        8, ge=1, le=1024, description="Requests decoding together (continuous batching): KV cache rows per tier. "
-        "More wait in the queue.",
+        8,
+        ge=1,
+        le=1024,
+        description="Requests decoding together (continuous batching): KV cache rows per tier. More wait in the queue.",
     )
     max_seq_len: int | None = Field(
-        None, ge=2, description="Positions per KV cache row (prompt + generated tokens); default: what kv_cache_gib "
+        None,
+        ge=2,
+        description="Positions per KV cache row (prompt + generated tokens); default: what kv_cache_gib "
         "holds for max_batch rows of every tier, capped by the context.",
     )
     kv_cache_gib: float | None = Field(
-        None, gt=0, description="KV cache budget in GiB for all tiers at full capacity; default: a quarter of the "
+        None,
+        gt=0,
+        description="KV cache budget in GiB for all tiers at full capacity; default: a quarter of the "
         "memory available at start. Sets max_seq_len when that is not given.",
     )
     packed_linears: bool = Field(
-        True, description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."
+        True,
+        description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."
         "optimize_linears): faster small-batch matmuls for one more copy of the weights in memory.",
     )
     prefill_chunk: int = Field(
-        512, ge=1, description="Prompt tokens prefilled per engine step over all new requests (chunked prefill).",
+        512,
+        ge=1,
+        description="Prompt tokens prefilled per engine step over all new requests (chunked prefill).",
     )
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:\d+)?)$", description="Where the models run: cpu, cuda or cuda:N.")
     trust_remote_code: bool = Field(

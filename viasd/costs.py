@@ -102,17 +102,22 @@ class CostModel:
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         """The profiled grid (what the cache file holds; corrections start afresh)."""
-        return cls({k: [tuple(p) for p in v] for k, v in d["grid"].items()}, d.get("key", {}),
-                   d.get("profile_seconds", 0.0))
+        return cls(
+            {k: [tuple(p) for p in v] for k, v in d["grid"].items()}, d.get("key", {}), d.get("profile_seconds", 0.0)
+        )
 
     def summary(self) -> dict:
         """What the stats and /metrics report: the grid's end points, corrections, overhead."""
-        return {"key": self.key, "online": self.online, "observed": self.observed,
-                "overhead_seconds": round(self.overhead, 6),
-                "seconds_1": {t: round(self.seconds(t, 1), 6) for t in self.grid},
-                "seconds_64": {t: round(self.seconds(t, 64), 6) for t in self.grid},
-                "scale": {t: round(g, 4) for t, g in self.scale.items()},
-                "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()}}
+        return {
+            "key": self.key,
+            "online": self.online,
+            "observed": self.observed,
+            "overhead_seconds": round(self.overhead, 6),
+            "seconds_1": {t: round(self.seconds(t, 1), 6) for t in self.grid},
+            "seconds_64": {t: round(self.seconds(t, 64), 6) for t in self.grid},
+            "scale": {t: round(g, 4) for t, g in self.scale.items()},
+            "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()},
+        }
 
     def break_even(self, tier_draft: str, tier_verify: str, k: int) -> float:
         """Tokens one cycle of k drafted tokens must commit to beat `ar` at batch 1:
@@ -148,14 +153,24 @@ def profile_key(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, g
     return {
         "verifier": model_fingerprint(verifier.model)[:16],
         "drafter": model_fingerprint(drafter.model)[:16] if drafter is not None else None,
-        "device": str(verifier.device), "dtype": str(verifier.dtype).removeprefix("torch."),
-        "threads": torch.get_num_threads(), "skipped": list(mask.skipped), "grid": list(grid),
+        "device": str(verifier.device),
+        "dtype": str(verifier.dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "skipped": list(mask.skipped),
+        "grid": list(grid),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
     }
 
 
-def profile(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, *, grid: Sequence[int] = GRID,
-            repeats: int = 2, cache_dir: Path | None = None) -> CostModel:
+def profile(
+    verifier: MaskedLM,
+    drafter: MaskedLM | None,
+    mask: LayerMask,
+    *,
+    grid: Sequence[int] = GRID,
+    repeats: int = 2,
+    cache_dir: Path | None = None,
+) -> CostModel:
     """Measure (or read from the cache) the forward seconds of every tier over `grid` tokens."""
     key = profile_key(verifier, drafter, mask, grid)
     path = None

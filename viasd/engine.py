@@ -42,8 +42,20 @@ from viasd.scheduler import (
 from viasd.sessions import DraftSession, Outcome, VerifySession, request_seeds
 
 __all__ = [
-    "Engine", "Chunk", "GenerationResult", "RequestHandle", "RequestLimits", "Capacity", "check_request",
-    "context_limit", "draft_length", "resolve_seed", "DraftSession", "VerifySession", "Outcome", "request_seeds",
+    "Engine",
+    "Chunk",
+    "GenerationResult",
+    "RequestHandle",
+    "RequestLimits",
+    "Capacity",
+    "check_request",
+    "context_limit",
+    "draft_length",
+    "resolve_seed",
+    "DraftSession",
+    "VerifySession",
+    "Outcome",
+    "request_seeds",
     "DEFAULT_KV_MEMORY_FRACTION",
 ]
 
@@ -99,7 +111,9 @@ class Engine:
             )
         self.mask = mask if mask is not None else LayerMask.evenly_spaced(skip_ratio, verifier.num_layers)
         if self.mask.num_layers != verifier.num_layers:
-            raise MaskError(f"mask has {self.mask.num_layers} entries but the verifier has {verifier.num_layers} layers")
+            raise MaskError(
+                f"mask has {self.mask.num_layers} entries but the verifier has {verifier.num_layers} layers"
+            )
         self.cache_policy = CachePolicy(cache_policy)
         self.gates = gates  # `via` requests that choose no gate get these (calibrated for the mask; viasd.gates)
         self.eos_token_ids = tuple(eos_token_ids)
@@ -107,7 +121,9 @@ class Engine:
         model_context = context_limit(*limits, max_context)
         self.kv_bytes_per_token = self._kv_bytes_per_token()
         if max_seq_len is None:
-            budget = kv_cache_gib * 2**30 if kv_cache_gib else DEFAULT_KV_MEMORY_FRACTION * available_memory(verifier.device)
+            budget = (
+                kv_cache_gib * 2**30 if kv_cache_gib else DEFAULT_KV_MEMORY_FRACTION * available_memory(verifier.device)
+            )
             max_seq_len = int(budget // (max_batch * self.kv_bytes_per_token))
             context_name = f"KV cache budget of {budget / 2**30:.2f} GiB for max_batch={max_batch} (kv_cache_gib)"
         else:
@@ -120,9 +136,17 @@ class Engine:
         self.capacity = Capacity(max_batch=max_batch, max_seq_len=self.max_context, prefill_chunk=prefill_chunk)
         self.costs = costs  # `auto`: profiled on first use (a few seconds, cached in cost_cache_dir)
         self._cost_cache_dir = cost_cache_dir
-        self.scheduler = Scheduler(verifier, drafter, self.mask, self.cache_policy, self.eos_token_ids,
-                                   self.max_context, self.capacity, context_name=context_name,
-                                   costs=costs if costs is not None else self.cost_model)
+        self.scheduler = Scheduler(
+            verifier,
+            drafter,
+            self.mask,
+            self.cache_policy,
+            self.eos_token_ids,
+            self.max_context,
+            self.capacity,
+            context_name=context_name,
+            costs=costs if costs is not None else self.cost_model,
+        )
         self._step_lock = threading.Lock()
 
     def cost_model(self) -> CostModel:
@@ -135,9 +159,11 @@ class Engine:
         """What `auto` plans with now: the cost model (None until profiled) and the engine-wide
         running acceptance (model and n-gram drafts per position; via tokens and escalation)."""
         sched = self.scheduler
-        return {"costs": self.costs.summary() if self.costs is not None else None,
-                "acceptance": sched.acceptance.to_dict(),
-                "via": {"tokens_per_cycle": round(sched.via_tokens, 4), "escalation_rate": round(sched.via_escalation, 4)}}
+        return {
+            "costs": self.costs.summary() if self.costs is not None else None,
+            "acceptance": sched.acceptance.to_dict(),
+            "via": {"tokens_per_cycle": round(sched.via_tokens, 4), "escalation_rate": round(sched.via_escalation, 4)},
+        }
 
     def _kv_bytes_per_token(self) -> int:
         """KV bytes one position costs in every tier a `via` request holds."""
@@ -217,8 +243,10 @@ class Engine:
 
     def complete_n(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[GenerationResult]:
         """Run a request to the end: the n samples' results, in sample order."""
-        results = [GenerationResult(list(prompt_ids), [], "", None, [] if params.logprobs is not None else None,
-                                    index=i) for i in range(params.n)]
+        results = [
+            GenerationResult(list(prompt_ids), [], "", None, [] if params.logprobs is not None else None, index=i)
+            for i in range(params.n)
+        ]
         for chunk in self.generate(prompt_ids, params):
             res = results[chunk.index]
             res.token_ids.extend(chunk.token_ids)

@@ -57,8 +57,9 @@ class Gates:
         uses_gate = params.mode == Mode.VIA or (params.mode == Mode.AUTO and params.auto_lossy)
         if not uses_gate or params.rule == Rule.STAGED or set(GATE_FIELDS) & params.model_fields_set:
             return params
-        return params.model_copy(update={"alpha1": self.alpha1, "alpha2": self.alpha2,
-                                         "region_b": RegionB(self.region_b)})
+        return params.model_copy(
+            update={"alpha1": self.alpha1, "alpha2": self.alpha2, "region_b": RegionB(self.region_b)}
+        )
 
     def spec(self) -> str:
         """The method spec of these gates (viasd.bench.methods)."""
@@ -79,7 +80,9 @@ class Signals:
 
 
 @torch.inference_mode()
-def signals(verifier: MaskedLM, drafter: MaskedLM, mask: LayerMask, sequences: Sequence[Sequence[int]]) -> list[Signals]:
+def signals(
+    verifier: MaskedLM, drafter: MaskedLM, mask: LayerMask, sequences: Sequence[Sequence[int]]
+) -> list[Signals]:
     """One forward of p, q' (the separate cache policy: an exact sub-model) and q per text."""
     out = []
     for seq in sequences:
@@ -145,8 +148,9 @@ def simulate(sigs: Sequence[Signals], gates: Gates, gamma: int) -> dict[str, flo
     escalations, and the positions in each region."""
     out = dict.fromkeys(("committed", "wrong", "cycles", "escalations", "a", "b", "c", "positions"), 0.0)
     for s in sigs:
-        regions = regions_from_ratio(s.ratio, gates.alpha1, gates.alpha2,
-                                     rewrite=gates.region_b == RegionB.REWRITE.value).tolist()
+        regions = regions_from_ratio(
+            s.ratio, gates.alpha1, gates.alpha2, rewrite=gates.region_b == RegionB.REWRITE.value
+        ).tolist()
         ok, slim_ok = (s.draft == s.qtop).tolist(), (s.slim_top == s.qtop).tolist()
         for name, reg in (("a", Region.ACCEPT), ("b", Region.REWRITE), ("c", Region.ESCALATE)):
             out[name] += sum(1 for x in regions if x == reg)
@@ -171,10 +175,16 @@ def score(sigs: Sequence[Signals], gates: Gates, gamma: int, costs: CostModel) -
     cycles = max(sums["cycles"], 1.0)
     tpc, esc = sums["committed"] / cycles, sums["escalations"] / cycles
     seconds = cycle_seconds(costs, Plan("via", gamma), esc)
-    return GateScore(gates.alpha1, gates.alpha2, gates.region_b,
-                     agreement=1.0 - sums["wrong"] / max(sums["committed"], 1.0), tokens_per_cycle=tpc,
-                     escalation=esc, regions_abc=[sums[k] / max(sums["positions"], 1.0) for k in "abc"],
-                     tokens_per_second=tpc / seconds if seconds > 0 else 0.0)
+    return GateScore(
+        gates.alpha1,
+        gates.alpha2,
+        gates.region_b,
+        agreement=1.0 - sums["wrong"] / max(sums["committed"], 1.0),
+        tokens_per_cycle=tpc,
+        escalation=esc,
+        regions_abc=[sums[k] / max(sums["positions"], 1.0) for k in "abc"],
+        tokens_per_second=tpc / seconds if seconds > 0 else 0.0,
+    )
 
 
 def grid(alpha1s: Sequence[float] = ALPHA1_GRID, alpha2s: Sequence[float] = ALPHA2_GRID) -> list[Gates]:
@@ -200,31 +210,50 @@ def baselines(sigs: Sequence[Signals], gamma: int, costs: CostModel) -> dict[str
             staged += next((i for i, y in enumerate(block) if y != g[t + i]), len(block)) + 1
             cycles += 1
     cycles = max(cycles, 1)
-    return {"ar_tokens_per_second": 1.0 / cycle_seconds(costs, Plan("ar")),
-            "sd_tokens_per_cycle": sd / cycles, "sd_tokens_per_second": sd / cycles / cycle_seconds(costs, Plan("sd", gamma)),
-            "staged_tokens_per_cycle": staged / cycles,
-            "staged_tokens_per_second": staged / cycles / cycle_seconds(costs, Plan("via", gamma), 1.0),
-            "top1_agreement": {"drafter": sum(sum(x.tolist()) for x in (s.draft == s.qtop for s in sigs)) / _n(sigs),
-                               "slim": sum(sum(x.tolist()) for x in (s.slim_top == s.qtop for s in sigs)) / _n(sigs)}}
+    return {
+        "ar_tokens_per_second": 1.0 / cycle_seconds(costs, Plan("ar")),
+        "sd_tokens_per_cycle": sd / cycles,
+        "sd_tokens_per_second": sd / cycles / cycle_seconds(costs, Plan("sd", gamma)),
+        "staged_tokens_per_cycle": staged / cycles,
+        "staged_tokens_per_second": staged / cycles / cycle_seconds(costs, Plan("via", gamma), 1.0),
+        "top1_agreement": {
+            "drafter": sum(sum(x.tolist()) for x in (s.draft == s.qtop for s in sigs)) / _n(sigs),
+            "slim": sum(sum(x.tolist()) for x in (s.slim_top == s.qtop for s in sigs)) / _n(sigs),
+        },
+    }
 
 
 def _n(sigs: Sequence[Signals]) -> int:
     return max(sum(len(s.draft) for s in sigs), 1)
 
 
-def calibrate(sigs: Sequence[Signals], costs: CostModel, *, gamma: int = 5, min_agreement: float = 0.95,
-              candidates: Sequence[Gates] | None = None) -> dict[str, Any]:
+def calibrate(
+    sigs: Sequence[Signals],
+    costs: CostModel,
+    *,
+    gamma: int = 5,
+    min_agreement: float = 0.95,
+    candidates: Sequence[Gates] | None = None,
+) -> dict[str, Any]:
     """The gates with the most modelled tokens/s whose agreement >= min_agreement (the most
     agreeing ones when none meets it); the artifact's `gates` entry (JSON-ready)."""
     scores = [score(sigs, g, gamma, costs) for g in (candidates or grid())]
     feasible = [s for s in scores if s.agreement >= min_agreement]
-    best = (max(feasible, key=lambda s: (s.tokens_per_second, s.agreement)) if feasible
-            else max(scores, key=lambda s: (s.agreement, s.tokens_per_second)))
+    best = (
+        max(feasible, key=lambda s: (s.tokens_per_second, s.agreement))
+        if feasible
+        else max(scores, key=lambda s: (s.agreement, s.tokens_per_second))
+    )
     paper = score(sigs, PAPER, gamma, costs)
     return {
-        "alpha1": best.alpha1, "alpha2": best.alpha2, "region_b": best.region_b,
-        "budget": {"metric": "teacher-forced greedy token agreement with q", "min": min_agreement,
-                   "met": bool(feasible)},
+        "alpha1": best.alpha1,
+        "alpha2": best.alpha2,
+        "region_b": best.region_b,
+        "budget": {
+            "metric": "teacher-forced greedy token agreement with q",
+            "min": min_agreement,
+            "met": bool(feasible),
+        },
         "gamma": gamma,
         "chosen": asdict(best),
         "paper": asdict(paper),

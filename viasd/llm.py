@@ -1,8 +1,8 @@
 """Text in, text out: loads the models of an `EngineConfig` and streams decoded text.
 
-    llm = LLM(EngineConfig())                       # the embedded default pair
-    for delta in llm.stream("def fib(n):", parse_params(mode="via", max_tokens=64)):
-        print(delta.text, end="")
+llm = LLM(EngineConfig())                       # the embedded default pair
+for delta in llm.stream("def fib(n):", parse_params(mode="via", max_tokens=64)):
+    print(delta.text, end="")
 """
 
 from __future__ import annotations
@@ -81,8 +81,15 @@ class StopStrings:
         if final:
             out, self.pending = self.pending, ""
             return out, False
-        keep = max((k for s in self.stops for k in range(1, min(len(s) - 1, len(self.pending)) + 1)
-                    if self.pending.endswith(s[:k])), default=0)  # longest tail that begins a stop string
+        keep = max(
+            (
+                k
+                for s in self.stops
+                for k in range(1, min(len(s) - 1, len(self.pending)) + 1)
+                if self.pending.endswith(s[:k])
+            ),
+            default=0,
+        )  # longest tail that begins a stop string
         cut = len(self.pending) - keep
         out, self.pending = self.pending[:cut], self.pending[cut:]
         return out, False
@@ -138,8 +145,9 @@ class LLM:
         self.config = config
         self.dtype_choice = resolve_dtype(config.dtype, config.device)  # `auto`: what runs fastest here
         dtype = self.dtype_choice.dtype
-        model, self.tokenizer = load_causal_lm(config.verifier, dtype=dtype, device=config.device,
-                                               trust_remote_code=config.trust_remote_code)
+        model, self.tokenizer = load_causal_lm(
+            config.verifier, dtype=dtype, device=config.device, trust_remote_code=config.trust_remote_code
+        )
         layer_mask, self.mask_source = self._mask(mask, model)  # (fingerprint of the weights as loaded)
         gates, self.gates_source = resolve_gates(config, layer_mask, mask)
 
@@ -150,12 +158,16 @@ class LLM:
         self.verifier = MaskedLM(model)
         self.drafter = None
         if config.drafter:
-            drafter = load_causal_lm(config.drafter, dtype=dtype, device=config.device,
-                                     trust_remote_code=config.trust_remote_code)[0]
+            drafter = load_causal_lm(
+                config.drafter, dtype=dtype, device=config.device, trust_remote_code=config.trust_remote_code
+            )[0]
             reports.append(pack(drafter))
             self.drafter = MaskedLM(drafter)
-        self.kernels = {"linear_method": reports[0].method, "linears_swapped": sum(len(r.swapped) for r in reports),
-                        "linear_extra_bytes": sum(r.extra_bytes for r in reports)}
+        self.kernels = {
+            "linear_method": reports[0].method,
+            "linears_swapped": sum(len(r.swapped) for r in reports),
+            "linear_extra_bytes": sum(r.extra_bytes for r in reports),
+        }
         self.engine = Engine(
             self.verifier,
             self.drafter,
@@ -237,8 +249,9 @@ def resolve_mask(config: EngineConfig, model, mask: str | Path | Sequence[int] |
     return load_mask(None, n, config.skip_ratio), f"evenly spaced, skip ratio {config.skip_ratio:g} ({why})"
 
 
-def resolve_gates(config: EngineConfig, mask: LayerMask, spec: str | Path | Sequence[int] | None = None
-                  ) -> tuple[Gates | None, str]:
+def resolve_gates(
+    config: EngineConfig, mask: LayerMask, spec: str | Path | Sequence[int] | None = None
+) -> tuple[Gates | None, str]:
     """The gates `via` requests get when they choose none, and where they came from: the calibrated
     gates of the mask's DIMR artifact (the file given, or the shipped one with the same layers),
     or None (the paper's: GenerationParams' defaults) with `gates: paper` or when it has none."""
@@ -252,13 +265,20 @@ def resolve_gates(config: EngineConfig, mask: LayerMask, spec: str | Path | Sequ
     elif spec is not None:  # layers given by hand: no artifact, no calibration
         return None, "paper (the mask was given as layers, not a DIMR artifact)"
     else:
-        found = [(f"viasd/masks/{n}", a) for n, a in shipped_artifacts()
-                 if a.verifier == config.verifier and a.num_layers == mask.num_layers
-                 and tuple(a.skipped_layers) == tuple(mask.skipped)]
+        found = [
+            (f"viasd/masks/{n}", a)
+            for n, a in shipped_artifacts()
+            if a.verifier == config.verifier
+            and a.num_layers == mask.num_layers
+            and tuple(a.skipped_layers) == tuple(mask.skipped)
+        ]
     for where, art in found:
         gates = gates_from_artifact(art.gates)
         if gates is not None:
-            return gates, f"calibrated ({where}): alpha1 {gates.alpha1:g}, alpha2 {gates.alpha2:g}, region B {gates.region_b}"
+            return (
+                gates,
+                f"calibrated ({where}): alpha1 {gates.alpha1:g}, alpha2 {gates.alpha2:g}, region B {gates.region_b}",
+            )
     return None, "paper (the mask has no calibrated gates)"
 
 
@@ -268,8 +288,9 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | N
     if (prompt is None) == (messages is None):
         raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
     if tokenizer is None:
-        raise InvalidParameterError("prompt" if messages is None else "messages",
-                                    "this model has no tokenizer; send prompt_token_ids")
+        raise InvalidParameterError(
+            "prompt" if messages is None else "messages", "this model has no tokenizer; send prompt_token_ids"
+        )
     if messages is not None:
         if not messages:
             raise InvalidParameterError("messages", "must contain at least one message")

@@ -158,6 +158,17 @@ class RequestStats:
 
 # counters a request's parts add up (RequestStats.add_counters)
 _SUMMED = (
-    "num_drafts", "num_draft_tokens", "ngram_draft_tokens", "overlap_draft_tokens", "num_accepted_tokens", "num_rejected_tokens", "num_cycle_tokens",
-    "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted",
+    "num_drafts",
+    "num_draft_tokens",
+    "ngram_draft_tokens",
+    "overlap_draft_tokens",
+    "num_accepted_tokens",
+    "num_rejected_tokens",
+    "num_cycle_tokens",
+    "num_bonus_tokens",
+    "slim_accepted",
+    "slim_rewritten",
+    "escalations",
+    "escalated_tokens",
+    "full_accepted",
 )

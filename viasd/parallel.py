@@ -168,12 +168,16 @@ def check_shardable(config, world_size: int) -> None:
 
     if config.model_type not in SUPPORTED_ARCHITECTURES:
         raise InvalidParameterError(
-            "model", f"model_type {config.model_type!r} cannot be sharded; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            "model",
+            f"model_type {config.model_type!r} cannot be sharded; supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
         )
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, n in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                    ("intermediate_size", config.intermediate_size)):
+    for name, n in (
+        ("num_attention_heads", heads),
+        ("num_key_value_heads", kv_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
         if n % world_size:
             raise InvalidParameterError(
                 "tensor_parallel_size",
@@ -200,7 +204,8 @@ def shard_model(
     if backend == TPBackend.DEEPSPEED:
         if next(model.parameters()).dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise InvalidParameterError(
-                "dtype", f"DeepSpeed inference supports float32, bfloat16 and float16, not {next(model.parameters()).dtype}"
+                "dtype",
+                f"DeepSpeed inference supports float32, bfloat16 and float16, not {next(model.parameters()).dtype}",
             )
     if group.world_size == 1:
         return model.to(group.device)
@@ -358,8 +363,14 @@ def _shard_deepspeed(model: nn.Module, group: TPGroup, *, shm: bool) -> nn.Modul
         original = ds_torch.__dict__.setdefault("_viasd_build_shm_op", ds_torch.build_shm_op)
         # without the op, inference_all_reduce falls back to torch.distributed.all_reduce on our group
         ds_torch.build_shm_op = original if shm else (lambda: None)
-    deepspeed.comm.init_distributed(dist_backend=group.backend, auto_mpi_discovery=False, verbose=False,
-                                    init_method=group.init_method, rank=group.rank, world_size=group.world_size)
+    deepspeed.comm.init_distributed(
+        dist_backend=group.backend,
+        auto_mpi_discovery=False,
+        verbose=False,
+        init_method=group.init_method,
+        rank=group.rank,
+        world_size=group.world_size,
+    )
     vocab = model.lm_head.out_features
     dtype = next(model.parameters()).dtype
     engine = deepspeed.init_inference(

@@ -90,8 +90,11 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
         n = sum(1 for k in drafting if k > r)
         seconds += costs.seconds("drafter", n)
         row_forwards += n
-    lagging = [(row.draft_lag, max(1.0, row.remaining / expected_tokens(row, p)))
-               for row, p in zip(rows, plans) if p.kind in ("sd", "via") and row.draft_lag > 0]
+    lagging = [
+        (row.draft_lag, max(1.0, row.remaining / expected_tokens(row, p)))
+        for row, p in zip(rows, plans)
+        if p.kind in ("sd", "via") and row.draft_lag > 0
+    ]
     if lagging:  # one batched catch-up forward, its cost spread over the rows' cycles left
         catch_up = costs.seconds("drafter", len(lagging) * max(lag for lag, _ in lagging))
         seconds += catch_up * sum(1 / cycles for _, cycles in lagging) / len(lagging)
@@ -99,8 +102,10 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
     if slim:
         seconds += costs.seconds("slim", len(slim) * max(slim))
         row_forwards += len(slim)
-    full = [(1.0, 1 if p.kind == "ar" else p.k + 1) if p.kind != "via" else (row.via_escalation, p.k + 1)
-            for row, p in zip(rows, plans)]  # (expected rows, tokens) per row
+    full = [
+        (1.0, 1 if p.kind == "ar" else p.k + 1) if p.kind != "via" else (row.via_escalation, p.k + 1)
+        for row, p in zip(rows, plans)
+    ]  # (expected rows, tokens) per row
     full = [(w, t) for w, t in full if w > 0]
     if full:
         n_full = sum(w for w, _ in full)
@@ -137,8 +142,7 @@ def _best_uniform(costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
     options = {p for r in rows if r.fixed is None for p in r.candidates()} | {Plan("ar")}
     best, best_value = None, -1.0
     for option in sorted(options, key=lambda p: (p.kind, p.k)):
-        plans = [r.fixed if r.fixed is not None else (option if option in r.candidates() else Plan("ar"))
-                 for r in rows]
+        plans = [r.fixed if r.fixed is not None else (option if option in r.candidates() else Plan("ar")) for r in rows]
         value = goodput(costs, rows, plans)
         if value > best_value:
             best, best_value = plans, value

@@ -219,7 +219,6 @@ def _reset_cache() -> None:
     _cpu_auto.cache_clear()
 
 
-
 # ------------------------------------------------------------------------------------------------
 # prepacked CPU linears
 
@@ -240,8 +239,9 @@ def _packed_linear_class():
             self.in_features, self.out_features = linear.in_features, linear.out_features
             self.weight = linear.weight
             self.bias = linear.bias
-            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None),
-                                 persistent=False)
+            self.register_buffer(
+                "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None), persistent=False
+            )
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.dtype != self.weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
@@ -271,12 +271,17 @@ class LinearReport:
     extra_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"linear_method": self.method, "linears_swapped": len(self.swapped),
-                "linears_skipped": dict(self.skipped), "linear_extra_bytes": self.extra_bytes}
+        return {
+            "linear_method": self.method,
+            "linears_swapped": len(self.swapped),
+            "linears_skipped": dict(self.skipped),
+            "linear_extra_bytes": self.extra_bytes,
+        }
 
 
-def optimize_linears(model, dtype: str | torch.dtype | None = None, device: str = "cpu", *,
-                     include_lm_head: bool = True) -> LinearReport:
+def optimize_linears(
+    model, dtype: str | torch.dtype | None = None, device: str = "cpu", *, include_lm_head: bool = True
+) -> LinearReport:
     """Swap the ``nn.Linear`` modules of a loaded model for oneDNN-prepacked ones (see
     ``_PackedLinear``), in place, on CPU; a no-op report elsewhere (method ``none``).
 

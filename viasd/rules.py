@@ -379,9 +379,4 @@ def three_tier_mixture(
     in_c = (regions == int(Region.ESCALATE)).to(p.dtype)  # [V]
     a = rule.accept_prob(p, q)  # [V]
     recovered = _normalised_residual(rule, p[None], q[None])[0]  # [V]
-    return (
-        in_a * p
-        + (in_b * p).sum() * q_slim
-        + in_c * p * a
-        + (in_c * p * (1.0 - a)).sum() * recovered
-    )
+    return in_a * p + (in_b * p).sum() * q_slim + in_c * p * a + (in_c * p * (1.0 - a)).sum() * recovered

@@ -129,8 +129,9 @@ class SlotKVCache:
 
     # ------------------------------------------------------------ forwards
 
-    def batch(self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int],
-              device: torch.device | str = "cpu") -> _BatchWrite:
+    def batch(
+        self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device: torch.device | str = "cpu"
+    ) -> _BatchWrite:
         """The cache view of one forward on `device`: row b = rows[b] appends lengths[b] tokens at starts[b]."""
         return _BatchWrite(self, list(rows), list(starts), list(lengths), torch.device(device))
 
@@ -165,8 +166,9 @@ class _BatchWrite:
     returns the keys/values the queries attend to, [B, H_kv, S, D] with S = max_b start_b + T_b.
     """
 
-    def __init__(self, cache: SlotKVCache, rows: list[int], starts: list[int], lengths: list[int],
-                 device: torch.device):
+    def __init__(
+        self, cache: SlotKVCache, rows: list[int], starts: list[int], lengths: list[int], device: torch.device
+    ):
         self.cache, self.rows, self.starts, self.lengths = cache, rows, starts, lengths
         self.span = max(s + n for s, n in zip(starts, lengths))  # S
         self.contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
@@ -199,8 +201,10 @@ class _BatchWrite:
         if self.contiguous:  # a view, no copy
             r0, r1 = self.rows[0], self.rows[0] + len(self.rows)
             return k_buf[r0:r1, :, : self.span], v_buf[r0:r1, :, : self.span]
-        return (k_buf[:, :, : self.span].index_select(0, self.row_index),
-                v_buf[:, :, : self.span].index_select(0, self.row_index))
+        return (
+            k_buf[:, :, : self.span].index_select(0, self.row_index),
+            v_buf[:, :, : self.span].index_select(0, self.row_index),
+        )
 
 
 @dataclass(frozen=True)
@@ -346,8 +350,9 @@ class MaskedLM:
 
     def new_store(self, mask: LayerMask | None = None, *, max_rows: int = 1, max_len: int | None = None) -> SlotKVCache:
         """An empty cache for the layers `mask` keeps (all by default)."""
-        return SlotKVCache(self.all_layers if mask is None else mask.kept, self.num_layers,
-                           max_rows=max_rows, max_len=max_len)
+        return SlotKVCache(
+            self.all_layers if mask is None else mask.kept, self.num_layers, max_rows=max_rows, max_len=max_len
+        )
 
     def new_cache(self, mask: LayerMask | None = None) -> RowCache:
         """A one-sequence cache (a one-row store)."""
@@ -367,12 +372,18 @@ class MaskedLM:
         `tokens` [T] at positions start..start+T-1: `forward_batch` with one row."""
         assert tokens.ndim == 1, f"tokens must be [T], got {tuple(tokens.shape)}"
         t = tokens.shape[0]
-        row = Row(tokens.tolist(), start, t if num_logits is None else num_logits,
-                  None if cache is None else cache.row)
+        row = Row(tokens.tolist(), start, t if num_logits is None else num_logits, None if cache is None else cache.row)
         return self.forward_batch([row], None if cache is None else cache.store, mask)[0]
 
-    def run_layers(self, hidden: Tensor, positions: Tensor, attn_mask: Tensor | None, past_key_values,
-                   layers: Sequence[int], rope: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    def run_layers(
+        self,
+        hidden: Tensor,
+        positions: Tensor,
+        attn_mask: Tensor | None,
+        past_key_values,
+        layers: Sequence[int],
+        rope: tuple[Tensor, Tensor] | None = None,
+    ) -> Tensor:
         """The decoder layers `layers` in order over hidden [B, T, H] at positions [B, T]: the
         layer loop of every forward (`forward_batch`, DIMR's shared-policy scoring).
         `attn_mask` [B, 1, T, S] (True: attend) or None (causal over T); `past_key_values`: any
@@ -395,8 +406,9 @@ class MaskedLM:
         return logits if logits.dtype == torch.float64 else logits.float()
 
     @torch.inference_mode()
-    def forward_batch(self, rows: Sequence[Row], cache: SlotKVCache | None = None,
-                      mask: LayerMask | None = None) -> list[Tensor]:
+    def forward_batch(
+        self, rows: Sequence[Row], cache: SlotKVCache | None = None, mask: LayerMask | None = None
+    ) -> list[Tensor]:
         """One forward over ragged rows; returns each row's logits [num_logits_b, V] (float32, or
         float64 for a float64 model).
 
@@ -412,7 +424,9 @@ class MaskedLM:
         b, t = len(rows), max(len(r.tokens) for r in rows)
         lengths = [len(r.tokens) for r in rows]
         if min(lengths) < 1 or any(not 0 <= r.num_logits <= n for r, n in zip(rows, lengths)):
-            raise ValueError(f"rows need >= 1 token and 0 <= num_logits <= tokens: {[(n, r.num_logits) for r, n in zip(rows, lengths)]}")
+            raise ValueError(
+                f"rows need >= 1 token and 0 <= num_logits <= tokens: {[(n, r.num_logits) for r, n in zip(rows, lengths)]}"
+            )
         dev = self.device
         ids = torch.zeros(b, t, dtype=torch.long)  # [B, T], right-padded with token 0
         for i, r in enumerate(rows):

@@ -160,8 +160,11 @@ class Penalties:
     """
 
     def __init__(self, params: GenerationParams, prompt: Sequence[int], vocab_size: int, device):
-        self.presence, self.frequency, self.repetition = (params.presence_penalty, params.frequency_penalty,
-                                                          params.repetition_penalty)
+        self.presence, self.frequency, self.repetition = (
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        )
         self.prompt_len = len(prompt)
         self.vocab_size, self.device = vocab_size, device
         self.bias: Tensor | None = None  # [V] float64, moved to the logits' dtype per call
@@ -176,8 +179,7 @@ class Penalties:
             self.in_prompt[torch.tensor(list(prompt), dtype=torch.long, device=device)] = True
 
     @classmethod
-    def for_request(cls, params: GenerationParams, prompt: Sequence[int], vocab_size: int, device
-                    ) -> Penalties | None:
+    def for_request(cls, params: GenerationParams, prompt: Sequence[int], vocab_size: int, device) -> Penalties | None:
         """The request's processor, or None when nothing changes the logits (the default path)."""
         return cls(params, prompt, vocab_size, device) if params.penalised else None
 
@@ -214,6 +216,8 @@ def token_logprobs(logits: Tensor, tokens: Sequence[int], k: int, tier: str = "f
     lp = torch.log_softmax(logits.to(_work_dtype(logits)), dim=-1)  # [T, V]
     ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)  # [T]
     chosen = lp.gather(-1, ids[:, None])[:, 0].tolist()  # [T]
-    top_v, top_i = (lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long()))  # [T, k] x2
-    return [TokenLogprob(int(t), float(c), list(zip(i, v)), tier)
-            for t, c, i, v in zip(tokens, chosen, top_i.tolist(), top_v.tolist())]
+    top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())  # [T, k] x2
+    return [
+        TokenLogprob(int(t), float(c), list(zip(i, v)), tier)
+        for t, c, i, v in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
+    ]

@@ -99,7 +99,12 @@ def context_limit(*limits: int | None) -> int | None:
 
 
 def check_request(
-    prompt_ids: Sequence[int], params: GenerationParams, *, vocab_size: int, max_context: int | None, has_drafter: bool,
+    prompt_ids: Sequence[int],
+    params: GenerationParams,
+    *,
+    vocab_size: int,
+    max_context: int | None,
+    has_drafter: bool,
     context_name: str = "max_context",
 ) -> list[int]:
     """Validate one request (InvalidParameterError naming the field); return the prompt as ints.
@@ -114,12 +119,15 @@ def check_request(
         raise InvalidParameterError("prompt", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
     if max_context is not None and len(prompt) >= max_context:
         raise InvalidParameterError(
-            "prompt", f"{len(prompt)} tokens leave no room in the context of {max_context} ({context_name})")
+            "prompt", f"{len(prompt)} tokens leave no room in the context of {max_context} ({context_name})"
+        )
     bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
     if bad:
         raise InvalidParameterError("logit_bias", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
     if params.mode not in (Mode.AR, Mode.AUTO) and not has_drafter and params.proposer != Proposer.NGRAM:
-        raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded")
+        raise InvalidParameterError(
+            "mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded"
+        )
     return prompt
 
 
@@ -202,8 +210,9 @@ class RequestHandle:
 
     _ids = itertools.count()
 
-    def __init__(self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats,
-                 index: int = 0):
+    def __init__(
+        self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats, index: int = 0
+    ):
         self.id = next(self._ids)
         self.index = index  # sample index of an n > 1 request
         self.samples: list[RequestHandle] = [self]  # n > 1: every sample's handle (this one first)
@@ -284,8 +293,14 @@ class Scheduler:
         together; the first prefills the prompt and the others copy its cache rows. The handle
         returned is sample 0's; `handle.samples` lists all n.
         """
-        prompt = check_request(prompt_ids, params, vocab_size=self.verifier.vocab_size, max_context=self.max_context,
-                               has_drafter=self.drafter is not None, context_name=self.context_name)
+        prompt = check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.verifier.vocab_size,
+            max_context=self.max_context,
+            has_drafter=self.drafter is not None,
+            context_name=self.context_name,
+        )
         samples = [params]
         if params.n > 1:
             seed = resolve_seed(params)
@@ -380,16 +395,32 @@ class Scheduler:
         slim = None
         if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
             slim = self.slim_store.row(self.slim_store.alloc())
-        verify = VerifySession(self.verifier, self.mask, self.cache_policy, prompt, params, verify_seed, stats,
-                               full_cache=full, slim_cache=slim)
+        verify = VerifySession(
+            self.verifier,
+            self.mask,
+            self.cache_policy,
+            prompt,
+            params,
+            verify_seed,
+            stats,
+            full_cache=full,
+            slim_cache=slim,
+        )
         draft = None
         if params.mode != Mode.AR:
             use_model = self.drafter is not None and params.proposer != Proposer.NGRAM
             row = self.drafter_store.row(self.drafter_store.alloc()) if use_model else None
             draft = DraftSession(self.drafter if use_model else None, prompt, params, draft_seed, stats, cache=row)
         acceptance = Acceptance(self.acceptance) if params.mode == Mode.AUTO else None
-        return _Running(handle, verify, draft, prefilled=len(prompt) == 1, acceptance=acceptance,
-                        via_tokens=self.via_tokens, via_escalation=self.via_escalation)
+        return _Running(
+            handle,
+            verify,
+            draft,
+            prefilled=len(prompt) == 1,
+            acceptance=acceptance,
+            via_tokens=self.via_tokens,
+            via_escalation=self.via_escalation,
+        )
 
     def _retire(self, r: _Running) -> None:
         """The request leaves: its KV figure is recorded and its rows are freed."""
@@ -455,22 +486,32 @@ class Scheduler:
         for r in rows:
             if r.draft is not None and plans[r].kind == "ar":
                 r.draft.skip()
-        catch_up = [f for r in drafting if plans[r].kind in ("sd", "via") and _draft_lag(r) > 0
-                    for f in r.draft.prefill_steps(len(r.draft.seq) - 1, len(r.draft.seq))]
+        catch_up = [
+            f
+            for r in drafting
+            if plans[r].kind in ("sd", "via") and _draft_lag(r) > 0
+            for f in r.draft.prefill_steps(len(r.draft.seq) - 1, len(r.draft.seq))
+        ]
         if catch_up:  # lazy drafters of `auto` rows: the context they have not seen, before drafting
             execute(catch_up, prefill=True, observe=self._observe)
-        proposals = drive({r: r.draft.propose_steps(plans[r].k, _PROPOSER.get(plans[r].kind)) for r in drafting},
-                          observe=self._observe)
+        proposals = drive(
+            {r: r.draft.propose_steps(plans[r].k, _PROPOSER.get(plans[r].kind)) for r in drafting},
+            observe=self._observe,
+        )
         ahead = [r for r in drafting if r.handle.params.overlap]
         running_ahead = None
         if ahead:  # overlap: draft the next blocks from the optimistic prefixes while the verifier works
             running_ahead = self._ahead.submit(drive, {r: r.draft.draft_ahead_steps() for r in ahead})
         try:
-            outcomes: dict[_Running, Outcome] = drive({
-                r: r.verify.check_steps(*proposals[r], _VERIFY_MODE[plans[r].kind]) if r in proposals
-                else r.verify.decode_one_steps()
-                for r in rows
-            }, observe=self._observe)
+            outcomes: dict[_Running, Outcome] = drive(
+                {
+                    r: r.verify.check_steps(*proposals[r], _VERIFY_MODE[plans[r].kind])
+                    if r in proposals
+                    else r.verify.decode_one_steps()
+                    for r in rows
+                },
+                observe=self._observe,
+            )
         finally:
             if running_ahead is not None:
                 for r in ahead:
@@ -505,10 +546,20 @@ class Scheduler:
                 states.append(RowState(fixed=_FIXED[params.mode](gamma), gamma=gamma, acceptance=self.acceptance))
                 continue
             match = len(ngram_lookup(r.verify.seq, gamma, params.ngram_max))
-            states.append(RowState(fixed=None, gamma=gamma, acceptance=r.acceptance, ngram_match=match,
-                                   has_drafter=r.draft is not None and r.draft.tier is not None,
-                                   lossy=params.auto_lossy, via_tokens=r.via_tokens, via_escalation=r.via_escalation,
-                                   draft_lag=_draft_lag(r), remaining=r.handle.limits.remaining))
+            states.append(
+                RowState(
+                    fixed=None,
+                    gamma=gamma,
+                    acceptance=r.acceptance,
+                    ngram_match=match,
+                    has_drafter=r.draft is not None and r.draft.tier is not None,
+                    lossy=params.auto_lossy,
+                    via_tokens=r.via_tokens,
+                    via_escalation=r.via_escalation,
+                    draft_lag=_draft_lag(r),
+                    remaining=r.handle.limits.remaining,
+                )
+            )
         if all(s.fixed is not None for s in states):
             return [s.fixed for s in states]
         return choose(self.costs(), states)

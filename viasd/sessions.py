@@ -98,8 +98,9 @@ class _Tier:
         self.pos = len(seq)
         return fwd
 
-    def prefill(self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats,
-                logits: bool = False) -> Forward | None:
+    def prefill(
+        self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats, logits: bool = False
+    ) -> Forward | None:
         """A prefill chunk: feed seq[pos : min(upto, pos + budget)], with no logits or (`logits`)
         the logits of every fed position (None when done)."""
         end = min(upto, self.pos + budget)
@@ -121,8 +122,9 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
     for idx in groups.values():
         idx.sort(key=lambda i: forwards[i].tier.cache.row)  # adjacent rows: the cache returns views
         first = forwards[idx[0]].tier
-        rows = [Row(forwards[i].tokens, forwards[i].start, forwards[i].num_logits, forwards[i].tier.cache.row)
-                for i in idx]
+        rows = [
+            Row(forwards[i].tokens, forwards[i].start, forwards[i].num_logits, forwards[i].tier.cache.row) for i in idx
+        ]
         t0 = time.perf_counter()
         logits = first.lm.forward_batch(rows, first.cache.store, first.mask)
         seconds = time.perf_counter() - t0
@@ -276,8 +278,15 @@ class DraftSession(_Session):
     the output does not depend on timing.
     """
 
-    def __init__(self, lm: MaskedLM | None, prompt: Sequence[int], params: GenerationParams, seed: int,
-                 stats: RequestStats, cache: RowCache | None = None):
+    def __init__(
+        self,
+        lm: MaskedLM | None,
+        prompt: Sequence[int],
+        params: GenerationParams,
+        seed: int,
+        stats: RequestStats,
+        cache: RowCache | None = None,
+    ):
         if lm is None and params.proposer != Proposer.NGRAM and params.mode != Mode.AUTO:
             raise InvalidParameterError("proposer", f"proposer {params.proposer.value!r} needs a drafter model")
         self.params = params
@@ -334,8 +343,14 @@ class DraftSession(_Session):
             yield from self._draft_steps(draft, p_rows, k, self.generator)
         return self._proposed(draft, p_rows)
 
-    def _draft_steps(self, draft: list[int], p_rows: list[Tensor], k: int, generator: torch.Generator,
-                     stop: threading.Event | None = None) -> Steps:
+    def _draft_steps(
+        self,
+        draft: list[int],
+        p_rows: list[Tensor],
+        k: int,
+        generator: torch.Generator,
+        stop: threading.Event | None = None,
+    ) -> Steps:
         """Extend `draft` (after self.seq, or self.seq + self.last when drafting ahead) to k tokens
         with the drafter model, in place; stop early when `stop` is set (drafting ahead) or below
         `draft_confidence` (then return True: the block has ended)."""
@@ -355,8 +370,9 @@ class DraftSession(_Session):
                     return True
         return False
 
-    def _proposed(self, draft: list[int], p_rows: list[Tensor], from_model: bool = True
-                  ) -> tuple[list[int], Tensor | None]:
+    def _proposed(
+        self, draft: list[int], p_rows: list[Tensor], from_model: bool = True
+    ) -> tuple[list[int], Tensor | None]:
         self.last, self.last_p, self.last_from_model = draft, p_rows, from_model and bool(draft)
         if draft:
             self.stats.num_drafts += 1
@@ -379,8 +395,9 @@ class DraftSession(_Session):
         self.ahead_generator = block_generator(self.seed, self.blocks, self.device)
         if not self.last_from_model:  # (n-gram blocks have no p rows to continue; the lookup is free anyway)
             return
-        self.ahead_ended = yield from self._draft_steps(self.ahead, self.ahead_p, self.gamma.length(self.params.gamma),
-                                                        self.ahead_generator, self.stop)
+        self.ahead_ended = yield from self._draft_steps(
+            self.ahead, self.ahead_p, self.gamma.length(self.params.gamma), self.ahead_generator, self.stop
+        )
 
     def _drop_pending(self, keep: int = 0) -> None:
         """Forget pending tokens past `keep`: the cache must not count them as fed."""

@@ -42,8 +42,22 @@ from viasd.bench.workloads import Prompt, humaneval, load_jsonl, load_workload
 from viasd.config import EngineConfig, GenerationParams
 
 __all__ = [
-    "Bench", "Group", "Method", "Prompt", "environment", "humaneval", "load_jsonl", "load_workload",
-    "matched_baseline", "parse_method", "parse_methods", "rerender", "run_bench", "run_load", "run_suite", "suite_methods",
+    "Bench",
+    "Group",
+    "Method",
+    "Prompt",
+    "environment",
+    "humaneval",
+    "load_jsonl",
+    "load_workload",
+    "matched_baseline",
+    "parse_method",
+    "parse_methods",
+    "rerender",
+    "run_bench",
+    "run_load",
+    "run_suite",
+    "suite_methods",
     "write_outputs",
 ]
 
@@ -195,15 +209,20 @@ def run_bench(args, config: EngineConfig, params: GenerationParams) -> int:
     else:
         specs, groups = suite_methods(suite or "main")
     methods = parse_methods(specs, params)  # validate before loading models
-    seeds = [int(s) for s in str(getattr(args, "seeds", None) or (params.seed if params.seed is not None else 0)).split(",")]
+    seeds = [
+        int(s) for s in str(getattr(args, "seeds", None) or (params.seed if params.seed is not None else 0)).split(",")
+    ]
     prompts = load_workload(getattr(args, "workload", "humaneval"), args.prompts, getattr(args, "prompt_offset", 0))
 
     t0 = time.perf_counter()
     llm = LLM(config, mask=args.mask)
     load_seconds = time.perf_counter() - t0
     bench = Bench.from_llm(llm, searched_masks=_searched_masks(llm, getattr(args, "searched_mask", None) or []))
-    print(f"loaded in {load_seconds:.1f}s; mask {llm.engine.mask} ({bench.default_mask_source}); "
-          f"{len(prompts)} prompts x {len(methods)} methods", file=sys.stderr)
+    print(
+        f"loaded in {load_seconds:.1f}s; mask {llm.engine.mask} ({bench.default_mask_source}); "
+        f"{len(prompts)} prompts x {len(methods)} methods",
+        file=sys.stderr,
+    )
     from viasd.bench.execution import isolation
 
     meta = {
@@ -214,8 +233,10 @@ def run_bench(args, config: EngineConfig, params: GenerationParams) -> int:
         "device": str(llm.verifier.device),
         "runtime": llm.runtime_info(),  # the dtype `auto` chose and why, CPU capability, kernels
         "default_mask": {"skipped_layers": list(llm.engine.mask.skipped), "source": bench.default_mask_source},
-        "searched_masks": {str(k): {"skipped_layers": list(m.skipped), "source": s}
-                           for k, (m, s) in sorted(bench.searched_masks.items())},
+        "searched_masks": {
+            str(k): {"skipped_layers": list(m.skipped), "source": s}
+            for k, (m, s) in sorted(bench.searched_masks.items())
+        },
         "params": params.model_dump(mode="json"),
         "workload": getattr(args, "workload", "humaneval"),
         "prompts": len(prompts),
@@ -230,9 +251,19 @@ def run_bench(args, config: EngineConfig, params: GenerationParams) -> int:
     }
     t1 = time.perf_counter()
     results = run_suite(
-        bench, methods, prompts, params, groups=groups, meta=meta,
-        repeats=args.repeats, seeds=seeds, warmup_tokens=args.warmup_tokens, progress=not args.no_progress,
-        pass_at_1=not args.no_pass_at_1, exec_timeout=args.exec_timeout, time_budget=args.time_budget,
+        bench,
+        methods,
+        prompts,
+        params,
+        groups=groups,
+        meta=meta,
+        repeats=args.repeats,
+        seeds=seeds,
+        warmup_tokens=args.warmup_tokens,
+        progress=not args.no_progress,
+        pass_at_1=not args.no_pass_at_1,
+        exec_timeout=args.exec_timeout,
+        time_budget=args.time_budget,
     )
     meta["bench_seconds"] = time.perf_counter() - t1
     write_outputs(results, args.out, plots=not args.no_plots)

@@ -68,7 +68,11 @@ def truncate(completion: str, stops: tuple[str, ...] = STOP_SEQUENCES) -> str:
 def check_program(problem: dict, completion: str) -> str:
     """HumanEval's check program for one completion, ending with the pass sentinel."""
     return (
-        problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+        problem["prompt"]
+        + completion
+        + "\n"
+        + problem["test"]
+        + "\n"
         + f"check({problem['entry_point']})\nprint({SENTINEL!r})\n"
     )
 
@@ -99,12 +103,26 @@ def run_program(program: str, timeout: float = 10.0) -> ExecResult:
     with tempfile.TemporaryDirectory(prefix="viasd-exec-") as d:
         path = Path(d) / "check.py"
         path.write_text(_GUARD.format(cpu=cpu) + program)
-        env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": d, "TMPDIR": d,
-               "no_proxy": "*", "http_proxy": "http://0.0.0.0:9", "https_proxy": "http://0.0.0.0:9"}
+        env = {
+            "PATH": "/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+            "HOME": d,
+            "TMPDIR": d,
+            "no_proxy": "*",
+            "http_proxy": "http://0.0.0.0:9",
+            "https_proxy": "http://0.0.0.0:9",
+        }
         cmd = [*_netns_prefix(), sys.executable, "-I", "-B", str(path)]
         try:
-            proc = subprocess.Popen(cmd, cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, start_new_session=True)
+            proc = subprocess.Popen(
+                cmd,
+                cwd=d,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
         except OSError as exc:
             return ExecResult(False, f"failed: cannot start the checker: {exc}")
         try:

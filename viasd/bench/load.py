@@ -88,15 +88,60 @@ ROOFLINE = "roofline"
 ROOFLINE_STEPS = 5  # timed decode steps per roofline measurement (after one untimed)
 PREFILL_CHUNK = 512  # our engine's prompt tokens per step; generate_batch gets the same budget
 
-RUN_FIELDS = ("method", "arrival", "concurrency", "pass", "ok", "error", "wall_seconds", "generated_tokens",
-              "aggregate_tokens_per_second", "per_request_tokens_per_second_median", "ttft_p50", "ttft_p99",
-              "itl_p50", "itl_p99", "kv_bytes_per_request", "peak_rss_bytes", "requests")
-REQUEST_FIELDS = ("index", "prompt", "prompt_tokens", "arrival", "submitted", "first_token", "finished",
-                  "generated_tokens", "tokens", "ttft", "queue_seconds", "tokens_per_second", "itl", "kv_bytes")
-SUMMARY_FIELDS = ("arrival", "method", "kind", "concurrency", "passes", "ok_passes", "aggregate_tokens_per_second",
-                  "per_request_tokens_per_second_median", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
-                  "kv_bytes_per_request", "peak_rss_bytes", "ratio_to_roofline", "ratio_to_generate_batch",
-                  "agree_with_ar")
+RUN_FIELDS = (
+    "method",
+    "arrival",
+    "concurrency",
+    "pass",
+    "ok",
+    "error",
+    "wall_seconds",
+    "generated_tokens",
+    "aggregate_tokens_per_second",
+    "per_request_tokens_per_second_median",
+    "ttft_p50",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "kv_bytes_per_request",
+    "peak_rss_bytes",
+    "requests",
+)
+REQUEST_FIELDS = (
+    "index",
+    "prompt",
+    "prompt_tokens",
+    "arrival",
+    "submitted",
+    "first_token",
+    "finished",
+    "generated_tokens",
+    "tokens",
+    "ttft",
+    "queue_seconds",
+    "tokens_per_second",
+    "itl",
+    "kv_bytes",
+)
+SUMMARY_FIELDS = (
+    "arrival",
+    "method",
+    "kind",
+    "concurrency",
+    "passes",
+    "ok_passes",
+    "aggregate_tokens_per_second",
+    "per_request_tokens_per_second_median",
+    "ttft_p50",
+    "ttft_p99",
+    "itl_p50",
+    "itl_p99",
+    "kv_bytes_per_request",
+    "peak_rss_bytes",
+    "ratio_to_roofline",
+    "ratio_to_generate_batch",
+    "agree_with_ar",
+)
 
 
 # ------------------------------------------------------------------ methods
@@ -111,8 +156,9 @@ class LoadMethod:
     def describe(self) -> dict:
         d: dict[str, Any] = {"label": self.label, "kind": self.kind, "batch1": self.batch1}
         if self.method is not None:
-            d.update(spec=self.method.label, mode=self.method.mode.value,
-                     params=self.method.params.model_dump(mode="json"))
+            d.update(
+                spec=self.method.label, mode=self.method.mode.value, params=self.method.params.model_dump(mode="json")
+            )
         return d
 
 
@@ -132,8 +178,10 @@ def parse_load_methods(spec: str | Sequence[str] | None, base: GenerationParams)
         batch1 = s.endswith(BATCH1)
         m = parse_method(s.removesuffix(BATCH1), base)
         if m.kind != "engine":
-            raise InvalidParameterError("methods", f"{s!r}: the load suite runs our engine specs (ar, sd, via, "
-                                                   f"SPEC{BATCH1}), {HF_CB} and {ROOFLINE}")
+            raise InvalidParameterError(
+                "methods",
+                f"{s!r}: the load suite runs our engine specs (ar, sd, via, SPEC{BATCH1}), {HF_CB} and {ROOFLINE}",
+            )
         out.setdefault(s, LoadMethod(s, "engine", m, batch1))
     if not out:
         raise InvalidParameterError("methods", "no method given")
@@ -183,7 +231,9 @@ def _finish_run(run: dict) -> dict:
     if done and len(done) == len(reqs):
         start = min(r["arrival"] for r in reqs)
         run["wall_seconds"] = max(r["finished"] for r in reqs) - start
-        run["aggregate_tokens_per_second"] = run["generated_tokens"] / run["wall_seconds"] if run["wall_seconds"] > 0 else None
+        run["aggregate_tokens_per_second"] = (
+            run["generated_tokens"] / run["wall_seconds"] if run["wall_seconds"] > 0 else None
+        )
     for r in done:
         span = r["finished"] - r["arrival"]
         r["tokens_per_second"] = r["generated_tokens"] / span if span > 0 else None
@@ -226,25 +276,38 @@ class LoadBench:
         rows = 1 if lm.batch1 else self.max_batch
         key = (mask.keep, str(policy), rows)
         if key not in self._engines:
-            self._engines[key] = Engine(b.verifier, b.drafter, mask=mask, cache_policy=policy,
-                                        eos_token_ids=b.eos_token_ids, max_context=b.max_context, max_batch=rows,
-                                        max_seq_len=self.max_seq_len, prefill_chunk=PREFILL_CHUNK,
-                                        cost_cache_dir=cost_cache_dir())
+            self._engines[key] = Engine(
+                b.verifier,
+                b.drafter,
+                mask=mask,
+                cache_policy=policy,
+                eos_token_ids=b.eos_token_ids,
+                max_context=b.max_context,
+                max_batch=rows,
+                max_seq_len=self.max_seq_len,
+                prefill_chunk=PREFILL_CHUNK,
+                cost_cache_dir=cost_cache_dir(),
+            )
         return self._engines[key]
 
     def close(self) -> None:
         for e in self._engines.values():
             e.close()
 
-    def run(self, lm: LoadMethod, requests: list[tuple[str, list[int]]], arrivals: list[float],
-            params: GenerationParams) -> dict:
+    def run(
+        self, lm: LoadMethod, requests: list[tuple[str, list[int]]], arrivals: list[float], params: GenerationParams
+    ) -> dict:
         """One run: the figures and the per-request records (raises on failure)."""
         if self.bench.collect_garbage:
             gc.collect()
         with RSSSampler() as rss:
             if lm.kind == "engine":
-                reqs = self._engine_run(self.engine(lm), requests, arrivals, lm.method.params.model_copy(
-                    update={"max_tokens": params.max_tokens, "ignore_eos": True}))
+                reqs = self._engine_run(
+                    self.engine(lm),
+                    requests,
+                    arrivals,
+                    lm.method.params.model_copy(update={"max_tokens": params.max_tokens, "ignore_eos": True}),
+                )
                 extra = {}
             elif lm.kind == "hf_cb":
                 reqs, extra = self._hf_run(requests, arrivals, params)
@@ -254,21 +317,43 @@ class LoadBench:
         _finish_run(run)
         if lm.kind == "roofline":  # not requests: the figures are the step's
             step = extra["step_seconds_median"]
-            run.update(wall_seconds=step, generated_tokens=len(requests),
-                       aggregate_tokens_per_second=len(requests) / step, itl_p50=step, itl_p99=step)
+            run.update(
+                wall_seconds=step,
+                generated_tokens=len(requests),
+                aggregate_tokens_per_second=len(requests) / step,
+                itl_p50=step,
+                itl_p99=step,
+            )
         return run
 
     # -------------------------------------------------------------- our engine
 
-    def _engine_run(self, engine: Engine, requests: list[tuple[str, list[int]]], arrivals: list[float],
-                    params: GenerationParams) -> list[dict]:
+    def _engine_run(
+        self, engine: Engine, requests: list[tuple[str, list[int]]], arrivals: list[float], params: GenerationParams
+    ) -> list[dict]:
         """Drive `engine.step()` ourselves: submit each request once its arrival time has passed."""
         order = deque(sorted(range(len(requests)), key=lambda i: arrivals[i]))
         recs: list[dict] = []
         for i, (pid, ids) in enumerate(requests):
-            recs.append({"index": i, "prompt": pid, "prompt_tokens": len(ids), "arrival": arrivals[i], "submitted": None,
-                         "first_token": None, "finished": None, "generated_tokens": 0, "tokens": [], "ttft": None,
-                         "queue_seconds": None, "tokens_per_second": None, "itl": [], "kv_bytes": None, "_chunks": []})
+            recs.append(
+                {
+                    "index": i,
+                    "prompt": pid,
+                    "prompt_tokens": len(ids),
+                    "arrival": arrivals[i],
+                    "submitted": None,
+                    "first_token": None,
+                    "finished": None,
+                    "generated_tokens": 0,
+                    "tokens": [],
+                    "ttft": None,
+                    "queue_seconds": None,
+                    "tokens_per_second": None,
+                    "itl": [],
+                    "kv_bytes": None,
+                    "_chunks": [],
+                }
+            )
         by_handle: dict[int, dict] = {}
         _sync(self.bench.verifier.device)
         t0 = time.perf_counter()
@@ -323,21 +408,35 @@ class LoadBench:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         c = len(requests)
-        sampling = {} if params.greedy else {"temperature": params.temperature, "top_k": params.top_k or None,
-                                             "top_p": params.top_p}
-        gen_cfg = GenerationConfig(max_new_tokens=params.max_tokens, do_sample=not params.greedy, eos_token_id=-1,
-                                   pad_token_id=self.bench.eos_token_ids[0] if self.bench.eos_token_ids else 0,
-                                   **sampling)
+        sampling = (
+            {}
+            if params.greedy
+            else {"temperature": params.temperature, "top_k": params.top_k or None, "top_p": params.top_p}
+        )
+        gen_cfg = GenerationConfig(
+            max_new_tokens=params.max_tokens,
+            do_sample=not params.greedy,
+            eos_token_id=-1,
+            pad_token_id=self.bench.eos_token_ids[0] if self.bench.eos_token_ids else 0,
+            **sampling,
+        )
         page = 256
         longest = max(len(ids) for _, ids in requests) + params.max_tokens
         pages = math.ceil(longest / page) + 1
-        cb_cfg = ContinuousBatchingConfig(page_size=page, num_blocks=c * pages, max_batch_tokens=PREFILL_CHUNK + c,
-                                          max_requests_per_batch=c, allow_block_sharing=False,
-                                          auto_switch_to_flash=False, seed=params.seed)
+        cb_cfg = ContinuousBatchingConfig(
+            page_size=page,
+            num_blocks=c * pages,
+            max_batch_tokens=PREFILL_CHUNK + c,
+            max_requests_per_batch=c,
+            allow_block_sharing=False,
+            auto_switch_to_flash=False,
+            seed=params.seed,
+        )
         return gen_cfg, cb_cfg
 
-    def _hf_run(self, requests: list[tuple[str, list[int]]], arrivals: list[float],
-                params: GenerationParams) -> tuple[list[dict], dict]:
+    def _hf_run(
+        self, requests: list[tuple[str, list[int]]], arrivals: list[float], params: GenerationParams
+    ) -> tuple[list[dict], dict]:
         """generate_batch on the verifier module (``all``), or its manager with add_request at each
         arrival (``poisson``). Times are transformers' own perf_counter stamps: a request's
         created_time (its add_request) and one timestamp per generated token."""
@@ -352,17 +451,30 @@ class LoadBench:
             _sync(model.device)
             call0 = time.perf_counter()
             if all(a == 0.0 for a in arrivals):
-                res = model.generate_batch(inputs=inputs, generation_config=gen_cfg, continuous_batching_config=cb_cfg,
-                                           record_timestamps=True, warmup=True)
+                res = model.generate_batch(
+                    inputs=inputs,
+                    generation_config=gen_cfg,
+                    continuous_batching_config=cb_cfg,
+                    record_timestamps=True,
+                    warmup=True,
+                )
                 outputs = dict(enumerate(res.values()))  # in input order
                 t0 = min(o.created_time for o in outputs.values()) if outputs else call0
                 attn_used = "paged|eager" if attn_before == "eager" else attn_before  # what the manager switches to
             else:
-                hints = WorkloadHints(max_prompt_length=max(map(len, inputs)), max_generated_length=params.max_tokens,
-                                      num_requests=len(inputs))
+                hints = WorkloadHints(
+                    max_prompt_length=max(map(len, inputs)),
+                    max_generated_length=params.max_tokens,
+                    num_requests=len(inputs),
+                )
                 with model.continuous_batching_context_manager(
-                        generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=60,
-                        warmup=True, workload_hints=hints) as manager:
+                    generation_config=gen_cfg,
+                    continuous_batching_config=cb_cfg,
+                    block=True,
+                    timeout=60,
+                    warmup=True,
+                    workload_hints=hints,
+                ) as manager:
                     attn_used = model.config._attn_implementation
                     order = deque(sorted(range(len(inputs)), key=lambda i: arrivals[i]))
                     ids_of: dict[str, int] = {}
@@ -371,15 +483,22 @@ class LoadBench:
                         now = time.perf_counter() - t0
                         while order and arrivals[order[0]] <= now:
                             i = order.popleft()
-                            rid = manager.add_request(inputs[i], request_id=f"load_{i}", max_new_tokens=params.max_tokens,
-                                                      record_timestamps=True, eos_token_id=-1)
+                            rid = manager.add_request(
+                                inputs[i],
+                                request_id=f"load_{i}",
+                                max_new_tokens=params.max_tokens,
+                                record_timestamps=True,
+                                eos_token_id=-1,
+                            )
                             ids_of[rid] = i
                         wait = 0.05 if not order else min(0.05, arrivals[order[0]] - now)
                         out = manager.get_result(timeout=wait) if wait > 0 else None  # results, until the next arrival
                         if out is not None and out.is_finished():
                             outputs[ids_of[out.request_id]] = out
                         if not manager.is_running() and len(outputs) < len(inputs):
-                            raise RuntimeError("transformers' continuous batching thread stopped before all requests finished")
+                            raise RuntimeError(
+                                "transformers' continuous batching thread stopped before all requests finished"
+                            )
             call_seconds = time.perf_counter() - call0
         recs = []
         for i, (pid, ids) in enumerate(requests):
@@ -388,18 +507,41 @@ class LoadBench:
                 raise RuntimeError(f"generate_batch request {i}: {'missing' if o is None else o.error}")
             stamps = [s - t0 for s in (o.timestamps or [])]  # [generated] seconds since the first submission
             submitted = o.created_time - t0
-            recs.append({"index": i, "prompt": pid, "prompt_tokens": len(ids), "arrival": arrivals[i],
-                         "submitted": submitted, "first_token": stamps[0] if stamps else None,
-                         "finished": o.lifespan[1] - t0, "generated_tokens": len(o.generated_tokens),
-                         "tokens": list(o.generated_tokens), "ttft": stamps[0] - arrivals[i] if stamps else None,
-                         "queue_seconds": o.lifespan[0] - o.created_time, "tokens_per_second": None,
-                         "itl": _gaps([(s, 1) for s in stamps]), "kv_bytes": None})
-        extra = {"call_seconds": call_seconds,  # the whole call: manager start-up, cache allocation, warm-up, stop
-                 "hf_attn_implementation": attn_used or attn_before,
-                 "hf_api": "model.generate_batch" if all(a == 0.0 for a in arrivals)  # every request at t = 0
-                 else "its manager (continuous_batching_context_manager) + add_request at each arrival",
-                 "hf_cb_config": {k: getattr(cb_cfg, k) for k in ("page_size", "num_blocks", "max_batch_tokens",
-                                                                  "max_requests_per_batch", "allow_block_sharing")}}
+            recs.append(
+                {
+                    "index": i,
+                    "prompt": pid,
+                    "prompt_tokens": len(ids),
+                    "arrival": arrivals[i],
+                    "submitted": submitted,
+                    "first_token": stamps[0] if stamps else None,
+                    "finished": o.lifespan[1] - t0,
+                    "generated_tokens": len(o.generated_tokens),
+                    "tokens": list(o.generated_tokens),
+                    "ttft": stamps[0] - arrivals[i] if stamps else None,
+                    "queue_seconds": o.lifespan[0] - o.created_time,
+                    "tokens_per_second": None,
+                    "itl": _gaps([(s, 1) for s in stamps]),
+                    "kv_bytes": None,
+                }
+            )
+        extra = {
+            "call_seconds": call_seconds,  # the whole call: manager start-up, cache allocation, warm-up, stop
+            "hf_attn_implementation": attn_used or attn_before,
+            "hf_api": "model.generate_batch"
+            if all(a == 0.0 for a in arrivals)  # every request at t = 0
+            else "its manager (continuous_batching_context_manager) + add_request at each arrival",
+            "hf_cb_config": {
+                k: getattr(cb_cfg, k)
+                for k in (
+                    "page_size",
+                    "num_blocks",
+                    "max_batch_tokens",
+                    "max_requests_per_batch",
+                    "allow_block_sharing",
+                )
+            },
+        }
         return recs, extra
 
     # -------------------------------------------------------------- the roofline
@@ -430,12 +572,31 @@ class LoadBench:
             for r in rows:
                 store.crop(r, length)
         kv = store.nbytes(rows[0])
-        recs = [{"index": i, "prompt": pid, "prompt_tokens": len(ids), "arrival": 0.0, "submitted": None,
-                 "first_token": None, "finished": None, "generated_tokens": 0, "tokens": [], "ttft": None,
-                 "queue_seconds": None, "tokens_per_second": None, "itl": [], "kv_bytes": kv}
-                for i, (pid, ids) in enumerate(requests)]
-        return recs, {"cached_length": length, "step_seconds": seconds, "step_seconds_median": statistics.median(seconds),
-                      "roofline_api": "MaskedLM.forward_batch on a SlotKVCache prefilled to cached_length"}
+        recs = [
+            {
+                "index": i,
+                "prompt": pid,
+                "prompt_tokens": len(ids),
+                "arrival": 0.0,
+                "submitted": None,
+                "first_token": None,
+                "finished": None,
+                "generated_tokens": 0,
+                "tokens": [],
+                "ttft": None,
+                "queue_seconds": None,
+                "tokens_per_second": None,
+                "itl": [],
+                "kv_bytes": kv,
+            }
+            for i, (pid, ids) in enumerate(requests)
+        ]
+        return recs, {
+            "cached_length": length,
+            "step_seconds": seconds,
+            "step_seconds_median": statistics.median(seconds),
+            "roofline_api": "MaskedLM.forward_batch on a SlotKVCache prefilled to cached_length",
+        }
 
 
 # ------------------------------------------------------------------ summary, targets, report
@@ -447,19 +608,40 @@ def summarize_load(runs: list[dict]) -> list[dict]:
     keys: dict[tuple, list[dict]] = {}
     for r in runs:
         keys.setdefault((r["arrival"], r["method"], r["concurrency"]), []).append(r)
-    ar_tokens = {(r["arrival"], r["concurrency"], r["pass"]): [q["tokens"] for q in r["requests"]]
-                 for r in runs if r["method"] == "ar" and r["ok"]}
+    ar_tokens = {
+        (r["arrival"], r["concurrency"], r["pass"]): [q["tokens"] for q in r["requests"]]
+        for r in runs
+        if r["method"] == "ar" and r["ok"]
+    }
     rows = []
     for (arrival, method, c), rs in keys.items():
         ok = [r for r in rs if r["ok"]]
-        row: dict[str, Any] = {"arrival": arrival, "method": method, "kind": rs[0]["kind"], "concurrency": c,
-                               "passes": len(rs), "ok_passes": len(ok),
-                               "errors": sorted({r["error"] for r in rs if r["error"]})}
-        for f in ("aggregate_tokens_per_second", "per_request_tokens_per_second_median", "ttft_p50", "ttft_p99",
-                  "itl_p50", "itl_p99", "kv_bytes_per_request", "peak_rss_bytes"):
+        row: dict[str, Any] = {
+            "arrival": arrival,
+            "method": method,
+            "kind": rs[0]["kind"],
+            "concurrency": c,
+            "passes": len(rs),
+            "ok_passes": len(ok),
+            "errors": sorted({r["error"] for r in rs if r["error"]}),
+        }
+        for f in (
+            "aggregate_tokens_per_second",
+            "per_request_tokens_per_second_median",
+            "ttft_p50",
+            "ttft_p99",
+            "itl_p50",
+            "itl_p99",
+            "kv_bytes_per_request",
+            "peak_rss_bytes",
+        ):
             row[f] = _median([r.get(f) for r in ok])
-        same = [a == b for r in ok if rs[0]["kind"] != "roofline" and (arrival, c, r["pass"]) in ar_tokens
-                for a, b in zip((q["tokens"] for q in r["requests"]), ar_tokens[(arrival, c, r["pass"])])]
+        same = [
+            a == b
+            for r in ok
+            if rs[0]["kind"] != "roofline" and (arrival, c, r["pass"]) in ar_tokens
+            for a, b in zip((q["tokens"] for q in r["requests"]), ar_tokens[(arrival, c, r["pass"])])
+        ]
         row["agree_with_ar"] = sum(same) / len(same) if same else None
         rows.append(row)
     for row in rows:  # the decode-phase rate: C rows each committing a token every ITL p50
@@ -485,21 +667,31 @@ def load_targets(summary: list[dict]) -> list[dict]:
     for c in (8, 16):  # decode phase against the bare step at the same cached length (prefill is not in the roofline)
         row = index.get(("all", "ar", c))
         ratio = row and row["decode_ratio_to_roofline"]
-        out.append({"target": f"batched ar at C={c} >= 0.8x the roofline, decode phase (all arrivals)",
-                    "threshold": 0.8, "value": ratio, "met": None if ratio is None else ratio >= 0.8,
-                    "detail": "not run" if row is None else
-                    f"ar decodes {_fmt(row['decode_tokens_per_second'])} tok/s (C / ITL p50), roofline "
-                    f"{_fmt(index.get(('all', ROOFLINE, c), {}).get('decode_tokens_per_second'))} tok/s; aggregate "
-                    f"with prefill {_fmt(row['aggregate_tokens_per_second'])} tok/s "
-                    f"({_fmt(row['ratio_to_roofline'], '.2f')}x)"})
+        out.append(
+            {
+                "target": f"batched ar at C={c} >= 0.8x the roofline, decode phase (all arrivals)",
+                "threshold": 0.8,
+                "value": ratio,
+                "met": None if ratio is None else ratio >= 0.8,
+                "detail": "not run"
+                if row is None
+                else f"ar decodes {_fmt(row['decode_tokens_per_second'])} tok/s (C / ITL p50), roofline "
+                f"{_fmt(index.get(('all', ROOFLINE, c), {}).get('decode_tokens_per_second'))} tok/s; aggregate "
+                f"with prefill {_fmt(row['aggregate_tokens_per_second'])} tok/s "
+                f"({_fmt(row['ratio_to_roofline'], '.2f')}x)",
+            }
+        )
     ours = [r for r in summary if r["kind"] == "engine" and BATCH1 not in r["method"]]
     for arrival in sorted({r["arrival"] for r in summary}):
         cs = sorted({r["concurrency"] for r in summary if r["arrival"] == arrival and r["concurrency"] >= 4})
         misses, checked, parts = [], 0, []
         for c in cs:
             hf = index.get((arrival, HF_CB, c))
-            cand = [r for r in ours if r["arrival"] == arrival and r["concurrency"] == c
-                    and r["aggregate_tokens_per_second"] is not None]
+            cand = [
+                r
+                for r in ours
+                if r["arrival"] == arrival and r["concurrency"] == c and r["aggregate_tokens_per_second"] is not None
+            ]
             if not hf or hf["aggregate_tokens_per_second"] is None or not cand:
                 continue
             best = max(cand, key=lambda r: r["aggregate_tokens_per_second"])
@@ -508,9 +700,15 @@ def load_targets(summary: list[dict]) -> list[dict]:
             parts.append(f"C={c}: {best['method']} {ratio:.2f}x")
             if ratio < 1.0:
                 misses.append(c)
-        out.append({"target": f"our best batched mode >= generate_batch at every C >= 4 ({arrival} arrivals)",
-                    "threshold": 1.0, "value": None, "met": None if not checked else not misses,
-                    "detail": "; ".join(parts) if parts else "no C >= 4 with both figures"})
+        out.append(
+            {
+                "target": f"our best batched mode >= generate_batch at every C >= 4 ({arrival} arrivals)",
+                "threshold": 1.0,
+                "value": None,
+                "met": None if not checked else not misses,
+                "detail": "; ".join(parts) if parts else "no C >= 4 with both figures",
+            }
+        )
     return out
 
 
@@ -531,43 +729,55 @@ def markdown_load(results: dict) -> str:
     meta, summary = results["meta"], results["summary"]
     lines = ["# Load benchmark: throughput under concurrency", ""]
     env = meta.get("environment", {})
-    lines += [f"- command: `{meta.get('command')}`",
-              f"- verifier dtype {meta.get('dtype')}, CPU capability {meta.get('cpu_capability')}, "
-              f"{env.get('threads')} threads, {env.get('cpu')}; torch {env.get('torch')}, transformers "
-              f"{env.get('transformers')}; commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}",
-              f"- {meta.get('max_tokens')} tokens per request (ignore_eos), temperature {meta.get('temperature')}, "
-              f"prompts cycled from {meta.get('prompts')} ({meta.get('workload')}), passes {meta.get('passes')}, "
-              f"poisson rate {meta.get('rate')} req/s (seed {meta.get('arrival_seed')})",
-              "- aggregate tok/s = all tokens / (last finish - first arrival); per-request tok/s = tokens / "
-              "(finish - arrival), median; TTFT from arrival; ITL per token (chunk gap / chunk tokens); "
-              "KV = RequestStats.kv_bytes, mean per request; RSS = peak resident set during the run",
-              "- roofline: one batched decode step of C rows at cached length L = mean prompt + max_tokens/2 through "
-              "MaskedLM.forward_batch, tok/s = C / median step; generate_batch: transformers' continuous batching on "
-              "the same verifier module" + (f" (attention {meta['hf_attn_implementation']})"
-                                           if meta.get("hf_attn_implementation") else ""),
-              ""]
+    lines += [
+        f"- command: `{meta.get('command')}`",
+        f"- verifier dtype {meta.get('dtype')}, CPU capability {meta.get('cpu_capability')}, "
+        f"{env.get('threads')} threads, {env.get('cpu')}; torch {env.get('torch')}, transformers "
+        f"{env.get('transformers')}; commit {env.get('git_commit')}{' (dirty)' if env.get('git_dirty') else ''}",
+        f"- {meta.get('max_tokens')} tokens per request (ignore_eos), temperature {meta.get('temperature')}, "
+        f"prompts cycled from {meta.get('prompts')} ({meta.get('workload')}), passes {meta.get('passes')}, "
+        f"poisson rate {meta.get('rate')} req/s (seed {meta.get('arrival_seed')})",
+        "- aggregate tok/s = all tokens / (last finish - first arrival); per-request tok/s = tokens / "
+        "(finish - arrival), median; TTFT from arrival; ITL per token (chunk gap / chunk tokens); "
+        "KV = RequestStats.kv_bytes, mean per request; RSS = peak resident set during the run",
+        "- roofline: one batched decode step of C rows at cached length L = mean prompt + max_tokens/2 through "
+        "MaskedLM.forward_batch, tok/s = C / median step; generate_batch: transformers' continuous batching on "
+        "the same verifier module"
+        + (f" (attention {meta['hf_attn_implementation']})" if meta.get("hf_attn_implementation") else ""),
+        "",
+    ]
     hf = [r for r in results["runs"] if r["kind"] == "hf_cb" and r["ok"]]
     if hf:
         apis: dict[str, dict[str, set]] = {}
         for r in hf:
             apis.setdefault(r["hf_api"], {}).setdefault(r["arrival"], set()).add(r["concurrency"])
-        where = "; ".join(f"{api} ({', '.join(f'{a} C=' + ','.join(map(str, sorted(cs))) for a, cs in by.items())})"
-                          for api, by in apis.items())
+        where = "; ".join(
+            f"{api} ({', '.join(f'{a} C=' + ','.join(map(str, sorted(cs))) for a, cs in by.items())})"
+            for api, by in apis.items()
+        )
         cfg = hf[-1]["hf_cb_config"]
-        lines.insert(-1, f"- generate_batch ran as {where}; greedy, eos_token_id=-1 (fixed length), paged cache sized "
-                         f"to the run (page_size {cfg['page_size']}, num_blocks = C x pages per request), "
-                         f"max_batch_tokens = {PREFILL_CHUNK} + C, no prefix sharing; its TTFT / ITL come from its "
-                         "per-token timestamps")
+        lines.insert(
+            -1,
+            f"- generate_batch ran as {where}; greedy, eos_token_id=-1 (fixed length), paged cache sized "
+            f"to the run (page_size {cfg['page_size']}, num_blocks = C x pages per request), "
+            f"max_batch_tokens = {PREFILL_CHUNK} + C, no prefix sharing; its TTFT / ITL come from its "
+            "per-token timestamps",
+        )
     cs = sorted({r["concurrency"] for r in summary})
     methods = list(dict.fromkeys(m["label"] for m in results["methods"]))
     for arrival in [a for a in ARRIVALS if any(r["arrival"] == a for r in summary)]:
-        lines += [f"## Arrivals: {arrival}", "",
-                  "| method | C | agg tok/s | decode tok/s | per-req tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
-                  "| KV MiB/req | peak RSS MiB | x roofline | decode x roofline | x generate_batch | = ar |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## Arrivals: {arrival}",
+            "",
+            "| method | C | agg tok/s | decode tok/s | per-req tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+            "| KV MiB/req | peak RSS MiB | x roofline | decode x roofline | x generate_batch | = ar |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         for m in methods:
             for c in cs:
-                r = next((x for x in summary if x["arrival"] == arrival and x["method"] == m and x["concurrency"] == c), None)
+                r = next(
+                    (x for x in summary if x["arrival"] == arrival and x["method"] == m and x["concurrency"] == c), None
+                )
                 if r is None:
                     continue
                 if not r["ok_passes"]:
@@ -579,17 +789,23 @@ def markdown_load(results: dict) -> str:
                     f"{_ms(r['itl_p50'])} / {_ms(r['itl_p99'])} | {_mib(r['kv_bytes_per_request'])} | "
                     f"{_fmt(r['peak_rss_bytes'] and r['peak_rss_bytes'] / 2**20, '.0f')} | {_fmt(r['ratio_to_roofline'], '.2f')} | "
                     f"{_fmt(r.get('decode_ratio_to_roofline'), '.2f')} | "
-                    f"{_fmt(r['ratio_to_generate_batch'], '.2f')} | {_fmt(r['agree_with_ar'], '.2f')} |")
+                    f"{_fmt(r['ratio_to_generate_batch'], '.2f')} | {_fmt(r['agree_with_ar'], '.2f')} |"
+                )
         lines.append("")
     lines += ["## Targets", ""]
     for t in results["targets"]:
         state = {True: "met", False: "MISSED", None: "not evaluated"}[t["met"]]
         value = "" if t["value"] is None else f" ({t['value']:.2f}x)"
         lines.append(f"- {t['target']}: **{state}**{value}: {t['detail']}")
-    lines += ["", "decode tok/s = C / ITL p50: the rate while every request decodes (prefill excluded, as in the "
-              "roofline); `= ar`: share of requests whose tokens equal batched `ar`'s (bf16: a batch changes the "
-              "rounding of every matmul, so greedy ties can part; exactness is proven in float64).",
-              "", "Batch-1 rows (`@batch1`) are for reference: the same requests queue and run one at a time.", ""]
+    lines += [
+        "",
+        "decode tok/s = C / ITL p50: the rate while every request decodes (prefill excluded, as in the "
+        "roofline); `= ar`: share of requests whose tokens equal batched `ar`'s (bf16: a batch changes the "
+        "rounding of every matmul, so greedy ties can part; exactness is proven in float64).",
+        "",
+        "Batch-1 rows (`@batch1`) are for reference: the same requests queue and run one at a time.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -603,8 +819,11 @@ def plot_load(results: dict, out: Path) -> str:
     fig, axes = plt.subplots(1, len(arrivals), figsize=(6.5 * len(arrivals), 4.5), squeeze=False)
     for ax, arrival in zip(axes[0], arrivals):
         for m in dict.fromkeys(x["label"] for x in results["methods"]):
-            pts = sorted((r["concurrency"], r["aggregate_tokens_per_second"]) for r in summary
-                         if r["arrival"] == arrival and r["method"] == m and r["aggregate_tokens_per_second"] is not None)
+            pts = sorted(
+                (r["concurrency"], r["aggregate_tokens_per_second"])
+                for r in summary
+                if r["arrival"] == arrival and r["method"] == m and r["aggregate_tokens_per_second"] is not None
+            )
             if pts:
                 style = {"ls": "--", "color": "black"} if m == ROOFLINE else {"ls": ":"} if BATCH1 in m else {}
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m, **style)
@@ -615,7 +834,9 @@ def plot_load(results: dict, out: Path) -> str:
         ax.set_ylabel("aggregate tokens/s")
         ax.set_title(f"{arrival} arrivals")
         ax.legend(fontsize=8)
-    fig.suptitle(f"Throughput under load ({results['meta'].get('dtype')}, {results['meta'].get('max_tokens')} tokens/request)")
+    fig.suptitle(
+        f"Throughput under load ({results['meta'].get('dtype')}, {results['meta'].get('max_tokens')} tokens/request)"
+    )
     fig.tight_layout()
     name = "load_throughput.png"
     fig.savefig(Path(out) / name, dpi=110)
@@ -654,7 +875,9 @@ def _as_bench(obj) -> Bench:
         return Bench(*obj)
     if hasattr(obj, "engine") and hasattr(obj, "verifier"):  # viasd.llm.LLM
         return Bench.from_llm(obj)
-    raise InvalidParameterError("bench", f"expected a Bench, (verifier, drafter) MaskedLMs or an LLM, got {type(obj).__name__}")
+    raise InvalidParameterError(
+        "bench", f"expected a Bench, (verifier, drafter) MaskedLMs or an LLM, got {type(obj).__name__}"
+    )
 
 
 def run_load(
@@ -704,19 +927,42 @@ def run_load(
     gamma = max([m.method.params.gamma for m in table if m.method is not None] + [1])
     max_seq_len = max(len(ids) for _, ids in encoded) + base.max_tokens + gamma + 2
     loads = LoadBench(bench, max_batch=max(concurrency), max_seq_len=max_seq_len)
-    report = progress if callable(progress) else (
-        (lambda r: print(f"[load] {r['arrival']:7s} C={r['concurrency']:<3d} {r['method']:18s} "
-                         + (f"{_fmt(r['aggregate_tokens_per_second'])} tok/s" if r["ok"] else f"FAILED {r['error']}"),
-                         file=sys.stderr, flush=True)) if progress else None)
+    report = (
+        progress
+        if callable(progress)
+        else (
+            (
+                lambda r: print(
+                    f"[load] {r['arrival']:7s} C={r['concurrency']:<3d} {r['method']:18s} "
+                    + (f"{_fmt(r['aggregate_tokens_per_second'])} tok/s" if r["ok"] else f"FAILED {r['error']}"),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            )
+            if progress
+            else None
+        )
+    )
 
     def one(lm: LoadMethod, arrival: str, c: int, p: int, params: GenerationParams) -> dict:
         reqs = [encoded[i % len(encoded)] for i in range(c)]
         times = arrival_times(c, arrival, rate, arrival_seed + c)  # one Poisson draw per C, the same for every method
-        rec = {"method": lm.label, "kind": lm.kind, "arrival": arrival, "concurrency": c, "pass": p,
-               "ok": False, "error": None}
+        rec = {
+            "method": lm.label,
+            "kind": lm.kind,
+            "arrival": arrival,
+            "concurrency": c,
+            "pass": p,
+            "ok": False,
+            "error": None,
+        }
         try:
             rec.update(loads.run(lm, reqs, times, params))
-            bad = [q["index"] for q in rec["requests"] if lm.kind != "roofline" and q["generated_tokens"] != params.max_tokens]
+            bad = [
+                q["index"]
+                for q in rec["requests"]
+                if lm.kind != "roofline" and q["generated_tokens"] != params.max_tokens
+            ]
             if bad:
                 raise RuntimeError(f"requests {bad} did not generate exactly {params.max_tokens} tokens")
             rec["ok"] = True
@@ -800,8 +1046,11 @@ def run_load_bench(args, config, params: GenerationParams) -> int:
     llm = LLM(config, mask=args.mask)
     load_seconds = time.perf_counter() - t0
     bench = Bench.from_llm(llm)
-    print(f"loaded in {load_seconds:.1f}s; mask {llm.engine.mask} ({bench.default_mask_source}); "
-          f"concurrency {concurrency}, arrivals {arrivals}", file=sys.stderr)
+    print(
+        f"loaded in {load_seconds:.1f}s; mask {llm.engine.mask} ({bench.default_mask_source}); "
+        f"concurrency {concurrency}, arrivals {arrivals}",
+        file=sys.stderr,
+    )
     meta = {
         "command": getattr(args, "command_line", None) or shlex.join([Path(sys.executable).name, *sys.argv]),
         "argv": sys.argv,
@@ -813,10 +1062,25 @@ def run_load_bench(args, config, params: GenerationParams) -> int:
         "load_seconds": load_seconds,
         "environment": environment(str(llm.verifier.device)),
     }
-    results = run_load(bench, concurrency, args.methods, prompts=prompts, base=params, arrivals=arrivals,
-                       rate=args.rate, arrival_seed=args.arrival_seed, passes=args.passes, warmup=args.warmup_tokens > 0,
-                       out=args.out, plots=not args.no_plots, meta=meta, progress=not args.no_progress)
+    results = run_load(
+        bench,
+        concurrency,
+        args.methods,
+        prompts=prompts,
+        base=params,
+        arrivals=arrivals,
+        rate=args.rate,
+        arrival_seed=args.arrival_seed,
+        passes=args.passes,
+        warmup=args.warmup_tokens > 0,
+        out=args.out,
+        plots=not args.no_plots,
+        meta=meta,
+        progress=not args.no_progress,
+    )
     print(markdown_load(results))
-    print(f"wrote {args.out}/results.json, results.md" + ("" if args.no_plots else " and load_throughput.png"),
-          file=sys.stderr)
+    print(
+        f"wrote {args.out}/results.json, results.md" + ("" if args.no_plots else " and load_throughput.png"),
+        file=sys.stderr,
+    )
     return 1 if any(not r["ok"] for r in results["runs"]) else 0

@@ -88,8 +88,17 @@ class Method:
             for name in _GREEDY_IGNORED:
                 params.pop(name, None)
         if self.kind == "engine" and self.mode == Mode.AR:  # ar never reads the drafting/gate knobs
-            for name in ("gamma", "alpha1", "alpha2", "region_b", "slim_bonus", "rule", "lossy_alpha",
-                         "lossy_beta", "overshoot_ceiling"):
+            for name in (
+                "gamma",
+                "alpha1",
+                "alpha2",
+                "region_b",
+                "slim_bonus",
+                "rule",
+                "lossy_alpha",
+                "lossy_beta",
+                "overshoot_ceiling",
+            ):
                 params.pop(name, None)
         engine = {}
         if self.kind == "engine" and self.mode == Mode.VIA:
@@ -144,7 +153,9 @@ def parse_method(spec: str, base: GenerationParams) -> Method:
     params = parse_params(values)
     draft = extra.get("draft", "default")
     if draft not in HF_DRAFT or ("draft" in extra and kind != "hf_assisted"):
-        raise InvalidParameterError("methods", f"draft={draft!r} in {spec!r}: only hf-assisted takes draft=default|fixed")
+        raise InvalidParameterError(
+            "methods", f"draft={draft!r} in {spec!r}: only hf-assisted takes draft=default|fixed"
+        )
     skip_ratio = None
     if "skip_ratio" in extra:
         try:
@@ -227,8 +238,17 @@ class Group:
 MAIN_METHODS = ("ar", "sd", "via", "via:region_b=escalate", "hf", "hf-assisted", "hf-assisted:draft=fixed")
 
 SKIP_RATIOS = (0.25, 0.35, 0.45, 0.55)
-ALPHA_GRID = ((0.3, 0.1), (0.3, 0.2), (0.5, 0.1), (0.5, 0.2), (0.5, 0.3), (0.5, 0.4),
-              (0.7, 0.1), (0.7, 0.3), (0.7, 0.5))
+ALPHA_GRID = (
+    (0.3, 0.1),
+    (0.3, 0.2),
+    (0.5, 0.1),
+    (0.5, 0.2),
+    (0.5, 0.3),
+    (0.5, 0.4),
+    (0.7, 0.1),
+    (0.7, 0.3),
+    (0.7, 0.5),
+)
 GAMMAS = (2, 3, 4, 5, 6, 8)
 
 
@@ -247,34 +267,80 @@ def ablation_groups() -> list[Group]:
         return mode if g == 5 else f"{mode}:gamma={g}"
 
     return [
-        Group("mask", "Searched vs random vs evenly spaced mask at the same ratio", "bar",
-              ("sd", "via", "via:mask=random", "via:mask=random@1", "via:mask=even"),
-              paper="Table 6 / Table 5"),
-        Group("skip_ratio", "Skip ratio of the slim verifier", "line",
-              tuple(ratio_spec(r) for r in SKIP_RATIOS), x="skip_ratio", paper="Figure 4"),
-        Group("alpha", "Gate thresholds (alpha1, alpha2)", "heatmap",
-              tuple(alpha_spec(a1, a2) for a1, a2 in ALPHA_GRID), x="alpha2", y="alpha1", paper="Figures 6-8"),
-        Group("gamma", "Draft length gamma", "line",
-              tuple(gamma_spec(m, g) for m in ("sd", "via") for g in GAMMAS), x="gamma", series="mode",
-              paper="Figure 9"),
-        Group("cache_policy", "Slim-verifier cache policy", "bar",
-              ("via", "via:cache_policy=shared"), paper="DESIGN.md, Caches"),
-        Group("bonus", "Bonus token from q' after a fully accepted block", "bar",
-              ("via", "via:slim_bonus=true"), paper="DESIGN.md, decode cycle step 3"),
+        Group(
+            "mask",
+            "Searched vs random vs evenly spaced mask at the same ratio",
+            "bar",
+            ("sd", "via", "via:mask=random", "via:mask=random@1", "via:mask=even"),
+            paper="Table 6 / Table 5",
+        ),
+        Group(
+            "skip_ratio",
+            "Skip ratio of the slim verifier",
+            "line",
+            tuple(ratio_spec(r) for r in SKIP_RATIOS),
+            x="skip_ratio",
+            paper="Figure 4",
+        ),
+        Group(
+            "alpha",
+            "Gate thresholds (alpha1, alpha2)",
+            "heatmap",
+            tuple(alpha_spec(a1, a2) for a1, a2 in ALPHA_GRID),
+            x="alpha2",
+            y="alpha1",
+            paper="Figures 6-8",
+        ),
+        Group(
+            "gamma",
+            "Draft length gamma",
+            "line",
+            tuple(gamma_spec(m, g) for m in ("sd", "via") for g in GAMMAS),
+            x="gamma",
+            series="mode",
+            paper="Figure 9",
+        ),
+        Group(
+            "cache_policy",
+            "Slim-verifier cache policy",
+            "bar",
+            ("via", "via:cache_policy=shared"),
+            paper="DESIGN.md, Caches",
+        ),
+        Group(
+            "bonus",
+            "Bonus token from q' after a fully accepted block",
+            "bar",
+            ("via", "via:slim_bonus=true"),
+            paper="DESIGN.md, decode cycle step 3",
+        ),
         # issue 20: the project's reading of the gates (thresholds on r, region B rewrites), the
         # paper's appendix B.1 read literally (accept iff r >= 0.7, else escalate), and the staged
         # lossless rule (q' filters, q verifies: output ~ q)
-        Group("gates", "Readings of the gates and the staged lossless rule", "bar",
-              ("sd", "via", "via:alpha1=0.7:region_b=escalate", "via:rule=staged"), paper="appendix B.1"),
+        Group(
+            "gates",
+            "Readings of the gates and the staged lossless rule",
+            "bar",
+            ("sd", "via", "via:alpha1=0.7:region_b=escalate", "via:rule=staged"),
+            paper="appendix B.1",
+        ),
     ]
 
 
 # issue 9: what makes a third tier pay on a pair like ours, against the paper's `via` and the peers
 PROPOSER_METHODS = (
-    "ar", "sd", "via", "via:region_b=escalate", "hf-assisted", "hf-lookup",
-    "sd:proposer=ngram", "sd:proposer=hybrid", "sd:draft_confidence=0.4:adaptive_gamma=true",
+    "ar",
+    "sd",
+    "via",
+    "via:region_b=escalate",
+    "hf-assisted",
+    "hf-lookup",
+    "sd:proposer=ngram",
+    "sd:proposer=hybrid",
+    "sd:draft_confidence=0.4:adaptive_gamma=true",
     "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true",
-    "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true:overlap=true", "sd:overlap=true",
+    "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true:overlap=true",
+    "sd:overlap=true",
     "via:proposer=hybrid:region_b=escalate:draft_confidence=0.4:adaptive_gamma=true",
 )
 
@@ -285,10 +351,13 @@ def suite_methods(name: str) -> tuple[list[str], list[Group]]:
     if name == "main":
         return list(MAIN_METHODS), [main]
     if name == "proposers":
-        return list(PROPOSER_METHODS), [Group("proposers", "Proposers and adaptive drafting (issue 9)", "bar",
-                                              PROPOSER_METHODS)]
+        return list(PROPOSER_METHODS), [
+            Group("proposers", "Proposers and adaptive drafting (issue 9)", "bar", PROPOSER_METHODS)
+        ]
     if name == "quick":
-        return ["ar", "sd", "via", "hf", "hf-assisted"], [Group("main", main.title, "bar", ("ar", "sd", "via", "hf", "hf-assisted"))]
+        return ["ar", "sd", "via", "hf", "hf-assisted"], [
+            Group("main", main.title, "bar", ("ar", "sd", "via", "hf", "hf-assisted"))
+        ]
     if name == "ablations":
         groups = ablation_groups()
         specs = ["ar"] + [s for g in groups for s in g.methods]

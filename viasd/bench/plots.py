@@ -81,8 +81,9 @@ def plot_line(plt, results, summary, group, path: Path) -> None:
     for key, pts in series.items():
         pts.sort(key=lambda p: p[0])
         xs = [p[0] for p in pts]
-        a1.errorbar(xs, [p[1] for p in pts], yerr=[[p[2] for p in pts], [p[3] for p in pts]], marker="o",
-                     capsize=3, label=key)
+        a1.errorbar(
+            xs, [p[1] for p in pts], yerr=[[p[2] for p in pts], [p[3] for p in pts]], marker="o", capsize=3, label=key
+        )
         esc = [(p[0], p[4]) for p in pts if p[4] is not None]
         if esc:
             a2.plot([e[0] for e in esc], [e[1] for e in esc], marker="o", label=key)
@@ -112,8 +113,10 @@ def plot_heatmap(plt, results, summary, group, path: Path) -> None:
     ys = sorted({k[0] for k in cells})
     xs = sorted({k[1] for k in cells})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, idx, title, cmap in ((axes[0], 1, "share of cycles escalated to q", "Blues"),
-                                 (axes[1], 0, "speedup over ar (x)", "Greens")):
+    for ax, idx, title, cmap in (
+        (axes[0], 1, "share of cycles escalated to q", "Blues"),
+        (axes[1], 0, "speedup over ar (x)", "Greens"),
+    ):
         grid = [[cells.get((y, x), (None, None))[idx] for x in xs] for y in ys]
         vals = [[float("nan") if v is None else v for v in row] for row in grid]
         im = ax.imshow(vals, cmap=cmap, origin="lower", aspect="auto")

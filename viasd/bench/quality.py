@@ -39,10 +39,42 @@ from viasd.engine import Engine
 
 # pure-Python standard-library modules whose public functions carry docstrings; the order is fixed
 STDLIB_MODULES = (
-    "textwrap", "shlex", "fnmatch", "posixpath", "heapq", "bisect", "calendar", "colorsys", "statistics",
-    "difflib", "string", "html", "base64", "quopri", "glob", "urllib.parse", "email.utils", "json",
-    "ipaddress", "fractions", "random", "functools", "inspect", "tokenize", "operator", "copy", "pprint",
-    "gettext", "locale", "mimetypes", "ntpath", "genericpath", "shutil", "tempfile", "zipfile", "tarfile",
+    "textwrap",
+    "shlex",
+    "fnmatch",
+    "posixpath",
+    "heapq",
+    "bisect",
+    "calendar",
+    "colorsys",
+    "statistics",
+    "difflib",
+    "string",
+    "html",
+    "base64",
+    "quopri",
+    "glob",
+    "urllib.parse",
+    "email.utils",
+    "json",
+    "ipaddress",
+    "fractions",
+    "random",
+    "functools",
+    "inspect",
+    "tokenize",
+    "operator",
+    "copy",
+    "pprint",
+    "gettext",
+    "locale",
+    "mimetypes",
+    "ntpath",
+    "genericpath",
+    "shutil",
+    "tempfile",
+    "zipfile",
+    "tarfile",
 )
 
 
@@ -108,8 +140,13 @@ class Setting:
         return self.method.label
 
 
-def decode_batched(engine: Engine, tokenizer, prompts: Sequence[list[int]], params: Sequence[GenerationParams],
-                   stops: tuple[str, ...] = STOP_SEQUENCES) -> tuple[list[dict], float]:
+def decode_batched(
+    engine: Engine,
+    tokenizer,
+    prompts: Sequence[list[int]],
+    params: Sequence[GenerationParams],
+    stops: tuple[str, ...] = STOP_SEQUENCES,
+) -> tuple[list[dict], float]:
     """Decode every prompt with its params through `engine`'s steps (all submitted at once; the
     engine's max_batch rows decode together, the rest queue); a request is cancelled once its
     text holds a stop sequence. Returns one record per prompt (tokens, text, finish) and the wall
@@ -133,8 +170,15 @@ def decode_batched(engine: Engine, tokenizer, prompts: Sequence[list[int]], para
     out = []
     for i in range(len(prompts)):
         text = tokenizer.decode(tokens[i], skip_special_tokens=True)
-        out.append({"tokens": tokens[i], "text": text, "completion": truncate(text, stops),
-                    "finish_reason": finish.get(i), "generated_tokens": len(tokens[i])})
+        out.append(
+            {
+                "tokens": tokens[i],
+                "text": text,
+                "completion": truncate(text, stops),
+                "finish_reason": finish.get(i),
+                "generated_tokens": len(tokens[i]),
+            }
+        )
     return out, seconds
 
 
@@ -155,12 +199,23 @@ def _agreement(runs: list[dict], reference: list[dict]) -> dict | None:
     if not shares:
         return None
     k = sum(exact)
-    return {"prefix_share": statistics.mean(shares), "identical": k / len(exact), "n": len(exact),
-            "identical_wilson95": list(wilson(k / len(exact), len(exact)))}
+    return {
+        "prefix_share": statistics.mean(shares),
+        "identical": k / len(exact),
+        "n": len(exact),
+        "identical_wilson95": list(wilson(k / len(exact), len(exact))),
+    }
 
 
-def evaluate(engine: Engine, tokenizer, settings: Sequence[Setting], corpora: dict[str, list[Prompt]],
-             *, exec_timeout: float = 10.0, log=None) -> dict[str, Any]:
+def evaluate(
+    engine: Engine,
+    tokenizer,
+    settings: Sequence[Setting],
+    corpora: dict[str, list[Prompt]],
+    *,
+    exec_timeout: float = 10.0,
+    log=None,
+) -> dict[str, Any]:
     """Run every setting on every corpus; score pass@1 (executable prompts) and agreement with
     the `ar` setting of the same temperature and seed. Returns runs, per-setting summaries
     and timings (JSON-ready)."""
@@ -171,19 +226,32 @@ def evaluate(engine: Engine, tokenizer, settings: Sequence[Setting], corpora: di
         for cname, prompts in corpora.items():
             ids = [tokenizer.encode(p.text, add_special_tokens=False) for p in prompts]
             for seed in setting.seeds:
-                params = [setting.method.params.model_copy(update={"seed": seed * 100_003 + i})
-                          for i in range(len(prompts))]
+                params = [
+                    setting.method.params.model_copy(update={"seed": seed * 100_003 + i}) for i in range(len(prompts))
+                ]
                 records, seconds = decode_batched(engine, tokenizer, ids, params)
                 n_tok = sum(r["generated_tokens"] for r in records)
                 timings.setdefault(setting.label, {}).setdefault(cname, 0.0)
                 timings[setting.label][cname] += seconds
                 for i, (p, rec) in enumerate(zip(prompts, records)):
-                    runs.append({"method": setting.label, "corpus": cname, "prompt": p.id, "prompt_index": i,
-                                 "seed": seed, "repeat": 0, "temperature": setting.method.params.temperature,
-                                 "ok": True, **rec})
+                    runs.append(
+                        {
+                            "method": setting.label,
+                            "corpus": cname,
+                            "prompt": p.id,
+                            "prompt_index": i,
+                            "seed": seed,
+                            "repeat": 0,
+                            "temperature": setting.method.params.temperature,
+                            "ok": True,
+                            **rec,
+                        }
+                    )
                 if log:
-                    log(f"{setting.label:<40} {cname:<10} seed {seed}: {n_tok} tokens in {seconds:.1f}s "
-                        f"({n_tok / seconds:.1f} tok/s)")
+                    log(
+                        f"{setting.label:<40} {cname:<10} seed {seed}: {n_tok} tokens in {seconds:.1f}s "
+                        f"({n_tok / seconds:.1f} tok/s)"
+                    )
     _score(runs, corpora, exec_timeout)
     summary = summarize(runs, settings)
     for label, per in timings.items():
@@ -205,7 +273,7 @@ def _score(runs: list[dict], corpora: dict[str, list[Prompt]], timeout: float) -
 def _reference_label(method: Method, labels: set[str]) -> str | None:
     """The `ar` setting a method's agreement is measured against: `ar` at its temperature."""
     t = method.params.temperature
-    for label in (("ar",) if t == 0 else (f"ar:temperature={t:g}",)):
+    for label in ("ar",) if t == 0 else (f"ar:temperature={t:g}",):
         if label in labels:
             return label
     return None
@@ -221,8 +289,12 @@ def summarize(runs: list[dict], settings: Sequence[Setting]) -> dict[str, dict]:
     out: dict[str, dict] = {}
     for s in settings:
         m = s.method
-        entry: dict[str, Any] = {"spec": m.label, "params": m.params.model_dump(mode="json"), "seeds": list(s.seeds),
-                                 "lossy": m.lossy}
+        entry: dict[str, Any] = {
+            "spec": m.label,
+            "params": m.params.model_dump(mode="json"),
+            "seeds": list(s.seeds),
+            "lossy": m.lossy,
+        }
         base = matched_baseline(m, m.params) if m.lossy else None
         entry["matched_baseline"] = base.label if base is not None and base.label in labels else None
         ref = _reference_label(m, labels)
@@ -259,8 +331,11 @@ def markdown(summary: dict[str, dict], corpora: Sequence[str]) -> str:
             sec = e.get("seconds", {}).get(c)
             row.append(f"{d['generated_tokens'] / sec:.1f}" if d and sec else "-")
             pa = d.get("pass_at_1")
-            row.append(f"{pa['pass_at_1']:.3f} [{pa['wilson95'][0]:.2f}-{pa['wilson95'][1]:.2f}] (n={pa['n_samples']})"
-                       if pa else "-")
+            row.append(
+                f"{pa['pass_at_1']:.3f} [{pa['wilson95'][0]:.2f}-{pa['wilson95'][1]:.2f}] (n={pa['n_samples']})"
+                if pa
+                else "-"
+            )
             row.append(f"{d['delta_pass_at_1']:+.3f} vs `{e['matched_baseline']}`" if "delta_pass_at_1" in d else "-")
             ag = d.get("agreement_with_ar")
             row.append(f"{ag['prefix_share']:.2f} / {ag['identical']:.2f} (n={ag['n']})" if ag else "-")

@@ -27,8 +27,19 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-COUNTERS = ("num_drafts", "num_draft_tokens", "num_cycle_tokens", "num_accepted_tokens", "num_rejected_tokens",
-            "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted")
+COUNTERS = (
+    "num_drafts",
+    "num_draft_tokens",
+    "num_cycle_tokens",
+    "num_accepted_tokens",
+    "num_rejected_tokens",
+    "num_bonus_tokens",
+    "slim_accepted",
+    "slim_rewritten",
+    "escalations",
+    "escalated_tokens",
+    "full_accepted",
+)
 MODELS = ("drafter", "slim", "full")
 
 
@@ -87,8 +98,13 @@ def pass_at_1(runs: list[dict]) -> dict | None:
     # distinct samples: at T = 0 repeats decode the same text, so count (prompt, seed) pairs
     n = len({(r["prompt_index"], r["seed"]) for r in runs if r["ok"] and r.get("passed") is not None})
     lo, hi = wilson(p, n)
-    return {"pass_at_1": p, "n_prompts": len(by_prompt), "n_samples": n, "wilson95": [lo, hi],
-            "per_prompt": {str(i): v for i, v in sorted(by_prompt.items())}}
+    return {
+        "pass_at_1": p,
+        "n_prompts": len(by_prompt),
+        "n_samples": n,
+        "wilson95": [lo, hi],
+        "per_prompt": {str(i): v for i, v in sorted(by_prompt.items())},
+    }
 
 
 def agreement(runs: list[dict], reference: list[dict]) -> dict | None:
@@ -111,8 +127,7 @@ def agreement(runs: list[dict], reference: list[dict]) -> dict | None:
 def summarize_method(runs: list[dict]) -> dict[str, Any]:
     ok = [r for r in runs if r["ok"]]
     failed = [r for r in runs if not r["ok"]]
-    out: dict[str, Any] = {"runs": len(runs), "failed": len(failed),
-                           "errors": sorted({r["error"] for r in failed})[:5]}
+    out: dict[str, Any] = {"runs": len(runs), "failed": len(failed), "errors": sorted({r["error"] for r in failed})[:5]}
     if not ok:
         return out
     tokens = sum(r["generated_tokens"] for r in ok)
@@ -130,32 +145,38 @@ def summarize_method(runs: list[dict]) -> dict[str, Any]:
     mal = agg["num_cycle_tokens"] / agg["num_drafts"] if agg["num_drafts"] else None
     ttft = [r["time_to_first_token"] for r in ok if r.get("time_to_first_token") is not None]
     kv = [r["kv_bytes"] for r in ok if r.get("kv_bytes") is not None]
-    out.update({
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds if seconds > 0 else None,
-        "tokens_per_second_per_pass": _spread(per_pass),
-        "time_to_first_token": _spread(ttft),
-        "mean_acceptance_length": mal,
-        "rejection_rate": agg["num_rejected_tokens"] / decided if decided else None,
-        "tier_fractions": {
-            "accepted_by_slim": agg["slim_accepted"] / gate,
-            "rewritten_by_slim": agg["slim_rewritten"] / gate,
-            "escalated_to_full": agg["escalations"] / gate,
-        } if gate else None,
-        "full_accepted_of_escalated": agg["full_accepted"] / agg["escalated_tokens"] if agg["escalated_tokens"] else None,
-        "counters": agg,
-        "forwards": fw,
-        "seconds_per_model": msec,
-        "seconds_other": seconds - sum(msec.values()),  # sampling, gating, Python, framework overhead
-        "peak_rss_bytes": max((r.get("peak_rss_bytes") or 0) for r in ok) or None,
-        "peak_rss_delta_bytes": max((r.get("peak_rss_delta_bytes") or 0) for r in ok),
-        "kv_bytes_max": max(kv) if kv else None,
-        "peak_device_bytes": max((r.get("peak_device_bytes") or 0) for r in ok) or None,
-        "pass_at_1": pass_at_1(ok),
-        "cpu_seconds": sum(r.get("cpu_seconds") or 0.0 for r in ok),
-        "loadavg_max": max((max(r.get("loadavg") or [0.0]) for r in ok), default=None),
-    })
+    out.update(
+        {
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_second": tokens / seconds if seconds > 0 else None,
+            "tokens_per_second_per_pass": _spread(per_pass),
+            "time_to_first_token": _spread(ttft),
+            "mean_acceptance_length": mal,
+            "rejection_rate": agg["num_rejected_tokens"] / decided if decided else None,
+            "tier_fractions": {
+                "accepted_by_slim": agg["slim_accepted"] / gate,
+                "rewritten_by_slim": agg["slim_rewritten"] / gate,
+                "escalated_to_full": agg["escalations"] / gate,
+            }
+            if gate
+            else None,
+            "full_accepted_of_escalated": agg["full_accepted"] / agg["escalated_tokens"]
+            if agg["escalated_tokens"]
+            else None,
+            "counters": agg,
+            "forwards": fw,
+            "seconds_per_model": msec,
+            "seconds_other": seconds - sum(msec.values()),  # sampling, gating, Python, framework overhead
+            "peak_rss_bytes": max((r.get("peak_rss_bytes") or 0) for r in ok) or None,
+            "peak_rss_delta_bytes": max((r.get("peak_rss_delta_bytes") or 0) for r in ok),
+            "kv_bytes_max": max(kv) if kv else None,
+            "peak_device_bytes": max((r.get("peak_device_bytes") or 0) for r in ok) or None,
+            "pass_at_1": pass_at_1(ok),
+            "cpu_seconds": sum(r.get("cpu_seconds") or 0.0 for r in ok),
+            "loadavg_max": max((max(r.get("loadavg") or [0.0]) for r in ok), default=None),
+        }
+    )
     return out
 
 
@@ -205,18 +226,34 @@ def targets(results: dict, summary: dict) -> list[dict]:
         return by_label.get(alias.get(label, label), [])
 
     out = []
-    for a, b, goal in (("via", "sd", 1.2), ("via", "hf-assisted", 1.3), ("via", "hf-assisted:draft=fixed", 1.3),
-                       ("sd", "hf-assisted", 1.0), ("sd", "hf-assisted:draft=fixed", 1.0)):
+    for a, b, goal in (
+        ("via", "sd", 1.2),
+        ("via", "hf-assisted", 1.3),
+        ("via", "hf-assisted:draft=fixed", 1.3),
+        ("sd", "hf-assisted", 1.0),
+        ("sd", "hf-assisted:draft=fixed", 1.0),
+    ):
         if runs(a) and runs(b):
             r = ratio(runs(a), runs(b))
             if r:
-                out.append({"target": f"{a} / {b} tokens/s >= {goal}", "measured": r, "met": r["median"] >= goal,
-                            "by": r["median"] / goal - 1})
+                out.append(
+                    {
+                        "target": f"{a} / {b} tokens/s >= {goal}",
+                        "measured": r,
+                        "met": r["median"] >= goal,
+                        "by": r["median"] / goal - 1,
+                    }
+                )
     s = summary.get("via", {})
     if s.get("vs_matched_baseline"):
         v = s["vs_matched_baseline"]
-        out.append({"target": f"via pass@1 within the matched baseline's noise ({v['baseline']})",
-                    "measured": v, "met": v["within_noise"]})
+        out.append(
+            {
+                "target": f"via pass@1 within the matched baseline's noise ({v['baseline']})",
+                "measured": v,
+                "met": v["within_noise"],
+            }
+        )
     return out
 
 
@@ -240,24 +277,38 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
     meta = results.get("meta", {})
     lines = []
     if meta:
-        lines += [f"Command: `{meta.get('command')}`", "",
-                  f"Pair: `{meta.get('engine', {}).get('drafter')}` -> `{meta.get('engine', {}).get('verifier')}`, "
-                  f"dtype {meta.get('engine', {}).get('dtype')}, device {meta.get('device', 'cpu')}; "
-                  f"{meta.get('prompts')} prompts ({meta.get('workload')}), {meta.get('max_tokens')} tokens, "
-                  f"T={meta.get('temperature')}, seeds {meta.get('seeds')}, repeats {meta.get('repeats')}; "
-                  f"torch {meta.get('environment', {}).get('torch')}, {meta.get('environment', {}).get('threads')} threads, "
-                  f"commit {str(meta.get('environment', {}).get('git_commit'))[:10]}"
-                  f"{' (dirty)' if meta.get('environment', {}).get('git_dirty') else ''}.", ""]
+        lines += [
+            f"Command: `{meta.get('command')}`",
+            "",
+            f"Pair: `{meta.get('engine', {}).get('drafter')}` -> `{meta.get('engine', {}).get('verifier')}`, "
+            f"dtype {meta.get('engine', {}).get('dtype')}, device {meta.get('device', 'cpu')}; "
+            f"{meta.get('prompts')} prompts ({meta.get('workload')}), {meta.get('max_tokens')} tokens, "
+            f"T={meta.get('temperature')}, seeds {meta.get('seeds')}, repeats {meta.get('repeats')}; "
+            f"torch {meta.get('environment', {}).get('torch')}, {meta.get('environment', {}).get('threads')} threads, "
+            f"commit {str(meta.get('environment', {}).get('git_commit'))[:10]}"
+            f"{' (dirty)' if meta.get('environment', {}).get('git_dirty') else ''}.",
+            "",
+        ]
     loads = [x for r in results["runs"] for x in (r.get("loadavg") or [])]
     cores = meta.get("environment", {}).get("cpu_count")
     if loads:
-        lines += [f"Machine load (1-min load average around the runs): {min(loads):.1f}-{max(loads):.1f}"
-                  + (f" on {cores} cores" if cores else "") + "."
-                  + (" **Other processes competed for the CPU during this run: timings are noisier than "
-                     "the spread shows.**" if cores and max(loads) > cores + 0.5 else ""), ""]
+        lines += [
+            f"Machine load (1-min load average around the runs): {min(loads):.1f}-{max(loads):.1f}"
+            + (f" on {cores} cores" if cores else "")
+            + "."
+            + (
+                " **Other processes competed for the CPU during this run: timings are noisier than the spread shows.**"
+                if cores and max(loads) > cores + 0.5
+                else ""
+            ),
+            "",
+        ]
     if results.get("stopped_early"):
-        lines += [f"**Time budget spent: {results['stopped_early']} prompt rounds were not run** "
-                  "(every method ran the same prompts).", ""]
+        lines += [
+            f"**Time budget spent: {results['stopped_early']} prompt rounds were not run** "
+            "(every method ran the same prompts).",
+            "",
+        ]
     labels = [m["label"] for m in results["methods"]]
     lines += [
         "### Speed and acceptance",
@@ -273,7 +324,11 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
             lines.append(f"| {name} | FAILED ({s['failed']}/{s['runs']} runs) | | | | | | | | | |")
             continue
         tf = s["tier_fractions"]
-        tiers = "-" if tf is None else " / ".join(_f(tf[k]) for k in ("accepted_by_slim", "rewritten_by_slim", "escalated_to_full"))
+        tiers = (
+            "-"
+            if tf is None
+            else " / ".join(_f(tf[k]) for k in ("accepted_by_slim", "rewritten_by_slim", "escalated_to_full"))
+        )
         fw, sec = s["forwards"], s["seconds_per_model"]
         fail = f" ({s['failed']} failed)" if s["failed"] else ""
         lines.append(
@@ -282,7 +337,8 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
             f"{_f(s['mean_acceptance_length'])} | {_f(s['rejection_rate'], '.3f')} | {tiers} | "
             f"{fw['drafter']} / {fw['slim']} / {fw['full']} | "
             f"{sec['drafter']:.1f} / {sec['slim']:.1f} / {sec['full']:.1f} / {s['seconds_other']:.1f} | "
-            + " / ".join(_f(1000 * sec[m] / fw[m] if fw[m] else None, ".0f") for m in MODELS) + " |"
+            + " / ".join(_f(1000 * sec[m] / fw[m] if fw[m] else None, ".0f") for m in MODELS)
+            + " |"
         )
     lines += [
         "",
@@ -297,14 +353,28 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
         if "tokens" not in s:
             continue
         p = s.get("pass_at_1")
-        pa = "-" if not p else f"{p['pass_at_1']:.3f} [{p['wilson95'][0]:.2f}-{p['wilson95'][1]:.2f}] (n={p['n_samples']})"
+        pa = (
+            "-"
+            if not p
+            else f"{p['pass_at_1']:.3f} [{p['wilson95'][0]:.2f}-{p['wilson95'][1]:.2f}] (n={p['n_samples']})"
+        )
         v = s.get("vs_matched_baseline")
-        vm = "-" if not v else (f"{v['delta_pass_at_1']:+.3f} vs {v['baseline']} "
-                                f"({'within' if v['within_noise'] else 'OUTSIDE'} noise; "
-                                f"{v['prompts_better']} better / {v['prompts_worse']} worse)")
+        vm = (
+            "-"
+            if not v
+            else (
+                f"{v['delta_pass_at_1']:+.3f} vs {v['baseline']} "
+                f"({'within' if v['within_noise'] else 'OUTSIDE'} noise; "
+                f"{v['prompts_better']} better / {v['prompts_worse']} worse)"
+            )
+        )
         ag = s.get("agreement_with_ar")
         ags = "-" if not ag else f"{ag['prefix_share']:.3f} / {ag['exact']:.2f}"
-        mem = "-" if not s["peak_rss_bytes"] else f"{s['peak_rss_bytes'] / 2**20:.0f} (+{s['peak_rss_delta_bytes'] / 2**20:.0f})"
+        mem = (
+            "-"
+            if not s["peak_rss_bytes"]
+            else f"{s['peak_rss_bytes'] / 2**20:.0f} (+{s['peak_rss_delta_bytes'] / 2**20:.0f})"
+        )
         kv = _f(None if s["kv_bytes_max"] is None else s["kv_bytes_max"] / 2**20, ".1f")
         cpu = _f(1000 * s["cpu_seconds"] / s["tokens"] if s.get("cpu_seconds") and s["tokens"] else None, ".0f")
         lines.append(f"| {label} | {pa} | {vm} | {ags} | {mem} | {kv} | {cpu} |")
@@ -312,26 +382,42 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
         lines += ["", "### Targets (issue #4)", "", "| target | measured | met |", "|---|---|---|"]
         for t in tgt:
             m = t["measured"]
-            ms = (_spread_s(m, suffix="x") + f" ({t['by']:+.0%} vs goal)") if "median" in m else (
-                f"{m['delta_pass_at_1']:+.3f}, band {m['baseline_wilson95'][0]:.2f}-{m['baseline_wilson95'][1]:.2f}")
+            ms = (
+                (_spread_s(m, suffix="x") + f" ({t['by']:+.0%} vs goal)")
+                if "median" in m
+                else (
+                    f"{m['delta_pass_at_1']:+.3f}, band {m['baseline_wilson95'][0]:.2f}-{m['baseline_wilson95'][1]:.2f}"
+                )
+            )
             lines.append(f"| {t['target']} | {ms} | {'yes' if t['met'] else 'NO'} |")
-    fails = [(label, summary[label]) for label in labels if summary[label].get("failed") and not summary[label].get("alias_of")]
+    fails = [
+        (label, summary[label])
+        for label in labels
+        if summary[label].get("failed") and not summary[label].get("alias_of")
+    ]
     if fails:
         lines += ["", "### Failures", ""]
         for label, s in fails:
-            lines.append(f"* `{label}`: {s['failed']}/{s['runs']} runs failed: " + "; ".join(f"`{e}`" for e in s["errors"]))
+            lines.append(
+                f"* `{label}`: {s['failed']}/{s['runs']} runs failed: " + "; ".join(f"`{e}`" for e in s["errors"])
+            )
     lines += ["", "### Methods", ""]
     for m in results["methods"]:
         bits = [f"{m['kind']}"]
         if m["kind"] != "engine":
-            bits.append("transformers " + {"hf_assisted": "assisted generation", "hf_lookup": "prompt lookup"}.get(
-                m["kind"], "generate"))
+            bits.append(
+                "transformers "
+                + {"hf_assisted": "assisted generation", "hf_lookup": "prompt lookup"}.get(m["kind"], "generate")
+            )
             if m.get("hf_draft"):
                 bits.append(f"draft={m['hf_draft']}")
         if m.get("mask_info"):
             mi = m["mask_info"]
-            bits.append(f"mask: {mi['error']}" if "error" in mi else
-                        f"mask {mi['source']}, skipped {mi['skipped_layers']} (ratio {mi['ratio']:.2f})")
+            bits.append(
+                f"mask: {mi['error']}"
+                if "error" in mi
+                else f"mask {mi['source']}, skipped {mi['skipped_layers']} (ratio {mi['ratio']:.2f})"
+            )
         if m.get("role"):
             bits.append(m["role"])
         if m.get("matched_baseline"):

@@ -177,9 +177,17 @@ class Bench:
         """Around an already loaded `viasd.llm.LLM` (its verifier, drafter, tokenizer and mask)."""
         e = llm.engine
         source = mask_source or getattr(llm, "mask_source", None) or "evenly spaced"
-        return cls(llm.verifier, llm.drafter, tokenizer=llm.tokenizer, mask=e.mask, mask_source=source,
-                   cache_policy=e.cache_policy, eos_token_ids=e.eos_token_ids, max_context=e.max_context,
-                   searched_masks=searched_masks)
+        return cls(
+            llm.verifier,
+            llm.drafter,
+            tokenizer=llm.tokenizer,
+            mask=e.mask,
+            mask_source=source,
+            cache_policy=e.cache_policy,
+            eos_token_ids=e.eos_token_ids,
+            max_context=e.max_context,
+            searched_masks=searched_masks,
+        )
 
     # ------------------------------------------------------------------ masks and engines
 
@@ -198,7 +206,9 @@ class Bench:
             if spec == "searched":
                 have = sorted(self.searched_masks) or "none"
                 raise MaskError(f"no searched mask with {n_skip} skipped layers (have: {have})")
-            return MaskInfo(LayerMask.evenly_spaced(ratio, num_layers), "evenly spaced (no searched mask at this ratio)")
+            return MaskInfo(
+                LayerMask.evenly_spaced(ratio, num_layers), "evenly spaced (no searched mask at this ratio)"
+            )
         if spec == "even":
             return MaskInfo(LayerMask.evenly_spaced(ratio, num_layers), "evenly spaced")
         if spec == "random" or spec.startswith("random@"):
@@ -217,9 +227,15 @@ class Bench:
         policy = CachePolicy(method.cache_policy) if method.cache_policy else self.cache_policy
         key = (mask.keep, policy)
         if key not in self._engines:
-            self._engines[key] = Engine(self.verifier, self.drafter, mask=mask, cache_policy=policy,
-                                        eos_token_ids=self.eos_token_ids, max_context=self.max_context,
-                                        cost_cache_dir=cost_cache_dir())
+            self._engines[key] = Engine(
+                self.verifier,
+                self.drafter,
+                mask=mask,
+                cache_policy=policy,
+                eos_token_ids=self.eos_token_ids,
+                max_context=self.max_context,
+                cost_cache_dir=cost_cache_dir(),
+            )
         return self._engines[key], info
 
     # ------------------------------------------------------------------ prompts and text
@@ -293,12 +309,19 @@ class Bench:
         if self.max_context is not None:
             n = min(n, self.max_context - len(prompt_ids))
         pad = self.eos_token_ids[0] if self.eos_token_ids else 0
-        sampling = {} if params.greedy else {
-            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
-            "min_p": params.min_p or None,
-        }
-        gen_cfg = GenerationConfig(max_new_tokens=n, do_sample=not params.greedy, pad_token_id=pad,
-                                   repetition_penalty=1.0, **sampling)
+        sampling = (
+            {}
+            if params.greedy
+            else {
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+                "min_p": params.min_p or None,
+            }
+        )
+        gen_cfg = GenerationConfig(
+            max_new_tokens=n, do_sample=not params.greedy, pad_token_id=pad, repetition_penalty=1.0, **sampling
+        )
         stops = params.stop_token_ids if params.stop_token_ids is not None else self.eos_token_ids
         if not params.ignore_eos:
             gen_cfg.eos_token_id = list(stops) or None
@@ -310,8 +333,14 @@ class Bench:
             models["drafter"] = draft
             kwargs["assistant_model"] = draft
             if method.hf_draft == "fixed":  # exactly gamma draft tokens a cycle, like our sd / via
-                patches.append(_patched(draft.generation_config, num_assistant_tokens=params.gamma,
-                                        num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+                patches.append(
+                    _patched(
+                        draft.generation_config,
+                        num_assistant_tokens=params.gamma,
+                        num_assistant_tokens_schedule="constant",
+                        assistant_confidence_threshold=0.0,
+                    )
+                )
         if lookup:  # HF's prompt lookup decoding: the n-gram proposer's peer
             gen_cfg.prompt_lookup_num_tokens = params.gamma
             gen_cfg.max_matching_ngram_size = params.ngram_max
@@ -325,11 +354,12 @@ class Bench:
             counts, model_seconds = stack.enter_context(_count_forwards(models))
             _sync(model.device)
             t0 = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg,
-                                 streamer=timer, **kwargs)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=gen_cfg, streamer=timer, **kwargs
+            )
             _sync(model.device)
             seconds = time.perf_counter() - t0
-        tokens = out[0, len(prompt_ids):].tolist()
+        tokens = out[0, len(prompt_ids) :].tolist()
         forwards = {"drafter": counts.get("drafter", 0), "slim": 0, "full": counts["full"]}
         stats: dict[str, Any] = {
             "forwards": forwards,
@@ -350,8 +380,14 @@ class Bench:
 
     # ------------------------------------------------------------------ the whole run
 
-    def plan(self, methods: Sequence[Method], base: GenerationParams, *, add_reference: bool = True,
-             add_matched_baselines: bool = True) -> list[dict]:
+    def plan(
+        self,
+        methods: Sequence[Method],
+        base: GenerationParams,
+        *,
+        add_reference: bool = True,
+        add_matched_baselines: bool = True,
+    ) -> list[dict]:
         """The method table: each distinct method once; equivalent ones (same decode) alias the first.
 
         Adds `ar` (the reference of every speed ratio) when missing, and the matched baseline of
@@ -372,8 +408,15 @@ class Bench:
         for m in ordered:
             k = m.key()
             mb = matched_baseline(m, base)
-            table.append({**m.describe(), "alias_of": by_key.get(k), "matched_baseline": mb.label if mb else None,
-                          "role": "matched baseline" if m.label in baselines else None, "method": m})
+            table.append(
+                {
+                    **m.describe(),
+                    "alias_of": by_key.get(k),
+                    "matched_baseline": mb.label if mb else None,
+                    "role": "matched baseline" if m.label in baselines else None,
+                    "method": m,
+                }
+            )
             by_key.setdefault(k, m.label)
         return table
 
@@ -442,8 +485,16 @@ class Bench:
                     for entry in live[shift:] + live[:shift]:
                         m: Method = entry["method"]
                         params = m.params.model_copy(update={"seed": seed})
-                        rec = {"method": m.label, "prompt": prompt.id, "prompt_index": pi, "seed": seed,
-                               "repeat": rep, "temperature": params.temperature, "ok": False, "error": None}
+                        rec = {
+                            "method": m.label,
+                            "prompt": prompt.id,
+                            "prompt_index": pi,
+                            "seed": seed,
+                            "repeat": rep,
+                            "temperature": params.temperature,
+                            "ok": False,
+                            "error": None,
+                        }
                         bar.set_postfix_str(f"{m.label} {prompt.id}", refresh=False)
                         try:
                             ids = encoded[pi]
@@ -465,8 +516,10 @@ class Bench:
             e.pop("method")
         return {
             "methods": table,
-            "prompts": [{"id": p.id, "tokens": None if isinstance(x, BaseException) else len(x),
-                         "executable": p.executable} for p, x in zip(prompts, encoded)],
+            "prompts": [
+                {"id": p.id, "tokens": None if isinstance(x, BaseException) else len(x), "executable": p.executable}
+                for p, x in zip(prompts, encoded)
+            ],
             "runs": runs,
             "stopped_early": skipped_rounds,
         }

@@ -108,14 +108,26 @@ RESULT_SCHEMA = {
         "runs": {"type": "array", "items": RUN},
         "groups": {
             "type": "array",
-            "items": {"type": "object", "required": ["name", "title", "plot", "methods"],
-                      "properties": {"plot": {"enum": ["bar", "line", "heatmap"]}}},
+            "items": {
+                "type": "object",
+                "required": ["name", "title", "plot", "methods"],
+                "properties": {"plot": {"enum": ["bar", "line", "heatmap"]}},
+            },
         },
         "summary": {"type": "object", "additionalProperties": SUMMARY},
         "targets": {"type": "array", "items": {"type": "object", "required": ["target", "measured", "met"]}},
     },
 }
 
-META_REQUIRED = ["command", "engine", "environment", "params", "prompts", "max_tokens", "temperature", "seeds",
-                 "repeats"]
+META_REQUIRED = [
+    "command",
+    "engine",
+    "environment",
+    "params",
+    "prompts",
+    "max_tokens",
+    "temperature",
+    "seeds",
+    "repeats",
+]
 ENVIRONMENT_REQUIRED = ["python", "torch", "transformers", "viasd", "threads", "cpu", "git_commit"]

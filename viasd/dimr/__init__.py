@@ -93,7 +93,6 @@ JSON, the fingerprint check, shipped masks), `report` (tables, plots), `cli` (`r
 `viasd dimr` command). This package re-exports their public names.
 """
 
-
 from __future__ import annotations
 
 from viasd.dimr.artifact import (  # noqa: F401

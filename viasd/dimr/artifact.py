@@ -29,9 +29,12 @@ class MaskArtifact(BaseModel):
 
     schema_version: int = Field(SCHEMA_VERSION, description="Layout version of this file.")
     kind: str = Field(ARTIFACT_KIND, description="Always 'viasd.dimr.mask'.")
-    model_fingerprint: str = Field(description="viasd.models.loader.model_fingerprint of the verifier (config + weights + dtype).")
+    model_fingerprint: str = Field(
+        description="viasd.models.loader.model_fingerprint of the verifier (config + weights + dtype)."
+    )
     weights_fingerprint: str | None = Field(
-        None, description="viasd.models.loader.weights_fingerprint of the verifier (its weights rounded to bf16, "
+        None,
+        description="viasd.models.loader.weights_fingerprint of the verifier (its weights rounded to bf16, "
         "without their dtype): the same weights loaded in another dtype (dtype auto: float32 where bf16 is "
         "emulated) still match. Absent in older artifacts: then only model_fingerprint matches.",
     )
@@ -50,7 +53,8 @@ class MaskArtifact(BaseModel):
     created_at: str | None = Field(None, description="UTC time the artifact was written (ISO 8601).")
     viasd_version: str | None = Field(None, description="via-sd version that wrote it.")
     gates: dict[str, Any] | None = Field(
-        None, description="Calibrated gates for this mask (viasd.gates.calibrate): alpha1, alpha2, region_b, the "
+        None,
+        description="Calibrated gates for this mask (viasd.gates.calibrate): alpha1, alpha2, region_b, the "
         "quality budget and the calibration figures; absent in artifacts written before gate calibration.",
     )
 
@@ -59,9 +63,18 @@ class MaskArtifact(BaseModel):
         return LayerMask.from_skipped(self.skipped_layers, self.num_layers)
 
 
-def build_artifact(result: SearchResult, verifier: MaskedLM, calibration: Calibration, *, seconds: float,
-                   cache_policy: str, verifier_name: str | None = None, drafter_name: str | None = None,
-                   dtype: str | None = None, extra: dict[str, Any] | None = None) -> MaskArtifact:
+def build_artifact(
+    result: SearchResult,
+    verifier: MaskedLM,
+    calibration: Calibration,
+    *,
+    seconds: float,
+    cache_policy: str,
+    verifier_name: str | None = None,
+    drafter_name: str | None = None,
+    dtype: str | None = None,
+    extra: dict[str, Any] | None = None,
+) -> MaskArtifact:
     """The artifact of a search (fingerprint from the verifier's config and weights)."""
     from viasd import __version__
     from viasd.models.loader import model_fingerprint, weights_fingerprint
@@ -98,8 +111,9 @@ def build_artifact(result: SearchResult, verifier: MaskedLM, calibration: Calibr
         **(extra or {}),
     }
     if result.baseline is not None and result.baseline.value is not None:
-        fields["baseline"] = {"evenly_spaced": {"skipped_layers": list(result.baseline.skipped),
-                                                "value": result.baseline.value}}
+        fields["baseline"] = {
+            "evenly_spaced": {"skipped_layers": list(result.baseline.skipped), "value": result.baseline.value}
+        }
     return MaskArtifact(**fields)
 
 
@@ -116,7 +130,9 @@ def parse_artifact(data: dict[str, Any], source: str = "mask artifact") -> MaskA
     if not isinstance(version, int) or version < 1:
         raise MaskError(f"{source}: no valid schema_version; not a DIMR mask artifact")
     if version > SCHEMA_VERSION:
-        raise MaskError(f"{source}: schema_version {version} is newer than this via-sd reads ({SCHEMA_VERSION}); upgrade via-sd")
+        raise MaskError(
+            f"{source}: schema_version {version} is newer than this via-sd reads ({SCHEMA_VERSION}); upgrade via-sd"
+        )
     try:
         return MaskArtifact.model_validate(data)
     except ValidationError as exc:
@@ -134,7 +150,9 @@ def read_artifact(path: str | Path) -> MaskArtifact:
     return parse_artifact(data, str(path))
 
 
-def check_artifact(artifact: MaskArtifact, model, num_layers: int | None = None, source: str = "mask artifact") -> LayerMask:
+def check_artifact(
+    artifact: MaskArtifact, model, num_layers: int | None = None, source: str = "mask artifact"
+) -> LayerMask:
     """The artifact's mask if it was searched on this verifier; MaskError (field 'mask') otherwise.
 
     `model` is the verifier's transformers model (or a MaskedLM); None skips the fingerprint check.
@@ -155,7 +173,9 @@ def check_artifact(artifact: MaskArtifact, model, num_layers: int | None = None,
         )
     if model is not None:
         fp = model_fingerprint(model)
-        same_weights = artifact.weights_fingerprint is not None and weights_fingerprint(model) == artifact.weights_fingerprint
+        same_weights = (
+            artifact.weights_fingerprint is not None and weights_fingerprint(model) == artifact.weights_fingerprint
+        )
         if fp != artifact.model_fingerprint and not same_weights:
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             raise MaskError(
@@ -201,8 +221,11 @@ def shipped_mask(verifier_name: str, skip_ratio: float, model) -> tuple[LayerMas
     """
     L = model.num_layers if isinstance(model, MaskedLM) else len(model.model.layers)
     k = round(skip_ratio * L)
-    candidates = [(n, a) for n, a in shipped_artifacts()
-                  if a.verifier == verifier_name and a.num_layers == L and len(a.skipped_layers) == k]
+    candidates = [
+        (n, a)
+        for n, a in shipped_artifacts()
+        if a.verifier == verifier_name and a.num_layers == L and len(a.skipped_layers) == k
+    ]
     if not candidates:
         return None, f"no shipped DIMR mask for {verifier_name} at skip ratio {skip_ratio:g}"
     name, art = candidates[0]

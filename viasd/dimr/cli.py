@@ -76,7 +76,9 @@ def run_dimr(
     from viasd.models.loader import load_causal_lm
 
     if objective not in OBJECTIVES:
-        raise InvalidParameterError("objective", f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}")
+        raise InvalidParameterError(
+            "objective", f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVES)}"
+        )
     if objective == "e2e" and drafter is None:
         raise InvalidParameterError("drafter", "the e2e objective needs --drafter")
     fixed_costs = costs
@@ -86,14 +88,18 @@ def run_dimr(
     vp = MaskedLM(load_causal_lm(drafter, dtype=dtype)[0]) if drafter else None
     load_s = time.perf_counter() - t_all
     if calibration == "humaneval":
-        calib = humaneval_calibration(tokenizer, start=calib_start, max_tokens=calib_tokens, max_seq_tokens=max_seq_tokens)
+        calib = humaneval_calibration(
+            tokenizer, start=calib_start, max_tokens=calib_tokens, max_seq_tokens=max_seq_tokens
+        )
     else:
         calib = file_calibration(calibration, tokenizer, max_tokens=calib_tokens, max_seq_tokens=max_seq_tokens)
     if heldout_tokens and calibration == "humaneval":
         n_cal = len(calib.sequences)
         if calib_start < heldout_start < calib_start + n_cal:
-            raise InvalidParameterError("heldout_start", f"held-out problems overlap the calibration problems "
-                                                          f"{calib_start}..{calib_start + n_cal - 1}")
+            raise InvalidParameterError(
+                "heldout_start",
+                f"held-out problems overlap the calibration problems {calib_start}..{calib_start + n_cal - 1}",
+            )
     echo(f"[dimr] models loaded in {load_s:.1f}s; calibration: {calib.description}")
     t0 = time.perf_counter()
     ref = build_reference(vq, calib, cache_policy=cache_policy, gamma=gamma, drafter=vp)
@@ -101,7 +107,9 @@ def run_dimr(
     echo(f"[dimr] reference (full model once over the calibration text) in {ref_s:.1f}s: {ref!r}")
     held = None
     if heldout_tokens:
-        held_cal = humaneval_calibration(tokenizer, start=heldout_start, max_tokens=heldout_tokens, max_seq_tokens=max_seq_tokens)
+        held_cal = humaneval_calibration(
+            tokenizer, start=heldout_start, max_tokens=heldout_tokens, max_seq_tokens=max_seq_tokens
+        )
         held = (held_cal, build_reference(vq, held_cal, cache_policy=cache_policy, gamma=gamma, drafter=vp))
 
     artifacts = []
@@ -114,20 +122,53 @@ def run_dimr(
         if vp is not None and fixed_costs is None:
             costs = measure_costs(vq, vp, even, gamma=gamma)
         if costs is not None:
-            echo(f"[dimr] {'given' if fixed_costs else 'measured'} costs (s): drafter token {costs.drafter:.4f}, slim block {costs.slim:.4f}, "
-                 f"full block {costs.full:.4f}, full token {costs.full_token:.4f}")
-        obj = make_objective(objective, rkl_alpha=rkl_alpha, rkl_beta=rkl_beta, costs=costs, gamma=gamma,
-                             alpha1=alpha1, alpha2=alpha2, rewrite=region_b == "rewrite")
-        result = search_mask(vq, ref, ratio=ratio, trials=trials, objective=obj, seed=seed, theta=theta, keep=keep,
-                             rungs=rungs, eta=eta, progress=progress, log=lambda m: print(m, file=sys.stderr))
+            echo(
+                f"[dimr] {'given' if fixed_costs else 'measured'} costs (s): drafter token {costs.drafter:.4f}, slim block {costs.slim:.4f}, "
+                f"full block {costs.full:.4f}, full token {costs.full_token:.4f}"
+            )
+        obj = make_objective(
+            objective,
+            rkl_alpha=rkl_alpha,
+            rkl_beta=rkl_beta,
+            costs=costs,
+            gamma=gamma,
+            alpha1=alpha1,
+            alpha2=alpha2,
+            rewrite=region_b == "rewrite",
+        )
+        result = search_mask(
+            vq,
+            ref,
+            ratio=ratio,
+            trials=trials,
+            objective=obj,
+            seed=seed,
+            theta=theta,
+            keep=keep,
+            rungs=rungs,
+            eta=eta,
+            progress=progress,
+            log=lambda m: print(m, file=sys.stderr),
+        )
         # the search's wall time: forward costs, trials, and the reference pass (once, on the first ratio)
         seconds = time.perf_counter() - t_ratio + (ref_s if ratio == ratios[0] else 0.0)
         extra: dict[str, Any] = {"command": command, "reference_seconds": round(ref_s, 3)}
         if held is not None:
             held_cal, held_ref = held
-            objs = [make_objective(n, rkl_alpha=rkl_alpha, rkl_beta=rkl_beta, costs=costs, gamma=gamma, alpha1=alpha1,
-                                   alpha2=alpha2, rewrite=region_b == "rewrite")
-                    for n in OBJECTIVES if n != "e2e" or costs is not None]
+            objs = [
+                make_objective(
+                    n,
+                    rkl_alpha=rkl_alpha,
+                    rkl_beta=rkl_beta,
+                    costs=costs,
+                    gamma=gamma,
+                    alpha1=alpha1,
+                    alpha2=alpha2,
+                    rewrite=region_b == "rewrite",
+                )
+                for n in OBJECTIVES
+                if n != "e2e" or costs is not None
+            ]
             extra["heldout"] = {
                 "calibration": held_cal.to_dict(),
                 "searched": evaluate_mask(vq, held_ref, result.mask, objs),
@@ -135,8 +176,17 @@ def run_dimr(
             }
             if costs is not None:
                 extra["heldout"]["costs"] = costs.to_dict()
-        art = build_artifact(result, vq, calib, seconds=seconds, cache_policy=cache_policy, verifier_name=verifier,
-                             drafter_name=drafter, dtype=dtype, extra=extra)
+        art = build_artifact(
+            result,
+            vq,
+            calib,
+            seconds=seconds,
+            cache_policy=cache_policy,
+            verifier_name=verifier,
+            drafter_name=drafter,
+            dtype=dtype,
+            extra=extra,
+        )
         path = save_artifact(art, _default_out(out, ratio, sweep))
         echo(f"\n## skip ratio {ratio:g}: {len(result.mask.skipped)} of {vq.num_layers} layers\n")
         echo(summary_table(result))
@@ -147,6 +197,12 @@ def run_dimr(
             ppath = _default_out(plot, ratio, sweep)
             echo(f"[dimr] plot {plot_trials(result, ppath.with_suffix('.png'))}")
         artifacts.append(art)
-        rows.append((f"{drafter or '-'} -> {verifier} (r={ratio:g}, {len(result.trials)} trials)", seconds, torch.get_num_threads()))
+        rows.append(
+            (
+                f"{drafter or '-'} -> {verifier} (r={ratio:g}, {len(result.trials)} trials)",
+                seconds,
+                torch.get_num_threads(),
+            )
+        )
     echo("\n" + table4(rows))
     return artifacts

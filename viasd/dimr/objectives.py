@@ -193,15 +193,29 @@ class E2EObjective(Objective):
         return sums["good"] / sums["cost"] if sums["cost"] else 0.0
 
     def params(self):
-        return {"gamma": self.gamma, "alpha1": self.alpha1, "alpha2": self.alpha2,
-                "region_b": "rewrite" if self.rewrite else "escalate", "costs": self.costs.to_dict()}
+        return {
+            "gamma": self.gamma,
+            "alpha1": self.alpha1,
+            "alpha2": self.alpha2,
+            "region_b": "rewrite" if self.rewrite else "escalate",
+            "costs": self.costs.to_dict(),
+        }
 
 
 OBJECTIVES = ("rkl", "kl", "tv", "top1", "e2e")
 
 
-def make_objective(name: str, *, rkl_alpha: float = 0.0, rkl_beta: float = 1.0, costs: Costs | None = None,
-                   gamma: int = 5, alpha1: float = 0.5, alpha2: float = 0.3, rewrite: bool = True) -> Objective:
+def make_objective(
+    name: str,
+    *,
+    rkl_alpha: float = 0.0,
+    rkl_beta: float = 1.0,
+    costs: Costs | None = None,
+    gamma: int = 5,
+    alpha1: float = 0.5,
+    alpha2: float = 0.3,
+    rewrite: bool = True,
+) -> Objective:
     """The objective called `name` (one of OBJECTIVES)."""
     if name == "rkl":
         return RKLObjective(rkl_alpha, rkl_beta)
@@ -218,16 +232,21 @@ def make_objective(name: str, *, rkl_alpha: float = 0.0, rkl_beta: float = 1.0, 
     raise InvalidParameterError("objective", f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVES)}")
 
 
-def measure_costs(verifier: MaskedLM, drafter: MaskedLM, mask: LayerMask, *, gamma: int = 5,
-                  context: int = 128, repeats: int = 5) -> Costs:
+def measure_costs(
+    verifier: MaskedLM, drafter: MaskedLM, mask: LayerMask, *, gamma: int = 5, context: int = 128, repeats: int = 5
+) -> Costs:
     """Wall time of the forwards a cycle makes, each after `context` cached positions.
 
     The four forwards are timed in interleaved rounds (after one warm-up round) and each cost is
     the minimum over `repeats` rounds: the least-disturbed figure on a shared machine.
     """
     ctx = torch.arange(context + gamma + 1) % verifier.vocab_size  # [context + gamma + 1]
-    kinds = {"drafter": (drafter, None, 1), "slim": (verifier, mask, gamma + 1),
-             "full": (verifier, None, gamma + 1), "full_token": (verifier, None, 1)}
+    kinds = {
+        "drafter": (drafter, None, 1),
+        "slim": (verifier, mask, gamma + 1),
+        "full": (verifier, None, gamma + 1),
+        "full_token": (verifier, None, 1),
+    }
     caches = {}
     for name, (lm, m, _) in kinds.items():
         caches[name] = lm.new_cache(m)
@@ -243,7 +262,9 @@ def measure_costs(verifier: MaskedLM, drafter: MaskedLM, mask: LayerMask, *, gam
     return Costs(**best)
 
 
-def evaluate_mask(verifier: MaskedLM, ref: Reference, mask: LayerMask, objectives: Sequence[Objective]) -> dict[str, Any]:
+def evaluate_mask(
+    verifier: MaskedLM, ref: Reference, mask: LayerMask, objectives: Sequence[Objective]
+) -> dict[str, Any]:
     """Every objective's value for one mask over the whole reference (one slim forward per sequence)."""
     sums: list[dict[str, float]] = [{} for _ in objectives]
     for i in range(len(ref.tokens)):

@@ -12,7 +12,9 @@ from viasd.dimr.search import SearchResult
 def summary_table(result: SearchResult, top: int = 5) -> str:
     """Markdown: the best masks, then the search's counts and times."""
     obj = result.objective
-    done = sorted((r for r in result.trials if r.value is not None and not r.duplicate), key=lambda r: obj.loss(r.value))
+    done = sorted(
+        (r for r in result.trials if r.value is not None and not r.duplicate), key=lambda r: obj.loss(r.value)
+    )
     lines = [
         f"| rank | trial | proposal | {obj.name} ({obj.direction}) | skipped layers |",
         "|---|---|---|---|---|",
@@ -68,7 +70,9 @@ def plot_trials(result: SearchResult, path: str | Path) -> Path:
         ax.axhline(result.baseline.value, color="grey", linestyle="--", label="evenly spaced")
     ax.set_xlabel("trial")
     ax.set_ylabel(f"{obj.name} ({obj.direction})")
-    ax.set_title(f"DIMR search, skip ratio {result.ratio:g} ({len(result.mask.skipped)} of {result.mask.num_layers} layers)")
+    ax.set_title(
+        f"DIMR search, skip ratio {result.ratio:g} ({len(result.mask.skipped)} of {result.mask.num_layers} layers)"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
@@ -77,15 +81,16 @@ def plot_trials(result: SearchResult, path: str | Path) -> Path:
     return path
 
 
-
-
 def heldout_table(held: dict[str, Any]) -> str:
     """Markdown: searched vs evenly spaced mask on held-out text, every objective."""
     s, e = held["searched"], held["evenly_spaced"]
     names = [n for n in ("top1", "rkl", "kl", "tv", "e2e") if n in s]
-    lines = [f"held-out: {held['calibration']['description']}", "",
-             "| mask | " + " | ".join(names) + (" | paper E[C] (s/token) |" if "e2e" in s else " |"),
-             "|---|" + "---|" * len(names) + ("---|" if "e2e" in s else "")]
+    lines = [
+        f"held-out: {held['calibration']['description']}",
+        "",
+        "| mask | " + " | ".join(names) + (" | paper E[C] (s/token) |" if "e2e" in s else " |"),
+        "|---|" + "---|" * len(names) + ("---|" if "e2e" in s else ""),
+    ]
     for label, row in (("searched", s), ("evenly spaced", e)):
         cells = [f"{row[n]:.4f}" for n in names]
         if "e2e" in row:

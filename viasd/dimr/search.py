@@ -55,8 +55,10 @@ class SearchResult:
         return sum(r.duplicate for r in self.trials)
 
     def __repr__(self) -> str:
-        return (f"SearchResult({self.objective.name}={self.value:.6g}, skipped={list(self.mask.skipped)}, "
-                f"trials={len(self.trials)}, pruned={self.num_pruned}, seconds={self.seconds:.1f})")
+        return (
+            f"SearchResult({self.objective.name}={self.value:.6g}, skipped={list(self.mask.skipped)}, "
+            f"trials={len(self.trials)}, pruned={self.num_pruned}, seconds={self.seconds:.1f})"
+        )
 
 
 def _rung_ends(lengths: Sequence[int], fractions: Sequence[float]) -> list[int]:
@@ -119,8 +121,9 @@ class MaskSearch:
         self.free = [i for i in range(self.num_layers) if i not in self.keep]
         self.k = num_skipped(s.ratio, self.num_layers)
         if self.k > len(self.free):
-            raise MaskError(f"cannot skip {self.k} of {self.num_layers} layers with layers {list(self.keep)} kept",
-                            field="ratio")
+            raise MaskError(
+                f"cannot skip {self.k} of {self.num_layers} layers with layers {list(self.keep)} kept", field="ratio"
+            )
         self.startup = s.theta if s.startup is None else s.startup
         self.space = math.comb(len(self.free), self.k)
         self.np, self.optuna = np, optuna
@@ -210,8 +213,9 @@ class MaskSearch:
             if n_done in self.ends:
                 r = self.ends.index(n_done)
                 loss = obj.loss(obj.value(sums))
-                earlier = sorted(obj.loss(p.rung_values[r]) for p in self.records
-                                 if not p.duplicate and len(p.rung_values) > r)
+                earlier = sorted(
+                    obj.loss(p.rung_values[r]) for p in self.records if not p.duplicate and len(p.rung_values) > r
+                )
                 rec.rung_values.append(obj.value(sums))
                 if len(earlier) >= s.min_rung_trials:
                     cutoff = earlier[max(0, math.ceil(len(earlier) / s.eta) - 1)]
@@ -256,8 +260,9 @@ class MaskSearch:
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=s.trials, desc=f"DIMR r={s.ratio:g} {self.objective.name}", file=sys.stderr,
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=s.trials, desc=f"DIMR r={s.ratio:g} {self.objective.name}", file=sys.stderr, dynamic_ncols=True
+            )
         t_start = time.perf_counter()
         for o in range(s.trials):
             rec = self.trial(o)
@@ -267,20 +272,38 @@ class MaskSearch:
                 bar.update(1)
             if log is not None:
                 state = "pruned" if rec.pruned else f"{rec.value:.5g}"
-                line = (f"trial {o:3d} {rec.proposal:6s} {state:>10s} {rec.seconds:6.1f}s best {best.value:.5g} "
-                        f"skipped {list(rec.skipped)}")
+                line = (
+                    f"trial {o:3d} {rec.proposal:6s} {state:>10s} {rec.seconds:6.1f}s best {best.value:.5g} "
+                    f"skipped {list(rec.skipped)}"
+                )
                 bar.write(line, file=sys.stderr) if bar is not None else log(line)
         if bar is not None:
             bar.close()
         seconds = time.perf_counter() - t_start
         settings = {
-            "theta": s.theta, "rungs": [sum(ref.lengths[:e]) / ref.num_tokens for e in self.ends], "eta": s.eta,
-            "min_rung_trials": s.min_rung_trials, "startup": self.startup, "explore": s.explore,
-            "include_evenly": s.include_evenly, "space": self.space, "calibration_tokens": ref.num_tokens,
+            "theta": s.theta,
+            "rungs": [sum(ref.lengths[:e]) / ref.num_tokens for e in self.ends],
+            "eta": s.eta,
+            "min_rung_trials": s.min_rung_trials,
+            "startup": self.startup,
+            "explore": s.explore,
+            "include_evenly": s.include_evenly,
+            "space": self.space,
+            "calibration_tokens": ref.num_tokens,
         }
         baseline = self.records[0] if s.include_evenly else None
-        return SearchResult(LayerMask.from_skipped(self.best.skipped, self.num_layers), self.best.value,
-                            self.objective, s.ratio, s.seed, self.records, seconds, self.keep, settings, baseline)
+        return SearchResult(
+            LayerMask.from_skipped(self.best.skipped, self.num_layers),
+            self.best.value,
+            self.objective,
+            s.ratio,
+            s.seed,
+            self.records,
+            seconds,
+            self.keep,
+            settings,
+            baseline,
+        )
 
 
 def search_mask(

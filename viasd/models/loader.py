@@ -19,8 +19,14 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "load_causal_lm", "load_tokenizer", "model_fingerprint", "resolve_model_dir",
-           "weights_fingerprint"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "load_causal_lm",
+    "load_tokenizer",
+    "model_fingerprint",
+    "resolve_model_dir",
+    "weights_fingerprint",
+]
 
 #: Files one of which a directory holds when it has a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -94,8 +100,10 @@ def load_causal_lm(
     dt = torch_dtype(concrete_dtype(dtype, device))
     path = resolve_model_dir(spec, dt)
     if not any(path.glob("*.safetensors")):
-        raise ModelLoadError(f"{path} has no *.safetensors weights; only safetensors are loaded (pickled "
-                             f"*.bin / *.pt weights can execute code: convert them with safetensors first)")
+        raise ModelLoadError(
+            f"{path} has no *.safetensors weights; only safetensors are loaded (pickled "
+            f"*.bin / *.pt weights can execute code: convert them with safetensors first)"
+        )
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:  # unknown model_type, malformed JSON, ...
@@ -108,7 +116,11 @@ def load_causal_lm(
         )
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, config=config, dtype=dt, attn_implementation="sdpa", use_safetensors=True,
+            path,
+            config=config,
+            dtype=dt,
+            attn_implementation="sdpa",
+            use_safetensors=True,
             trust_remote_code=trust_remote_code,
         )
         tokenizer = _tokenizer_at(path, trust_remote_code)
@@ -116,9 +128,7 @@ def load_causal_lm(
         raise ModelLoadError(f"cannot load model {spec!r} from {path}: {exc}") from exc
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None or len(layers) == 0:
-        raise ModelLoadError(
-            f"{type(model).__name__} ({model_type}) from {path} has no model.model.layers"
-        )
+        raise ModelLoadError(f"{type(model).__name__} ({model_type}) from {path} has no model.model.layers")
     model.to(device)
     model.eval()
     model.requires_grad_(False)

@@ -28,19 +28,34 @@ from viasd.metrics import MODELS, RequestStats, TokenLogprob
 from viasd.v1 import generation_pb2 as pb
 
 __all__ = [
-    "MODE_TO_PB", "FINISH_TO_PB", "params_to_proto", "params_from_proto", "params_values_from_proto",
-    "stats_to_proto", "stats_from_proto", "mode_from_proto", "finish_from_proto", "logprobs_to_proto",
+    "MODE_TO_PB",
+    "FINISH_TO_PB",
+    "params_to_proto",
+    "params_from_proto",
+    "params_values_from_proto",
+    "stats_to_proto",
+    "stats_from_proto",
+    "mode_from_proto",
+    "finish_from_proto",
+    "logprobs_to_proto",
     "logprobs_from_proto",
 ]
 
 MODE_TO_PB = {Mode.AR: pb.MODE_AR, Mode.SD: pb.MODE_SD, Mode.VIA: pb.MODE_VIA, Mode.AUTO: pb.MODE_AUTO}
 REGION_B_TO_PB = {RegionB.REWRITE: pb.REGION_B_REWRITE, RegionB.ESCALATE: pb.REGION_B_ESCALATE}
-PROPOSER_TO_PB = {Proposer.MODEL: pb.PROPOSER_MODEL, Proposer.NGRAM: pb.PROPOSER_NGRAM,
-                  Proposer.HYBRID: pb.PROPOSER_HYBRID}
+PROPOSER_TO_PB = {
+    Proposer.MODEL: pb.PROPOSER_MODEL,
+    Proposer.NGRAM: pb.PROPOSER_NGRAM,
+    Proposer.HYBRID: pb.PROPOSER_HYBRID,
+}
 RULE_TO_PB = {Rule.LOSSLESS: pb.RULE_LOSSLESS, Rule.LOSSY: pb.RULE_LOSSY, Rule.OVERSHOOT: pb.RULE_OVERSHOOT}
 LOGPROB_TIER_TO_PB = {LogprobTier.FULL: pb.LOGPROB_TIER_FULL, LogprobTier.SLIM: pb.LOGPROB_TIER_SLIM}
-FINISH_TO_PB = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
-                "abort": pb.FINISH_REASON_ABORT}
+FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
 _MODE_FROM_PB = {v: k for k, v in MODE_TO_PB.items()}
 _REGION_B_FROM_PB = {v: k for k, v in REGION_B_TO_PB.items()}
 _RULE_FROM_PB = {v: k for k, v in RULE_TO_PB.items()}
@@ -50,17 +65,49 @@ _FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
 
 # proto3 `optional` scalars of GenerationParams: presence says whether the client set them
 _OPTIONAL = (
-    "max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "gamma", "alpha1", "alpha2", "slim_bonus",
-    "lossy_alpha", "lossy_beta", "overshoot_ceiling", "ignore_eos", "ngram_max", "draft_confidence", "adaptive_gamma",
-    "overlap", "auto_lossy", "presence_penalty", "frequency_penalty", "repetition_penalty", "logprobs",
-    "prompt_logprobs", "n",
+    "max_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "seed",
+    "gamma",
+    "alpha1",
+    "alpha2",
+    "slim_bonus",
+    "lossy_alpha",
+    "lossy_beta",
+    "overshoot_ceiling",
+    "ignore_eos",
+    "ngram_max",
+    "draft_confidence",
+    "adaptive_gamma",
+    "overlap",
+    "auto_lossy",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logprobs",
+    "prompt_logprobs",
+    "n",
 )
 # RequestStats counters with the same name on both sides
 _STATS_INTS = (
-    "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "ngram_draft_tokens", "overlap_draft_tokens",
+    "prompt_tokens",
+    "generated_tokens",
+    "num_drafts",
+    "num_draft_tokens",
+    "ngram_draft_tokens",
+    "overlap_draft_tokens",
     "num_accepted_tokens",
-    "num_rejected_tokens", "num_bonus_tokens", "num_cycle_tokens", "slim_accepted", "slim_rewritten", "escalations",
-    "escalated_tokens", "full_accepted",
+    "num_rejected_tokens",
+    "num_bonus_tokens",
+    "num_cycle_tokens",
+    "slim_accepted",
+    "slim_rewritten",
+    "escalations",
+    "escalated_tokens",
+    "full_accepted",
 )
 
 
@@ -87,7 +134,8 @@ def params_to_proto(params: GenerationParams, only: Collection[str] | None = Non
         rule=RULE_TO_PB[params.rule] if "rule" in names else pb.RULE_UNSPECIFIED,
         proposer=PROPOSER_TO_PB[params.proposer] if "proposer" in names else pb.PROPOSER_UNSPECIFIED,
         stop_token_ids=list(params.stop_token_ids or ()) if "stop_token_ids" in names else [],
-        logprobs_tier=LOGPROB_TIER_TO_PB[params.logprobs_tier] if "logprobs_tier" in names
+        logprobs_tier=LOGPROB_TIER_TO_PB[params.logprobs_tier]
+        if "logprobs_tier" in names
         else pb.LOGPROB_TIER_UNSPECIFIED,
         stop=list(params.stop or ()) if "stop" in names else [],
     )
@@ -129,9 +177,16 @@ def params_values_from_proto(msg: pb.GenerationParams) -> dict:
 
 def logprobs_to_proto(entries: Sequence[TokenLogprob | None] | None) -> list[pb.TokenLogprob]:
     """TokenLogprob entries as messages (a None entry, the first prompt token's, is left out)."""
-    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, tier=e.tier,
-                            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top])
-            for e in entries or () if e is not None]
+    return [
+        pb.TokenLogprob(
+            token_id=e.token_id,
+            logprob=e.logprob,
+            tier=e.tier,
+            top=[pb.TopLogprob(token_id=t, logprob=lp) for t, lp in e.top],
+        )
+        for e in entries or ()
+        if e is not None
+    ]
 
 
 def logprobs_from_proto(msgs: Sequence[pb.TokenLogprob]) -> list[TokenLogprob]:

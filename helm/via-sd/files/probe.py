@@ -59,8 +59,11 @@ def check_model(args) -> None:
         import grpc
 
         with grpc.insecure_channel(f"127.0.0.1:{args.grpc_port}") as channel:
-            list_models = channel.unary_unary("/viasd.v1.GenerationService/ListModels",
-                                              request_serializer=lambda b: b, response_deserializer=lambda b: b)
+            list_models = channel.unary_unary(
+                "/viasd.v1.GenerationService/ListModels",
+                request_serializer=lambda b: b,
+                response_deserializer=lambda b: b,
+            )
             # an empty ListModelsRequest; Serve's gRPC proxy picks the application from the metadata
             list_models(b"", timeout=args.timeout, metadata=[("application", args.app)])
 
