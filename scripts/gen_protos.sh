@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Regenerate the committed gRPC stubs viasd/v1/*_pb2.py, *_pb2.pyi, *_pb2_grpc.py from protos/.
 #   bash scripts/gen_protos.sh          writes into the repository
-#   OUT=/tmp/x bash scripts/gen_protos.sh   writes into /tmp/x (tests/test_protos.py checks freshness this way)
+#   OUT=/tmp/x bash scripts/gen_protos.sh   writes into /tmp/x (tests/unit/test_protos.py checks freshness this way)
 # Needs grpcio-tools (the [dev] extra), pinned to the grpcio runtime's version.
 set -euo pipefail
 cd "$(dirname "$0")/.."

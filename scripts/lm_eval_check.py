@@ -12,7 +12,7 @@ them with a 400.
 
     python scripts/lm_eval_check.py --out docs/lm_eval.json   # starts its own in-process server
 
-`tests/test_front_end.py` runs `served_scores` / `in_process_scores` against its test server.
+`tests/integration/test_front_end.py` runs `served_scores` / `in_process_scores` against its test server.
 """
 
 from __future__ import annotations

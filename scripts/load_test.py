@@ -27,7 +27,7 @@ loopback port (admission: `--max-concurrent` decoding, the rest queued), then:
 
 Prints a summary and writes every figure to `--out` (JSON). Exit status 1 if any request was
 lost or wrong, or anything was left open. The test suite runs the same `run_load` with 8 streams
-(tests/test_reliability.py).
+(tests/integration/test_reliability.py).
 """
 
 from __future__ import annotations

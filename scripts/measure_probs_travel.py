@@ -74,7 +74,7 @@ TABLE_HEADER = (
 
 
 def markdown_table(results: dict) -> str:
-    """The figures as docs/SERVING.md shows them (tests/test_docs_figures.py checks the page)."""
+    """The figures as docs/SERVING.md shows them (tests/unit/test_docs_figures.py checks the page)."""
     lines = [TABLE_HEADER, "|" + " --- |" * (TABLE_HEADER.count(" | ") + 1)]
     for name, row in results["settings"].items():
         for encoding in ("dense", "bfloat16", "sparse"):

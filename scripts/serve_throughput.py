@@ -398,7 +398,7 @@ TABLE_HEADER = (
 
 
 def markdown_table(results: dict, in_process: bool = True) -> str:
-    """The figures of a results file as the table docs/SERVING.md shows (tests/test_docs_figures.py
+    """The figures of a results file as the table docs/SERVING.md shows (tests/unit/test_docs_figures.py
     checks that the page's table is this one); `in_process=False` leaves the in-process runs out."""
     runs = {
         (r["system"], r["mode"], r["concurrency"]): r

@@ -22,10 +22,12 @@ must produce exactly these tokens:
 * a rewrite, a slim bonus or an `ar` step: one `Sampler.sample` on the verifier's stream.
 
 The shared cache policy is not modelled: this decoder has no caches (see
-tests/test_reference_decoder.py for what is proved about `shared`).
+tests/unit/test_reference_decoder.py for what is proved about `shared`).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import Tensor
@@ -241,3 +243,15 @@ def reference_decode(
         seq += new
         out += new
     return out
+
+
+def physically_removed(model, mask: LayerMask):
+    """A deep copy of `model` whose skipped decoder layers are deleted (re-indexed for its cache)."""
+    m = copy.deepcopy(model)
+    m.model.layers = torch.nn.ModuleList([m.model.layers[i] for i in mask.kept])
+    for j, layer in enumerate(m.model.layers):
+        layer.self_attn.layer_idx = j
+    m.config.num_hidden_layers = len(mask.kept)
+    if getattr(m.config, "layer_types", None) is not None:
+        m.config.layer_types = [m.config.layer_types[i] for i in mask.kept]
+    return m

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime import physically_removed
+from reference import physically_removed
 
 from viasd.config import parse_params
 from viasd.engine import Engine

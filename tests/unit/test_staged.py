@@ -5,7 +5,7 @@
 * sampled: the first committed token and the second token's marginal follow q (chi-square over
   4,000 requests decoded 16 rows a step), and the same statistic rejects q' and p;
 * the rule is refused outside mode `via`, naming the field.
-(A request's output in a batch equals its output alone: tests/test_batching.py, REQUESTS.)
+(A request's output in a batch equals its output alone: tests/unit/test_batching.py, REQUESTS.)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from viasd.v1.convert import (
     stats_to_proto,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_committed_stubs_are_fresh(tmp_path):

@@ -37,7 +37,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def models_dir(tmp_path_factory):
     """A 20-layer cut of SmolLM2-135M (the drafter) as an HF directory."""
-    from test_runtime import physically_removed
+    from reference import physically_removed
 
     from viasd.models import embedded
     from viasd.models.loader import load_causal_lm
@@ -554,7 +554,7 @@ def test_stop_strings_hold_back_a_possible_prefix():
 def test_serve_yaml_loads_and_names_bad_fields(tmp_path):
     from viasd.cluster.app import app_builder, deployment_options
 
-    here = os.path.join(os.path.dirname(__file__), "..", "cluster", "serve.yaml")
+    here = os.path.join(os.path.dirname(__file__), "..", "..", "cluster", "serve.yaml")
     config = load_serve_config(here)
     assert config.default_pipeline == config.pipelines[0].name
     opts = deployment_options(config)

@@ -537,7 +537,7 @@ def test_lm_eval_clients_score_the_served_model_as_the_in_process_engine(http, h
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
     from lm_eval_check import in_process_scores, served_scores, task_dir
 
     tasks = task_dir(tmp_path / "tasks")

@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from conftest import tiny_model
+from reference import physically_removed
 
 from viasd.errors import MaskError, ModelLoadError
 from viasd.runtime import LayerMask, MaskedLM, SlotKVCache
-
-
-def physically_removed(model, mask: LayerMask):
-    """A deep copy of `model` whose skipped decoder layers are deleted (re-indexed for its cache)."""
-    m = copy.deepcopy(model)
-    m.model.layers = torch.nn.ModuleList([m.model.layers[i] for i in mask.kept])
-    for j, layer in enumerate(m.model.layers):
-        layer.self_attn.layer_idx = j
-    m.config.num_hidden_layers = len(mask.kept)
-    if getattr(m.config, "layer_types", None) is not None:
-        m.config.layer_types = [m.config.layer_types[i] for i in mask.kept]
-    return m
-
 
 MASKS = [(), (0,), (2, 3), (0, 2, 4), (1, 2, 3, 4), (5,)]
 

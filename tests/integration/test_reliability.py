@@ -34,7 +34,7 @@ from viasd.v1 import generation_pb2_grpc
 from viasd.v1.convert import params_to_proto, stats_from_proto
 
 TIMEOUT_S = 120
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60] * 12, [7, 8, 9, 10, 11], [30, 31, 40, 41, 50, 51, 60]]
 LONG = 400  # tokens: long enough to still be running when a fault is injected between two cycles
 

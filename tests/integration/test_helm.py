@@ -27,7 +27,7 @@ import pytest
 import yaml
 from referencing import Registry, Resource
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "via-sd"
 PRESETS = ["values-llama2-70b.yaml", "values-qwen-72b.yaml", "values-cpu-demo.yaml"]
 KUBE_VERSION = "1.30"  # the oldest Kubernetes the schemas are checked against (Chart.yaml: >= 1.25)
