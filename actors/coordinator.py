@@ -1,5 +1,5 @@
 """The coordinator: owns request state and drives engine steps across the drafter and the
-verifier services over gRPC (DESIGN.md, "Distributed shape"; docs/SERVING.md, "Batching").
+verifier services over gRPC (docs/ARCHITECTURE.md, "Distributed shape"; docs/SERVING.md, "Batching").
 
 A request, with the same code for the limits as in-process (`viasd.engine.check_request`,
 `RequestLimits`, `request_seeds`):

@@ -1,4 +1,4 @@
-"""One pipeline = drafter actor + tensor-parallel verifier group + coordinator (DESIGN.md).
+"""One pipeline = drafter actor + tensor-parallel verifier group + coordinator (docs/ARCHITECTURE.md, "Distributed shape").
 
     pipeline = await Pipeline.start(PipelineConfig(engine=EngineConfig(...), tp_size=2))
     async for chunk in pipeline.coordinator.generate("req-1", prompt_ids, params): ...

@@ -7,7 +7,7 @@
    official `openai` client, streaming, and compares the served tokens with the in-process
    engine (`viasd.llm.LLM` on cuda:0, unsharded, same dtype).
    With TP=1 they must be equal. With TP>1 in bf16 the sharded sums round differently from the
-   unsharded ones, so near-ties may flip (DESIGN.md, "Exactness and precision"): the check then
+   unsharded ones, so near-ties may flip (docs/ARCHITECTURE.md, "Exactness and precision"): the check then
    requires the first --tp-prefix tokens to agree and reports full agreement; --dtype float32
    makes it exact again. `sd:overlap=true` is checked the same way: the drafter actor drafts the
    next block on its own GPU share while the verifier verifies (issue 9; tokens must not change).

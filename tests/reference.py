@@ -4,7 +4,7 @@ the engine's decision code.
 The gate (r = q'(x) / max q', regions by alpha1 / alpha2), the three acceptance rules (lossless,
 lossy, overshoot ceiling: acceptance probability and residual), the verification of a block, the
 n-gram lookup, the adaptive block length, the confidence stop and the drafting ahead of `overlap`
-are written again here in a few lines each, from their definitions in DESIGN.md and in the
+are written again here in a few lines each, from their definitions in docs/ARCHITECTURE.md and in the
 docstrings of viasd/rules.py and viasd/proposers.py — so that a bug in viasd/rules.py,
 viasd/proposers.py or viasd/engine.py makes the engine part from this decoder. Only the logits
 processing (temperature, top-k, top-p) is taken from `viasd.sampling.Sampler`.

@@ -60,7 +60,7 @@ class Proposer(str, Enum):
 
 
 class CachePolicy(str, Enum):
-    """How the slim verifier q' keeps its keys/values (DESIGN.md, "Caches")."""
+    """How the slim verifier q' keeps its keys/values (docs/ARCHITECTURE.md, "Caches")."""
 
     SEPARATE = "separate"  # q' has its own cache for the kept layers: an exact sub-model
     SHARED = "shared"  # q' writes into q's cache slots; q overwrites them when it escalates

@@ -12,7 +12,7 @@ Two kinds of rule live here:
        A accept    r >= alpha1
        B rewrite   alpha2 <= r < alpha1      (commit a token from q' instead)
        C escalate  r < alpha2                (hand the position to the full verifier q)
-   Design choice (documented in DESIGN.md): the paper writes the gates as (1-alpha1) M and
+   Design choice (documented in docs/ARCHITECTURE.md, "The decode cycle"): the paper writes the gates as (1-alpha1) M and
    (1-alpha2) M with alpha2 < alpha1 (appendix B.2), which makes region B empty and lets A and C
    overlap; its ablations (appendix H.2: raising alpha2 raises reliance on q, raising alpha1 makes
    the early gate stricter) only hold for thresholds on r directly, as above. At the default

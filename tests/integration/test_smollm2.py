@@ -1,7 +1,7 @@
 """The engine on a real model: SmolLM2-135M-Instruct (LLaMA architecture) from its PyPI package.
 
 Run in float64 (upcast from the float32 conversion) so that exactness is not at the mercy of
-ties between batched and step-by-step forwards (DESIGN.md, "Exactness and precision").
+ties between batched and step-by-step forwards (docs/ARCHITECTURE.md, "Exactness and precision").
 """
 
 from __future__ import annotations

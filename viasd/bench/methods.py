@@ -194,7 +194,7 @@ def matched_baseline(method: Method, base: GenerationParams) -> Method | None:
     The gate accepts a draft token x when q'(x) / max q' >= alpha1: the allowed set is min-p's
     with p_base = alpha1 (applied after the request's own truncation, so a request min-p m gives
     max(m, alpha1)). The issue text writes min-p = 1 - alpha1 (the paper's (1 - alpha) M form of
-    the gate, DESIGN.md); the two agree at the default alpha1 = 0.5, and this module follows the
+    the gate, docs/ARCHITECTURE.md); the two agree at the default alpha1 = 0.5, and this module follows the
     gate as implemented. At temperature 0 min-p changes nothing (the argmax is always kept), so
     the matched baseline decodes exactly like `ar`; it matters for sampled runs.
     """
@@ -305,14 +305,14 @@ def ablation_groups() -> list[Group]:
             "Slim-verifier cache policy",
             "bar",
             ("via", "via:cache_policy=shared"),
-            paper="DESIGN.md, Caches",
+            paper="ARCHITECTURE.md, Caches",
         ),
         Group(
             "bonus",
             "Bonus token from q' after a fully accepted block",
             "bar",
             ("via", "via:slim_bonus=true"),
-            paper="DESIGN.md, decode cycle step 3",
+            paper="ARCHITECTURE.md, The decode cycle",
         ),
         # issue 20: the project's reading of the gates (thresholds on r, region B rewrites), the
         # paper's appendix B.1 read literally (accept iff r >= 0.7, else escalate), and the staged

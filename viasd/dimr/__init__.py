@@ -72,7 +72,7 @@ per-token expected cost (appendix B.3), with delta_1 = 1{A}, delta_2 = 1{C} for 
 Teacher forcing is an approximation: positions after a draft token that differs from the text
 condition on the text, not on the draft.
 
-Cache policies (DESIGN.md, "Caches"); masks are scored under the policy the service uses:
+Cache policies (docs/ARCHITECTURE.md, "Caches"); masks are scored under the policy the service uses:
 
 * separate: q' has its own cache of the kept layers, so q'_z over the text is one masked forward;
 * shared:   q' writes into q's cache slots; older positions carry q's keys/values. Emulated as
