@@ -198,7 +198,7 @@ def retries(caplog) -> list[str]:
 
 def test_client_imports_neither_torch_nor_ray():
     code = (
-        "import sys, viasd.client, viasd.client.cli\n"
+        "import sys, viasd.client, viasd.client.console\n"
         "print([m for m in ('torch', 'ray', 'transformers', 'numpy') if m in sys.modules])"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -763,7 +763,7 @@ def test_server_security_settings(tmp_path, monkeypatch, certs):
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     script = Path(sys.executable).with_name("viasd-client")  # the console script pyproject installs
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "viasd.client.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "viasd.client.console"]
     return subprocess.run(
         [*cmd, *args], capture_output=True, text=True, timeout=TIMEOUT_S, env={**os.environ, **(env or {})}
     )
@@ -798,7 +798,7 @@ def test_cli_generate_models_health_json(target, llm):
 
 
 def test_cli_in_process(target, certs, servers, servicer, capsys, tmp_path, monkeypatch):
-    from viasd.client.cli import main
+    from viasd.client.console import main
 
     assert main(["--target", target, "--json", "models"]) == 0
     assert json.loads(capsys.readouterr().out)["models"][0]["name"] == "tiny"

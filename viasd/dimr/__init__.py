@@ -89,7 +89,7 @@ versioned JSON artifact (`build_artifact`, `MaskArtifact`) tied to the verifier 
 Modules, one job each: `space` (how many layers, which are free), `calibration` (the text),
 `reference` (q's log-probabilities once; q'_z under a cache policy), `objectives` (RKL, KL, TV,
 top-1, e2e), `search` (`MaskSearch`: proposals, successive halving), `artifact` (the versioned
-JSON, the fingerprint check, shipped masks), `report` (tables, plots), `cli` (`run_dimr`, the
+JSON, the fingerprint check, shipped masks), `report` (tables, plots), `run` (`run_dimr`, the
 `viasd dimr` command). This package re-exports their public names.
 """
 
@@ -113,10 +113,6 @@ from viasd.dimr.calibration import (  # noqa: F401
     file_calibration,
     humaneval_calibration,
     token_calibration,
-)
-from viasd.dimr.cli import (  # noqa: F401
-    _default_out,
-    run_dimr,
 )
 from viasd.dimr.objectives import (  # noqa: F401
     OBJECTIVES,
@@ -143,6 +139,10 @@ from viasd.dimr.report import (  # noqa: F401
     plot_trials,
     summary_table,
     table4,
+)
+from viasd.dimr.run import (  # noqa: F401
+    _default_out,
+    run_dimr,
 )
 from viasd.dimr.search import (  # noqa: F401
     MaskSearch,
