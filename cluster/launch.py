@@ -21,6 +21,10 @@ from viasd.cluster import drain as draining
 from viasd.cluster.app import build_app, grpc_options, http_options
 from viasd.cluster.serve_config import ServeConfig
 
+#: After a drain, the seconds the proxies get to forward the last bytes of the streams that ended
+#: (an `abort` chunk and [DONE]) before the applications are deleted.
+FLUSH_GRACE_S = 0.5
+
 
 @dataclass
 class Endpoints:
@@ -143,6 +147,7 @@ def serve_forever(config: ServeConfig) -> int:
             pass
         print(f"[viasd] draining for up to {config.limits.drain_timeout_s:g}s", file=sys.stderr, flush=True)
         result = drain(config)
+        time.sleep(FLUSH_GRACE_S)
         aborted = sum(result["reports"].values())
         print(
             f"[viasd] drained {len(result['reports'])} replica(s), {aborted} request(s) aborted"

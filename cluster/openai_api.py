@@ -422,42 +422,44 @@ def build_http_app():
         base = {"id": job.id, "created": job.created, "model": job.model}
         obj = "chat.completion.chunk" if chat else "text_completion"
         try:
-            if chat:  # the first chunk announces the role, as OpenAI does
-                yield sse(
-                    {
-                        **base,
-                        "object": obj,
-                        "choices": [
-                            {
-                                "index": 0,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    }
-                )
-            async for piece in job:
-                choice = {"index": 0, "logprobs": None, "finish_reason": piece.finish_reason}
-                if chat:
-                    choice["delta"] = {"content": piece.text} if piece.text or not piece.finish_reason else {}
-                else:
-                    choice["text"] = piece.text
-                if body.return_token_ids:
-                    choice["token_ids"] = piece.token_ids
-                chunk = {**base, "object": obj, "choices": [choice]}
-                if piece.finish_reason:
-                    chunk["usage"] = usage(piece.stats)
-                    chunk["viasd_stats"] = piece.stats
-                yield sse(chunk)
-            if body.stream_options is not None and body.stream_options.include_usage:
-                yield sse({**base, "object": obj, "choices": [], "usage": usage(job.stats)})
-        except Exception as exc:  # after the headers: report in-band, like OpenAI's streaming errors
-            err = await job.fail(exc)
-            yield sse(error_body(err.status, str(err), err.field, err.kind.openai_type))
+            try:
+                if chat:  # the first chunk announces the role, as OpenAI does
+                    yield sse(
+                        {
+                            **base,
+                            "object": obj,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                async for piece in job:
+                    choice = {"index": 0, "logprobs": None, "finish_reason": piece.finish_reason}
+                    if chat:
+                        choice["delta"] = {"content": piece.text} if piece.text or not piece.finish_reason else {}
+                    else:
+                        choice["text"] = piece.text
+                    if body.return_token_ids:
+                        choice["token_ids"] = piece.token_ids
+                    chunk = {**base, "object": obj, "choices": [choice]}
+                    if piece.finish_reason:
+                        chunk["usage"] = usage(piece.stats)
+                        chunk["viasd_stats"] = piece.stats
+                    yield sse(chunk)
+                if body.stream_options is not None and body.stream_options.include_usage:
+                    yield sse({**base, "object": obj, "choices": [], "usage": usage(job.stats)})
+            except Exception as exc:  # after the headers: report in-band, like OpenAI's streaming errors
+                err = await job.fail(exc)
+                yield sse(error_body(err.status, str(err), err.field, err.kind.openai_type))
+            # [DONE] goes out while the request still counts as in flight: a drain waits for it
+            yield sse("[DONE]")
         finally:
             await job.aclose()
-        yield sse("[DONE]")
 
     async def _whole(job: Job, chat: bool, body: BaseModel) -> dict:
         text, ids, finish = [], [], None
