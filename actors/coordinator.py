@@ -50,10 +50,11 @@ from viasd.actors.rpc import InternalTLS, open_channel
 from viasd.config import GenerationParams, Mode
 from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, resolve_seed
 from viasd.errors import InvalidParameterError, ViaSDError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
+from viasd.sessions import sample_seed
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
-from viasd.v1.convert import params_to_proto, stats_from_proto
+from viasd.v1.convert import logprobs_from_proto, params_to_proto, stats_from_proto
 
 log = logging.getLogger("viasd.actors.coordinator")
 
@@ -115,6 +116,9 @@ class _Request:
     asked: asyncio.Future | None = None  # the consumer waits for this chunk (or error): join the next step
     stepping: asyncio.Future | None = None  # done when the step this request takes part in has ended
     left: bool = False  # finished, failed or abandoned: in no later step
+    index: int = 0  # which sample of an n > 1 request
+    stopped: bool = False  # ended early by stop_sample
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # for its first chunk (params.prompt_logprobs)
 
 
 class Coordinator:
@@ -145,7 +149,8 @@ class Coordinator:
         self.on_unavailable = on_unavailable
         self.batch_wait_s = batch_wait_s  # how long a step waits for the last step's rows to ask again
         self.totals = RpcTotals()
-        self._active: dict[str, _Request] = {}
+        self._active: dict[str, _Request] = {}  # by the id the backends know (a sample's: "<id>#<i>")
+        self._groups: dict[str, list[_Request]] = {}  # a request's samples, by its id
         self._rows: list[_Request] = []  # opened requests that may join a step
         self._wake: asyncio.Event | None = None  # a request asked for its next chunk
         self._driver: asyncio.Task | None = None
@@ -162,7 +167,12 @@ class Coordinator:
         self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams
     ) -> AsyncIterator[Chunk]:
         """Stream the committed tokens of one request; the last chunk has the finish reason and the
-        merged stats. Cancelling the consumer (or `aclose()`) closes both sessions."""
+        merged stats. Cancelling the consumer (or `aclose()`) closes both sessions.
+
+        n > 1: n samples, sample i seeded `sample_seed(seed, i)` as in-process; samples 1..n-1 open
+        after sample 0 and copy its prefill on both sides (`OpenRequest.prefill_from`), then all n
+        step as rows of the batch. Their chunks interleave as steps commit them (`chunk.index` says
+        whose; each sample's last chunk has its stats); `stop_sample` ends one early."""
         prompt = check_request(
             prompt_ids,
             params,
@@ -176,57 +186,84 @@ class Coordinator:
                 "mode 'auto' runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
                 "serves 'ar', 'sd' and 'via'",
             )
-        for field, asked in (
-            ("logprobs", params.logprobs is not None),
-            ("prompt_logprobs", params.prompt_logprobs is not None),
-            ("n", params.n > 1),
-        ):
-            if asked:  # the engine computes them; the actors do not send them back yet: refused, not dropped
-                raise InvalidParameterError(
-                    field,
-                    f"{field} runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
-                    "does not return it yet",
-                )
         if params.mode != Mode.AR and self.drafter_address is None:  # (the n-gram proposer runs on the drafter too)
             raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs the pipeline's drafter; it has none")
         if not request_id:
             raise InvalidParameterError("request_id", "must not be empty")
-        if request_id in self._active:
+        samples = [params]
+        if params.n > 1:
+            seed = resolve_seed(params)
+            samples = [params.model_copy(update={"n": 1, "seed": sample_seed(seed, i)}) for i in range(params.n)]
+        ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        if request_id in self._groups or any(i in self._active for i in ids):
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         self._connect()
-        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        limits = RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats)
-        req = _Request(
-            request_id,
-            params,
-            limits,
-            len(prompt),
-            drafted=params.mode != Mode.AR,
-            verifier=self._verifier,
-            drafter=self._drafter,
-        )
-        self._active[request_id] = req
+        reqs = [self._new_request(i, sample, len(prompt), index) for index, (i, sample) in enumerate(zip(ids, samples))]
+        self._groups[request_id] = reqs
+        self._active.update((r.request_id, r) for r in reqs)
         self.totals.requests += 1
+        pending: dict[_Request, asyncio.Future] = {}  # sample -> its next chunk
         try:
-            await self._open(req, prompt)
-            self._rows.append(req)  # it joins the next step
-            while True:
-                chunk = await self._next(req)
-                if chunk.finished:
-                    self._merge(stats, req)
-                yield chunk
-                if chunk.finished:
-                    return
+            await self._open(reqs[0], prompt)
+            if len(reqs) > 1:  # the others copy sample 0's prefill (it stays open until they are)
+                await asyncio.gather(*(self._open(r, prompt, prefill_from=reqs[0].request_id) for r in reqs[1:]))
+            self._rows.extend(reqs)  # they join the next step
+            pending = {r: asyncio.ensure_future(self._next(r)) for r in reqs}
+            while pending:
+                await asyncio.wait(pending.values(), return_when=asyncio.FIRST_COMPLETED)
+                for r in [r for r, f in pending.items() if f.done()]:  # in sample order
+                    chunk = pending.pop(r).result()
+                    if r.stopped:  # ended by stop_sample: nothing more of it
+                        continue
+                    chunk.index = r.index
+                    if r.prompt_logprobs is not None:  # each sample's first chunk scores the prompt
+                        chunk.prompt_logprobs, r.prompt_logprobs = r.prompt_logprobs, None
+                    if chunk.finished:
+                        self._merge(r)
+                    else:
+                        pending[r] = asyncio.ensure_future(self._next(r))
+                    yield chunk
         finally:
             # finished, cancelled, failed or abandoned: leave the batch, free both sides' caches.
             # After the last chunk, so that a Close queued behind other requests' forwards does not
             # delay it; a consumer iterating to the end (or `aclose()`) sees the sessions closed. The
-            # id stays taken until both Close calls are done (even when this task is cancelled
-            # meanwhile), so that a new request reusing it cannot meet the old session on a backend.
-            self._leave(req)
-            closing = asyncio.ensure_future(self._close(req))
-            closing.add_done_callback(lambda _: self._active.pop(request_id, None))
+            # ids stay taken until every Close call is done (even when this task is cancelled
+            # meanwhile), so that a new request reusing one cannot meet the old session on a backend.
+            for future in pending.values():
+                future.cancel()
+            for r in reqs:
+                self._leave(r)
+            closing = asyncio.ensure_future(asyncio.gather(*(self._close(r) for r in reqs)))
+            closing.add_done_callback(lambda _: self._forget(request_id, reqs))
             await asyncio.shield(closing)
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """End one sample of a running request early (a stop string in its text): it leaves the
+        batch and its stream yields nothing more of it; its sessions close with the request's."""
+        reqs = self._groups.get(request_id, ())
+        if 0 <= index < len(reqs):
+            r = reqs[index]
+            r.stopped = True
+            self._leave(r)
+            _settle(r.asked, Chunk([], "abort"))
+
+    def _new_request(self, request_id: str, params: GenerationParams, prompt_len: int, index: int) -> _Request:
+        stats = RequestStats(mode=params.mode.value, prompt_tokens=prompt_len)
+        return _Request(
+            request_id,
+            params,
+            RequestLimits(params, prompt_len, self.max_context, self.eos_token_ids, stats),
+            prompt_len,
+            drafted=params.mode != Mode.AR,
+            verifier=self._verifier,
+            drafter=self._drafter,
+            index=index,
+        )
+
+    def _forget(self, request_id: str, reqs: list[_Request]) -> None:
+        self._groups.pop(request_id, None)
+        for r in reqs:
+            self._active.pop(r.request_id, None)
 
     async def close(self) -> None:
         """Stop the step driver and close the channels (requests still running fail)."""
@@ -267,7 +304,11 @@ class Coordinator:
 
     async def _next(self, req: _Request) -> Chunk:
         """The request's next chunk: it joins the next step (a cycle only starts when the consumer
-        asks for it, as for a request alone)."""
+        asks for it, as for a request alone). One with nothing to generate (max_tokens 0: prompt
+        logprobs only) ends at once."""
+        if req.limits.remaining <= 0:
+            self._leave(req)
+            return req.limits.chunk([])
         req.asked = asyncio.get_running_loop().create_future()
         if self._wake is None:
             self._wake = asyncio.Event()
@@ -369,7 +410,9 @@ class Coordinator:
                 self.totals.cycles += 1
                 tokens = list(result.outcome.tokens)
                 r.seq_len += len(tokens)
-                chunk = r.limits.chunk(tokens)
+                chunk = r.limits.chunk(
+                    tokens, logprobs_from_proto(result.logprobs) if r.params.logprobs is not None else None
+                )
                 if chunk.finished:
                     self._leave(r)
                 _settle(r.asked, chunk)
@@ -419,12 +462,14 @@ class Coordinator:
 
     # ---------------------------------------------------------------- open, fall back, close
 
-    async def _open(self, req: _Request, prompt: list[int]) -> None:
+    async def _open(self, req: _Request, prompt: list[int], prefill_from: str = "") -> None:
         draft_seed, verify_seed = request_seeds(resolve_seed(req.params))
         params = params_to_proto(req.params)  # fully resolved: both sides see the same request
 
         def open_request(seed: int) -> ipb.OpenRequest:
-            return ipb.OpenRequest(request_id=req.request_id, prompt_token_ids=prompt, params=params, seed=seed)
+            return ipb.OpenRequest(
+                request_id=req.request_id, prompt_token_ids=prompt, params=params, seed=seed, prefill_from=prefill_from
+            )
 
         calls = [self._call(req.verifier, "verifier", "Open", open_request(verify_seed))]
         if req.drafted:
@@ -433,11 +478,17 @@ class Coordinator:
         req.opening = asyncio.ensure_future(asyncio.gather(*calls, return_exceptions=True))
         results = await asyncio.shield(req.opening)
         self._opened(req, results)
+        if req.verifier_open:  # each side's counters so far (its prefill), until its first step
+            req.verifier_stats = results[0].stats
+        if req.drafter_open:
+            req.drafter_stats = results[1].stats
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, BackendError):
                 raise result
         if not req.verifier_open:
             raise results[0]
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None, *logprobs_from_proto(results[0].prompt_logprobs)]
         if req.drafted and not req.drafter_open:
             self._fall_back(req, results[1])
 
@@ -475,8 +526,9 @@ class Coordinator:
         req.verifier_open = req.drafter_open = False
 
     @staticmethod
-    def _merge(stats: RequestStats, req: _Request) -> None:
+    def _merge(req: _Request) -> None:
         """The request's stats: its own fields (tokens, times, finish) plus both sides' counters."""
+        stats = req.limits.stats
         for side in (req.drafter_stats, req.verifier_stats):
             if side is not None:
                 stats.add_counters(stats_from_proto(side))

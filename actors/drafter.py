@@ -72,9 +72,12 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         if params.proposer != Proposer.NGRAM:  # a row of the shared cache; a private one when all are taken
             row = free_row(self.store) or self.lm.new_cache()
         session = DraftSession(self.lm, prompt, params, request.seed, stats, cache=row)
-        await self._work.submit(session.prefill)  # the prompt but its last token, as in-process
+        if request.prefill_from:  # a sample of an n > 1 request: copy sample 0's prefill
+            await self._work.submit(session.copy_prefill, self._session(request.prefill_from))
+        else:
+            await self._work.submit(session.prefill)  # the prompt but its last token, as in-process
         self.sessions[request.request_id] = session
-        return ipb.OpenResponse(request_id=request.request_id)
+        return ipb.OpenResponse(request_id=request.request_id, stats=stats_to_proto(stats))
 
     @rpc
     async def Propose(self, request: ipb.ProposeRequest, context) -> ipb.ProposeResponse:

@@ -47,12 +47,12 @@ from viasd.actors.rpc import (
 from viasd.config import CachePolicy, EngineConfig, GenerationParams, Proposer
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import drive, uses_slim
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
-from viasd.v1.convert import params_from_proto, stats_to_proto
+from viasd.v1.convert import logprobs_to_proto, params_from_proto, stats_to_proto
 
 log = logging.getLogger("viasd.actors.verifier")
 
@@ -77,9 +77,14 @@ class VerifierCore:
         self.sessions: dict[str, VerifySession] = {}
         self.work = InOrder("verifier")
 
-    def open(self, request_id: str, prompt: list[int], params: GenerationParams, seed: int) -> None:
+    def open(
+        self, request_id: str, prompt: list[int], params: GenerationParams, seed: int, prefill_from: str = ""
+    ) -> tuple[list[TokenLogprob | None] | None, ipb.RequestStats]:
+        """Open a request's session and prefill it (or copy the prefill of the open session
+        `prefill_from`, same prompt: the samples of an n > 1 request); its prompt logprobs and stats."""
         if request_id in self.sessions:
             raise InvalidParameterError("request_id", f"{request_id!r} is already open on the verifier")
+        leader = self._session(prefill_from) if prefill_from else None
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
         slim = None  # rows of the shared caches; private ones when every row is taken
         if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
@@ -88,8 +93,12 @@ class VerifierCore:
         session = VerifySession(
             self.lm, self.mask, self.cache_policy, prompt, params, seed, stats, full_cache=full, slim_cache=slim
         )
-        session.prefill()  # the prompt but its last token, as the in-process scheduler prefills it
+        if leader is not None:
+            session.copy_prefill(leader)
+        else:
+            session.prefill()  # the prompt but its last token, as the in-process scheduler prefills it
         self.sessions[request_id] = session
+        return session.prompt_logprobs, stats_to_proto(session.stats)
 
     def verify(self, rows: list[tuple[str, list[int], bytes | None]], with_stats: bool = False) -> list:
         """One step: check every row's draft block (decode one token where the draft is empty),
@@ -166,6 +175,9 @@ def _comparable(op: str, result):
         return [
             repr(r.error) if isinstance(r, RowFailed) else (list(r[0].tokens), r[0].num_draft_accepted) for r in result
         ]
+    if op == "open":  # prompt logprobs: floats, compared through the tokens they score
+        scored, _ = result
+        return None if scored is None else [e and e.token_id for e in scored]
     return result
 
 
@@ -207,8 +219,10 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
     @rpc
     async def Open(self, request: ipb.OpenRequest, context) -> ipb.OpenResponse:
         params = params_from_proto(request.params)
-        await self._lockstep("open", request.request_id, list(request.prompt_token_ids), params, request.seed)
-        return ipb.OpenResponse(request_id=request.request_id)
+        scored, stats = await self._lockstep(
+            "open", request.request_id, list(request.prompt_token_ids), params, request.seed, request.prefill_from
+        )
+        return ipb.OpenResponse(request_id=request.request_id, prompt_logprobs=logprobs_to_proto(scored), stats=stats)
 
     @rpc
     async def Verify(self, request: ipb.VerifyRequest, context) -> ipb.VerifyResponse:
@@ -226,7 +240,12 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
             else:
                 outcome, stats = result
                 answers.append(
-                    ipb.VerifyResponse(request_id=row.request_id, outcome=outcome_to_proto(outcome), stats=stats)
+                    ipb.VerifyResponse(
+                        request_id=row.request_id,
+                        outcome=outcome_to_proto(outcome),
+                        stats=stats,
+                        logprobs=logprobs_to_proto(outcome.logprobs),
+                    )
                 )
         return ipb.VerifyResponse(rows=answers) if batched else answers[0]
 

@@ -10,7 +10,7 @@ import random
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +18,10 @@ import grpc
 
 from viasd.config import GenerationParams, parse_params
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc
-from viasd.v1.convert import finish_from_proto, mode_from_proto, params_to_proto, stats_from_proto
+from viasd.v1.convert import finish_from_proto, logprobs_from_proto, mode_from_proto, params_to_proto, stats_from_proto
 
 from .errors import DeadlineExceeded
 
@@ -241,24 +241,36 @@ def _chat_message(i: int, message: Message) -> pb.ChatMessage:
 
 @dataclass
 class Chunk:
-    """One streamed response: the tokens one decoding step committed."""
+    """One streamed response: the tokens one decoding step committed (of one sample)."""
 
     request_id: str
     text: str  # decoded text of token_ids (empty for models served without a tokenizer)
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" on the last chunk, else None
-    stats: RequestStats | None = None  # the request's statistics, on the last chunk only
+    finish_reason: str | None = None  # "stop" | "length" | "abort" on a sample's last chunk, else None
+    stats: RequestStats | None = None  # the sample's statistics, on its last chunk only
+    index: int = 0  # which sample of an n > 1 request
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token_ids entry (logprobs set)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # a sample's first chunk: prompt tokens 2..n
 
     @classmethod
     def from_proto(cls, msg: pb.GenerateResponse) -> Chunk:
         finish = finish_from_proto(msg.finish_reason)
         stats = stats_from_proto(msg.stats, finish) if msg.HasField("stats") else None
-        return cls(msg.request_id, msg.text, list(msg.token_ids), finish, stats)
+        return cls(
+            msg.request_id,
+            msg.text,
+            list(msg.token_ids),
+            finish,
+            stats,
+            msg.index,
+            logprobs_from_proto(msg.logprobs),
+            logprobs_from_proto(msg.prompt_logprobs),
+        )
 
 
 @dataclass
 class Completion:
-    """A whole generation: the concatenated chunks."""
+    """A whole generation of one sample: its chunks concatenated."""
 
     request_id: str
     text: str = ""
@@ -266,22 +278,40 @@ class Completion:
     finish_reason: str | None = None
     stats: RequestStats | None = None
     chunks: int = 0  # responses streamed
+    index: int = 0  # which sample of an n > 1 request
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 2..n (prompt_logprobs set)
 
     def add(self, chunk: Chunk) -> None:
         self.text += chunk.text
         self.token_ids.extend(chunk.token_ids)
+        self.logprobs.extend(chunk.logprobs)
+        self.prompt_logprobs = chunk.prompt_logprobs or self.prompt_logprobs
         self.finish_reason = chunk.finish_reason or self.finish_reason
         self.stats = chunk.stats or self.stats
         self.chunks += 1
 
+    @staticmethod
+    def of_samples(request_id: str, n: int, chunks) -> list[Completion]:
+        """The n samples' completions of a request's chunks (in sample order)."""
+        out = [Completion(request_id, index=i) for i in range(n)]
+        for chunk in chunks:
+            out[chunk.index].add(chunk)
+        return out
+
     def to_dict(self) -> dict:
-        return {
+        d = {
             "request_id": self.request_id,
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_dict() if self.stats else None,
         }
+        if self.logprobs:
+            d["logprobs"] = [asdict(e) for e in self.logprobs]
+        if self.prompt_logprobs:
+            d["prompt_logprobs"] = [asdict(e) for e in self.prompt_logprobs]
+        return d
 
 
 @dataclass(frozen=True)

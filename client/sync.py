@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
 
 from .common import (
@@ -59,12 +60,16 @@ class Client(Endpoint):
         return GenerateStream(self, request, self.timeout if timeout is None else timeout)
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
-        """The whole generation (same arguments as `generate`)."""
+        """The whole generation (same arguments as `generate`; n = 1, `complete_n` for n > 1)."""
+        if (kwargs.get("n") or 1) != 1:
+            raise InvalidParameterError("n", "complete() returns one sample; use complete_n()")
+        return (self.complete_n(prompt, **kwargs))[0]
+
+    def complete_n(self, prompt: str | None = None, **kwargs: Any) -> list[Completion]:
+        """Every sample's whole generation, in sample order (same arguments as `generate`)."""
         with self.generate(prompt, **kwargs) as stream:
-            result = Completion(stream.request_id)
-            for chunk in stream:
-                result.add(chunk)
-        return result
+            chunks = [chunk for chunk in stream]
+        return Completion.of_samples(stream.request_id, kwargs.get("n") or 1, chunks)
 
     def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
         """The served pipelines (ListModels)."""

@@ -44,7 +44,7 @@ from viasd.config import Mode
 from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc
-from viasd.v1.convert import FINISH_TO_PB, MODE_TO_PB, params_values_from_proto, stats_to_proto
+from viasd.v1.convert import FINISH_TO_PB, MODE_TO_PB, logprobs_to_proto, params_values_from_proto, stats_to_proto
 
 log = logging.getLogger("viasd.cluster.grpc_api")
 
@@ -119,6 +119,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
                     token_ids=piece.token_ids,
                     finish_reason=FINISH_TO_PB[piece.finish_reason],
                     stats=stats_to_proto(piece.request_stats) if piece.request_stats is not None else None,
+                    logprobs=logprobs_to_proto(piece.logprobs),
+                    prompt_logprobs=logprobs_to_proto(piece.prompt_logprobs),
+                    index=piece.index,
                 )
         except Exception as exc:
             raise await job.fail(exc) from None

@@ -34,7 +34,7 @@ from viasd.config import GenerationParams, parse_params
 from viasd.engine import Chunk
 from viasd.errors import InvalidParameterError
 from viasd.llm import IncrementalDetokenizer, StopStrings, encode_prompt
-from viasd.metrics import RequestStats
+from viasd.metrics import RequestStats, TokenLogprob
 
 #: Seconds a client refused with 429 / RESOURCE_EXHAUSTED (the queue is full) should wait before it
 #: tries again: HTTP's ``Retry-After`` header and gRPC's trailing metadata (viasd.client.errors.RETRY_AFTER_KEY, ms).
@@ -106,6 +106,11 @@ class Coordinates(Protocol):
 
     def generate(self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams) -> AsyncIterator[Chunk]:
         """The request's chunks; closing the iterator aborts the request and frees its caches."""
+        ...
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """End one sample of a running n > 1 request early (a stop string in its text): no more
+        chunks of it; the request's other samples go on."""
         ...
 
     def active_requests(self) -> int:
@@ -214,13 +219,29 @@ class Request:
 
 @dataclass
 class Piece:
-    """Text and tokens of one streamed step; the last piece has the finish reason and statistics."""
+    """Text and tokens of one streamed step of one sample; a sample's last piece has its finish
+    reason and statistics."""
 
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stats: dict | None = None  # JSON view (RequestStats.to_dict, or the counts of a request cut short)
     request_stats: RequestStats | None = None  # the pipeline's statistics when it finished the request
+    index: int = 0  # which sample (choice) of an n > 1 request
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry (params.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # a sample's first piece (params.prompt_logprobs)
+
+
+class _Sample:
+    """What the handler tracks of one sample: its detokenizer and stop strings, how far it is."""
+
+    def __init__(self, tokenizer, params: GenerationParams):
+        self.stops = StopStrings(params.stop or ())
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.generated = 0
+        self.finish_reason: str | None = None
+        self.stats: dict | None = None
+        self.request_stats: RequestStats | None = None
 
 
 def prompt_ids_of(
@@ -246,7 +267,11 @@ def prompt_ids_of(
 
 
 class Job:
-    """One admitted request's output stream (async iterator of `Piece`); `aclose()` ends it."""
+    """One admitted request's output stream (async iterator of `Piece`); `aclose()` ends it.
+
+    n > 1: the pieces of every sample, interleaved as the pipeline commits them (`piece.index`);
+    the job ends when every sample has; `stats` is then the whole request's (usage: the prompt
+    once, the tokens of every sample) with each sample's statistics under "samples"."""
 
     def __init__(self, handler: RequestHandler, request_id: str, prompt_ids: list[int], params: GenerationParams):
         self.handler = handler
@@ -256,19 +281,17 @@ class Job:
         self.prompt_ids = prompt_ids
         self.params = params
         self.stats: dict | None = None
-        self.finish_reason: str | None = None
-        self._stops = StopStrings(params.stop or ())
-        tok = handler.tokenizer
-        self._detok = IncrementalDetokenizer(tok) if tok is not None else None
+        self.finish_reason: str | None = None  # set when every sample has finished (sample 0's reason)
+        self.samples = [_Sample(handler.tokenizer, params) for _ in range(params.n)]
         self._timer = handler.metrics.timer()
         self._gen: AsyncIterator[Chunk] | None = None
         self._first: Piece | None = None
         self._admitted = False
         self._closed = False
-        self._generated = 0
         self._held = 0  # KV positions this request holds (prompt + generated)
         self._queued = 0.0  # seconds waited for admission
         self._abort = handler.calls.enter()  # set when a drain runs out of time: end with `abort`
+        self._queue: list[Piece] = []  # last pieces of samples ended together, not yet handed out
 
     async def start(self) -> None:
         """Admit the request and wait for its first step, so that a request the pipeline refuses
@@ -291,45 +314,82 @@ class Job:
             self.handler.count_error(err)
             raise err from None
 
-    def _cut(self, reason: str, stopped_by: str) -> dict:
-        """Statistics of a request the handler ended itself (a stop string, a drain)."""
-        self.finish_reason = reason
-        self.stats = {
+    def _end(self, index: int, reason: str, stats: dict | None, request_stats: RequestStats | None = None) -> Piece:
+        """A sample's last piece is made: record it, and the request's end once every sample has ended."""
+        sample = self.samples[index]
+        sample.finish_reason, sample.stats, sample.request_stats = reason, stats, request_stats
+        if all(s.finish_reason is not None for s in self.samples):
+            first = self.samples[0]
+            self.finish_reason = first.finish_reason
+            if len(self.samples) == 1:
+                self.stats = first.stats
+            else:
+                self.stats = {
+                    "prompt_tokens": len(self.prompt_ids),
+                    "generated_tokens": sum(s.generated for s in self.samples),
+                    "finish_reason": first.finish_reason,
+                    "samples": [s.stats for s in self.samples],
+                }
+            self._timer.finish([s.request_stats for s in self.samples], self.finish_reason)
+        return Piece("", [], reason, stats, request_stats, index=index)
+
+    def _cut(self, index: int, reason: str, stopped_by: str) -> Piece:
+        """The last piece of a sample the handler ended itself (a stop string, a drain)."""
+        stats = {
             "prompt_tokens": len(self.prompt_ids),
-            "generated_tokens": self._generated,
+            "generated_tokens": self.samples[index].generated,
             "finish_reason": reason,
             "stopped_by": stopped_by,
         }
-        self._timer.finish(None, reason)
-        return self.stats
+        return self._end(index, reason, stats)
+
+    def _abort_all(self, stopped_by: str | None) -> Piece | None:
+        """End every sample still running (the pipeline ended, or the drain's time is up): their
+        last pieces; the first is returned, the others are queued."""
+        pieces = []
+        for i, s in enumerate(self.samples):
+            if s.finish_reason is None:
+                pieces.append(self._cut(i, "abort", stopped_by) if stopped_by else self._end(i, "abort", None))
+        self._queue.extend(pieces[1:])
+        return pieces[0] if pieces else None
 
     async def _step(self) -> Piece | None:
+        if self._queue:
+            return self._queue.pop(0)
         if self.finish_reason is not None:
             return None
-        try:
-            chunk = await until_aborted(self._gen.__anext__(), self._abort)
-        except StopAsyncIteration:  # the pipeline ended without a final chunk: aborted
-            self.finish_reason = "abort"
-            self._timer.finish(None, "abort")
-            return Piece("", [], "abort", self.stats)
-        except Aborted:  # the server drained and this request's time is up
-            return Piece("", [], "abort", self._cut("abort", "drain"))
+        while True:
+            try:
+                chunk = await until_aborted(self._gen.__anext__(), self._abort)
+            except StopAsyncIteration:  # the pipeline ended without a final chunk: aborted
+                return self._abort_all(None)
+            except Aborted:  # the server drained and this request's time is up
+                return self._abort_all("drain")
+            sample = self.samples[chunk.index]
+            if sample.finish_reason is None:  # (a sample already cut by a stop string sends no more)
+                return self._piece(chunk.index, sample, chunk)
+
+    def _piece(self, index: int, sample: _Sample, chunk: Chunk) -> Piece:
         ids = [int(t) for t in chunk.token_ids]
-        self._generated += len(ids)
+        sample.generated += len(ids)
         self._hold(len(ids))
         self._timer.tokens(len(ids))
-        text = self._detok.push(ids, final=chunk.finished) if self._detok is not None else ""
-        text, hit = self._stops.push(text, final=chunk.finished)
-        if hit:  # a stop string: cut the text, end the request in the pipeline
-            return Piece(text, ids, "stop", self._cut("stop", "stop string"))
-        if chunk.finished:
-            self.finish_reason = chunk.finish_reason
+        text = sample.detok.push(ids, final=chunk.finished) if sample.detok is not None else ""
+        text, hit = sample.stops.push(text, final=chunk.finished)
+        piece = Piece(text, ids, index=index, logprobs=chunk.logprobs, prompt_logprobs=chunk.prompt_logprobs)
+        if hit:  # a stop string: cut the text, end the sample in the pipeline
+            last = self._cut(index, "stop", "stop string")
+            if self.finish_reason is None:  # other samples go on
+                self.handler.backend.coordinator.stop_sample(self.id, index)
+        elif chunk.finished:
             if chunk.stats is not None:
                 chunk.stats.queue_seconds += self._queued  # admission here + (in-process) the scheduler's queue
-            self.stats = chunk.stats.to_dict() if chunk.stats is not None else None
-            self._timer.finish(chunk.stats, chunk.finish_reason)
-            return Piece(text, ids, chunk.finish_reason, self.stats, chunk.stats)
-        return Piece(text, ids)
+            stats = chunk.stats.to_dict() if chunk.stats is not None else None
+            last = self._end(index, chunk.finish_reason, stats, chunk.stats)
+        else:
+            return piece
+        piece.finish_reason, piece.stats, piece.request_stats = last.finish_reason, last.stats, last.request_stats
+        return piece
 
     def _hold(self, positions: int) -> None:
         self._held += positions
@@ -364,7 +424,7 @@ class Job:
                 await self._gen.aclose()
         finally:
             if record and self.finish_reason is None:  # the client went away mid-stream
-                self._timer.finish(None, "abort")
+                self._timer.finish([], "abort")
             if self._admitted:
                 self._hold(-self._held)
                 self.handler.admission.leave()
@@ -476,6 +536,22 @@ class RequestHandler:
         if (prompt is None) == (messages is None):
             raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
         return prompt_ids_of(self.tokenizer, prompt, messages)
+
+    def tokenizer_info(self) -> dict:
+        """The tokenizer's special tokens, chat template and context (vLLM's /tokenizer_info: what
+        lm-eval's `remote` tokenizer reads)."""
+        tok = self.tokenizer
+        if tok is None:
+            raise InvalidParameterError("model", "this model has no tokenizer")
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "unk_token": tok.unk_token,
+            "chat_template": tok.chat_template,
+            "model_max_length": self.max_context,
+        }
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize)."""

@@ -27,6 +27,7 @@ class LocalCoordinator:
         self.engine = engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-engine")
         self._active = 0
+        self._samples: dict[str, list] = {}  # a running request's sample handles, by its id
 
     def active_requests(self) -> int:
         return self._active
@@ -34,8 +35,12 @@ class LocalCoordinator:
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams
     ) -> AsyncIterator[Chunk]:
+        """The request's chunks (n > 1: every sample's, interleaved; `chunk.index` says whose),
+        until every sample has finished."""
         loop = asyncio.get_running_loop()
-        it = self.engine.generate(list(prompt_ids), params)
+        samples = self.engine.submit(list(prompt_ids), params).samples  # validated here (field named)
+        it = self.engine.follow(samples)
+        self._samples[request_id] = samples
         self._active += 1
         try:
             while True:
@@ -43,11 +48,15 @@ class LocalCoordinator:
                 if chunk is None:
                     return
                 yield chunk
-                if chunk.finished:
-                    return
         finally:
             self._active -= 1
+            self._samples.pop(request_id, None)
             self._pool.submit(it.close)  # drop the request's caches on the engine's thread
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        samples = self._samples.get(request_id, ())
+        if 0 <= index < len(samples):
+            self._pool.submit(self.engine.cancel, samples[index])  # between steps, on the engine's thread
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

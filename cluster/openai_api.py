@@ -2,7 +2,7 @@
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming with `data: {...}`
 chunks and a final `data: [DONE]`, or one JSON object), `GET /v1/models`, `GET /v1/models/{id}`,
-`POST /tokenize`, `POST /detokenize`, `GET /version`, `GET /health`, `GET /metrics` (Prometheus).
+`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`, `GET /version`, `GET /health`, `GET /metrics` (Prometheus).
 
 Bodies are parsed as vLLM parses them:
 
@@ -13,7 +13,7 @@ Bodies are parsed as vLLM parses them:
 * an explicit `null` means the default;
 * an unknown field is accepted, logged once per field name and listed in the response header
   `x-viasd-ignored-fields`, except a near-miss of a known name (`gama`), refused as a typo;
-* a value of the wrong type, or a feature this server does not do (`tools`, `n > 1`,
+* a value of the wrong type, or a feature this server does not do (`tools`, `best_of > 1`,
   `response_format` other than text, ...), is a 400 that names the field and says what to do:
   `{"error": {"message": ..., "type": "invalid_request_error", "param": field, "code": 400}}`.
 
@@ -47,7 +47,15 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import viasd
-from viasd.cluster.handler import MODEL_NOT_FOUND, REJECTED, RETRY_AFTER_S, Job, RequestError, RequestHandler
+from viasd.cluster.handler import (
+    MODEL_NOT_FOUND,
+    REJECTED,
+    RETRY_AFTER_S,
+    Job,
+    Piece,
+    RequestError,
+    RequestHandler,
+)
 from viasd.cluster.handler import Request as HandlerRequest
 from viasd.cluster.security import bearer_ok
 from viasd.config import GenerationParams
@@ -67,6 +75,7 @@ class OpenAIField:
     param: str | None  # the GenerationParams field it sets; None: not wired to the engine (yet)
     unused: tuple = (None,)  # values that ask for nothing: accepted while `param` is None
     todo: str = ""  # the 400's advice when an unwired field asks for something
+    transport: str = ""  # served by this module (the response's shape), not by a GenerationParams field: what it does
 
 
 #: Every OpenAI / vLLM sampling field: wiring a new engine feature is one entry here.
@@ -77,15 +86,19 @@ OPENAI_FIELDS: dict[str, OpenAIField] = {
     "top_p": OpenAIField("top_p"),
     "seed": OpenAIField("seed"),
     "stop": OpenAIField("stop"),
-    "n": OpenAIField(None, (None, 1), "only n=1 is served; send n requests (with different seeds)"),
+    "n": OpenAIField("n"),  # n samples sharing one prefill: choices 0..n-1
     "best_of": OpenAIField(None, (None, 1), "only best_of=1 is served"),
     "presence_penalty": OpenAIField("presence_penalty"),
     "frequency_penalty": OpenAIField("frequency_penalty"),
     "repetition_penalty": OpenAIField("repetition_penalty"),  # vLLM's extension
     "logit_bias": OpenAIField("logit_bias"),  # {"token id": bias}
-    "logprobs": OpenAIField(None, (None, False, 0), "logprobs are not served yet; leave it unset"),
-    "top_logprobs": OpenAIField(None, (None, 0), "logprobs are not served yet; leave it unset"),
-    "echo": OpenAIField(None, (None, False), "echo is not served yet; leave it unset"),
+    "logprobs": OpenAIField("logprobs"),  # completions: k alternatives; chat: true / false
+    "top_logprobs": OpenAIField("logprobs"),  # chat: k alternatives (needs logprobs: true)
+    "echo": OpenAIField(
+        None,
+        transport="Return the prompt before the generated text; with logprobs, the prompt tokens' logprobs "
+        "too (the first token's is null), as lm-eval's loglikelihood requests need.",
+    ),
     "suffix": OpenAIField(None, (None,), "suffix (fill in the middle) is not served; put the text in the prompt"),
     "min_tokens": OpenAIField(None, (None, 0), "min_tokens is not served; leave it unset (or 0)"),
     "use_beam_search": OpenAIField(None, (None, False), "beam search is not served"),
@@ -132,6 +145,8 @@ def _fields(names) -> dict:
 
 def _describe(name: str) -> str:
     f = OPENAI_FIELDS[name]
+    if f.transport:
+        return f.transport
     if f.param is None:
         return f"Not served yet ({f.todo}); accepted when it asks for nothing ({', '.join(map(repr, f.unused))})."
     return GenerationParams.model_fields[f.param].description
@@ -245,7 +260,7 @@ def check_fields(body: BaseModel) -> list[str]:
         if name not in type(body).model_fields:
             continue
         value = getattr(body, name)
-        if spec.param is None and value not in spec.unused:
+        if spec.param is None and not spec.transport and value not in spec.unused:
             raise InvalidParameterError(name, spec.todo)
     unknown = sorted(body.model_extra or ())
     known = list(type(body).model_fields)
@@ -270,6 +285,10 @@ def param_values(body: BaseModel) -> dict[str, Any]:
             values[spec.param] = value
     if isinstance(values.get("stop"), str):
         values["stop"] = [values["stop"]]
+    if getattr(body, "top_logprobs", None) is not None and not getattr(body, "logprobs", None):
+        raise InvalidParameterError("top_logprobs", "needs logprobs: true")
+    if getattr(body, "echo", None) and values.get("logprobs") is not None:  # the echoed prompt's logprobs too
+        values["prompt_logprobs"] = values["logprobs"]
     return values
 
 
@@ -338,6 +357,120 @@ def model_card(handler: RequestHandler, name: str, created: int) -> dict:
         "max_model_len": info["max_context"] or None,
         "viasd": info,
     }
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """A token as text (as vLLM returns it); `token_id:N` for a model without a tokenizer."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
+
+
+class Choices:
+    """The choices of one response (n > 1: one per sample, by `index`): pieces in, OpenAI's
+    choice objects out, streamed (`delta`) or whole (`add`, then `whole`).
+
+    Logprobs take OpenAI's two shapes: chat `{"content": [{token, logprob, bytes, top_logprobs}]}`;
+    completions `{tokens, token_logprobs, top_logprobs, text_offset}`, where `top_logprobs` maps
+    token text to logprob for the k most likely tokens and the chosen one (as vLLM), and `echo`
+    puts the prompt (text, tokens and, with logprobs, their logprobs: the first is null) first.
+    """
+
+    def __init__(self, job: Job, chat: bool, body: BaseModel):
+        self.job, self.chat, self.tokenizer = job, chat, job.handler.tokenizer
+        self.token_ids = bool(body.return_token_ids)
+        self.echo = not chat and bool(getattr(body, "echo", None))
+        self.logprobs = job.params.logprobs is not None
+        self.prompt_text = ""
+        if self.echo:
+            prompt = (
+                body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+            )
+            self.prompt_text = prompt if isinstance(prompt, str) else self._decode(job.prompt_ids)
+        self._offset: dict[int, int] = {}  # choice -> characters of text so far (completions' text_offset)
+        self._pieces: dict[int, list[Piece]] = {}  # whole responses: each choice's pieces
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def _choice(self, index: int, text: str, ids: list[int], entries: list | None, finish: str | None) -> dict:
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        if self.logprobs and entries is not None:
+            choice["logprobs"] = (
+                self._chat_logprobs(entries) if self.chat else self._completion_logprobs(index, entries)
+            )
+        if self.token_ids:
+            choice["token_ids"] = ids
+        return choice
+
+    def _with_prompt(self, piece: Piece, first: bool) -> tuple[str, list[int], list | None]:
+        """A piece's text, ids and logprob entries (ids with the chosen token's entry), the echoed
+        prompt before them on a choice's first piece."""
+        text, ids = piece.text, list(piece.token_ids)
+        entries = [(t, e) for t, e in zip(ids, piece.logprobs or ())] if self.logprobs else None
+        if self.echo and first:
+            text = self.prompt_text + text
+            if entries is not None:
+                scored = piece.prompt_logprobs or [None] * len(self.job.prompt_ids)
+                entries = [*zip(self.job.prompt_ids, scored), *entries]
+        return text, ids, entries
+
+    def delta(self, piece: Piece) -> dict:
+        """A streamed chunk's choice."""
+        first = piece.index not in self._offset
+        self._offset.setdefault(piece.index, 0)
+        text, ids, entries = self._with_prompt(piece, first)
+        choice = self._choice(piece.index, text, ids, entries, piece.finish_reason)
+        if self.chat:
+            choice["delta"] = {"content": text} if text or not piece.finish_reason else {}
+        else:
+            choice["text"] = text
+        if piece.finish_reason and len(self.job.samples) > 1:
+            choice["viasd_stats"] = piece.stats
+        return choice
+
+    def add(self, piece: Piece) -> None:
+        self._pieces.setdefault(piece.index, []).append(piece)
+
+    def whole(self) -> list[dict]:
+        """Every choice, in index order, of the pieces added."""
+        out = []
+        for index in sorted(self._pieces):
+            pieces = self._pieces[index]
+            merged = Piece(
+                "".join(p.text for p in pieces),
+                [t for p in pieces for t in p.token_ids],
+                next((p.finish_reason for p in pieces if p.finish_reason), None),
+                next((p.stats for p in pieces if p.finish_reason), None),
+                index=index,
+                logprobs=[e for p in pieces for e in p.logprobs or ()],
+                prompt_logprobs=next((p.prompt_logprobs for p in pieces if p.prompt_logprobs is not None), None),
+            )
+            choice = self.delta(merged)
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": choice.pop("delta").get("content", "")}
+            out.append(choice)
+        return out
+
+    def _chat_logprobs(self, entries: list) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text = token_text(self.tokenizer, token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [{**item(t, e.logprob), "top_logprobs": [item(*a) for a in e.top]} for t, e in entries]}
+
+    def _completion_logprobs(self, index: int, entries: list) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for token_id, e in entries:
+            text = token_text(self.tokenizer, token_id)
+            out["tokens"].append(text)
+            out["text_offset"].append(self._offset[index])
+            self._offset[index] += len(text)
+            out["token_logprobs"].append(e.logprob if e is not None else None)
+            top = None
+            if e is not None:
+                top = {token_text(self.tokenizer, t): lp for t, lp in e.top}
+                top.setdefault(text, e.logprob)
+            out["top_logprobs"].append(top)
+        return out
 
 
 # ------------------------------------------------------------------------------------ the routes
@@ -421,32 +554,21 @@ def build_http_app():
     async def _stream(job: Job, chat: bool, body: BaseModel) -> AsyncIterator[bytes]:
         base = {"id": job.id, "created": job.created, "model": job.model}
         obj = "chat.completion.chunk" if chat else "text_completion"
+        choices = Choices(job, chat, body)
         try:
             try:
-                if chat:  # the first chunk announces the role, as OpenAI does
-                    yield sse(
-                        {
-                            **base,
-                            "object": obj,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
+                if chat:  # the first chunk of each choice announces the role, as OpenAI does
+                    for i in range(job.params.n):
+                        delta = {"role": "assistant", "content": ""}
+                        yield sse(
+                            {
+                                **base,
+                                "object": obj,
+                                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
+                            }
+                        )
                 async for piece in job:
-                    choice = {"index": 0, "logprobs": None, "finish_reason": piece.finish_reason}
-                    if chat:
-                        choice["delta"] = {"content": piece.text} if piece.text or not piece.finish_reason else {}
-                    else:
-                        choice["text"] = piece.text
-                    if body.return_token_ids:
-                        choice["token_ids"] = piece.token_ids
-                    chunk = {**base, "object": obj, "choices": [choice]}
+                    chunk = {**base, "object": obj, "choices": [choices.delta(piece)]}
                     if piece.finish_reason:
                         chunk["usage"] = usage(piece.stats)
                         chunk["viasd_stats"] = piece.stats
@@ -462,29 +584,20 @@ def build_http_app():
             await job.aclose()
 
     async def _whole(job: Job, chat: bool, body: BaseModel) -> dict:
-        text, ids, finish = [], [], None
+        choices = Choices(job, chat, body)
         try:
             async for piece in job:
-                text.append(piece.text)
-                ids.extend(piece.token_ids)
-                finish = piece.finish_reason or finish
+                choices.add(piece)
         except Exception as exc:
             raise await job.fail(exc) from None
         finally:
             await job.aclose()
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        if body.return_token_ids:
-            choice["token_ids"] = ids
         return {
             "id": job.id,
             "object": "chat.completion" if chat else "text_completion",
             "created": job.created,
             "model": job.model,
-            "choices": [choice],
+            "choices": choices.whole(),
             "usage": usage(job.stats),
             "viasd_stats": job.stats,
         }
@@ -519,6 +632,14 @@ def build_http_app():
         except InvalidParameterError as exc:
             raise handler.refuse(exc) from None
         return {"count": len(ids), "max_model_len": handler.max_context, "tokens": ids}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        handler = server(request)
+        try:
+            return handler.tokenizer_info()
+        except InvalidParameterError as exc:
+            raise handler.refuse(exc) from None
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):

@@ -218,13 +218,15 @@ class RequestTimer:
                 self.metrics._observe("inter_token_latency_seconds", gap)
         self.last = now
 
-    def finish(self, stats: RequestStats | None, finish_reason: str) -> None:
+    def finish(self, samples: Sequence[RequestStats | None], finish_reason: str) -> None:
+        """The request ended: its latencies, and the statistics of its samples (one unless n > 1;
+        None where the pipeline sent none: the handler ended it)."""
         self.metrics._observe("e2e_request_latency_seconds", time.perf_counter() - self.arrival)
         if self.first is not None:
             self.metrics._observe("request_decode_time_seconds", self.last - self.first)
         if self.start is not None and self.last is not None:
             self.metrics._observe("request_inference_time_seconds", self.last - self.start)
-        self.metrics.record_stats(stats, finish_reason)
+        self.metrics.record_stats(samples, finish_reason)
 
 
 class ServingMetrics:
@@ -262,15 +264,23 @@ class ServingMetrics:
     def error(self, status: str) -> None:
         self._counter("request_errors", 1, status=status)
 
-    def record_stats(self, stats: RequestStats | None, finish_reason: str) -> None:
-        """Add one finished request's statistics to the counters."""
+    def record_stats(self, samples: Sequence[RequestStats | None], finish_reason: str) -> None:
+        """Add one finished request's statistics to the counters: the prompt once, the tokens and
+        counters of each of its samples (n > 1: several; None: a sample with no statistics)."""
         self._counter("request_success", 1, finished_reason=finish_reason or "abort")
-        if stats is None:
+        known = [s for s in samples if s is not None]
+        if not known:
             return
-        self._counter("prompt_tokens", stats.prompt_tokens)
-        self._counter("generation_tokens", stats.generated_tokens)
-        self._observe("request_prompt_tokens", stats.prompt_tokens)
-        self._observe("request_generation_tokens", stats.generated_tokens)
+        self._counter("prompt_tokens", known[0].prompt_tokens)
+        self._observe("request_prompt_tokens", known[0].prompt_tokens)
+        generated = sum(s.generated_tokens for s in known)
+        self._counter("generation_tokens", generated)
+        self._observe("request_generation_tokens", generated)
+        for stats in known:
+            self._record_counters(stats)
+
+    def _record_counters(self, stats: RequestStats) -> None:
+        """One sample's per-tier and speculative counters."""
         for tier in MODELS:
             self._counter("forward_passes", stats.forwards.get(tier, 0), tier=tier)
             self._counter("forward_seconds", stats.seconds.get(tier, 0.0), tier=tier)

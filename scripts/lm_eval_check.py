@@ -1,14 +1,16 @@
-"""lm-eval against a via-sd server, beside the same task on the in-process engine.
+"""lm-eval against a via-sd server, beside the same tasks on the in-process engine.
 
-One generate-until task over local files (`tests/data/lm_eval/qa.jsonl`, short questions with
-one-word answers; exact match after the first newline), run by lm-eval's own API through its
-`local-completions` and `local-chat-completions` clients against a running server, and through
-`InProcessLM` (the same `viasd.llm.LLM` the server runs) for the reference score. Greedy
-decoding: the served scores must equal the in-process ones exactly.
+Two tasks over local files, run by lm-eval's own API against a running server and through
+`InProcessLM` (the same `viasd.llm.LLM` the server runs) for the reference scores:
 
-A loglikelihood task is not run: it needs completions `echo` + `logprobs` (prompt log
-probabilities), which the engine does not serve yet (issue 17, in progress); the server refuses
-them with a 400.
+* generate-until (`tests/data/lm_eval/qa.jsonl`, short questions with one-word answers; exact
+  match after the first newline), through lm-eval's `local-completions` and
+  `local-chat-completions` clients; greedy, so the served answers must equal the in-process ones;
+* loglikelihood (`tests/data/lm_eval/mc.jsonl`, multiple choice; accuracy), through
+  `local-completions` with lm-eval's `remote` tokenizer (the server's /tokenizer_info, /tokenize)
+  and tokenized requests: each choice is scored from completions `echo` + `logprobs`, the prompt
+  tokens' logprobs under the full verifier. In-process, the same sums come from
+  `prompt_logprobs` (max_tokens 0).
 
     python scripts/lm_eval_check.py --out docs/lm_eval.json   # starts its own in-process server
 
@@ -31,14 +33,16 @@ import lm_eval
 import torch
 import yaml
 from lm_eval.api.instance import Instance
-from lm_eval.api.model import LM
+from lm_eval.api.model import TemplateLM
 from lm_eval.tasks import TaskManager
 
 from viasd.config import parse_params
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "lm_eval" / "qa.jsonl"
+MC_DATA = ROOT / "tests" / "data" / "lm_eval" / "mc.jsonl"
 TASK = "viasd_qa"
+MC_TASK = "viasd_mc"
 MAX_GEN_TOKS = 8
 
 
@@ -70,13 +74,27 @@ def task_dir(where: Path) -> Path:
         ],
         "metadata": {"version": 1},
     }
+    mc = {
+        "task": MC_TASK,
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(MC_DATA)}},
+        "test_split": "test",
+        "output_type": "multiple_choice",
+        "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+        "metadata": {"version": 1},
+    }
     where.mkdir(parents=True, exist_ok=True)
     (where / f"{TASK}.yaml").write_text(yaml.safe_dump(config))
+    (where / f"{MC_TASK}.yaml").write_text(yaml.safe_dump(mc))
     return where
 
 
-class InProcessLM(LM):
-    """lm-eval's LM over `viasd.llm.LLM`: greedy generate-until, prompts or chat messages."""
+class InProcessLM(TemplateLM):
+    """lm-eval's LM over `viasd.llm.LLM`: greedy generate-until (prompts or chat messages) and
+    loglikelihood from the full verifier's prompt logprobs."""
 
     def __init__(self, llm, chat: bool = False):
         super().__init__()
@@ -105,11 +123,27 @@ class InProcessLM(LM):
             out.append(text[:cut])
         return out
 
-    def loglikelihood(self, requests):
-        raise NotImplementedError("loglikelihood needs prompt logprobs (echo + logprobs), not served yet")
+    @property
+    def eot_token_id(self) -> int:
+        return self.llm.tokenizer.eos_token_id
+
+    def tok_encode(self, string: str, add_special_tokens: bool = False, **kwargs) -> list[int]:
+        return self.llm.tokenizer.encode(string, add_special_tokens=add_special_tokens)  # as the server's /tokenize
+
+    def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
+        """Each (context, continuation) scored as the served request is: the sum of the
+        continuation tokens' logprobs, and whether each is the most likely token there."""
+        out = []
+        for _, context, continuation in requests:
+            ids = context + continuation
+            result = self.llm.complete(ids, parse_params(mode="ar", max_tokens=0, prompt_logprobs=1))
+            scored = result.prompt_logprobs[len(context) :]  # [len(continuation)]
+            greedy = all(e.top and e.top[0][0] == e.token_id for e in scored)
+            out.append((sum(e.logprob for e in scored), greedy))
+        return out
 
     def loglikelihood_rolling(self, requests):
-        raise NotImplementedError("loglikelihood needs prompt logprobs (echo + logprobs), not served yet")
+        raise NotImplementedError("no rolling loglikelihood task is run here")
 
 
 def _score(results: dict) -> dict:
@@ -119,6 +153,47 @@ def _score(results: dict) -> dict:
         "exact_match": results["results"][TASK]["exact_match,none"],
         "answers": [s["filtered_resps"][0] for s in samples],
     }
+
+
+def _mc_score(results: dict) -> dict:
+    """The multiple-choice task's accuracy and, per document (in order), each choice's loglikelihood."""
+    samples = sorted(results["samples"][MC_TASK], key=lambda s: s["doc_id"])
+    return {
+        "acc": results["results"][MC_TASK]["acc,none"],
+        "loglikelihoods": [[r[0] for r in s["filtered_resps"]] for s in samples],
+    }
+
+
+def served_loglikelihood(base: str, model: str, tasks: Path) -> dict:
+    """Accuracy of the loglikelihood task through lm-eval's local-completions against `base`."""
+    args = {
+        "base_url": base + "/v1/completions",
+        "model": model,
+        "tokenizer_backend": "remote",
+        "tokenized_requests": True,
+        "num_concurrent": 1,
+        "max_retries": 1,
+    }
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args=args,
+        tasks=[MC_TASK],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    return _mc_score(results)
+
+
+def in_process_loglikelihood(llm, tasks: Path) -> dict:
+    results = lm_eval.simple_evaluate(
+        model=InProcessLM(llm),
+        tasks=[MC_TASK],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    return _mc_score(results)
 
 
 def served_scores(base: str, model: str, tasks: Path) -> dict[str, dict]:
@@ -167,6 +242,12 @@ def in_process_scores(llm, tasks: Path) -> dict[str, dict]:
     return out
 
 
+def max_difference(a: dict, b: dict) -> float:
+    """The largest difference between two runs' per-choice loglikelihoods."""
+    pairs = [(x, y) for da, db in zip(a["loglikelihoods"], b["loglikelihoods"]) for x, y in zip(da, db)]
+    return max(abs(x - y) for x, y in pairs)
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -193,8 +274,12 @@ def main(argv: list[str] | None = None) -> None:
     port = server.servers[0].sockets[0].getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         tasks = task_dir(Path(tmp))
-        served = served_scores(f"http://127.0.0.1:{port}", handler.name, tasks)
-        local = in_process_scores(pipeline.llm, tasks)
+        base = f"http://127.0.0.1:{port}"
+        served, local = served_scores(base, handler.name, tasks), in_process_scores(pipeline.llm, tasks)
+        served_ll, local_ll = (
+            served_loglikelihood(base, handler.name, tasks),
+            in_process_loglikelihood(pipeline.llm, tasks),
+        )
     server.should_exit = True
     thread.join(30)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
@@ -220,7 +305,19 @@ def main(argv: list[str] | None = None) -> None:
         "served": served,
         "in_process": local,
         "served_equals_in_process": served == local,
-        "loglikelihood": "not run: needs completions echo + logprobs (not served yet, issue 17)",
+        "loglikelihood": {
+            "task": {
+                "name": MC_TASK,
+                "data": str(MC_DATA.relative_to(ROOT)),
+                "docs": sum(1 for _ in MC_DATA.open()),
+                "output_type": "multiple_choice",
+                "metric": "acc",
+                "served_through": "local-completions, tokenizer_backend remote, tokenized requests (echo + logprobs)",
+            },
+            "served": served_ll,
+            "in_process": local_ll,
+            "max_abs_difference": max_difference(served_ll, local_ll),
+        },
     }
     text = json.dumps(record, indent=1)
     if args.out:

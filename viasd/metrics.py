@@ -171,4 +171,6 @@ _SUMMED = (
     "escalations",
     "escalated_tokens",
     "full_accepted",
+    "prefill_forwards",
+    "prefill_seconds",
 )

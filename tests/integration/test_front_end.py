@@ -171,9 +171,9 @@ def test_a_value_of_the_wrong_type_is_400_naming_the_field(http, field, value):
     [
         ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "prompt"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "prompt"),
-        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 2}, "logprobs", "not served yet"),
-        ("/v1/completions", {"echo": True}, "echo", "not served yet"),
-        ("/v1/completions", {"n": 2}, "n", "send n requests"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+        ("/v1/completions", {"best_of": 2}, "best_of", "only best_of=1"),
+        ("/v1/completions", {"min_tokens": 3}, "min_tokens", "not served"),
     ],
 )
 def test_an_unserved_feature_is_400_saying_what_to_do(http, path, extra, field, advice):
@@ -216,10 +216,125 @@ def test_the_openai_field_table_maps_every_field_once():
     from viasd.config import GenerationParams
 
     for name, spec in OPENAI_FIELDS.items():
-        assert (spec.param in GenerationParams.model_fields) if spec.param else spec.todo, name
+        assert (spec.param in GenerationParams.model_fields) if spec.param else (spec.todo or spec.transport), name
         assert name in CompletionRequest.model_fields or name in ChatCompletionRequest.model_fields, name
     wired = {s.param for s in OPENAI_FIELDS.values() if s.param}
     assert not wired & set(EXTENSIONS) and wired | set(EXTENSIONS) == set(GenerationParams.model_fields)
+
+
+# ------------------------------------------------------------------ logprobs, echo, n
+
+
+def engine_samples(backend, ids: list[int], **params):
+    """The in-process engine's samples of the same request (GenerationResult each)."""
+    return backend.llm.engine.complete_n(ids, parse_params(mode="ar", **params))
+
+
+def stream_events(base: str, path: str, body: dict) -> list[dict]:
+    with requests.post(base + path, json={**body, "stream": True}, stream=True, timeout=120) as r:
+        assert r.status_code == 200, r.text
+        lines = [ln[len("data: ") :] for ln in r.iter_lines(decode_unicode=True) if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_chat_logprobs_are_the_full_verifiers_streamed_or_whole(http, backend):
+    """logprobs / top_logprobs on chat: OpenAI's shape (token, logprob, bytes, top_logprobs), the
+    engine's values for the committed tokens, the same streamed as whole."""
+    body = {"messages": CHAT, "max_tokens": 6, "logprobs": True, "top_logprobs": 2, "ignore_eos": True}
+    whole = post(http, "/v1/chat/completions", body).json()["choices"][0]
+    tok = backend.llm.tokenizer
+    want = engine_samples(backend, backend.llm.encode(None, CHAT), max_tokens=6, logprobs=2, ignore_eos=True)[0]
+    content = whole["logprobs"]["content"]
+    assert [c["token"] for c in content] == [tok.decode([t]) for t in want.token_ids]
+    for c, e in zip(content, want.logprobs):
+        assert c["logprob"] == pytest.approx(e.logprob, abs=1e-5) and c["bytes"] == list(c["token"].encode())
+        assert [a["token"] for a in c["top_logprobs"]] == [tok.decode([t]) for t, _ in e.top]
+        assert [a["logprob"] for a in c["top_logprobs"]] == pytest.approx([lp for _, lp in e.top], abs=1e-5)
+    streamed = [
+        c
+        for ev in stream_events(http, "/v1/chat/completions", body)
+        for ch in ev["choices"]
+        if ch["logprobs"]
+        for c in ch["logprobs"]["content"]
+    ]
+    assert streamed == content
+    plain = post(http, "/v1/chat/completions", {**body, "logprobs": False, "top_logprobs": None}).json()
+    assert plain["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("max_tokens", [0, 1, 5])
+def test_completions_echo_returns_the_prompt_with_its_logprobs(http, backend, max_tokens):
+    """echo + logprobs as lm-eval's loglikelihood requests send them: the prompt's text and tokens
+    first (the first token's logprob null), then the generated ones, every value the engine's."""
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "echo": True, "logprobs": 1, "temperature": 0}
+    r = post(http, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice, ids = r.json()["choices"][0], backend.llm.encode(PROMPT)
+    want = engine_samples(backend, ids, max_tokens=max_tokens, logprobs=1, prompt_logprobs=1)[0]
+    assert choice["text"] == PROMPT + backend.llm.tokenizer.decode(want.token_ids, skip_special_tokens=True)
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + len(want.token_ids) == len(ids) + max_tokens
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
+    for entry, top in zip([*want.prompt_logprobs[1:], *want.logprobs], lp["top_logprobs"][1:]):
+        assert backend.llm.tokenizer.decode([entry.top[0][0]]) in top  # the most likely token, and the chosen one
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    bare = post(http, "/v1/completions", {**body, "logprobs": None})
+    if max_tokens:  # echo alone: the same text, no logprobs
+        assert bare.json()["choices"][0]["text"] == choice["text"] and bare.json()["choices"][0]["logprobs"] is None
+    else:  # nothing to generate and nothing to score
+        assert bare.status_code == 400 and bare.json()["error"]["param"] == "max_tokens"
+
+
+def test_n_samples_share_one_prefill_and_equal_the_engines(http, backend):
+    """n > 1: n choices, each the engine's sample (sample i seeded from the request's seed), the
+    prompt prefilled once; usage counts every sample; streamed chunks carry their choice's index."""
+    body = {"prompt": PROMPT, "max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 7, "return_token_ids": True}
+    r = post(http, "/v1/completions", body).json()
+    want = engine_samples(backend, backend.llm.encode(PROMPT), max_tokens=8, n=3, temperature=1.0, seed=7)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert [c["token_ids"] for c in r["choices"]] == [w.token_ids for w in want]
+    assert len({tuple(w.token_ids) for w in want}) > 1  # samples, not copies
+    assert r["usage"]["completion_tokens"] == sum(len(w.token_ids) for w in want)
+    samples = r["viasd_stats"]["samples"]
+    assert samples[0]["prefill_forwards"] >= 1 and [s["prefill_forwards"] for s in samples[1:]] == [0, 0]
+    streamed: dict[int, list[int]] = {}
+    for ev in stream_events(http, "/v1/completions", body):
+        for ch in ev["choices"]:
+            streamed.setdefault(ch["index"], []).extend(ch["token_ids"])
+    assert [streamed[i] for i in range(3)] == [w.token_ids for w in want]
+
+
+def test_a_stop_string_ends_only_its_own_sample(http, backend):
+    """n > 1 with a stop string: each choice is its sample's text cut at the string; the others go on."""
+    want = engine_samples(backend, backend.llm.encode(PROMPT), max_tokens=16, n=4, temperature=1.0, seed=3)
+    texts = [backend.llm.tokenizer.decode(w.token_ids, skip_special_tokens=True) for w in want]
+    # a string sample 0 writes and some other sample does not
+    stop = next(
+        texts[0][i : i + 3] for i in range(len(texts[0]) - 2) if any(texts[0][i : i + 3] not in t for t in texts)
+    )
+    body = {"prompt": PROMPT, "max_tokens": 16, "n": 4, "temperature": 1.0, "seed": 3, "stop": [stop]}
+    r = post(http, "/v1/completions", body).json()
+    assert [c["text"] for c in r["choices"]] == [t.split(stop)[0] for t in texts]
+    finish = ["stop" if stop in t else w.finish_reason for t, w in zip(texts, want)]
+    assert [c["finish_reason"] for c in r["choices"]] == finish and "stop" in finish and set(finish) != {"stop"}
+
+
+def test_grpc_serves_logprobs_prompt_logprobs_and_n(grpc_target, backend):
+    from viasd.client import Client
+
+    ids = backend.llm.encode(PROMPT)
+    params = dict(max_tokens=5, n=2, temperature=1.0, seed=11, logprobs=2, prompt_logprobs=1)
+    want = engine_samples(backend, ids, **params)
+    with Client(grpc_target, timeout=60) as client:
+        got = client.complete_n(prompt=PROMPT, mode="ar", **params)
+    assert [g.index for g in got] == [0, 1] and [g.token_ids for g in got] == [w.token_ids for w in want]
+    for g, w in zip(got, want):
+        assert [e.token_id for e in g.logprobs] == w.token_ids
+        assert [e.logprob for e in g.logprobs] == pytest.approx([e.logprob for e in w.logprobs], abs=1e-5)
+        assert [e.top for e in g.prompt_logprobs] == [e.top for e in w.prompt_logprobs[1:]]
 
 
 # ------------------------------------------------------------------ defaults that match
@@ -477,7 +592,7 @@ stats = RequestStats(mode="via", prompt_tokens=3, generated_tokens=5, num_drafts
                      num_bonus_tokens=1, slim_accepted=3, slim_rewritten=1, escalations=1, escalated_tokens=2,
                      full_accepted=1, forwards={"drafter": 8, "slim": 2, "full": 1},
                      seconds={"drafter": 0.1, "slim": 0.1, "full": 0.1})
-timer = m.timer(); timer.admitted(); timer.tokens(2); timer.tokens(3); timer.finish(stats, "length")
+timer = m.timer(); timer.admitted(); timer.tokens(2); timer.tokens(3); timer.finish([stats], "length")
 m.set_queue(1, 0); m.set_kv_usage(0.25); m.error("invalid")
 want = {n.split(" ")[0] for n in m.exposition()[0].decode().splitlines() if n and not n.startswith("#")}
 names = lambda text: {re.match(r"[A-Za-z_:][A-Za-z0-9_:]*", l).group(0) for l in text.splitlines()
@@ -546,6 +661,34 @@ def test_lm_eval_clients_score_the_served_model_as_the_in_process_engine(http, h
     assert set(served) == {"local-completions", "local-chat-completions"}
     assert served == local
     assert all(len(s["answers"]) == 12 and any(s["answers"]) for s in served.values())
+
+
+def test_lm_eval_loglikelihood_task_scores_the_served_model_as_the_in_process_engine(http, handler, backend, tmp_path):
+    """A multiple-choice (loglikelihood) task through lm-eval's local-completions with its `remote`
+    tokenizer (our /tokenizer_info and /tokenize) and echo + logprobs requests: every choice's
+    loglikelihood and the accuracy equal the in-process engine's prompt logprobs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from lm_eval_check import in_process_loglikelihood, max_difference, served_loglikelihood, task_dir
+
+    tasks = task_dir(tmp_path / "tasks")
+    served = served_loglikelihood(http, handler.name, tasks)
+    local = in_process_loglikelihood(backend.llm, tasks)
+    assert len(served["loglikelihoods"]) == 12 and all(len(c) == 3 for c in served["loglikelihoods"])
+    assert all(x < 0 for c in served["loglikelihoods"] for x in c)
+    assert served["acc"] == local["acc"] and max_difference(served, local) < 1e-4
+
+
+def test_tokenizer_info_is_vllms(http, backend):
+    info = requests.get(http + "/tokenizer_info", timeout=30).json()
+    tok = backend.llm.tokenizer
+    assert (info["eos_token"], info["chat_template"], info["model_max_length"]) == (
+        tok.eos_token,
+        tok.chat_template,
+        MAX_CONTEXT,
+    )
 
 
 def test_the_handlers_of_one_server_share_one_admission_and_one_drain(backend):

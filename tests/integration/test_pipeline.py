@@ -186,6 +186,45 @@ def test_served_equals_in_process(server, aio, llm, case):
         assert len(responses) > 1  # streamed cycle by cycle
 
 
+OPTIONS = {  # the request options the verifier computes and the coordinator returns
+    "sd-sampled-n3-logprobs": dict(mode="sd", gamma=4, temperature=1.0, seed=21, n=3, logprobs=2, prompt_logprobs=1),
+    "via-greedy-logprobs": dict(VIA, logprobs=1, prompt_logprobs=0),
+    "via-sampled-slim-logprobs": dict(VIA, temperature=1.0, seed=22, logprobs=1, logprobs_tier="slim", n=2),
+    "ar-prompt-only": dict(mode="ar", max_tokens=0, prompt_logprobs=3),
+}
+
+
+@pytest.mark.parametrize("case", list(OPTIONS))
+def test_served_logprobs_and_samples_equal_in_process(server, aio, llm, case):
+    """logprobs (either tier), prompt logprobs (max_tokens 0 too) and n > 1 samples through the
+    actors == `Engine.complete_n` in-process: tokens, logprobs, tops; samples 1..n-1 copy sample 0's
+    prefill on both sides instead of recomputing it."""
+    from viasd.v1.convert import logprobs_from_proto
+
+    _, _, stub = server
+    params = parse_params(**{"max_tokens": 24, **OPTIONS[case]})
+    want = llm.engine.complete_n(PROMPTS[0], params)
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), params=params_to_proto(params))
+    _, responses = aio.run(collect(stub, req))
+    assert {r.index for r in responses} == set(range(params.n))
+    for i, w in enumerate(want):
+        mine = [r for r in responses if r.index == i]
+        assert [t for r in mine for t in r.token_ids] == w.token_ids, (case, i)
+        got = logprobs_from_proto([e for r in mine for e in r.logprobs])
+        expected = w.logprobs or []
+        assert [(e.token_id, e.tier, [t for t, _ in e.top]) for e in got] == [
+            (e.token_id, e.tier, [t for t, _ in e.top]) for e in expected
+        ], (case, i)
+        assert [e.logprob for e in got] == pytest.approx([e.logprob for e in expected], abs=1e-4)
+        scored = logprobs_from_proto(mine[0].prompt_logprobs)
+        assert [e.token_id for e in scored] == ([] if w.prompt_logprobs is None else PROMPTS[0][1:])
+        if w.prompt_logprobs is not None:
+            assert [e.logprob for e in scored] == pytest.approx([e.logprob for e in w.prompt_logprobs[1:]], abs=1e-4)
+        stats = stats_from_proto(mine[-1].stats)
+        assert mine[-1].finish_reason != pb.FINISH_REASON_UNSPECIFIED
+        assert (stats.prefill_forwards > 0) == (i == 0), (case, i)  # the others copied sample 0's prefill
+
+
 def test_served_run_covers_the_tiers_and_the_stop_tokens(server, aio, llm):
     """The cases above exercise all three tiers; a stop token ends a served request like an in-process one."""
     _, _, stub = server

@@ -211,7 +211,7 @@ def test_stop_strings_cut_the_text(client, reference):
         ({"gamma": 0}, "gamma"),
         ({"mode": "fast"}, "mode"),
         ({"gama": 3}, "gama"),  # a typo is refused, not ignored
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
         ({"prompt": [[1, 2], [3]]}, "prompt"),
         ({"model": "nope"}, "model"),
     ],

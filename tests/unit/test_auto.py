@@ -280,22 +280,3 @@ def test_auto_crosses_the_wire_and_the_actor_pipeline_refuses_it_clearly():
     with pytest.raises(InvalidParameterError) as info:
         asyncio.run(first_chunk())
     assert info.value.field == "mode" and "local" in info.value.message
-
-
-@pytest.mark.parametrize(
-    "extra, field",
-    [(dict(logprobs=2), "logprobs"), (dict(prompt_logprobs=1), "prompt_logprobs"), (dict(n=2, temperature=1.0), "n")],
-)
-def test_the_actor_pipeline_refuses_what_it_cannot_return_yet(extra, field):
-    import asyncio
-
-    from viasd.actors.coordinator import Coordinator
-
-    coordinator = Coordinator("127.0.0.1:1", "127.0.0.1:2", vocab_size=96)
-
-    async def first_chunk():
-        return await coordinator.generate("r1", [1, 2, 3], parse_params(mode="sd", max_tokens=3, **extra)).__anext__()
-
-    with pytest.raises(InvalidParameterError) as info:
-        asyncio.run(first_chunk())
-    assert info.value.field == field and "local" in info.value.message

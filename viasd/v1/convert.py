@@ -108,6 +108,7 @@ _STATS_INTS = (
     "escalations",
     "escalated_tokens",
     "full_accepted",
+    "prefill_forwards",
 )
 
 
@@ -207,6 +208,7 @@ def stats_to_proto(stats: RequestStats) -> pb.RequestStats:
         total_seconds=stats.total_seconds,
         drafter_fallback=stats.drafter_fallback,
         queue_seconds=stats.queue_seconds,
+        prefill_seconds=stats.prefill_seconds,
     )
     for name in _STATS_INTS:
         setattr(msg, name, getattr(stats, name))
@@ -226,6 +228,7 @@ def stats_from_proto(msg: pb.RequestStats, finish_reason: str | None = None) -> 
         total_seconds=msg.total_seconds,
         drafter_fallback=msg.drafter_fallback,
         queue_seconds=msg.queue_seconds,
+        prefill_seconds=msg.prefill_seconds,
     )
     for name in _STATS_INTS:
         setattr(stats, name, getattr(msg, name))

@@ -8,22 +8,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "seed")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "prefill_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.GenerationParams
     seed: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+    prefill_from: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefill_from: _Optional[str] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "prompt_logprobs", "stats")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    stats: _generation_pb2.RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("tokens", "num_draft_accepted")
@@ -98,18 +104,20 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "outcome", "stats", "rows", "error")
+    __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: Outcome
     stats: _generation_pb2.RequestStats
     rows: _containers.RepeatedCompositeFieldContainer[VerifyResponse]
     error: RowError
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("request_id",)
