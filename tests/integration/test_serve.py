@@ -193,6 +193,34 @@ def test_non_streaming_responses_carry_usage_and_stats(client, reference):
     assert r.model_extra["viasd_stats"]["mode"] == "ar" and r.model_extra["viasd_stats"]["forwards"]["full"] > 0
 
 
+def test_openai_client_gets_n_samples_logprobs_and_echo_through_the_actors(client, reference):
+    """n > 1, logprobs and echo through Serve and the actor pipeline (the config's backend) ==
+    the in-process engine: each choice its sample, each logprob the full verifier's."""
+    from viasd.config import parse_params
+
+    ids = reference.encode(PROMPT)
+    params = dict(mode="sd", max_tokens=8, n=2, temperature=1.0, seed=5, logprobs=1)
+    want = reference.engine.complete_n(ids, parse_params(**params, prompt_logprobs=1))
+    r = client.completions.create(
+        model="smol",
+        prompt=PROMPT,
+        max_tokens=8,
+        n=2,
+        temperature=1.0,
+        seed=5,
+        logprobs=1,
+        echo=True,
+        extra_body={"mode": "sd", "return_token_ids": True},
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    for choice, w in zip(r.choices, want):
+        assert choice.model_extra["token_ids"] == w.token_ids and choice.text == PROMPT + reference.decode(w.token_ids)
+        expected = [e.logprob for e in w.prompt_logprobs[1:]] + [e.logprob for e in w.logprobs]
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected, abs=1e-4)
+    assert r.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+
+
 def test_stop_strings_cut_the_text(client, reference):
     want_text, _ = _expected(reference, "sd", prompt=PROMPT)
     stop = want_text.strip()[4:8]
