@@ -247,6 +247,28 @@ def _finish_run(run: dict) -> dict:
     return run
 
 
+def request_record(index: int, prompt_id: str, ids: Sequence[int], arrival: float, **measured) -> dict:
+    """One request's record of a load run: what it was, and what was measured (unset: None / empty)."""
+    record = {
+        "index": index,
+        "prompt": prompt_id,
+        "prompt_tokens": len(ids),
+        "arrival": arrival,
+        "submitted": None,
+        "first_token": None,
+        "finished": None,
+        "generated_tokens": 0,
+        "tokens": [],
+        "ttft": None,
+        "queue_seconds": None,
+        "tokens_per_second": None,
+        "itl": [],
+        "kv_bytes": None,
+    }
+    assert set(measured) <= {*record, "_chunks"}, sorted(set(measured) - set(record))
+    return {**record, **measured}
+
+
 def _gaps(times: Sequence[tuple[float, int]]) -> list[float]:
     """Per-token inter-token latencies from (commit time, tokens) of a request's chunks: chunk i > 0
     gives (t_i - t_{i-1}) / n_i, n_i times."""
@@ -335,25 +357,7 @@ class LoadBench:
         order = deque(sorted(range(len(requests)), key=lambda i: arrivals[i]))
         recs: list[dict] = []
         for i, (pid, ids) in enumerate(requests):
-            recs.append(
-                {
-                    "index": i,
-                    "prompt": pid,
-                    "prompt_tokens": len(ids),
-                    "arrival": arrivals[i],
-                    "submitted": None,
-                    "first_token": None,
-                    "finished": None,
-                    "generated_tokens": 0,
-                    "tokens": [],
-                    "ttft": None,
-                    "queue_seconds": None,
-                    "tokens_per_second": None,
-                    "itl": [],
-                    "kv_bytes": None,
-                    "_chunks": [],
-                }
-            )
+            recs.append(request_record(i, pid, ids, arrivals[i], _chunks=[]))
         by_handle: dict[int, dict] = {}
         _sync(self.bench.verifier.device)
         t0 = time.perf_counter()
@@ -508,22 +512,20 @@ class LoadBench:
             stamps = [s - t0 for s in (o.timestamps or [])]  # [generated] seconds since the first submission
             submitted = o.created_time - t0
             recs.append(
-                {
-                    "index": i,
-                    "prompt": pid,
-                    "prompt_tokens": len(ids),
-                    "arrival": arrivals[i],
-                    "submitted": submitted,
-                    "first_token": stamps[0] if stamps else None,
-                    "finished": o.lifespan[1] - t0,
-                    "generated_tokens": len(o.generated_tokens),
-                    "tokens": list(o.generated_tokens),
-                    "ttft": stamps[0] - arrivals[i] if stamps else None,
-                    "queue_seconds": o.lifespan[0] - o.created_time,
-                    "tokens_per_second": None,
-                    "itl": _gaps([(s, 1) for s in stamps]),
-                    "kv_bytes": None,
-                }
+                request_record(
+                    i,
+                    pid,
+                    ids,
+                    arrivals[i],
+                    submitted=submitted,
+                    first_token=stamps[0] if stamps else None,
+                    finished=o.lifespan[1] - t0,
+                    generated_tokens=len(o.generated_tokens),
+                    tokens=list(o.generated_tokens),
+                    ttft=stamps[0] - arrivals[i] if stamps else None,
+                    queue_seconds=o.lifespan[0] - o.created_time,
+                    itl=_gaps([(s, 1) for s in stamps]),
+                )
             )
         extra = {
             "call_seconds": call_seconds,  # the whole call: manager start-up, cache allocation, warm-up, stop
@@ -572,25 +574,7 @@ class LoadBench:
             for r in rows:
                 store.crop(r, length)
         kv = store.nbytes(rows[0])
-        recs = [
-            {
-                "index": i,
-                "prompt": pid,
-                "prompt_tokens": len(ids),
-                "arrival": 0.0,
-                "submitted": None,
-                "first_token": None,
-                "finished": None,
-                "generated_tokens": 0,
-                "tokens": [],
-                "ttft": None,
-                "queue_seconds": None,
-                "tokens_per_second": None,
-                "itl": [],
-                "kv_bytes": kv,
-            }
-            for i, (pid, ids) in enumerate(requests)
-        ]
+        recs = [request_record(i, pid, ids, 0.0, kv_bytes=kv) for i, (pid, ids) in enumerate(requests)]
         return recs, {
             "cached_length": length,
             "step_seconds": seconds,
