@@ -60,6 +60,7 @@ __all__ = [
 ]
 
 DEFAULT_KV_MEMORY_FRACTION = 0.25  # of the memory available at start, when no KV budget is configured
+MIN_DEFAULT_POSITIONS = 256  # a default budget that holds fewer positions per request is an error, not a tiny context
 
 
 def cost_cache_dir() -> Path:
@@ -126,6 +127,12 @@ class Engine:
             )
             max_seq_len = int(budget // (max_batch * self.kv_bytes_per_token))
             context_name = f"KV cache budget of {budget / 2**30:.2f} GiB for max_batch={max_batch} (kv_cache_gib)"
+            if not kv_cache_gib and max_seq_len < min(model_context or MIN_DEFAULT_POSITIONS, MIN_DEFAULT_POSITIONS):
+                raise ModelLoadError(
+                    f"only {budget / DEFAULT_KV_MEMORY_FRACTION / 2**30:.2f} GiB of memory is free after loading the "
+                    f"models: the default {context_name} holds {max_seq_len} positions per request; set "
+                    "kv_cache_gib or max_seq_len, lower max_batch, or turn packed_linears off"
+                )
         else:
             context_name = "max_seq_len"
         self.max_context = context_limit(model_context, max_seq_len)

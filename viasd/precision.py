@@ -279,15 +279,36 @@ class LinearReport:
         }
 
 
+#: Packing stops before it would leave less than this share of the machine's memory free: the
+#: packed copies double the weights' memory, and the KV cache and activations need room too.
+PACK_KEEP_FREE_FRACTION = 0.25
+
+
+def cpu_memory() -> tuple[int, int]:
+    """(bytes free now, bytes in all) of this machine's memory."""
+    import os
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 def optimize_linears(
-    model, dtype: str | torch.dtype | None = None, device: str = "cpu", *, include_lm_head: bool = True
+    model,
+    dtype: str | torch.dtype | None = None,
+    device: str = "cpu",
+    *,
+    include_lm_head: bool = True,
+    keep_free_bytes: int | None = None,
 ) -> LinearReport:
     """Swap the ``nn.Linear`` modules of a loaded model for oneDNN-prepacked ones (see
     ``_PackedLinear``), in place, on CPU; a no-op report elsewhere (method ``none``).
 
     Outputs equal ``F.linear``'s within the dtype's rounding (oneDNN may sum in another order).
     Weights stay shared (a tied ``lm_head`` keeps pointing at the embedding); each swapped linear
-    costs one more copy of its weight. ``dtype`` defaults to the model's.
+    costs one more copy of its weight. ``dtype`` defaults to the model's. A linear whose copy would
+    leave less than ``keep_free_bytes`` free (default: PACK_KEEP_FREE_FRACTION of the machine's
+    memory) stays plain, with the reason in ``skipped``: a model that fits only once keeps its
+    memory for the KV cache instead of failing later with a tiny context.
     """
     import torch
     from torch import nn
@@ -302,6 +323,8 @@ def optimize_linears(
         report.skipped["*"] = f"oneDNN packed linear not used for {dt} on this CPU"
         return report
     cls = packed_linear_class()
+    free, total = cpu_memory()
+    keep = int(PACK_KEEP_FREE_FRACTION * total) if keep_free_bytes is None else keep_free_bytes
     targets = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear]
     for name, mod in targets:
         if not include_lm_head and name.split(".")[-1] == "lm_head":
@@ -310,11 +333,17 @@ def optimize_linears(
         if mod.weight.dtype != dt or mod.weight.device.type != "cpu":
             report.skipped[name] = f"weight is {mod.weight.dtype} on {mod.weight.device}"
             continue
+        size = mod.weight.numel() * mod.weight.element_size()
+        if free - report.extra_bytes - size < keep:
+            report.skipped[name] = (
+                f"memory: a packed copy ({size / 2**20:.0f} MiB) would leave less than {keep / 2**30:.1f} GiB free"
+            )
+            continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
             packed = cls(mod)
         setattr(parent, attr, packed)
         report.swapped.append(name)
-        report.extra_bytes += mod.weight.numel() * mod.weight.element_size()
+        report.extra_bytes += size
     return report

@@ -268,6 +268,22 @@ def test_an_over_long_prompt_names_the_limit(tiny_pair):
     assert len(res.token_ids) == 10 and res.finish_reason == "length"  # cut at the row's capacity
 
 
+def test_a_default_kv_budget_too_small_to_serve_is_an_error_naming_the_fix(tiny_pair, monkeypatch):
+    """Little memory left after loading (e.g. float32 weights and their packed copies): the default
+    budget would hold a few positions per request; the engine refuses to start and says what to set,
+    while an explicit kv_cache_gib is taken as given."""
+    import viasd.engine as E
+    from viasd.errors import ModelLoadError
+
+    verifier, drafter = tiny_pair
+    per_token = Engine(verifier, drafter, max_seq_len=16).kv_bytes_per_token
+    monkeypatch.setattr(E, "available_memory", lambda device: int(8 * 100 * per_token / E.DEFAULT_KV_MEMORY_FRACTION))
+    with pytest.raises(ModelLoadError, match="kv_cache_gib") as info:
+        Engine(verifier, drafter, max_batch=8)
+    assert "100 positions" in str(info.value)
+    assert Engine(verifier, drafter, max_batch=8, kv_cache_gib=8 * 100 * per_token / 2**30).max_context == 100
+
+
 def test_threads_calling_generate_share_steps(tiny_pair):
     engine = _engine(tiny_pair, max_batch=8)
     jobs = [(PROMPTS[i], _params(REQUESTS[i * 2])) for i in range(6)]

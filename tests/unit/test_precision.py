@@ -187,3 +187,16 @@ def test_packed_linear_falls_back_for_other_inputs():
     packed = P.packed_linear_class()(lin)
     x = torch.randn(3, 8)
     assert torch.allclose(packed(x), lin(x), atol=1e-6)
+
+
+def test_optimize_linears_leaves_memory_free_for_the_kv_cache():
+    """Packing stops where a copy would leave less than `keep_free_bytes` free: the linears stay
+    plain, each with the reason; with room they are packed."""
+    model = tiny_model("llama", dtype=torch.float32).eval()
+    free, total = P.cpu_memory()
+    assert 0 < free <= total
+    report = P.optimize_linears(model, torch.float32, "cpu", keep_free_bytes=free + 1)
+    assert report.swapped == [] and report.extra_bytes == 0 and report.skipped
+    assert all(r.startswith("memory:") for r in report.skipped.values())
+    assert any(type(m) is torch.nn.Linear for m in model.modules())
+    assert P.optimize_linears(model, torch.float32, "cpu", keep_free_bytes=0).swapped  # room: packed
