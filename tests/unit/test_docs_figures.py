@@ -10,7 +10,9 @@
   records the command, the commit and the machine; the served-load table and the
   draft-probabilities-on-the-wire table against docs/benchmarks/serve-throughput-cpu*.json and
   probs-travel-cpu.json (rendered by their scripts), with the commands they record; the lm-eval
-  table against docs/lm_eval.json.
+  tables (generate-until and loglikelihood) against docs/lm_eval.json.
+* docs/BENCHMARKS.md, "Three tiers without losing quality": the greedy and sampled quality
+  tables against docs/benchmarks/quality/{greedy,sampled}/results.json.
 """
 
 from __future__ import annotations
@@ -302,3 +304,54 @@ def test_serving_lm_eval_table_equals_its_raw_file():
         client = row[0].strip("`")
         check_cell(row[1], [raw["served"][client]["exact_match"]], f"{client} served")
         check_cell(row[2], [raw["in_process"][client]["exact_match"]], f"{client} in-process")
+
+
+def test_serving_lm_eval_loglikelihood_table_equals_its_raw_file():
+    ll = load(DOCS / "lm_eval.json")["loglikelihood"]
+    (row,) = table("SERVING.md", "| loglikelihood task |")
+    assert row[0].strip("`").split("`")[0] == ll["task"]["name"]
+    check_cell(row[1], [ll["served"]["acc"]], "served acc")
+    check_cell(row[2], [ll["in_process"]["acc"]], "in-process acc")
+    pairs = sum(len(c) for c in ll["served"]["loglikelihoods"])
+    check_cell(row[3], [ll["max_abs_difference"], pairs], "difference")
+
+
+# ------------------------------------------------------------------ BENCHMARKS.md: quality (issue 20)
+
+
+def _quality_spec(cell: str) -> str:
+    return cell.strip("`")
+
+
+def check_unsigned(cell: str, exact: list[float], what) -> None:
+    """`check_cell` for cells with intervals written lo-hi (no number in them is negative)."""
+    shown = re.findall(r"\d[\d,]*(?:\.\d+)?", cell)
+    assert len(shown) == len(exact), (what, cell, exact)
+    for x, e in zip(shown, exact):
+        assert close(float(x.replace(",", "")), e, decimals(x)), (what, cell, x, e)
+
+
+def test_quality_tables_equal_their_raw_files():
+    """Every pass@1 [Wilson interval] and agreement cell against the evaluation's results.json."""
+    greedy = load(DOCS / "benchmarks" / "quality" / "greedy" / "results.json")["summary"]
+    sampled = load(DOCS / "benchmarks" / "quality" / "sampled" / "results.json")["summary"]
+    speed = load(DOCS / "benchmarks" / "cpu" / "gates-speed" / "results.json")["summary"]
+    rows = table("BENCHMARKS.md", "| setting | spec | HumanEval pass@1")
+    assert len(rows) == 6
+    for row in rows:
+        v = speed[_quality_spec(row[1])]
+        check_unsigned(row[5], [v["tokens_per_second"], v["speedup_vs_ar"]["median"]], row[1])
+        s = greedy.get(_quality_spec(row[1])) or sampled[_quality_spec(row[1])]  # (the calibrated one: either run)
+        p = s["humaneval"]["pass_at_1"]
+        assert p["n_prompts"] == 40, row[1]  # the header's n
+        check_unsigned(row[2], [p["pass_at_1"], *p["wilson95"]], row[1])
+        for cell, corpus in ((row[3], "humaneval"), (row[4], "stdlib")):
+            a = s.get(corpus, {}).get("agreement_with_ar")
+            if a is None:
+                assert cell == "-", (row[1], corpus, cell)
+            else:
+                check_unsigned(cell, [a["prefix_share"], a["identical"]], (row[1], corpus))
+    for row in table("BENCHMARKS.md", "| setting | HumanEval pass@1 [95% Wilson] (n=80) |"):
+        p = sampled[row[0].split("`")[1]]["humaneval"]["pass_at_1"]
+        assert p["n_samples"] == 80, row[0]
+        check_unsigned(row[1], [p["pass_at_1"], *p["wilson95"]], row[0])
