@@ -34,8 +34,8 @@ def settings_from(spec: str, seeds: tuple[int, ...], base) -> list[Setting]:
     out: dict[str, Setting] = {}
     for s in split_specs(spec):
         m = parse_method(s, base)
-        out.setdefault(m.label, Setting(m, seeds if not m.params.greedy else (0,)))
         mb = matched_baseline(m, base) if m.lossy and not m.params.greedy else None
+        out.setdefault(m.label, Setting(m, seeds if not m.params.greedy else (0,), mb.label if mb else None))
         if mb is not None:
             out.setdefault(mb.label, Setting(mb, seeds))
     return list(out.values())

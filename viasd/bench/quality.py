@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from viasd.bench.execution import STOP_SEQUENCES, check_many, truncate
-from viasd.bench.methods import Method, matched_baseline
+from viasd.bench.methods import Method
 from viasd.bench.report import pass_at_1, wilson
 from viasd.bench.workloads import Prompt
 from viasd.config import GenerationParams
@@ -130,10 +130,12 @@ def _signature_and_docstring(fn, min_body: int, max_body: int) -> str | None:
 
 @dataclass(frozen=True)
 class Setting:
-    """One decoding setting of the evaluation: a method and the seeds it runs with."""
+    """One decoding setting of the evaluation: a method, the seeds it runs with and the label of its
+    matched baseline among the settings (lossy sampled settings; `methods.matched_baseline`)."""
 
     method: Method
     seeds: tuple[int, ...] = (0,)
+    baseline: str | None = None
 
     @property
     def label(self) -> str:
@@ -295,8 +297,7 @@ def summarize(runs: list[dict], settings: Sequence[Setting]) -> dict[str, dict]:
             "seeds": list(s.seeds),
             "lossy": m.lossy,
         }
-        base = matched_baseline(m, m.params) if m.lossy else None
-        entry["matched_baseline"] = base.label if base is not None and base.label in labels else None
+        entry["matched_baseline"] = s.baseline if s.baseline in labels else None
         ref = _reference_label(m, labels)
         for (label, corpus), rs in by.items():
             if label != m.label:
