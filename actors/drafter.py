@@ -157,11 +157,19 @@ def pack_linears(model, config: EngineConfig, device: str) -> None:
         optimize_linears(model, resolve_dtype(config.dtype, device).dtype, device)
 
 
-def set_threads(threads: int | None, cpus: float) -> None:
-    """torch threads of an actor: the configured count, else its CPU share (at least 1)."""
+def set_threads(threads: int | None, ranks: int) -> int:
+    """torch threads of an actor: the configured count (`engine.threads`), else this node's cores
+    over the verifier's ranks (at least 1). The drafter and the verifier take turns within a step
+    (one Propose, then one Verify), so each may use every core the pipeline holds, as the
+    in-process engine does; the tensor-parallel ranks run at once and split them. (Ray's CPU
+    reservations, `drafter_cpus` / `verifier_cpus_per_rank`, place the actors; they are not
+    thread counts. Pipelines sharing a node, or `overlap` drafting during the verification, are
+    better off with `engine.threads` set.)"""
     import torch
 
-    torch.set_num_threads(threads or max(1, int(cpus)))
+    n = threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
+    torch.set_num_threads(n)
+    return n
 
 
 @ray.remote
@@ -178,7 +186,7 @@ class DrafterActor:
         *,
         host: str = "127.0.0.1",
         device: str = "cpu",
-        cpus: float = 1.0,
+        ranks: int = 1,
         probs_dtype: str = "auto",
         tls: dict | None = None,
     ) -> dict:
@@ -187,7 +195,7 @@ class DrafterActor:
         from viasd.models.loader import load_causal_lm
 
         config = EngineConfig.model_validate(engine)
-        set_threads(config.threads, cpus)
+        threads = set_threads(config.threads, ranks)
         model, _ = load_causal_lm(
             config.drafter, dtype=config.dtype, device=device, trust_remote_code=config.trust_remote_code
         )
@@ -207,6 +215,7 @@ class DrafterActor:
             "num_layers": lm.num_layers,
             "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
             "pid": os.getpid(),
+            "threads": threads,
         }
 
     async def num_sessions(self) -> int:

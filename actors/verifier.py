@@ -281,7 +281,6 @@ class VerifierWorker:
         master_port: int = 29500,
         tp_backend: str = "torch",
         device: str = "cpu",
-        cpus: float = 1.0,
     ) -> dict:
         """Load q, resolve the mask, shard across the group (every rank calls this at once)."""
         from viasd.llm import eos_ids, resolve_mask
@@ -290,7 +289,7 @@ class VerifierWorker:
         from viasd.precision import resolve_dtype
 
         config = EngineConfig.model_validate(engine)
-        set_threads(config.threads, cpus)
+        threads = set_threads(config.threads, world_size)
         self.rank = rank
         # sharded ranks load on the host and move only their shards to the device (shard_model)
         model, tokenizer = load_causal_lm(
@@ -327,6 +326,7 @@ class VerifierWorker:
             "eos_token_ids": list(eos),
             "local_q_proj_rows": int(model.model.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
             "pid": os.getpid(),
+            "threads": threads,
             "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
         }
 

@@ -64,7 +64,11 @@ class PipelineConfig(BaseModel):
     tp_backend: Literal["torch", "deepspeed"] = Field(
         "torch", description="How the verifier is sharded when tp_size > 1: PyTorch native TP or DeepSpeed AutoTP."
     )
-    drafter_cpus: float = Field(1.0, ge=0.0, description="CPUs reserved for the drafter actor (its torch threads).")
+    drafter_cpus: float = Field(
+        1.0,
+        ge=0.0,
+        description="CPUs Ray reserves for the drafter actor (placement; its torch threads: engine.threads, else the node's cores over tp_size).",
+    )
     drafter_gpus: float = Field(0.0, ge=0.0, description="GPUs reserved for the drafter actor; > 0 runs it on CUDA.")
     verifier_cpus_per_rank: float = Field(1.0, ge=0.0, description="CPUs reserved for each verifier rank.")
     verifier_gpus_per_rank: float = Field(
@@ -157,7 +161,7 @@ async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
         config.engine.model_dump(mode="json"),
         host=config.bind_host,
         device="cuda" if config.drafter_gpus > 0 else "cpu",
-        cpus=config.drafter_cpus,
+        ranks=config.tp_size,
         probs_dtype=config.draft_probs_dtype,
         tls=_tls_json(config),
     )
@@ -186,7 +190,6 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
                 world_size=config.tp_size,
                 tp_backend=config.tp_backend,
                 device=device,
-                cpus=config.verifier_cpus_per_rank,
                 **rdv,
             )
             for r, rank in enumerate(ranks)

@@ -685,3 +685,22 @@ def test_rank_disagreement_is_detected(aio, llm):
 
     err = aio.run(run())
     assert err.code() == grpc.StatusCode.INTERNAL and "verifier ranks disagree on verify" in err.details()
+
+
+def test_actor_threads_default_to_the_nodes_cores_over_the_ranks(monkeypatch):
+    """The drafter and the verifier take turns within a step: by default each uses the node's cores
+    (over the TP ranks, which run at once), not its Ray CPU reservation; engine.threads wins."""
+    import os
+
+    import torch
+
+    from viasd.actors.drafter import set_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    try:
+        assert set_threads(None, 1) == 8 and torch.get_num_threads() == 8
+        assert set_threads(None, 2) == 4 and set_threads(None, 16) == 1
+        assert set_threads(3, 2) == 3 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
