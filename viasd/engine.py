@@ -14,7 +14,6 @@ in viasd.sessions, the acceptance rules in viasd.rules, the proposers in viasd.p
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from viasd.costs import CostModel, profile
 from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
 from viasd.gates import Gates
 from viasd.models.embedded import cache_root
+from viasd.precision import cpu_memory
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.scheduler import (
     Capacity,
@@ -69,10 +69,11 @@ def cost_cache_dir() -> Path:
 
 
 def available_memory(device: torch.device) -> int:
-    """Bytes free for new tensors on `device` now (CUDA: the driver's figure; CPU: free pages)."""
+    """Bytes free for new tensors on `device` now (CUDA: the driver's figure; CPU: MemAvailable,
+    viasd.precision.cpu_memory)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return cpu_memory()[0]
 
 
 class Engine:

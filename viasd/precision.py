@@ -279,17 +279,27 @@ class LinearReport:
         }
 
 
-#: Packing stops before it would leave less than this share of the machine's memory free: the
-#: packed copies double the weights' memory, and the KV cache and activations need room too.
-PACK_KEEP_FREE_FRACTION = 0.25
+#: Packing stops before it would leave less than this share of the machine's memory available:
+#: the packed copies double the weights' memory, and the KV cache and activations need room too.
+PACK_KEEP_FREE_FRACTION = 0.15
 
 
 def cpu_memory() -> tuple[int, int]:
-    """(bytes free now, bytes in all) of this machine's memory."""
+    """(bytes available now, bytes in all) of this machine's memory. Available is Linux's
+    MemAvailable (free pages plus the page cache the kernel can drop: the weight files just read
+    sit there), not MemFree, which counts that cache as used."""
     import os
 
     page = os.sysconf("SC_PAGE_SIZE")
-    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+    total = os.sysconf("SC_PHYS_PAGES") * page
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, total
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * page, total
 
 
 def optimize_linears(
