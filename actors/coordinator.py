@@ -50,6 +50,7 @@ from viasd.actors.rpc import InternalTLS, open_channel
 from viasd.config import GenerationParams, Mode
 from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, resolve_seed
 from viasd.errors import InvalidParameterError, ViaSDError
+from viasd.gates import Gates
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.sessions import sample_seed
 from viasd.v1 import internal_pb2 as ipb
@@ -137,6 +138,7 @@ class Coordinator:
         on_unavailable: Callable[[str], None] | None = None,
         tls: InternalTLS | None = None,
         batch_wait_s: float = 0.02,
+        gates: Gates | None = None,
     ):
         self.verifier_address = verifier_address
         self.tls = tls  # mutual TLS to both services (actors/rpc.py), or None: plaintext
@@ -148,6 +150,7 @@ class Coordinator:
         self.drafter_fallback = drafter_fallback
         self.on_unavailable = on_unavailable
         self.batch_wait_s = batch_wait_s  # how long a step waits for the last step's rows to ask again
+        self.gates = gates  # `via` requests that choose no gate get these, as in-process (Engine.submit)
         self.totals = RpcTotals()
         self._active: dict[str, _Request] = {}  # by the id the backends know (a sample's: "<id>#<i>")
         self._groups: dict[str, list[_Request]] = {}  # a request's samples, by its id
@@ -173,6 +176,8 @@ class Coordinator:
         after sample 0 and copy its prefill on both sides (`OpenRequest.prefill_from`), then all n
         step as rows of the batch. Their chunks interleave as steps commit them (`chunk.index` says
         whose; each sample's last chunk has its stats); `stop_sample` ends one early."""
+        if self.gates is not None:  # the mask's calibrated gates (viasd.gates), as Engine.submit applies them
+            params = self.gates.apply(params)
         prompt = check_request(
             prompt_ids,
             params,

@@ -22,6 +22,7 @@ call (INTERNAL) if they differ. Logits never leave a rank: the reply is the comm
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from typing import NamedTuple
@@ -283,7 +284,7 @@ class VerifierWorker:
         device: str = "cpu",
     ) -> dict:
         """Load q, resolve the mask, shard across the group (every rank calls this at once)."""
-        from viasd.llm import eos_ids, resolve_mask
+        from viasd.llm import eos_ids, resolve_gates, resolve_mask
         from viasd.models.loader import load_causal_lm
         from viasd.parallel import TPBackend, TPGroup, shard_model
         from viasd.precision import resolve_dtype
@@ -299,6 +300,7 @@ class VerifierWorker:
             trust_remote_code=config.trust_remote_code,
         )
         mask, mask_source = resolve_mask(config, model)  # on the unsharded weights (fingerprint)
+        gates, gates_source = resolve_gates(config, mask)  # what `via` requests choosing none get
         eos = eos_ids(tokenizer, model)
         if world_size > 1:
             cuda = device.startswith("cuda")
@@ -322,6 +324,8 @@ class VerifierWorker:
             "num_layers": lm.num_layers,
             "skipped_layers": list(mask.skipped),
             "mask_source": mask_source,
+            "gates": dataclasses.asdict(gates) if gates is not None else None,
+            "gates_source": gates_source,
             "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
             "eos_token_ids": list(eos),
             "local_q_proj_rows": int(model.model.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard

@@ -37,6 +37,7 @@ from viasd.actors.rpc import InternalTLS
 from viasd.actors.verifier import VerifierWorker
 from viasd.config import EngineConfig, Mode, validate_named
 from viasd.engine import context_limit
+from viasd.gates import Gates
 
 log = logging.getLogger("viasd.cluster.pipeline")
 
@@ -270,6 +271,7 @@ class Pipeline:
                 rpc_timeout_s=config.rpc_timeout_s,
                 drafter_fallback=config.drafter_fallback,
                 tls=config.internal_tls,
+                gates=Gates(**verifier_info["gates"]) if verifier_info.get("gates") else None,
             )
         except BaseException:
             for actor in actors:

@@ -704,3 +704,28 @@ def test_actor_threads_default_to_the_nodes_cores_over_the_ranks(monkeypatch):
         assert set_threads(3, 2) == 3 and torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_masks_calibrated_gates_apply_to_served_via_requests_as_in_process(server, aio, llm, pipeline):
+    """A `via` request that chooses no gate gets the pipeline's gates (the mask artifact's, read by
+    the verifier at start), as `Engine.submit` gives them in-process; a request's own values win."""
+    from viasd.gates import Gates
+
+    _, _, stub = server
+    gates = Gates(0.9, 0.7, "escalate")
+    before = pipeline.coordinator.gates, llm.engine.gates
+    pipeline.coordinator.gates = llm.engine.gates = gates
+    try:
+        for prompt in PROMPTS:
+            params = parse_params(mode="via", gamma=4, max_tokens=24)
+            bare = pb.GenerationParams(mode=pb.MODE_VIA, gamma=4, max_tokens=24)  # no gate field set
+            req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=prompt), params=bare)
+            tokens, responses = aio.run(collect(stub, req))
+            ref = llm.engine.complete(prompt, params)
+            assert tokens == ref.token_ids
+            stats = stats_from_proto(responses[-1].stats)
+            assert stats.slim_rewritten == 0 and stats.escalations > 0  # region B escalated, never rewrote
+            own, _ = aio.run(collect(stub, request(prompt, **VIA)))  # alpha1 / alpha2 set: no gates applied
+            assert own == reference(llm, prompt, **VIA).token_ids
+    finally:
+        pipeline.coordinator.gates, llm.engine.gates = before
