@@ -146,6 +146,18 @@ class InProcessLM(TemplateLM):
         raise NotImplementedError("no rolling loglikelihood task is run here")
 
 
+def _evaluate(model, task: str, tasks: Path, **kwargs) -> dict:
+    """lm-eval's own `simple_evaluate` of one of our tasks (every sample logged, no bootstrap)."""
+    return lm_eval.simple_evaluate(
+        model=model,
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(tasks)),
+        log_samples=True,
+        bootstrap_iters=0,
+        **kwargs,
+    )
+
+
 def _score(results: dict) -> dict:
     """The task's exact match and, per document (in order), what the model answered."""
     samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
@@ -174,31 +186,15 @@ def served_loglikelihood(base: str, model: str, tasks: Path) -> dict:
         "num_concurrent": 1,
         "max_retries": 1,
     }
-    results = lm_eval.simple_evaluate(
-        model="local-completions",
-        model_args=args,
-        tasks=[MC_TASK],
-        task_manager=TaskManager(include_path=str(tasks)),
-        log_samples=True,
-        bootstrap_iters=0,
-    )
-    return _mc_score(results)
+    return _mc_score(_evaluate("local-completions", MC_TASK, tasks, model_args=args))
 
 
 def in_process_loglikelihood(llm, tasks: Path) -> dict:
-    results = lm_eval.simple_evaluate(
-        model=InProcessLM(llm),
-        tasks=[MC_TASK],
-        task_manager=TaskManager(include_path=str(tasks)),
-        log_samples=True,
-        bootstrap_iters=0,
-    )
-    return _mc_score(results)
+    return _mc_score(_evaluate(InProcessLM(llm), MC_TASK, tasks))
 
 
 def served_scores(base: str, model: str, tasks: Path) -> dict[str, dict]:
     """exact match of lm-eval's local-completions and local-chat-completions against `base`."""
-    manager = TaskManager(include_path=str(tasks))
     out = {}
     for name, path, chat in (
         ("local-completions", "/v1/completions", False),
@@ -212,33 +208,15 @@ def served_scores(base: str, model: str, tasks: Path) -> dict[str, dict]:
             "num_concurrent": 1,
             "max_retries": 1,
         }
-        results = lm_eval.simple_evaluate(
-            model=name,
-            model_args=args,
-            tasks=[TASK],
-            task_manager=manager,
-            apply_chat_template=chat,
-            log_samples=True,
-            bootstrap_iters=0,
-        )
-        out[name] = _score(results)
+        out[name] = _score(_evaluate(name, TASK, tasks, model_args=args, apply_chat_template=chat))
     return out
 
 
 def in_process_scores(llm, tasks: Path) -> dict[str, dict]:
     """The same task on the in-process engine: as a completion and as a chat."""
-    manager = TaskManager(include_path=str(tasks))
     out = {}
     for name, chat in (("local-completions", False), ("local-chat-completions", True)):
-        results = lm_eval.simple_evaluate(
-            model=InProcessLM(llm, chat),
-            tasks=[TASK],
-            task_manager=manager,
-            apply_chat_template=chat,
-            log_samples=True,
-            bootstrap_iters=0,
-        )
-        out[name] = _score(results)
+        out[name] = _score(_evaluate(InProcessLM(llm, chat), TASK, tasks, apply_chat_template=chat))
     return out
 
 
