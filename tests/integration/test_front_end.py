@@ -279,7 +279,11 @@ def test_completions_echo_returns_the_prompt_with_its_logprobs(http, backend, ma
     expected = [e.logprob for e in want.prompt_logprobs[1:]] + [e.logprob for e in want.logprobs]
     assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-5)
     for entry, top in zip([*want.prompt_logprobs[1:], *want.logprobs], lp["top_logprobs"][1:]):
-        assert backend.llm.tokenizer.decode([entry.top[0][0]]) in top  # the most likely token, and the chosen one
+        decode = backend.llm.tokenizer.decode
+        assert decode([entry.top[0][0]]) in top and top[decode([entry.token_id])] == pytest.approx(
+            entry.logprob, abs=1e-5
+        )
+    assert any(len(t) == 2 for t in lp["top_logprobs"][1:])  # a prompt token that is not the most likely: both
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     bare = post(http, "/v1/completions", {**body, "logprobs": None})
     if max_tokens:  # echo alone: the same text, no logprobs
@@ -320,6 +324,26 @@ def test_a_stop_string_ends_only_its_own_sample(http, backend):
     assert [c["text"] for c in r["choices"]] == [t.split(stop)[0] for t in texts]
     finish = ["stop" if stop in t else w.finish_reason for t, w in zip(texts, want)]
     assert [c["finish_reason"] for c in r["choices"]] == finish and "stop" in finish and set(finish) != {"stop"}
+
+
+def test_stop_sample_cancels_that_sample_in_the_engine(aio, backend):
+    """The handler's stop_sample ends a sample in the engine (its row is freed), not only in the
+    text: no more of its chunks arrive, and the other sample runs to max_tokens."""
+    params = parse_params(mode="ar", max_tokens=24, n=2, temperature=1.0, seed=5, ignore_eos=True)
+    coordinator = backend.coordinator
+
+    async def run():
+        seen = {0: [], 1: []}
+        gen = coordinator.generate("stop-one", backend.llm.encode(PROMPT), params)
+        async for chunk in gen:
+            seen[chunk.index].append(chunk)
+            if chunk.index == 1 and len(seen[1]) == 1:
+                coordinator.stop_sample("stop-one", 1)
+        return seen
+
+    seen = aio.run(run())
+    assert sum(len(c.token_ids) for c in seen[0]) == 24 and seen[0][-1].finish_reason == "length"
+    assert len(seen[1]) <= 2 and not any(c.finished for c in seen[1])  # (one chunk may already be queued)
 
 
 def test_grpc_serves_logprobs_prompt_logprobs_and_n(grpc_target, backend):
