@@ -21,6 +21,7 @@ from viasd.bench.load import (
     SUMMARY_FIELDS,
     LoadBench,
     _gaps,
+    load_targets,
     arrival_times,
     parse_load_methods,
     percentile,
@@ -249,6 +250,36 @@ def test_figures_arithmetic():
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
     # chunks at t = 1 (2 tokens), 2 (1 token), 4 (4 tokens): 1 gap of 1 s, 4 gaps of 0.5 s
     assert _gaps([(1.0, 2), (2.0, 1), (4.0, 4)]) == [1.0, 0.5, 0.5, 0.5, 0.5]
+
+
+def test_auto_targets_compare_with_the_best_fixed_mode_and_ar():
+    def row(method, c, tps):
+        return {
+            "arrival": "all",
+            "method": method,
+            "kind": "engine",
+            "concurrency": c,
+            "aggregate_tokens_per_second": tps,
+            "decode_ratio_to_roofline": None,
+        }
+
+    summary = [
+        row("ar", 1, 10.0),
+        row("sd", 1, 20.0),
+        row("auto", 1, 19.5),
+        row("ar", 4, 40.0),
+        row("sd", 4, 30.0),
+        row("auto", 4, 38.0),
+    ]
+    auto = [t for t in load_targets(summary) if t["target"].startswith("auto")]
+    assert [(t["target"], t["met"]) for t in auto] == [
+        ("auto >= 0.97x best fixed mode at C=1 (all arrivals)", True),  # 19.5 / 20 = 0.975
+        ("auto >= 1.0x ar at C=1 (all arrivals)", True),
+        ("auto >= 0.97x best fixed mode at C=4 (all arrivals)", False),  # 38 / 40 = 0.95: ar is best here
+        ("auto >= 1.0x ar at C=4 (all arrivals)", False),
+    ]
+    assert auto[0]["value"] == pytest.approx(0.975) and "(sd) 20.0" in auto[0]["detail"]
+    assert auto[2]["value"] == pytest.approx(0.95) and "(ar) 40.0" in auto[2]["detail"]
 
 
 def test_method_specs():

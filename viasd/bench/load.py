@@ -693,6 +693,44 @@ def load_targets(summary: list[dict]) -> list[dict]:
                 "detail": "; ".join(parts) if parts else "no C >= 4 with both figures",
             }
         )
+    out += _auto_targets(index, ours)
+    return out
+
+
+AUTO_TO_BEST, AUTO_TO_AR = 0.97, 1.0  # issue "Never slower"
+
+
+def _auto_targets(index: dict, ours: list[dict]) -> list[dict]:
+    """`auto` against the best fixed mode and against `ar`, at every (arrival, C) it ran."""
+    out = []
+    for arrival, c in sorted({(r["arrival"], r["concurrency"]) for r in ours if r["method"] == "auto"}):
+        auto = index[(arrival, "auto", c)]["aggregate_tokens_per_second"]
+        fixed = [
+            r
+            for r in ours
+            if r["arrival"] == arrival
+            and r["concurrency"] == c
+            and r["method"] != "auto"
+            and r["aggregate_tokens_per_second"] is not None
+        ]
+        best = max(fixed, key=lambda r: r["aggregate_tokens_per_second"], default=None)
+        ar = index.get((arrival, "ar", c), {}).get("aggregate_tokens_per_second")
+        for name, ref, threshold in (
+            (f"best fixed mode ({best['method']})" if best else "best fixed mode", best, AUTO_TO_BEST),
+            ("ar", ar and {"aggregate_tokens_per_second": ar}, AUTO_TO_AR),
+        ):
+            ratio = auto / ref["aggregate_tokens_per_second"] if auto is not None and ref else None
+            out.append(
+                {
+                    "target": f"auto >= {threshold}x {name.split(' (')[0]} at C={c} ({arrival} arrivals)",
+                    "threshold": threshold,
+                    "value": ratio,
+                    "met": None if ratio is None else ratio >= threshold,
+                    "detail": "not run"
+                    if ratio is None
+                    else f"auto {auto:.1f} tok/s, {name} {ref['aggregate_tokens_per_second']:.1f} tok/s",
+                }
+            )
     return out
 
 
