@@ -66,18 +66,26 @@ class CostModel:
 
     def observe(self, tier: str, tokens: int, seconds: float) -> None:
         """One forward of `tier` over `tokens` (B * T_max) tokens took `seconds` (online only)."""
-        if not self.online or tokens <= 0 or tier not in self.grid:
+        self.observe_call([(tier, tokens)], seconds)
+
+    def observe_call(self, forwards: Sequence[tuple[str, float]], seconds: float) -> None:
+        """A call that ran `forwards` [(tier, tokens)] took `seconds` in all (online only): each
+        forward is credited its predicted share, so every tier of the call moves by the same
+        ratio observed / predicted. (A served step times its Propose and Verify RPCs, whose
+        seconds include serialisation and transport: the planner then sees what a served step costs.)"""
+        forwards = [(t, n) for t, n in forwards if n > 0 and t in self.grid]
+        predicted = [self.seconds(t, n) for t, n in forwards]
+        if not self.online or not forwards or sum(predicted) <= 0:
             return
-        predicted = self.seconds(tier, tokens)
-        if predicted <= 0:
-            return
-        d = self.DECAY
-        self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * seconds / predicted)
-        r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
-        i = self._bucket(tier, tokens)
-        residual = seconds / (self._grid_seconds(tier, tokens) * self.scale[tier])
-        r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
-        self.observed += 1
+        ratio, d = seconds / sum(predicted), self.DECAY
+        for tier in {t for t, _ in forwards}:
+            self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * ratio)
+        for (tier, tokens), share in zip(forwards, predicted):
+            r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
+            i = self._bucket(tier, tokens)
+            residual = share * ratio / (self._grid_seconds(tier, tokens) * self.scale[tier])
+            r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
+            self.observed += 1
 
     def observe_overhead(self, seconds: float, row_forwards: int) -> None:
         """A step spent `seconds` outside its forwards over `row_forwards` row-forwards (online only)."""
@@ -98,6 +106,17 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def combine(cls, parts: dict[str, CostModel]) -> CostModel:
+        """One online model of the tiers of several profiles (served: the drafter's and the
+        verifier's, each measured on its own actor); `key` holds each part's."""
+        return cls(
+            {t: list(c) for m in parts.values() for t, c in m.grid.items()},
+            {name: m.key for name, m in parts.items()},
+            sum(m.profile_seconds for m in parts.values()),
+            online=True,
+        )
 
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
@@ -146,20 +165,29 @@ def _time_forward(lm: MaskedLM, mask: LayerMask | None, tokens: int, repeats: in
     return best
 
 
-def profile_key(verifier: MaskedLM, drafter: MaskedLM | None, mask: LayerMask, grid: Sequence[int]) -> dict:
-    """What a cost profile depends on: the models (fingerprints), device, dtype, threads, mask."""
+def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Sequence[int], **extra) -> dict:
+    """What a cost profile depends on: each tier's model (fingerprint) and mask, the device,
+    dtype, threads, CPU capability and grid (`extra`: more, e.g. the tensor-parallel ranks)."""
     from viasd.models.loader import model_fingerprint
 
+    lm = next(iter(tiers.values()))[0]
     return {
-        "verifier": model_fingerprint(verifier.model)[:16],
-        "drafter": model_fingerprint(drafter.model)[:16] if drafter is not None else None,
-        "device": str(verifier.device),
-        "dtype": str(verifier.dtype).removeprefix("torch."),
+        "tiers": {
+            name: {"model": model_fingerprint(m.model)[:16], "skipped": list(mask.skipped) if mask else []}
+            for name, (m, mask) in tiers.items()
+        },
+        "device": str(lm.device),
+        "dtype": str(lm.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "skipped": list(mask.skipped),
         "grid": list(grid),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **extra,
     }
+
+
+def verifier_tiers(verifier: MaskedLM, mask: LayerMask) -> dict[str, tuple[MaskedLM, LayerMask | None]]:
+    """The verifier's two tiers: q, and q' = q masked."""
+    return {"full": (verifier, None), "slim": (verifier, mask)}
 
 
 def profile(
@@ -172,7 +200,24 @@ def profile(
     cache_dir: Path | None = None,
 ) -> CostModel:
     """Measure (or read from the cache) the forward seconds of every tier over `grid` tokens."""
-    key = profile_key(verifier, drafter, mask, grid)
+    tiers = verifier_tiers(verifier, mask)
+    if drafter is not None:
+        tiers["drafter"] = (drafter, None)
+    return profile_tiers(tiers, grid=grid, repeats=repeats, cache_dir=cache_dir)
+
+
+def profile_tiers(
+    tiers: dict[str, tuple[MaskedLM, LayerMask | None]],
+    *,
+    grid: Sequence[int] = GRID,
+    repeats: int = 2,
+    cache_dir: Path | None = None,
+    **key_extra,
+) -> CostModel:
+    """`profile` for the tiers one process holds (a served actor: the drafter, or the verifier's
+    q and q'), keyed by `profile_key(tiers, grid, **key_extra)`. Without `cache_dir`, always
+    measured (tensor-parallel ranks: every rank must run the same forwards)."""
+    key = profile_key(tiers, grid, **key_extra)
     path = None
     if cache_dir is not None:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
@@ -185,9 +230,6 @@ def profile(
             except (OSError, ValueError, KeyError):
                 pass  # a damaged cache file is measured again
     t0 = time.perf_counter()
-    tiers = {"full": (verifier, None), "slim": (verifier, mask)}
-    if drafter is not None:
-        tiers["drafter"] = (drafter, None)
     for lm, m in tiers.values():  # one untimed forward each: first-call allocations stay out of the figures
         _time_forward(lm, m, 1, 1)
     table = {name: [(n, _time_forward(lm, m, n, repeats)) for n in grid] for name, (lm, m) in tiers.items()}
@@ -201,30 +243,40 @@ def profile(
 class Acceptance:
     """Running estimates of what speculation buys one request (exponential moving averages,
     starting from the engine-wide estimate): per draft position j, the probability that the
-    verifier accepts the drafted token given it reached j, for model drafts and n-gram drafts."""
+    verifier accepts the drafted token given it reached j, for model drafts and n-gram drafts.
+
+    A position no block has reached yet takes the rate of the deepest one reached (before any
+    evidence: the prior). Otherwise a plan that starts short would never learn what longer
+    blocks buy: a k = 1 block says nothing about position 2, whose prior would keep k at 1."""
 
     DECAY = 0.8  # weight of the past in each update
+    PRIOR = {"model": 0.6, "ngram": 0.5}
 
     def __init__(self, prior: Acceptance | None = None, positions: int = 8):
-        self.model = list(prior.model) if prior else [0.6] * positions  # [gamma]
-        self.ngram = list(prior.ngram) if prior else [0.5] * positions
+        self.rates = {  # kind -> [positions]
+            kind: list(prior.rates[kind]) if prior else [a] * positions for kind, a in self.PRIOR.items()
+        }
+        self.depth = dict(prior.depth) if prior else dict.fromkeys(self.PRIOR, 0)  # positions ever reached
 
     def update(self, kind: str, drafted: int, accepted: int) -> None:
-        """A block of `drafted` tokens of which the first `accepted` were accepted."""
-        rates = self.model if kind == "model" else self.ngram
-        for j in range(min(drafted, len(rates))):
-            if j > accepted:
-                break  # not reached: no evidence
+        """A block of `drafted` tokens of which the first `accepted` were accepted: positions
+        0..accepted were reached (all accepted but the last, unless the whole block was)."""
+        rates = self.rates[kind]
+        reached = min(drafted, accepted + 1, len(rates))
+        for j in range(reached):
             hit = 1.0 if j < accepted else 0.0
             rates[j] = self.DECAY * rates[j] + (1 - self.DECAY) * hit
+        depth = self.depth[kind] = max(self.depth[kind], reached)
+        for j in range(depth, len(rates)):  # never reached: as the deepest position reached
+            rates[j] = rates[depth - 1]
 
     def expected_tokens(self, kind: str, k: int) -> float:
         """E[tokens committed by a cycle of k drafts] = 1 + sum_{i=1..k} prod_{j<=i} a_j."""
-        rates, total, reach = (self.model if kind == "model" else self.ngram), 1.0, 1.0
+        rates, total, reach = self.rates[kind], 1.0, 1.0
         for j in range(k):
             reach *= rates[min(j, len(rates) - 1)]
             total += reach
         return total
 
     def to_dict(self) -> dict:
-        return {"model": [round(a, 4) for a in self.model], "ngram": [round(a, 4) for a in self.ngram]}
+        return {kind: [round(a, 4) for a in rates] for kind, rates in self.rates.items()}

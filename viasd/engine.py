@@ -166,12 +166,7 @@ class Engine:
     def planner_state(self) -> dict:
         """What `auto` plans with now: the cost model (None until profiled) and the engine-wide
         running acceptance (model and n-gram drafts per position; via tokens and escalation)."""
-        sched = self.scheduler
-        return {
-            "costs": self.costs.summary() if self.costs is not None else None,
-            "acceptance": sched.acceptance.to_dict(),
-            "via": {"tokens_per_cycle": round(sched.via_tokens, 4), "escalation_rate": round(sched.via_escalation, 4)},
-        }
+        return {"costs": self.costs.summary() if self.costs is not None else None, **self.scheduler.estimates.to_dict()}
 
     def _kv_bytes_per_token(self) -> int:
         """KV bytes one position costs in every tier a `via` request holds."""

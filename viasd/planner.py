@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from viasd.config import Mode, Proposer
 from viasd.costs import Acceptance, CostModel
 
 
@@ -43,6 +44,63 @@ class Plan:
     @property
     def label(self) -> str:
         return self.kind if self.kind == "ar" else f"{self.kind}:k={self.k}"
+
+    @property
+    def proposer(self) -> Proposer | None:
+        """Who drafts the block: the n-gram lookup, or (None) the request's own proposer."""
+        return Proposer.NGRAM if self.kind == "ngram" else None
+
+    @property
+    def verify_mode(self) -> Mode:
+        """How the verifier checks the block: the slim tier first (`via`) or q alone."""
+        return {"ar": Mode.AR, "via": Mode.VIA}.get(self.kind, Mode.SD)
+
+
+def fixed_plan(mode: Mode, k: int) -> Plan:
+    """The plan of a request with an explicit mode, drafting k tokens."""
+    return Plan("ar") if mode == Mode.AR else Plan(mode.value, k)
+
+
+class Estimates:
+    """Running estimates of what each plan buys one request: the acceptance per draft position of
+    model and n-gram drafts (`Acceptance`), and the tokens a `via` cycle commits and how often it
+    escalates to q (EMAs with Acceptance.DECAY). A request's start from the engine-wide
+    estimates, which learn from every request."""
+
+    def __init__(self, prior: Estimates | None = None):
+        self.acceptance = Acceptance(prior.acceptance if prior else None)
+        self.via_tokens = prior.via_tokens if prior else 2.0
+        self.via_escalation = prior.via_escalation if prior else 0.5
+
+    def learn(self, plan: Plan, drafted: int, accepted: int, committed: int, escalated: bool) -> None:
+        """A cycle of `plan` drafted `drafted` tokens, `accepted` of them were accepted, it
+        committed `committed` tokens and (`via`) escalated or not. A cycle that drafted nothing
+        (no n-gram match) says nothing."""
+        if drafted == 0:
+            return
+        if plan.kind in ("sd", "ngram"):
+            self.acceptance.update("ngram" if plan.kind == "ngram" else "model", drafted, accepted)
+        elif plan.kind == "via":
+            d = Acceptance.DECAY
+            self.via_tokens = d * self.via_tokens + (1 - d) * committed
+            self.via_escalation = d * self.via_escalation + (1 - d) * float(escalated)
+
+    def row(self, **state) -> RowState:
+        """The planner's view of an `auto` row with these estimates (`state`: RowState's other fields)."""
+        return RowState(
+            fixed=None,
+            acceptance=self.acceptance,
+            via_tokens=self.via_tokens,
+            via_escalation=self.via_escalation,
+            **state,
+        )
+
+    def to_dict(self) -> dict:
+        """What the stats and /metrics report."""
+        return {
+            "acceptance": self.acceptance.to_dict(),
+            "via": {"tokens_per_cycle": round(self.via_tokens, 4), "escalation_rate": round(self.via_escalation, 4)},
+        }
 
 
 @dataclass

@@ -33,10 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
-from viasd.costs import Acceptance, CostModel
+from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import Plan, RowState, choose
+from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan
 from viasd.proposers import ngram_lookup
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
@@ -49,12 +49,6 @@ from viasd.sessions import (
     sample_seed,
     uses_slim,
 )
-
-# a fixed mode's plan at draft length k; the proposer and verification mode of each plan kind
-_FIXED = {Mode.AR: lambda k: Plan("ar"), Mode.SD: lambda k: Plan("sd", k), Mode.VIA: lambda k: Plan("via", k)}
-_PROPOSER = {"sd": None, "via": None, "ngram": Proposer.NGRAM}  # None: the request's own proposer
-_VERIFY_MODE = {"sd": Mode.SD, "ngram": Mode.SD, "via": Mode.VIA}
-CATCH_UP = 4  # a lazy drafter lagging more tokens than this catches up in a prefill forward
 
 
 @dataclass
@@ -239,9 +233,7 @@ class _Running:
     verify: VerifySession
     draft: DraftSession | None
     prefilled: bool = False
-    acceptance: Acceptance | None = None  # `auto`: what speculation buys this request (viasd.costs)
-    via_tokens: float = 2.0  # `auto` with lossy plans: running mean of tokens per via cycle ...
-    via_escalation: float = 0.5  # ... and of the probability that a via cycle escalates
+    estimates: Estimates | None = None  # `auto`: what each plan buys this request (viasd.planner)
     via_seen: int = 0  # escalations counted so far
     leader: _Running | None = None  # n > 1: the sample whose prefill this one copies
 
@@ -279,8 +271,7 @@ class Scheduler:
         self._running: list[_Running] = []
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps are serialised by the caller
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="viasd-draft-ahead")  # `overlap`
-        self.acceptance = Acceptance()  # engine-wide running acceptance: the prior of new `auto` requests
-        self.via_tokens, self.via_escalation = 2.0, 0.5  # engine-wide via estimates, the same way
+        self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
         self._step_forwards = [0.0, 0]  # this step's forward seconds and row-forwards (the overhead estimate)
 
@@ -411,16 +402,8 @@ class Scheduler:
             use_model = self.drafter is not None and params.proposer != Proposer.NGRAM
             row = self.drafter_store.row(self.drafter_store.alloc()) if use_model else None
             draft = DraftSession(self.drafter if use_model else None, prompt, params, draft_seed, stats, cache=row)
-        acceptance = Acceptance(self.acceptance) if params.mode == Mode.AUTO else None
-        return _Running(
-            handle,
-            verify,
-            draft,
-            prefilled=len(prompt) == 1,
-            acceptance=acceptance,
-            via_tokens=self.via_tokens,
-            via_escalation=self.via_escalation,
-        )
+        estimates = Estimates(self.estimates) if params.mode == Mode.AUTO else None
+        return _Running(handle, verify, draft, prefilled=len(prompt) == 1, estimates=estimates)
 
     def _retire(self, r: _Running) -> None:
         """The request leaves: its KV figure is recorded and its rows are freed."""
@@ -486,16 +469,11 @@ class Scheduler:
         for r in rows:
             if r.draft is not None and plans[r].kind == "ar":
                 r.draft.skip()
-        catch_up = [
-            f
-            for r in drafting
-            if plans[r].kind in ("sd", "via") and _draft_lag(r) > 0
-            for f in r.draft.prefill_steps(len(r.draft.seq) - 1, len(r.draft.seq))
-        ]
+        catch_up = [f for r in drafting if plans[r].kind in ("sd", "via") for f in r.draft.catch_up_steps()]
         if catch_up:  # lazy drafters of `auto` rows: the context they have not seen, before drafting
             execute(catch_up, prefill=True, observe=self._observe)
         proposals = drive(
-            {r: r.draft.propose_steps(plans[r].k, _PROPOSER.get(plans[r].kind)) for r in drafting},
+            {r: r.draft.propose_steps(plans[r].k, plans[r].proposer) for r in drafting},
             observe=self._observe,
         )
         ahead = [r for r in drafting if r.handle.params.overlap]
@@ -505,7 +483,7 @@ class Scheduler:
         try:
             outcomes: dict[_Running, Outcome] = drive(
                 {
-                    r: r.verify.check_steps(*proposals[r], _VERIFY_MODE[plans[r].kind])
+                    r: r.verify.check_steps(*proposals[r], plans[r].verify_mode)
                     if r in proposals
                     else r.verify.decode_one_steps()
                     for r in rows
@@ -543,20 +521,16 @@ class Scheduler:
         for r in rows:
             params, gamma = r.handle.params, r.handle.limits.draft_length(len(r.verify.seq))
             if params.mode != Mode.AUTO:
-                states.append(RowState(fixed=_FIXED[params.mode](gamma), gamma=gamma, acceptance=self.acceptance))
+                fixed = fixed_plan(params.mode, gamma)
+                states.append(RowState(fixed=fixed, gamma=gamma, acceptance=self.estimates.acceptance))
                 continue
-            match = len(ngram_lookup(r.verify.seq, gamma, params.ngram_max))
             states.append(
-                RowState(
-                    fixed=None,
+                r.estimates.row(
                     gamma=gamma,
-                    acceptance=r.acceptance,
-                    ngram_match=match,
+                    ngram_match=len(ngram_lookup(r.verify.seq, gamma, params.ngram_max)),
                     has_drafter=r.draft is not None and r.draft.tier is not None,
                     lossy=params.auto_lossy,
-                    via_tokens=r.via_tokens,
-                    via_escalation=r.via_escalation,
-                    draft_lag=_draft_lag(r),
+                    draft_lag=r.draft.lag if r.draft is not None else 0,
                     remaining=r.handle.limits.remaining,
                 )
             )
@@ -565,35 +539,16 @@ class Scheduler:
         return choose(self.costs(), states)
 
     def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> None:
-        """Update the running estimates the planner reads, and count the plan in the stats."""
+        """Update the running estimates the planner reads (the request's, and the engine-wide ones
+        from every request), and count an `auto` request's plan in its stats."""
         stats = r.handle.stats
         if r.handle.params.mode == Mode.AUTO:
             stats.plans[plan.label] = stats.plans.get(plan.label, 0) + 1
-        if proposal is None or not proposal[0]:
-            return
-        drafted, accepted = len(proposal[0]), outcome.num_draft_accepted
-        if plan.kind in ("sd", "ngram"):
-            kind = "ngram" if plan.kind == "ngram" else "model"
-            self.acceptance.update(kind, drafted, accepted)  # the engine-wide prior of new requests
-            if r.acceptance is not None:
-                r.acceptance.update(kind, drafted, accepted)
-        elif plan.kind == "via":
-            d = Acceptance.DECAY
-            escalated = float(stats.escalations > r.via_seen)
-            r.via_seen = stats.escalations
-            r.via_tokens = d * r.via_tokens + (1 - d) * len(outcome.tokens)
-            r.via_escalation = d * r.via_escalation + (1 - d) * escalated
-            self.via_tokens = d * self.via_tokens + (1 - d) * len(outcome.tokens)  # engine-wide priors
-            self.via_escalation = d * self.via_escalation + (1 - d) * escalated
+        escalated, r.via_seen = stats.escalations > r.via_seen, stats.escalations
+        drafted = len(proposal[0]) if proposal is not None else 0
+        for estimates in (self.estimates, r.estimates):
+            if estimates is not None:
+                estimates.learn(plan, drafted, outcome.num_draft_accepted, len(outcome.tokens), escalated)
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)
-
-
-def _draft_lag(r: _Running) -> int:
-    """Context tokens a request's drafter has not fed beyond the one its next round feeds, when
-    more than CATCH_UP: they get a catch-up prefill before drafting (fewer ride along in the
-    first drafting round). Only `auto` requests' drafters lag: `ar` steps do not feed them."""
-    tier = r.draft.tier if r.draft is not None else None
-    lag = 0 if tier is None else len(r.draft.seq) - 1 - tier.pos
-    return lag if lag > CATCH_UP else 0

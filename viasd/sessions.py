@@ -49,6 +49,7 @@ from viasd.runtime import LayerMask, MaskedLM, Row, RowCache
 from viasd.sampling import Penalties, Sampler, token_logprobs
 
 TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
+CATCH_UP = 4  # a lazy drafter lagging more tokens than this catches up in a prefill forward (DraftSession.lag)
 
 
 @dataclass
@@ -379,6 +380,25 @@ class DraftSession(_Session):
             self.stats.num_draft_tokens += len(draft)
         self.blocks += 1
         return draft, torch.cat(p_rows) if p_rows else None  # [k'], [k', V] (None: a point mass)
+
+    @property
+    def lag(self) -> int:
+        """Context tokens the drafter has not fed beyond the one its next round feeds, when more
+        than CATCH_UP (else 0): an `auto` request's drafter is fed only when a plan drafts, and
+        a long lag is fed by one catch-up prefill forward (`catch_up_steps`) before drafting;
+        fewer ride along in the first drafting round."""
+        lag = 0 if self.tier is None else len(self.seq) - 1 - self.tier.pos
+        return lag if lag > CATCH_UP else 0
+
+    def catch_up_steps(self) -> list[Forward]:
+        """The catch-up prefill of a lagging drafter ([] when it does not lag)."""
+        return self.prefill_steps(len(self.seq) - 1, len(self.seq)) if self.lag else []
+
+    def copy_prefill(self, leader: DraftSession) -> None:
+        """As for every side; a leader whose drafter was never fed (`auto`: lazy) leaves this
+        one lazy too."""
+        if self.tier is None or leader.tier.pos >= len(self.seq) - 1:
+            super().copy_prefill(leader)
 
     def skip(self) -> None:
         """This cycle proposes nothing (an `auto` request's `ar` step): the verifier decodes alone."""

@@ -54,6 +54,15 @@ def test_greedy_auto_equals_greedy_ar(tiny_pair, costs, expect):
         assert kinds == {"ar"}
 
 
+@pytest.mark.parametrize("costs", [SPECULATE, NEVER], ids=["speculate", "never"])
+def test_auto_samples_copy_a_lazy_drafter_lazily(tiny_pair, costs):
+    # n > 1: the samples copy sample 0's prefill, whose drafter an `auto` request leaves unfed
+    engine = _engine(tiny_pair, costs)
+    ar = engine.complete(PROMPTS[1], parse_params(mode="ar", max_tokens=20)).token_ids
+    samples = engine.complete_n(PROMPTS[1], parse_params(mode="auto", max_tokens=20, n=3))
+    assert [s.token_ids for s in samples] == [ar] * 3
+
+
 def test_auto_batched_beside_fixed_modes_equals_ar(tiny_pair):
     engine = _engine(tiny_pair, SPECULATE, max_batch=6)
     alone = {
@@ -108,7 +117,7 @@ def test_auto_runs_via_only_when_lossy_plans_are_allowed(tiny_pair):
         {"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.01), (64, 0.02)], "drafter": [(1, 0.05), (64, 0.6)]}
     )
     engine = _engine(tiny_pair, cheap_slim)
-    engine.scheduler.via_tokens, engine.scheduler.via_escalation = 3.0, 0.1
+    engine.scheduler.estimates.via_tokens, engine.scheduler.estimates.via_escalation = 3.0, 0.1
     lossless = engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=30))
     lossy = engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=30, auto_lossy=True))
     assert not any(k.startswith("via") for k in lossless.stats.plans) and lossless.stats.forwards["slim"] == 0
@@ -135,7 +144,7 @@ def test_auto_refuses_overlap_and_adaptive_gamma():
 
 def _row(rate: float, gamma: int = 5, **kw) -> RowState:
     acc = Acceptance()
-    acc.model = [rate] * 8
+    acc.rates["model"] = [rate] * 8
     return RowState(fixed=None, gamma=gamma, acceptance=acc, **kw)
 
 
@@ -143,6 +152,28 @@ def test_planner_speculates_only_when_it_pays():
     assert choose(NEVER, [_row(0.9)]) == [Plan("ar")]
     assert choose(SPECULATE, [_row(0.9)])[0].kind == "sd"
     assert choose(SPECULATE, [_row(0.0)]) == [Plan("ar")]  # nothing is ever accepted
+
+
+def test_acceptance_of_positions_never_reached_follows_the_deepest_reached():
+    acc = Acceptance()
+    acc.update("model", drafted=1, accepted=1)  # a k = 1 block, accepted: says nothing of position 1 ...
+    assert acc.rates["model"][0] == pytest.approx(0.68) and acc.rates["model"][1:] == [acc.rates["model"][0]] * 7
+    # this CPU's curve (bf16, docs/benchmarks/cpu/costs): a drafter round is 40% of a verifier forward
+    cpu = CostModel(
+        {
+            "full": [(1, 0.080), (8, 0.097), (64, 0.242)],
+            "slim": [(1, 0.050), (64, 0.136)],
+            "drafter": [(1, 0.032), (8, 0.036), (64, 0.083)],
+        }
+    )
+    assert choose(cpu, [RowState(fixed=None, gamma=5, acceptance=Acceptance())]) == [Plan("sd", 1)]  # the prior
+    for _ in range(20):  # ... so that k = 1 blocks that keep being accepted make longer blocks worth planning
+        acc.update("model", drafted=1, accepted=1)
+    assert choose(cpu, [RowState(fixed=None, gamma=5, acceptance=acc)]) == [Plan("sd", 5)]
+    acc.update("model", drafted=5, accepted=1)  # positions 0 and 1 reached, 1 rejected; 2.. still follow 1
+    deep = acc.rates["model"]
+    assert deep[1] < deep[0] and deep[2:] == [deep[1]] * 6 and acc.depth["model"] == 2
+    assert Acceptance(acc).rates == acc.rates and Acceptance(acc).depth == acc.depth  # a request's prior
 
 
 def test_planner_block_length_grows_with_acceptance():
@@ -186,7 +217,7 @@ def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
         repeats=1,
         cache_dir=tmp_path,
     )
-    assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["skipped"] == [2]
+    assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["tiers"]["slim"]["skipped"] == [2]
 
 
 def test_step_cost_counts_padding_catch_up_and_overhead():

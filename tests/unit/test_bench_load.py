@@ -21,8 +21,8 @@ from viasd.bench.load import (
     SUMMARY_FIELDS,
     LoadBench,
     _gaps,
-    load_targets,
     arrival_times,
+    load_targets,
     parse_load_methods,
     percentile,
 )

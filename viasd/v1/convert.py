@@ -214,6 +214,7 @@ def stats_to_proto(stats: RequestStats) -> pb.RequestStats:
         setattr(msg, name, getattr(stats, name))
     msg.forwards.update(stats.forwards)
     msg.seconds.update(stats.seconds)
+    msg.plans.update(stats.plans)
     return msg
 
 
@@ -229,6 +230,7 @@ def stats_from_proto(msg: pb.RequestStats, finish_reason: str | None = None) -> 
         drafter_fallback=msg.drafter_fallback,
         queue_seconds=msg.queue_seconds,
         prefill_seconds=msg.prefill_seconds,
+        plans=dict(msg.plans),
     )
     for name in _STATS_INTS:
         setattr(stats, name, getattr(msg, name))

@@ -40,16 +40,18 @@ class Outcome(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., num_draft_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "previous", "k", "rows")
+    __slots__ = ("request_id", "previous", "k", "proposer", "rows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     previous: Outcome
     k: int
+    proposer: str
     rows: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., rows: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., proposer: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
 
 class RowError(_message.Message):
     __slots__ = ("code", "message")
@@ -92,16 +94,18 @@ class ProposeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "rows")
+    __slots__ = ("request_id", "draft", "probs", "rows", "plan")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     rows: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ...) -> None: ...
+    plan: str
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., plan: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs")
@@ -118,6 +122,30 @@ class VerifyResponse(_message.Message):
     error: RowError
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class CostsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CostCurve(_message.Message):
+    __slots__ = ("tier", "tokens", "seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tier: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class CostsResponse(_message.Message):
+    __slots__ = ("curves", "key_json", "profile_seconds")
+    CURVES_FIELD_NUMBER: _ClassVar[int]
+    KEY_JSON_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    curves: _containers.RepeatedCompositeFieldContainer[CostCurve]
+    key_json: str
+    profile_seconds: float
+    def __init__(self, curves: _Optional[_Iterable[_Union[CostCurve, _Mapping]]] = ..., key_json: _Optional[str] = ..., profile_seconds: _Optional[float] = ...) -> None: ...
 
 class CloseRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -50,6 +50,11 @@ class DrafterServiceStub:
                 request_serializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
                 response_deserializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Costs = channel.unary_unary(
+                '/viasd.v1.DrafterService/Costs',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.CostsRequest.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.CostsResponse.FromString,
+                _registered_method=True)
 
 
 class DrafterServiceServicer:
@@ -77,6 +82,13 @@ class DrafterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Costs(self, request, context):
+        """The drafter tier's forward cost curve (viasd.costs: profiled on first call, cached).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -94,6 +106,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.FromString,
                     response_serializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.SerializeToString,
+            ),
+            'Costs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Costs,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.CostsRequest.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.CostsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -188,6 +205,33 @@ class DrafterService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Costs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/viasd.v1.DrafterService/Costs',
+            viasd_dot_v1_dot_internal__pb2.CostsRequest.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.CostsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class VerifierServiceStub:
     """The verifier group (rank 0 serves, the other tensor-parallel ranks follow it).
@@ -214,6 +258,11 @@ class VerifierServiceStub:
                 request_serializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
                 response_deserializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
                 _registered_method=True)
+        self.Costs = channel.unary_unary(
+                '/viasd.v1.VerifierService/Costs',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.CostsRequest.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.CostsResponse.FromString,
+                _registered_method=True)
 
 
 class VerifierServiceServicer:
@@ -239,6 +288,13 @@ class VerifierServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Costs(self, request, context):
+        """The full and slim tiers' forward cost curves (every rank in lockstep measures them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +312,11 @@ def add_VerifierServiceServicer_to_server(servicer, server):
                     servicer.Close,
                     request_deserializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.FromString,
                     response_serializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.SerializeToString,
+            ),
+            'Costs': grpc.unary_unary_rpc_method_handler(
+                    servicer.Costs,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.CostsRequest.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.CostsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -340,6 +401,33 @@ class VerifierService:
             '/viasd.v1.VerifierService/Close',
             viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
             viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Costs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/viasd.v1.VerifierService/Costs',
+            viasd_dot_v1_dot_internal__pb2.CostsRequest.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.CostsResponse.FromString,
             options,
             channel_credentials,
             insecure,
