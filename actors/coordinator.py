@@ -10,9 +10,16 @@ A request, with the same code for the limits as in-process (`viasd.engine.check_
 
 A step, for every request asking for its next chunk (the step driver, `_drive`):
 
+    plan every row: its own mode's, or the planner's for `auto` rows (viasd.planner, as in-process)
     Propose(rows: previous outcome, k per drafting row)  -> a draft [k] (+ p [k, V] when sampling) per row
     Verify(rows: draft, p per row; an empty draft for `ar`) -> an outcome per row
     per row: cut at stop tokens / max_tokens / the context; hand the chunk to its consumer
+
+`auto` rows plan with the cost curves each service profiles of its own tiers (`Costs`, fetched
+for the first `auto` request; corrected online from the Propose and Verify calls' seconds, so
+the planner prices a served step with its transport) and the running acceptance. A row planned
+`ar` sends no Propose: its drafter (fed only when a plan drafts, as in-process) commits the
+outcomes it missed with its next one.
 
 so a step costs two RPCs whatever the batch, and the drafter and the verifier each run the
 step's rows with one batched forward per tier and round (viasd.sessions.drive). Requests join
@@ -46,18 +53,23 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from viasd.actors.rpc import InternalTLS, open_channel
-from viasd.config import GenerationParams, Mode
+from viasd.actors.rpc import InternalTLS, costs_from_proto, merge_outcomes, open_channel
+from viasd.config import GenerationParams, Mode, Proposer
+from viasd.costs import CostModel
 from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, resolve_seed
 from viasd.errors import InvalidParameterError, ViaSDError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.sessions import sample_seed
+from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan, learn_cycle
+from viasd.proposers import ngram_lookup
+from viasd.sessions import CATCH_UP, sample_seed
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import logprobs_from_proto, params_to_proto, stats_from_proto
 
 log = logging.getLogger("viasd.actors.coordinator")
+
+PROFILE_TIMEOUT_S = 600.0  # the deadline of a `Costs` call (a first profile of a large model on a slow device)
 
 
 class BackendError(ViaSDError):
@@ -120,6 +132,10 @@ class _Request:
     index: int = 0  # which sample of an n > 1 request
     stopped: bool = False  # ended early by stop_sample
     prompt_logprobs: list[TokenLogprob | None] | None = None  # for its first chunk (params.prompt_logprobs)
+    estimates: Estimates | None = None  # `auto`: what each plan buys this request (viasd.planner) ...
+    tokens: list[int] | None = None  # ... its prompt and committed tokens (the n-gram lookup) ...
+    fed: int = 0  # ... positions its drafter's cache holds (lazy: 0 until a plan drafts; DraftSession.lag)
+    via_seen: int = 0  # the verifier's escalation count at the last step
 
 
 class Coordinator:
@@ -139,6 +155,7 @@ class Coordinator:
         tls: InternalTLS | None = None,
         batch_wait_s: float = 0.02,
         gates: Gates | None = None,
+        costs: CostModel | None = None,
     ):
         self.verifier_address = verifier_address
         self.tls = tls  # mutual TLS to both services (actors/rpc.py), or None: plaintext
@@ -151,6 +168,9 @@ class Coordinator:
         self.on_unavailable = on_unavailable
         self.batch_wait_s = batch_wait_s  # how long a step waits for the last step's rows to ask again
         self.gates = gates  # `via` requests that choose no gate get these, as in-process (Engine.submit)
+        self.costs = costs  # `auto`: both services' cost curves, fetched (`Costs`) for the first auto request
+        self.estimates = Estimates()  # running estimates over every request: the prior of new `auto` ones
+        self._costs_lock: asyncio.Lock | None = None
         self.totals = RpcTotals()
         self._active: dict[str, _Request] = {}  # by the id the backends know (a sample's: "<id>#<i>")
         self._groups: dict[str, list[_Request]] = {}  # a request's samples, by its id
@@ -185,13 +205,8 @@ class Coordinator:
             max_context=self.max_context,
             has_drafter=self.drafter_address is not None,
         )
-        if params.mode == Mode.AUTO:
-            raise InvalidParameterError(
-                "mode",
-                "mode 'auto' runs on the in-process engine (pipeline backend 'local'); the actor pipeline "
-                "serves 'ar', 'sd' and 'via'",
-            )
-        if params.mode != Mode.AR and self.drafter_address is None:  # (the n-gram proposer runs on the drafter too)
+        if params.mode not in (Mode.AR, Mode.AUTO) and self.drafter_address is None:
+            # (the n-gram proposer runs on the drafter too; `auto` without one plans `ar` only)
             raise InvalidParameterError("mode", f"mode {params.mode.value!r} needs the pipeline's drafter; it has none")
         if not request_id:
             raise InvalidParameterError("request_id", "must not be empty")
@@ -203,7 +218,9 @@ class Coordinator:
         if request_id in self._groups or any(i in self._active for i in ids):
             raise InvalidParameterError("request_id", f"{request_id!r} is already running")
         self._connect()
-        reqs = [self._new_request(i, sample, len(prompt), index) for index, (i, sample) in enumerate(zip(ids, samples))]
+        if params.mode == Mode.AUTO:
+            await self.cost_model()
+        reqs = [self._new_request(i, sample, prompt, index) for index, (i, sample) in enumerate(zip(ids, samples))]
         self._groups[request_id] = reqs
         self._active.update((r.request_id, r) for r in reqs)
         self.totals.requests += 1
@@ -252,18 +269,45 @@ class Coordinator:
             self._leave(r)
             _settle(r.asked, Chunk([], "abort"))
 
-    def _new_request(self, request_id: str, params: GenerationParams, prompt_len: int, index: int) -> _Request:
-        stats = RequestStats(mode=params.mode.value, prompt_tokens=prompt_len)
+    def _new_request(self, request_id: str, params: GenerationParams, prompt: list[int], index: int) -> _Request:
+        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
+        auto = params.mode == Mode.AUTO
         return _Request(
             request_id,
             params,
-            RequestLimits(params, prompt_len, self.max_context, self.eos_token_ids, stats),
-            prompt_len,
-            drafted=params.mode != Mode.AR,
+            RequestLimits(params, len(prompt), self.max_context, self.eos_token_ids, stats),
+            len(prompt),
+            drafted=params.mode != Mode.AR and self._drafter is not None,
             verifier=self._verifier,
             drafter=self._drafter,
             index=index,
+            estimates=Estimates(self.estimates) if auto else None,
+            tokens=list(prompt) if auto else None,
         )
+
+    async def cost_model(self) -> CostModel:
+        """The cost curves `auto` plans with: the verifier's full and slim tiers and the drafter's,
+        each profiled on its own service (`Costs`: measured once, cached there), one after the
+        other so that they do not share the cores; then corrected online from the steps'
+        Propose and Verify calls."""
+        if self.costs is None:
+            if self._costs_lock is None:
+                self._costs_lock = asyncio.Lock()
+            async with self._costs_lock:
+                if self.costs is None:
+                    timeout = max(self.rpc_timeout_s, PROFILE_TIMEOUT_S)
+                    parts = {}
+                    for name, stub in (("verifier", self._verifier), ("drafter", self._drafter)):
+                        if stub is not None:
+                            reply = await self._call(stub, name, "Costs", ipb.CostsRequest(), timeout=timeout)
+                            parts[name] = costs_from_proto(reply)
+                    self.costs = CostModel.combine(parts)
+        return self.costs
+
+    def planner_state(self) -> dict:
+        """What `auto` plans with now (as `Engine.planner_state`): the cost model (None until the
+        first `auto` request) and the running estimates over every request."""
+        return {"costs": self.costs.summary() if self.costs is not None else None, **self.estimates.to_dict()}
 
     def _forget(self, request_id: str, reqs: list[_Request]) -> None:
         self._groups.pop(request_id, None)
@@ -394,27 +438,38 @@ class Coordinator:
             r.stepping = done
         self.totals.steps += 1
         try:
+            plans = self._plans(rows)
             verify: dict[_Request, ipb.VerifyRequest] = {}
             failed: dict[_Request, BaseException] = {}
-            drafting = [r for r in rows if r.drafted]
+            drafting = [r for r in rows if r.drafted and plans[r].kind != "ar"]
             await asyncio.gather(
-                *(self._propose(group, verify, failed) for group in _by_backend(drafting, "drafter").values())
+                *(self._propose(group, plans, verify, failed) for group in _by_backend(drafting, "drafter").values())
             )
             checking = [r for r in rows if r not in failed]
             outcomes: dict[_Request, ipb.VerifyResponse] = {}
+            calls: list[tuple[list[_Request], float]] = []  # each Verify's rows and seconds
             await asyncio.gather(
-                *(self._verify(group, verify, outcomes, failed) for group in _by_backend(checking, "verifier").values())
+                *(
+                    self._verify(group, verify, outcomes, failed, calls)
+                    for group in _by_backend(checking, "verifier").values()
+                )
             )
+            escalated = {r: r in outcomes and outcomes[r].stats.escalations > r.via_seen for r in rows}
+            for group, seconds in calls:
+                self._observe_verify(group, plans, verify, escalated, seconds)
             for r in rows:
                 if r in failed:
                     self._leave(r)
                     _settle(r.asked, failed[r])
                     continue
                 result = outcomes[r]
-                r.verifier_stats, r.previous = result.stats, result.outcome
+                r.verifier_stats = result.stats
+                if r.drafted:  # the drafter commits it with its next Propose (`auto` rows may skip some)
+                    r.previous = merge_outcomes(r.previous, result.outcome)
                 self.totals.cycles += 1
                 tokens = list(result.outcome.tokens)
                 r.seq_len += len(tokens)
+                self._learn(r, plans[r], verify.get(r), result, escalated[r])
                 chunk = r.limits.chunk(
                     tokens, logprobs_from_proto(result.logprobs) if r.params.logprobs is not None else None
                 )
@@ -424,17 +479,105 @@ class Coordinator:
         finally:
             done.set_result(None)
 
-    async def _propose(self, group: list[_Request], verify: dict, failed: dict) -> None:
-        """One Propose for the drafting rows of one drafter; their Verify rows go to `verify`."""
+    def _plans(self, rows: list[_Request]) -> dict[_Request, Plan]:
+        """This step's plan of every row: its own mode's, or the planner's for `auto` rows
+        (viasd.planner, as in-process: `Scheduler._plans`)."""
+        states = []
+        for r in rows:
+            gamma = r.limits.draft_length(r.seq_len)
+            if r.estimates is None:  # (a row whose drafter failed goes on as `ar`)
+                plan = fixed_plan(r.params.mode if r.drafted else Mode.AR, gamma)
+                states.append(RowState(fixed=plan, gamma=gamma, acceptance=self.estimates.acceptance))
+                continue
+            lag = len(r.tokens) - 1 - r.fed
+            states.append(
+                r.estimates.row(
+                    gamma=gamma,
+                    ngram_match=len(ngram_lookup(r.tokens, gamma, r.params.ngram_max)) if r.drafted else 0,
+                    has_drafter=r.drafted and r.params.proposer != Proposer.NGRAM,
+                    lossy=r.params.auto_lossy,
+                    draft_lag=lag if lag > CATCH_UP else 0,
+                    remaining=r.limits.remaining,
+                )
+            )
+        if all(s.fixed is not None for s in states):
+            return {r: s.fixed for r, s in zip(rows, states)}
+        return dict(zip(rows, choose(self.costs, states)))
+
+    def _learn(self, r: _Request, plan: Plan, sent: ipb.VerifyRequest | None, result, escalated: bool) -> None:
+        """Update the running estimates the planner reads (the request's, and those over every
+        request), and count an `auto` request's plan in its stats."""
+        r.via_seen = result.stats.escalations
+        if r.tokens is not None:  # the drafter's cache keeps what was fed and committed (sessions._commit)
+            r.fed = min(r.fed, len(r.tokens) + result.outcome.num_draft_accepted)
+            r.tokens.extend(result.outcome.tokens)
+        learn_cycle(
+            (self.estimates, r.estimates),
+            plan,
+            drafted=len(sent.draft) if sent is not None else 0,
+            accepted=result.outcome.num_draft_accepted,
+            committed=len(result.outcome.tokens),
+            escalated=escalated,
+            plans=r.limits.stats.plans if r.estimates is not None else None,
+        )
+
+    def _observe_propose(self, group: list[_Request], plans: dict, lags: list[int], seconds: float) -> None:
+        """The cost model learns from a Propose: its drafting rounds (rows still drafting in
+        round j: those with k > j) and the lazy drafters' catch-up forward (viasd.costs)."""
+        if self.costs is None:
+            return
+        ks = [  # (n-gram lookups run no forward)
+            plans[r].k for r in group if plans[r].kind != "ngram" and r.params.proposer != Proposer.NGRAM
+        ]
+        forwards = [("drafter", sum(1 for k in ks if k > j)) for j in range(max(ks, default=0))]
+        if lags:
+            forwards.append(("drafter", len(lags) * max(lags)))
+        self.costs.observe_call(forwards, seconds)
+
+    def _observe_verify(
+        self, group: list[_Request], plans: dict, verify: dict, escalated: dict, seconds: float
+    ) -> None:
+        """The cost model learns from a Verify: one slim forward over the `via` blocks, one full
+        forward over the `ar` rows, the `sd` blocks and the escalated `via` blocks (padded)."""
+        if self.costs is None:
+            return
+        slim, full = [], []  # tokens per row
+        for r in group:
+            t = len(verify[r].draft) + 1 if r in verify else 1
+            via = r in verify and (plans[r].kind == "via")
+            (slim if via else full).append(t)
+            if via and escalated[r]:
+                full.append(t)
+        forwards = [("slim", len(slim) * max(slim, default=0)), ("full", len(full) * max(full, default=0))]
+        self.costs.observe_call(forwards, seconds)
+
+    async def _propose(self, group: list[_Request], plans: dict, verify: dict, failed: dict) -> None:
+        """One Propose for the drafting rows of one drafter (after committing what each row's
+        drafter has not seen); their Verify rows go to `verify`."""
+        lags = []  # `auto` rows whose drafter catches up first (DraftSession.lag)
+        for r in group:
+            if r.tokens is not None and plans[r].kind != "ngram":
+                if len(r.tokens) - 1 - r.fed > CATCH_UP:
+                    lags.append(len(r.tokens) - 1 - r.fed)
+                r.fed = len(r.tokens) + plans[r].k - 1  # the context and every draft token but the last
         request = ipb.ProposeRequest(
             rows=[
-                ipb.ProposeRequest(request_id=r.request_id, previous=r.previous, k=r.limits.draft_length(r.seq_len))
+                ipb.ProposeRequest(
+                    request_id=r.request_id,
+                    previous=r.previous,
+                    k=plans[r].k,
+                    proposer=plans[r].proposer.value if r.tokens is not None and plans[r].proposer else "",
+                )
                 for r in group
             ]
         )
+        for r in group:
+            r.previous = None  # (sent: the drafter commits it first)
+        t0 = time.perf_counter()
         try:
             response = await self._call(group[0].drafter, "drafter", "Propose", request)
             answers: list = list(response.rows)
+            self._observe_propose(group, plans, lags, time.perf_counter() - t0)
         except BackendError as exc:
             answers = [exc] * len(group)
         for r, answer in zip(group, answers):
@@ -448,17 +591,22 @@ class Coordinator:
                 continue
             r.drafter_stats = answer.stats
             verify[r] = ipb.VerifyRequest(
-                request_id=r.request_id, draft=answer.draft, probs=answer.probs if answer.HasField("probs") else None
+                request_id=r.request_id,
+                draft=answer.draft,
+                probs=answer.probs if answer.HasField("probs") else None,
+                plan=plans[r].kind if r.estimates is not None else "",  # (`auto`: how to check it)
             )
 
-    async def _verify(self, group: list[_Request], verify: dict, outcomes: dict, failed: dict) -> None:
+    async def _verify(self, group: list[_Request], verify: dict, outcomes: dict, failed: dict, calls: list) -> None:
         """One Verify for the rows of one verifier (an empty draft: `ar`, one token)."""
         request = ipb.VerifyRequest(rows=[verify.get(r) or ipb.VerifyRequest(request_id=r.request_id) for r in group])
+        t0 = time.perf_counter()
         try:
             response = await self._call(group[0].verifier, "verifier", "Verify", request)
         except BackendError as exc:
             failed.update((r, exc) for r in group)
             return
+        calls.append((group, time.perf_counter() - t0))
         for r, answer in zip(group, response.rows):
             if answer.HasField("error"):
                 failed[r] = BackendError("verifier", answer.error.code, answer.error.message)

@@ -22,6 +22,7 @@ from viasd.actors.rpc import (
     InOrder,
     SessionNotFound,
     advertised_host,
+    costs_to_proto,
     encode_probs,
     free_row,
     internal_tls,
@@ -31,12 +32,13 @@ from viasd.actors.rpc import (
     rpc,
     start_server,
 )
-from viasd.config import MAX_GAMMA, EngineConfig, Proposer
+from viasd.config import MAX_GAMMA, EngineConfig, Mode, Proposer
+from viasd.costs import CostModel, profile_tiers
 from viasd.engine import DraftSession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.runtime import MaskedLM
-from viasd.sessions import drive
+from viasd.sessions import drive, execute
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import params_from_proto, stats_to_proto
@@ -48,12 +50,16 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
     """Draft sessions by request id, on rows of one drafter cache (`max_rows` rows, so that a
     step's rows run as one batched forward); p leaves only when the rules need it (sampling)."""
 
-    def __init__(self, lm: MaskedLM, *, probs_dtype: str = "auto", max_rows: int = 64):
+    def __init__(
+        self, lm: MaskedLM, *, probs_dtype: str = "auto", max_rows: int = 64, cost_cache_dir: str | None = None
+    ):
         self.lm = lm
         self.probs_dtype = probs_dtype
         self.store = lm.new_store(max_rows=max_rows)
         self.sessions: dict[str, DraftSession] = {}
         self._work = InOrder("drafter")
+        self.cost_cache_dir = cost_cache_dir  # where `Costs` caches the profile (None: measured each start)
+        self.costs: CostModel | None = None
 
     def _session(self, request_id: str) -> DraftSession:
         try:
@@ -74,7 +80,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         session = DraftSession(self.lm, prompt, params, request.seed, stats, cache=row)
         if request.prefill_from:  # a sample of an n > 1 request: copy sample 0's prefill
             await self._work.submit(session.copy_prefill, self._session(request.prefill_from))
-        else:
+        elif params.mode != Mode.AUTO:  # (`auto`: fed only when a plan drafts, as in-process)
             await self._work.submit(session.prefill)  # the prompt but its last token, as in-process
         self.sessions[request.request_id] = session
         return ipb.OpenResponse(request_id=request.request_id, stats=stats_to_proto(stats))
@@ -84,38 +90,45 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         """Commit each row's previous outcome, then draft every row's block together."""
         rows, batched = rows_of(request)
         answers: list[ipb.ProposeResponse | None] = [None] * len(rows)
-        work = {}  # row index -> (session, previous outcome, k)
+        work = {}  # row index -> (session, previous outcome, k, proposer)
         for i, row in enumerate(rows):
             try:
                 session = self._session(row.request_id)
                 if not 1 <= row.k <= MAX_GAMMA:
                     raise InvalidParameterError("k", f"must be in 1..{MAX_GAMMA}, got {row.k}")
+                proposer = _proposer(row.proposer)
             except (SessionNotFound, InvalidParameterError) as exc:
                 if not batched:
                     raise
                 answers[i] = ipb.ProposeResponse(request_id=row.request_id, error=row_error(exc))
                 continue
-            work[i] = (session, outcome_from_proto(row.previous) if row.HasField("previous") else None, row.k)
+            previous = outcome_from_proto(row.previous) if row.HasField("previous") else None
+            work[i] = (session, previous, row.k, proposer)
         for other in self.sessions.values():  # drafting ahead (overlap) yields the thread to any Propose
             other.stop.set()
         if work:
             done = await self._work.submit(self._propose, {i: (rows[i].request_id, *w) for i, w in work.items()})
             for i, answer in done.items():
                 answers[i] = answer
-            ahead = {i: s for i, (s, _, _) in work.items() if s.params.overlap and answers[i].draft}
+            ahead = {i: w[0] for i, w in work.items() if w[0].params.overlap and answers[i].draft}
             if ahead:  # draft the next blocks while the verifier checks these ones
                 self._work.submit(self._draft_ahead, ahead).add_done_callback(_log_failure)
         return ipb.ProposeResponse(rows=answers) if batched else answers[0]
 
     def _propose(self, work: dict) -> dict[int, ipb.ProposeResponse]:
-        """On the worker thread: commit, draft (one batched drafter forward per round), serialise
-        (p can be megabytes)."""
-        for _, session, previous, _ in work.values():
+        """On the worker thread: commit, catch lazy drafters up (`auto`: one batched prefill
+        forward), draft (one batched drafter forward per round), serialise (p can be megabytes)."""
+        for _, session, previous, _, _ in work.values():
             if previous is not None:
                 session.commit(previous)
-        proposals = drive({i: session.propose_steps(k) for i, (_, session, _, k) in work.items()})
+        catch_up = [
+            f for _, session, _, _, proposer in work.values() if proposer is None for f in session.catch_up_steps()
+        ]
+        if catch_up:
+            execute(catch_up, prefill=True)
+        proposals = drive({i: session.propose_steps(k, proposer) for i, (_, session, _, k, proposer) in work.items()})
         out = {}
-        for i, (request_id, session, _, _) in work.items():
+        for i, (request_id, session, *_) in work.items():
             draft, p = proposals[i]  # [k], [k, V] or None
             out[i] = ipb.ProposeResponse(
                 request_id=request_id,
@@ -124,6 +137,14 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                 stats=stats_to_proto(session.stats),
             )
         return out
+
+    @rpc
+    async def Costs(self, request: ipb.CostsRequest, context) -> ipb.CostsResponse:
+        """The drafter tier's cost curve (viasd.costs), profiled on the worker thread on first call."""
+        if self.costs is None:
+            tiers = {"drafter": (self.lm, None)}
+            self.costs = await self._work.submit(lambda: profile_tiers(tiers, cache_dir=self.cost_cache_dir))
+        return costs_to_proto(self.costs)
 
     @staticmethod
     def _draft_ahead(sessions: dict) -> None:
@@ -141,6 +162,16 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
     def shutdown(self) -> None:
         self.sessions.clear()
         self._work.shutdown()
+
+
+def _proposer(name: str) -> Proposer | None:
+    """A Propose row's proposer override (`auto` plans); empty: the request's own."""
+    if not name:
+        return None
+    try:
+        return Proposer(name)
+    except ValueError:
+        raise InvalidParameterError("proposer", f"unknown proposer {name!r}") from None
 
 
 def _log_failure(done) -> None:
@@ -192,6 +223,7 @@ class DrafterActor:
     ) -> dict:
         """Load the model, start the server (mutual TLS with `tls`, an InternalTLS); return its
         address and the model's facts."""
+        from viasd.engine import cost_cache_dir
         from viasd.models.loader import load_causal_lm
 
         config = EngineConfig.model_validate(engine)
@@ -201,7 +233,7 @@ class DrafterActor:
         )
         pack_linears(model, config, device)
         lm = MaskedLM(model)
-        self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype)
+        self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype, cost_cache_dir=str(cost_cache_dir()))
         self.server, port = await start_server(
             lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s),
             host,

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from viasd.costs import CostModel
 from viasd.engine import Outcome
 from viasd.errors import InvalidParameterError
 from viasd.v1 import internal_pb2 as ipb
@@ -254,6 +256,31 @@ def outcome_to_proto(outcome: Outcome) -> ipb.Outcome:
 
 def outcome_from_proto(msg: ipb.Outcome) -> Outcome:
     return Outcome(list(msg.tokens), msg.num_draft_accepted)
+
+
+def merge_outcomes(first: ipb.Outcome | None, then: ipb.Outcome) -> ipb.Outcome:
+    """Two cycles' outcomes as one for a drafter that saw neither (an `auto` row's `ar` steps
+    do not call it): their tokens in order; the accepted count is the first's, which judged
+    the block the drafter last proposed."""
+    if first is None:
+        return then
+    return ipb.Outcome(tokens=[*first.tokens, *then.tokens], num_draft_accepted=first.num_draft_accepted)
+
+
+def costs_to_proto(model: CostModel) -> ipb.CostsResponse:
+    return ipb.CostsResponse(
+        curves=[
+            ipb.CostCurve(tier=tier, tokens=[n for n, _ in points], seconds=[sec for _, sec in points])
+            for tier, points in model.grid.items()
+        ],
+        key_json=json.dumps(model.key, sort_keys=True),
+        profile_seconds=model.profile_seconds,
+    )
+
+
+def costs_from_proto(msg: ipb.CostsResponse) -> CostModel:
+    grid = {c.tier: list(zip(c.tokens, c.seconds)) for c in msg.curves}
+    return CostModel(grid, json.loads(msg.key_json or "{}"), msg.profile_seconds, online=True)
 
 
 # ------------------------------------------------------------------ blocking model calls

@@ -36,6 +36,7 @@ from viasd.actors.rpc import (
     PeerUnavailable,
     SessionNotFound,
     advertised_host,
+    costs_to_proto,
     decode_probs,
     free_row,
     internal_tls,
@@ -45,7 +46,8 @@ from viasd.actors.rpc import (
     rpc,
     start_server,
 )
-from viasd.config import CachePolicy, EngineConfig, GenerationParams, Proposer
+from viasd.config import CachePolicy, EngineConfig, GenerationParams, Mode, Proposer
+from viasd.costs import CostModel, profile_tiers, verifier_tiers
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
@@ -69,7 +71,16 @@ class VerifierCore:
     cache of `max_rows` rows, so that a step's rows run as one batched forward per tier. Its
     methods are blocking and run on the rank's worker thread, in order."""
 
-    def __init__(self, lm: MaskedLM, mask: LayerMask, cache_policy: CachePolicy | str, max_rows: int = 64):
+    def __init__(
+        self,
+        lm: MaskedLM,
+        mask: LayerMask,
+        cache_policy: CachePolicy | str,
+        max_rows: int = 64,
+        *,
+        world_size: int = 1,
+        cost_cache_dir: str | None = None,
+    ):
         self.lm = lm
         self.mask = mask
         self.cache_policy = CachePolicy(cache_policy)
@@ -77,6 +88,9 @@ class VerifierCore:
         self.slim_store = lm.new_store(mask, max_rows=max_rows)  # (the separate policy only)
         self.sessions: dict[str, VerifySession] = {}
         self.work = InOrder("verifier")
+        self.world_size = world_size
+        self.cost_cache_dir = cost_cache_dir if world_size == 1 else None  # ranks must all measure, or none
+        self._costs: CostModel | None = None
 
     def open(
         self, request_id: str, prompt: list[int], params: GenerationParams, seed: int, prefill_from: str = ""
@@ -101,18 +115,19 @@ class VerifierCore:
         self.sessions[request_id] = session
         return session.prompt_logprobs, stats_to_proto(session.stats)
 
-    def verify(self, rows: list[tuple[str, list[int], bytes | None]], with_stats: bool = False) -> list:
+    def verify(self, rows: list[tuple[str, list[int], bytes | None, str]], with_stats: bool = False) -> list:
         """One step: check every row's draft block (decode one token where the draft is empty),
         all rows together (`viasd.sessions.drive`: one slim forward over the `via` rows, one full
-        forward over the rest and the escalated rows), and commit each outcome.
+        forward over the rest and the escalated rows), and commit each outcome. A row's plan
+        (`auto`: "sd", "ngram" or "via"; empty: its own mode) says how its block is checked.
 
         Returns per row (outcome, the session's stats message or None), or RowFailed."""
         out: list = [None] * len(rows)
         steps, sessions = {}, {}
-        for i, (request_id, draft, probs) in enumerate(rows):
+        for i, (request_id, draft, probs, plan) in enumerate(rows):
             try:
                 sessions[i] = self._session(request_id)
-                steps[i] = self._steps(sessions[i], draft, probs)
+                steps[i] = self._steps(sessions[i], draft, probs, plan)
             except (SessionNotFound, InvalidParameterError) as exc:
                 out[i] = RowFailed(exc)
         outcomes = drive(steps)
@@ -128,8 +143,18 @@ class VerifierCore:
             raise SessionNotFound(f"verifier has no session {request_id!r}")
         return session
 
-    def _steps(self, session: VerifySession, draft: list[int], probs: bytes | None):
-        """A row's step generator, its draft and p checked first (InvalidParameterError)."""
+    def costs(self) -> CostModel:
+        """The full and slim tiers' cost curves (viasd.costs): profiled once, on every rank at
+        once under tensor parallelism (their forwards are collectives; no cache, so that no rank
+        skips them), cached on disk otherwise."""
+        if self._costs is None:
+            tiers = verifier_tiers(self.lm, self.mask)
+            self._costs = profile_tiers(tiers, cache_dir=self.cost_cache_dir, ranks=self.world_size)
+        return self._costs
+
+    def _steps(self, session: VerifySession, draft: list[int], probs: bytes | None, plan: str = ""):
+        """A row's step generator, its draft, p and plan checked first (InvalidParameterError)."""
+        mode = _plan_mode(session.params, plan, bool(draft))
         if not draft:
             return session.decode_one_steps()
         bad = [t for t in draft if not 0 <= t < self.lm.vocab_size]
@@ -140,10 +165,10 @@ class VerifierCore:
             raise InvalidParameterError(
                 "probs", f"shape {tuple(p.shape)} does not match {len(draft)} draft tokens x {self.lm.vocab_size}"
             )
-        if p is None and not session.sampler.greedy and session.params.proposer == Proposer.MODEL:
+        if p is None and not session.sampler.greedy and session.params.proposer == Proposer.MODEL and plan != "ngram":
             # (n-gram blocks come without p: it is a point mass at the draft tokens)
             raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
-        return session.check_steps(draft, p)
+        return session.check_steps(draft, p, mode)
 
     def close(self, request_id: str) -> bool:
         session = self.sessions.pop(request_id, None)
@@ -154,6 +179,25 @@ class VerifierCore:
     def shutdown(self) -> None:
         self.sessions.clear()
         self.work.shutdown()
+
+
+_PLAN_MODES = {"sd": Mode.SD, "ngram": Mode.SD, "via": Mode.VIA}
+
+
+def _plan_mode(params: GenerationParams, plan: str, drafted: bool) -> Mode | None:
+    """How a row's block is checked: its plan's mode (`auto` rows; viasd.planner.Plan.verify_mode),
+    or None: the request's own mode."""
+    if not plan:
+        if params.mode == Mode.AUTO and drafted:
+            raise InvalidParameterError("plan", "an `auto` request's draft block needs its plan (sd, ngram or via)")
+        return None
+    if params.mode != Mode.AUTO:
+        raise InvalidParameterError("plan", f"only `auto` requests take a plan; this one is {params.mode.value!r}")
+    if plan not in _PLAN_MODES:
+        raise InvalidParameterError("plan", f"unknown plan {plan!r}: expected one of {sorted(_PLAN_MODES)}")
+    if plan == "via" and not uses_slim(params):
+        raise InvalidParameterError("plan", "plan 'via' is lossy: the request did not allow it (auto_lossy)")
+    return _PLAN_MODES[plan]
 
 
 def _future(ref) -> asyncio.Future:
@@ -176,6 +220,8 @@ def _comparable(op: str, result):
         return [
             repr(r.error) if isinstance(r, RowFailed) else (list(r[0].tokens), r[0].num_draft_accepted) for r in result
         ]
+    if op == "costs":  # each rank's own timings
+        return None
     if op == "open":  # prompt logprobs: floats, compared through the tokens they score
         scored, _ = result
         return None if scored is None else [e and e.token_id for e in scored]
@@ -230,7 +276,8 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         """One step over every row of the request, on every rank in lockstep."""
         rows, batched = rows_of(request)
         args = [
-            (r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None) for r in rows
+            (r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None, r.plan)
+            for r in rows
         ]
         answers = []
         for row, result in zip(rows, await self._lockstep("verify", args, local_args=(True,))):
@@ -254,6 +301,10 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
     async def Close(self, request: ipb.CloseRequest, context) -> ipb.CloseResponse:
         existed = await self._lockstep("close", request.request_id)
         return ipb.CloseResponse(existed=existed)
+
+    @rpc
+    async def Costs(self, request: ipb.CostsRequest, context) -> ipb.CostsResponse:
+        return costs_to_proto(await self._lockstep("costs"))
 
 
 @ray.remote
@@ -284,6 +335,7 @@ class VerifierWorker:
         device: str = "cpu",
     ) -> dict:
         """Load q, resolve the mask, shard across the group (every rank calls this at once)."""
+        from viasd.engine import cost_cache_dir
         from viasd.llm import eos_ids, resolve_gates, resolve_mask
         from viasd.models.loader import load_causal_lm
         from viasd.parallel import TPBackend, TPGroup, shard_model
@@ -316,7 +368,9 @@ class VerifierWorker:
         else:
             pack_linears(model, config, device)  # (sharded linears keep their own kernels)
         lm = MaskedLM(model)
-        self.core = VerifierCore(lm, mask, config.cache_policy)
+        self.core = VerifierCore(
+            lm, mask, config.cache_policy, world_size=world_size, cost_cache_dir=str(cost_cache_dir())
+        )
         self._tokenizer = tokenizer if rank == 0 else None
         return {
             "rank": rank,
@@ -349,7 +403,7 @@ class VerifierWorker:
 
     async def call(self, seq: int, op: str, *args):
         """Ranks 1..N-1: run rank 0's call number `seq` in number order; return what must agree."""
-        if op not in ("open", "verify", "close"):
+        if op not in ("open", "verify", "close", "costs"):
             raise ValueError(f"unknown verifier operation {op!r}")
         result = await self.core.work.enqueue(seq, getattr(self.core, op), *args)
         return _comparable(op, result)

@@ -117,6 +117,11 @@ class Coordinates(Protocol):
         """Requests in flight."""
         ...
 
+    def planner_state(self) -> dict:
+        """What mode `auto` plans with now: the cost curves (None until profiled) and the running
+        acceptance (`viasd.engine.Engine.planner_state`), for /metrics."""
+        ...
+
 
 class Backend(Protocol):
     """A running pipeline, as the handler and the deployments use it (`pipeline.Pipeline`, `local.LocalPipeline`)."""
@@ -331,6 +336,7 @@ class Job:
                     "samples": [s.stats for s in self.samples],
                 }
             self._timer.finish([s.request_stats for s in self.samples], self.finish_reason)
+            self.handler.metrics.set_planner(self.handler.backend.coordinator.planner_state())
         return Piece("", [], reason, stats, request_stats, index=index)
 
     def _cut(self, index: int, reason: str, stopped_by: str) -> Piece:

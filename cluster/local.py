@@ -32,6 +32,9 @@ class LocalCoordinator:
     def active_requests(self) -> int:
         return self._active
 
+    def planner_state(self) -> dict:
+        return self.engine.planner_state()
+
     async def generate(
         self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams
     ) -> AsyncIterator[Chunk]:

@@ -91,7 +91,9 @@ class PipelineConfig(BaseModel):
     )
     start_timeout_s: float = Field(900.0, gt=0.0, description="Time allowed for placement, model loading and sharding.")
     default_mode: Mode | None = Field(
-        None, description="Mode of requests that leave it unspecified; default 'via' with a drafter, else 'ar'."
+        None,
+        description="Mode of requests that leave it unspecified; default 'auto' (per step the plan with the most "
+        "expected tokens per second; lossless unless a request allows lossy plans).",
     )
     draft_probs_dtype: Literal["auto", "bfloat16"] = Field(
         "auto",
@@ -130,7 +132,7 @@ class PipelineConfig(BaseModel):
     @property
     def mode(self) -> Mode:
         """The mode of requests that leave it unspecified."""
-        return self.default_mode or (Mode.VIA if self.engine.drafter else Mode.AR)
+        return self.default_mode or Mode.AUTO
 
     @classmethod
     def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> PipelineConfig:

@@ -118,6 +118,29 @@ SPECS = (
     Spec("request_inference_time_seconds", "histogram", "Admission to the last generated token.", _M, PHASE_BUCKETS),
     Spec("request_prompt_tokens", "histogram", "Prompt tokens per finished request.", _M, TOKEN_BUCKETS),
     Spec("request_generation_tokens", "histogram", "Generated tokens per finished request.", _M, TOKEN_BUCKETS),
+    # mode `auto`: what the planner plans with (viasd.planner), and what it chose
+    Spec(
+        "planner_forward_seconds",
+        "gauge",
+        "Mode auto's cost model: predicted seconds of one forward of `tier` carrying `tokens` tokens "
+        "(profiled at start, corrected online).",
+        ("model_name", "tier", "tokens"),
+    ),
+    Spec(
+        "planner_acceptance",
+        "gauge",
+        "Mode auto's running acceptance over every request: P(the draft token at `position` is accepted | "
+        "reached), for `kind` model or ngram drafts.",
+        ("model_name", "kind", "position"),
+    ),
+    Spec("planner_via_tokens_per_cycle", "gauge", "Mode auto's running mean of tokens a via cycle commits.", _M),
+    Spec("planner_via_escalation_rate", "gauge", "Mode auto's running probability that a via cycle escalates.", _M),
+    Spec(
+        "auto_plan_steps",
+        "counter",
+        "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).",
+        ("model_name", "plan"),
+    ),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
     Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
     Spec(
@@ -258,6 +281,24 @@ class ServingMetrics:
         for sink in self.sinks:
             sink.gauge("kv_cache_usage_perc", fraction, self._labels)
 
+    def set_planner(self, state: dict) -> None:
+        """Mode auto's planner state (`Engine.planner_state` / `Coordinator.planner_state`): the
+        cost curves (once profiled), the running acceptance and the via estimates."""
+        gauges = [
+            (name, value, {})
+            for name, value in (
+                ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
+                ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
+            )
+        ]
+        for kind, rates in state["acceptance"].items():
+            gauges += [("planner_acceptance", a, {"kind": kind, "position": str(j)}) for j, a in enumerate(rates)]
+        for tier, curve in ((state["costs"] or {}).get("seconds") or {}).items():
+            gauges += [("planner_forward_seconds", sec, {"tier": tier, "tokens": str(n)}) for n, sec in curve.items()]
+        for sink in self.sinks:
+            for name, value, labels in gauges:
+                sink.gauge(name, value, {**self._labels, **labels})
+
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
@@ -297,6 +338,8 @@ class ServingMetrics:
             self._counter(name, value, **mode)
         for pos, value in enumerate(stats.num_accepted_tokens_per_pos):
             self._counter("spec_decode_num_accepted_tokens_per_pos", value, position=str(pos), **mode)
+        for plan, steps in stats.plans.items():
+            self._counter("auto_plan_steps", steps, plan=plan)
         if stats.mode == "via":
             for name, value in (
                 ("slim_accepted_tokens", stats.slim_accepted),

@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default=None, choices=["actors", "local"])
     ap.add_argument("--concurrency", default="1,4,8")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--modes", default="sd", help="comma-separated: ar, sd, via (served); auto runs in-process only")
+    ap.add_argument("--modes", default="sd", help="comma-separated: ar, sd, via, auto (bench-style specs: sd:gamma=3)")
     ap.add_argument(
         "--in-process",
         action="store_true",
@@ -344,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
         llm.engine.close()
         del llm
         gc.collect()
-    served_modes = [m for m in modes if mode_params(m)["mode"] != "auto" or raw["backend"] == "local"]
     started = None
     if args.url:
         base = args.url.rstrip("/")
@@ -359,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
         model = client.models.list().data[0]
         results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
-        measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served", served_modes)
+        measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served", modes)
         if args.guidellm:
             import tempfile
 
@@ -369,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     mode: run_guidellm(
                         args.guidellm, base, model.id, tok, mode, levels, args.max_tokens, args.guidellm_requests, work
                     )
-                    for mode in served_modes
+                    for mode in modes
                 }
     finally:
         if started is not None:

@@ -12,7 +12,12 @@ long contexts, many rows and the per-row work around each forward (sampling, the
 session generators). An `online` model therefore learns from the forwards the engine runs:
 
     seconds(tier, M) = grid(tier, M) * g[tier] * r[tier][bucket(M)]
-    step seconds    += overhead * row-forwards                    (overhead: EMA per row-forward)
+    step seconds    += overhead * logit rows                      (overhead: EMA per logit row)
+
+A logit row is one position whose distribution the step samples or judges (a drafting round: one
+per row; a verified block of k: k + 1; `ar`: 1): the work around the forwards (softmax and
+sampling over the vocabulary, the acceptance rules) grows with them, so a plan that judges more
+positions per committed token pays for it.
 
 g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
 uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
@@ -87,10 +92,10 @@ class CostModel:
             r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
             self.observed += 1
 
-    def observe_overhead(self, seconds: float, row_forwards: int) -> None:
-        """A step spent `seconds` outside its forwards over `row_forwards` row-forwards (online only)."""
-        if self.online and row_forwards > 0:
-            self.overhead = self.DECAY * self.overhead + (1 - self.DECAY) * max(0.0, seconds) / row_forwards
+    def observe_overhead(self, seconds: float, logit_rows: int) -> None:
+        """A step spent `seconds` outside its forwards over `logit_rows` logit rows (online only)."""
+        if self.online and logit_rows > 0:
+            self.overhead = self.DECAY * self.overhead + (1 - self.DECAY) * max(0.0, seconds) / logit_rows
 
     def _bucket(self, tier: str, tokens: float) -> int:
         pts = self.grid[tier]
@@ -126,14 +131,14 @@ class CostModel:
         )
 
     def summary(self) -> dict:
-        """What the stats and /metrics report: the grid's end points, corrections, overhead."""
+        """What the stats and /metrics report: each tier's predicted seconds at its grid's token
+        counts (the profile with the online corrections), the corrections, the overhead."""
         return {
             "key": self.key,
             "online": self.online,
             "observed": self.observed,
             "overhead_seconds": round(self.overhead, 6),
-            "seconds_1": {t: round(self.seconds(t, 1), 6) for t in self.grid},
-            "seconds_64": {t: round(self.seconds(t, 64), 6) for t in self.grid},
+            "seconds": {t: {n: round(self.seconds(t, n), 6) for n, _ in pts} for t, pts in self.grid.items()},
             "scale": {t: round(g, 4) for t, g in self.scale.items()},
             "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()},
         }

@@ -11,13 +11,15 @@ The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], wit
   E[tokens]       = 1 + sum_{i=1..k} prod_{j<=i} a_j        (a: the row's running acceptance)
   E[step seconds] = sum_r C_drafter(n_r)                    (n_r: rows drafting in round r)
                     + C_slim(n_via * T_via) + C_full(n_full * T_full)
-                    + C_drafter(n_lag * max lag) * mean(1 / E[cycles left])   (lazy drafters catching up)
-                    + overhead * row-forwards
+                    + C_drafter(n_lag * max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
+                                                            (lazy drafters catching up)
+                    + overhead * logit rows                 (positions sampled or judged: viasd.costs)
 where a batched forward costs its padded size (rows x its longest row: T = k + 1 for a block,
 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost curves
 (viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
 admission: a row whose drafter lags `lag` tokens pays for catching up once, spread over the
-cycles it has left, so under load, where speculation does not pay, the drafter never runs.
+cycles it has left (at most PAYBACK_CYCLES), so under load, where speculation does not pay, the
+drafter never runs.
 Rows with a fixed mode count with their own plan.
 The plans are chosen by coordinate ascent from the best uniform assignment (every auto row on
 the same plan, where it has it: a drafting round costs about the same for one row as for all,
@@ -32,6 +34,11 @@ from dataclasses import dataclass
 
 from viasd.config import Mode, Proposer
 from viasd.costs import Acceptance, CostModel
+
+# A lagging drafter's catch-up must pay for itself within this many cycles (or the cycles the
+# request has left): under load the batch changes every few cycles, and with it the best plan, so
+# a catch-up spread over a long request's every cycle is a bet the planner rarely wins.
+PAYBACK_CYCLES = 16
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,25 @@ class Estimates:
         }
 
 
+def learn_cycle(
+    estimates: Sequence[Estimates | None],
+    plan: Plan,
+    *,
+    drafted: int,
+    accepted: int,
+    committed: int,
+    escalated: bool,
+    plans: dict[str, int] | None = None,
+) -> None:
+    """One cycle's evidence for every estimate given (None: skipped); `plans` (an `auto`
+    request's stats) counts the plan."""
+    if plans is not None:
+        plans[plan.label] = plans.get(plan.label, 0) + 1
+    for e in estimates:
+        if e is not None:
+            e.learn(plan, drafted, accepted, committed, escalated)
+
+
 @dataclass
 class RowState:
     """What the planner knows of one row."""
@@ -143,13 +169,13 @@ def expected_tokens(row: RowState, plan: Plan) -> float:
 def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
     """Expected seconds of one step in which row i runs plans[i] (module docstring)."""
     drafting = sorted((p.k for p in plans if p.kind in ("sd", "via")), reverse=True)
-    seconds, row_forwards = 0.0, 0.0
+    seconds, logit_rows = 0.0, 0.0
     for r in range(drafting[0] if drafting else 0):
         n = sum(1 for k in drafting if k > r)
         seconds += costs.seconds("drafter", n)
-        row_forwards += n
+        logit_rows += n
     lagging = [
-        (row.draft_lag, max(1.0, row.remaining / expected_tokens(row, p)))
+        (row.draft_lag, min(PAYBACK_CYCLES, max(1.0, row.remaining / expected_tokens(row, p))))
         for row, p in zip(rows, plans)
         if p.kind in ("sd", "via") and row.draft_lag > 0
     ]
@@ -159,7 +185,7 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
     slim = [p.k + 1 for p in plans if p.kind == "via"]  # [n_via] tokens per row
     if slim:
         seconds += costs.seconds("slim", len(slim) * max(slim))
-        row_forwards += len(slim)
+        logit_rows += sum(slim)
     full = [
         (1.0, 1 if p.kind == "ar" else p.k + 1) if p.kind != "via" else (row.via_escalation, p.k + 1)
         for row, p in zip(rows, plans)
@@ -168,8 +194,8 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
     if full:
         n_full = sum(w for w, _ in full)
         seconds += costs.seconds("full", n_full * max(t for _, t in full))
-        row_forwards += n_full
-    return seconds + costs.overhead * row_forwards
+        logit_rows += sum(w * t for w, t in full)
+    return seconds + costs.overhead * logit_rows
 
 
 def goodput(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:

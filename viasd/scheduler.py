@@ -36,7 +36,7 @@ from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan
+from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan, learn_cycle
 from viasd.proposers import ngram_lookup
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
@@ -273,7 +273,7 @@ class Scheduler:
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="viasd-draft-ahead")  # `overlap`
         self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
-        self._step_forwards = [0.0, 0]  # this step's forward seconds and row-forwards (the overhead estimate)
+        self._step_forwards = [0.0, 0]  # this step's forward seconds and logit rows (the overhead estimate)
 
     # ---------------------------------------------------------------- requests
 
@@ -504,14 +504,14 @@ class Scheduler:
             self._learn(r, plans[r], proposals.get(r), outcome)
             out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
         if isinstance(self._costs, CostModel):
-            forward_seconds, row_forwards = self._step_forwards
-            self._costs.observe_overhead(time.perf_counter() - t0 - forward_seconds, row_forwards)
+            forward_seconds, logit_rows = self._step_forwards
+            self._costs.observe_overhead(time.perf_counter() - t0 - forward_seconds, logit_rows)
         return out
 
-    def _observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
+    def _observe(self, tier: str, logit_rows: int, tokens: int, seconds: float) -> None:
         """A batched forward of this step ran: the cost model learns from it (viasd.costs)."""
         self._step_forwards[0] += seconds
-        self._step_forwards[1] += rows
+        self._step_forwards[1] += logit_rows
         if isinstance(self._costs, CostModel):
             self._costs.observe(tier, tokens, seconds)
 
@@ -542,13 +542,16 @@ class Scheduler:
         """Update the running estimates the planner reads (the request's, and the engine-wide ones
         from every request), and count an `auto` request's plan in its stats."""
         stats = r.handle.stats
-        if r.handle.params.mode == Mode.AUTO:
-            stats.plans[plan.label] = stats.plans.get(plan.label, 0) + 1
         escalated, r.via_seen = stats.escalations > r.via_seen, stats.escalations
-        drafted = len(proposal[0]) if proposal is not None else 0
-        for estimates in (self.estimates, r.estimates):
-            if estimates is not None:
-                estimates.learn(plan, drafted, outcome.num_draft_accepted, len(outcome.tokens), escalated)
+        learn_cycle(
+            (self.estimates, r.estimates),
+            plan,
+            drafted=len(proposal[0]) if proposal is not None else 0,
+            accepted=outcome.num_draft_accepted,
+            committed=len(outcome.tokens),
+            escalated=escalated,
+            plans=stats.plans if r.handle.params.mode == Mode.AUTO else None,
+        )
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)

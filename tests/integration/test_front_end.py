@@ -36,6 +36,7 @@ def backend(aio):
         pytest.fail(f"install the test model first: {' '.join(embedded.install_command(embedded.TEST_MODEL))}")
     config = PipelineConfig(
         aliases=(ALIAS,),
+        default_mode="ar",  # the references of this module are the engine's `ar` (the service default is `auto`)
         engine={
             "verifier": embedded.TEST_MODEL,
             "drafter": None,
@@ -515,7 +516,7 @@ def test_metrics_carry_vllm_stems_and_the_model_name_label(http, handler):
     from viasd.cluster.serving_metrics import SPECS, parse_exposition, total
     from viasd.models import embedded
 
-    post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4})
+    post(http, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "mode": "auto"})
     samples = parse_exposition(requests.get(http + "/metrics", timeout=30).text)
     name = {"model_name": embedded.TEST_MODEL}
     for stem in (
@@ -531,6 +532,17 @@ def test_metrics_carry_vllm_stems_and_the_model_name_label(http, handler):
         assert total(samples, f"viasd_{stem}_count", **name) > 0, stem
     assert ("viasd_kv_cache_usage_perc", (("model_name", embedded.TEST_MODEL),)) in samples
     assert total(samples, "viasd_num_requests_running", **name) == 0
+    # an `auto` request: /metrics shows what the planner planned with (the cost curves of every
+    # tier, the running acceptance) and what it chose
+    assert total(samples, "viasd_auto_plan_steps_total", **name) >= 1
+    for tier in ("slim", "full"):  # (this pipeline has no drafter: n-gram drafts only)
+        assert total(samples, "viasd_planner_forward_seconds", tier=tier, tokens="1", **name) > 0, tier
+    assert total(samples, "viasd_planner_forward_seconds", tier="drafter", **name) == 0
+    assert (
+        "viasd_planner_acceptance",
+        (("kind", "model"), ("model_name", name["model_name"]), ("position", "0")),
+    ) in samples
+    assert 0 <= total(samples, "viasd_planner_via_escalation_rate", **name) <= 1
     assert all(s.labels[0] == "model_name" for s in SPECS)
     assert not any(labels and dict(labels).get("model") for (_, labels) in samples)  # vLLM's label only
 

@@ -537,7 +537,7 @@ def test_list_models_and_health(server, aio):
         [1, 3],
         1,
         512,
-        pb.MODE_VIA,
+        pb.MODE_AUTO,
     )
     assert m.verifier.endswith("verifier") and m.drafter.endswith("drafter")
 
@@ -632,6 +632,11 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
         served = aio.run(served_waves(tp2.coordinator, BATCH_WAVES, f"tp2-wave-{backend}"))
         assert served == in_process_batched(llm, BATCH_WAVES), backend
         assert tp2.coordinator.totals.max_rows >= 6  # the ranks ran mixed-mode batches in lockstep
+        # `auto`: both ranks profile q and q' together (collectives), then plan; greedy == ar
+        costs = aio.run(tp2.coordinator.cost_model())
+        assert costs.key["verifier"]["ranks"] == 2 and set(costs.grid) == {"full", "slim", "drafter"}
+        auto = aio.run(_run(tp2.coordinator, f"tp2-auto-{backend}", PROMPTS[1], mode="auto"))
+        assert [t for c in auto for t in c.token_ids] == reference(llm, PROMPTS[1], mode="ar").token_ids
         assert aio.run(tp2.session_counts()) == {"drafter": 0, "verifier": [0, 0]}
     finally:
         aio.run(tp2.shutdown())
@@ -729,3 +734,158 @@ def test_the_masks_calibrated_gates_apply_to_served_via_requests_as_in_process(s
             assert own == reference(llm, prompt, **VIA).token_ids
     finally:
         pipeline.coordinator.gates, llm.engine.gates = before
+
+
+# ------------------------------------------------------------------ served `auto`
+
+# cost curves that make the planner's choice known (seconds against tokens per forward):
+# drafting nearly free and q flat -> sd; every forward linear and the drafter as dear as q -> ar;
+# the drafter dear and q flat -> only the free n-gram drafts pay
+SPECULATE = {"full": [(1, 1.0), (64, 1.3)], "slim": [(1, 0.5), (64, 0.7)], "drafter": [(1, 0.05), (64, 0.6)]}
+NEVER = {"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.6), (64, 38.0)], "drafter": [(1, 1.0), (64, 64.0)]}
+NGRAM = {"full": [(1, 1.0), (64, 1.3)], "slim": [(1, 0.6), (64, 0.8)], "drafter": [(1, 5.0), (64, 300.0)]}
+CHEAP_SLIM = {"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.01), (64, 0.02)], "drafter": [(1, 0.05), (64, 0.6)]}
+
+
+def _coordinator(pipeline, grid=None):
+    """A coordinator of its own on the pipeline's actors (its own estimates), planning with `grid`
+    as given (None: it fetches both services' profiles and corrects them online, as a pipeline's does)."""
+    from viasd.actors.coordinator import Coordinator
+    from viasd.costs import CostModel
+
+    base = pipeline.coordinator
+    return Coordinator(
+        base.verifier_address,
+        base.drafter_address,
+        vocab_size=base.vocab_size,
+        max_context=base.max_context,
+        eos_token_ids=base.eos_token_ids,
+        rpc_timeout_s=30,
+        costs=CostModel(dict(grid)) if grid is not None else None,  # (as given: not corrected online)
+    )
+
+
+async def _run(coordinator, name, prompt, **params):
+    return [c async for c in coordinator.generate(name, prompt, parse_params(**{"max_tokens": 24, **params}))]
+
+
+@pytest.mark.parametrize(
+    "grid, expect", [(SPECULATE, "sd"), (NEVER, "ar"), (NGRAM, "ngram")], ids=["speculate", "never", "ngram"]
+)
+def test_served_greedy_auto_equals_ar_whatever_it_plans(aio, pipeline, llm, grid, expect):
+    """Greedy `auto` through the actors, restricted to lossless plans: ar's tokens, token for token,
+    alone and in a batch beside fixed-mode rows, with the plans the costs call for (the stats say
+    which ran); a row planned `ar` sends no Propose, and a drafter no plan uses is never fed."""
+    coord = _coordinator(pipeline, grid)
+
+    async def run():
+        try:
+            alone = [await _run(coord, f"auto-{expect}-{i}", p, mode="auto") for i, p in enumerate(PROMPTS)]
+            wave = [
+                (0, dict(mode="auto", max_tokens=20)),
+                (1, dict(VIA, max_tokens=16)),
+                (1, dict(mode="auto", max_tokens=24)),
+            ]
+            wave += [(0, dict(mode="sd", gamma=3, temperature=0.9, seed=5, max_tokens=12))]
+            return alone, await served_waves(coord, [wave], f"auto-wave-{expect}"), wave
+        finally:
+            await coord.close()
+
+    alone, batched, wave = aio.run(run())
+    kinds = set()
+    for prompt, chunks in zip(PROMPTS, alone):
+        ar = reference(llm, prompt, mode="ar")
+        assert [t for c in chunks for t in c.token_ids] == ar.token_ids
+        stats = chunks[-1].stats
+        assert stats.mode == "auto" and sum(stats.plans.values()) == stats.num_drafts + stats.plans.get("ar", 0)
+        kinds |= {label.split(":")[0] for label in stats.plans}
+        if expect == "ar":  # the drafter never ran, not even its prefill
+            assert stats.forwards["drafter"] == 0 and stats.prefill_forwards == ar.stats.prefill_forwards
+    assert expect in kinds and (kinds == {"ar"} or expect != "ar")
+    for tokens, (i, params) in zip(batched, wave):
+        solo = dict(params, mode="ar") if params["mode"] == "auto" else params
+        assert tokens == llm.complete(PROMPTS[i], parse_params(**solo)).token_ids, params
+    assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
+
+
+@pytest.mark.parametrize("grid", [SPECULATE, NGRAM], ids=["speculate", "ngram"])
+def test_served_auto_plans_as_in_process(aio, pipeline, llm, grid):
+    """With the same cost curves, a served `auto` request makes the in-process engine's choices,
+    step for step: the same plans, drafts, acceptances and tokens, greedy and sampled (the
+    coordinator tracks what each drafter has fed as the drafter's cache does)."""
+    from viasd.costs import CostModel
+    from viasd.engine import Engine
+
+    cases = [dict(mode="auto", max_tokens=40), dict(mode="auto", max_tokens=40, temperature=1.0, seed=31)]
+    for params in cases:
+        for i, prompt in enumerate(PROMPTS):
+            coord = _coordinator(pipeline, grid)
+            engine = Engine(
+                llm.verifier, llm.drafter, mask=llm.engine.mask, costs=CostModel(dict(grid)), eos_token_ids=(2,)
+            )
+
+            async def run():
+                try:
+                    return await _run(coord, f"as-in-process-{i}", prompt, **params)
+                finally:
+                    await coord.close()
+
+            chunks = aio.run(run())
+            ref = engine.complete(prompt, parse_params(**params))
+            assert [t for c in chunks for t in c.token_ids] == ref.token_ids, params
+            stats = chunks[-1].stats
+            assert stats.plans == ref.stats.plans, params
+            for name in ("num_drafts", "num_draft_tokens", "ngram_draft_tokens", "num_accepted_tokens", "forwards"):
+                assert getattr(stats, name) == getattr(ref.stats, name), (params, name)
+
+
+def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm):
+    """The first `auto` request fetches each service's profile of its own tiers (`Costs`); the
+    steps' Propose and Verify calls then correct it, and the planner's state says so. A lossy
+    plan runs only for a request that allows it."""
+    coord = _coordinator(pipeline)
+
+    async def run():
+        try:
+            ar = await _run(coord, "fetch", PROMPTS[0], mode="auto")
+            state = coord.planner_state()
+            coord.costs = _coordinator(pipeline, CHEAP_SLIM).costs  # the slim tier nearly free: via pays
+            coord.estimates.via_tokens, coord.estimates.via_escalation = 3.0, 0.1
+            lossless = await _run(coord, "lossless", PROMPTS[1], mode="auto")
+            lossy = await _run(coord, "lossy", PROMPTS[1], mode="auto", auto_lossy=True)
+            return ar, state, lossless, lossy
+        finally:
+            await coord.close()
+
+    ar, state, lossless, lossy = aio.run(run())
+    assert [t for c in ar for t in c.token_ids] == reference(llm, PROMPTS[0], mode="ar").token_ids
+    costs = state["costs"]
+    assert set(costs["seconds"]) == {"full", "slim", "drafter"}
+    assert all(s > 0 for curve in costs["seconds"].values() for s in curve.values())
+    assert costs["key"]["verifier"]["ranks"] == 1 and set(costs["key"]["verifier"]["tiers"]) == {"full", "slim"}
+    assert set(costs["key"]["drafter"]["tiers"]) == {"drafter"}
+    assert costs["online"] and costs["observed"] > 0 and costs["scale"]["full"] != 1.0  # the steps taught it
+    assert state["acceptance"]["model"] and 0 <= state["via"]["escalation_rate"] <= 1
+    plans = lossless[-1].stats.plans, lossy[-1].stats.plans
+    assert not any(k.startswith("via") for k in plans[0]) and lossless[-1].stats.forwards["slim"] == 0
+    assert any(k.startswith("via") for k in plans[1]) and lossy[-1].stats.forwards["slim"] > 0
+    assert [t for c in lossless for t in c.token_ids] == reference(llm, PROMPTS[1], mode="ar").token_ids
+
+
+def test_a_plan_the_request_does_not_allow_is_invalid_argument():
+    from viasd.actors.verifier import _plan_mode
+    from viasd.config import Mode
+    from viasd.errors import InvalidParameterError
+
+    auto, lossy = parse_params(mode="auto"), parse_params(mode="auto", auto_lossy=True)
+    assert _plan_mode(auto, "sd", True) == Mode.SD and _plan_mode(auto, "ngram", True) == Mode.SD
+    assert _plan_mode(lossy, "via", True) == Mode.VIA and _plan_mode(parse_params(mode="sd"), "", True) is None
+    for params, plan, words in (
+        (auto, "via", "lossy"),  # not allowed: auto_lossy is off
+        (auto, "", "needs its plan"),  # an auto block with no plan would run the via path
+        (parse_params(mode="sd"), "sd", "only `auto`"),
+        (auto, "bogus", "unknown plan"),
+    ):
+        with pytest.raises(InvalidParameterError) as err:
+            _plan_mode(params, plan, True)
+        assert err.value.field == "plan" and words in str(err.value), (plan, str(err.value))

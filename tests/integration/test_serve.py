@@ -138,7 +138,7 @@ def test_models_lists_the_pipeline(client, config):
     assert [m.id for m in models] == ["smol"]
     info = models[0].model_extra["viasd"]
     assert info["num_layers"] == 30 and info["tensor_parallel_size"] == 1
-    assert info["skipped_layers"] and info["drafter"].endswith("drafter") and info["default_mode"] == "via"
+    assert info["skipped_layers"] and info["drafter"].endswith("drafter") and info["default_mode"] == "auto"
 
 
 @pytest.mark.parametrize("mode", ["sd", "via"])
@@ -165,7 +165,7 @@ def test_openai_client_streams_a_completion_equal_to_the_engine(client, referenc
 
 
 def test_openai_client_streams_a_chat_completion_with_the_chat_template(client, reference):
-    want_text, _ = _expected(reference, "via", messages=CHAT)
+    want_text, _ = _expected(reference, "ar", messages=CHAT)  # mode unset: the service default `auto`, lossless
     stream = client.chat.completions.create(
         model="smol",
         messages=CHAT,

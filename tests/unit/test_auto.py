@@ -19,7 +19,8 @@ from viasd.config import parse_params
 from viasd.costs import Acceptance, CostModel, profile
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
-from viasd.planner import Plan, RowState, choose, expected_tokens, goodput, step_seconds
+from viasd.metrics import RequestStats
+from viasd.planner import PAYBACK_CYCLES, Plan, RowState, choose, expected_tokens, goodput, step_seconds
 from viasd.runtime import LayerMask
 
 PROMPTS = [[5, 17, 3, 88, 41, 9], [33, 34, 35, 33, 34, 35, 33, 34, 35, 33], [1, 2, 3]]
@@ -234,10 +235,15 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
         step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / cycles
     )
     assert step_seconds(flat, [lag], [Plan("ar")]) == flat.seconds("full", 1)  # `ar` never catches up
-    flat.overhead = 0.25  # per row-forward: 2 drafter rounds + 1 full forward
-    assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
-        2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 3 * 0.25
+    long = _row(0.5, draft_lag=20, remaining=1000)  # a long request: the catch-up must pay back within 16 cycles
+    assert step_seconds(flat, [long], [Plan("sd", 2)]) == pytest.approx(
+        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / PAYBACK_CYCLES
     )
+    flat.overhead = 0.25  # per logit row: 2 drafter rounds + a block of 3 positions judged by q
+    assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
+        2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 5 * 0.25
+    )
+    assert step_seconds(flat, [_row(0.5)] * 2, [Plan("ar")] * 2) == pytest.approx(flat.seconds("full", 2) + 2 * 0.25)
 
 
 def test_planner_never_expects_more_tokens_than_the_request_may_produce():
@@ -295,19 +301,10 @@ def test_auto_prefills_the_drafter_only_when_a_plan_drafts(tiny_pair):
     assert auto.stats.prefill_forwards == ar.stats.prefill_forwards + 1
 
 
-def test_auto_crosses_the_wire_and_the_actor_pipeline_refuses_it_clearly():
-    import asyncio
-
-    from viasd.actors.coordinator import Coordinator
-    from viasd.v1.convert import params_from_proto, params_to_proto
+def test_auto_crosses_the_wire():
+    from viasd.v1.convert import params_from_proto, params_to_proto, stats_from_proto, stats_to_proto
 
     params = parse_params(mode="auto", auto_lossy=True, max_tokens=7)
     assert params_from_proto(params_to_proto(params)) == params
-    coordinator = Coordinator("127.0.0.1:1", "127.0.0.1:2", vocab_size=96)
-
-    async def first_chunk():
-        return await coordinator.generate("r1", [1, 2, 3], params).__anext__()
-
-    with pytest.raises(InvalidParameterError) as info:
-        asyncio.run(first_chunk())
-    assert info.value.field == "mode" and "local" in info.value.message
+    stats = RequestStats(mode="auto", plans={"ar": 3, "sd:k=4": 2})
+    assert stats_from_proto(stats_to_proto(stats)).plans == stats.plans
