@@ -502,7 +502,10 @@ class Coordinator:
             )
         if all(s.fixed is not None for s in states):
             return {r: s.fixed for r, s in zip(rows, states)}
-        return dict(zip(rows, choose(self.costs, states)))
+        # requests still opening (prefilling) join the next steps: plan for that batch (as in-process)
+        opening = sum(1 for r in self._active.values() if not r.left and r not in self._rows)
+        joining = [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * opening
+        return dict(zip(rows, choose(self.costs, states + joining)))
 
     def _learn(self, r: _Request, plan: Plan, sent: ipb.VerifyRequest | None, result, escalated: bool) -> None:
         """Update the running estimates the planner reads (the request's, and those over every

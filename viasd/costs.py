@@ -12,12 +12,15 @@ long contexts, many rows and the per-row work around each forward (sampling, the
 session generators). An `online` model therefore learns from the forwards the engine runs:
 
     seconds(tier, M) = grid(tier, M) * g[tier] * r[tier][bucket(M)]
-    step seconds    += overhead * logit rows                      (overhead: EMA per logit row)
+    step seconds    += sum_rows overhead[plan kind] * logit rows   (overhead: EMA per kind)
 
 A logit row is one position whose distribution the step samples or judges (a drafting round: one
-per row; a verified block of k: k + 1; `ar`: 1): the work around the forwards (softmax and
-sampling over the vocabulary, the acceptance rules) grows with them, so a plan that judges more
-positions per committed token pays for it.
+per row; a verified block of k: k + 1; `ar`: 1, viasd.planner.logit_rows). The work around the
+forwards (softmax and sampling over the vocabulary, the acceptance rules, the session code)
+grows with them and differs by plan: a verified block costs more per position than one `ar`
+token. The engine times each row's work between its forwards (`sessions.drive(timing=...)`)
+and shares the rest of the step (planning, commits) equally; a kind never observed takes the
+mean of those that were.
 
 g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
 uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
@@ -54,7 +57,7 @@ class CostModel:
     online: bool = False  # learn corrections from observed forwards (module docstring)
     scale: dict[str, float] = field(default_factory=dict)  # tier -> g (module docstring)
     correction: dict[str, list[float]] = field(default_factory=dict)  # tier -> r per grid point
-    overhead: float = 0.0  # seconds of per-row work around each row's forward (EMA)
+    overhead: dict[str, float] = field(default_factory=dict)  # plan kind -> seconds per logit row (EMA)
     observed: int = 0  # forwards observed
 
     DECAY = 0.8  # weight of the past in each online update of g: the machine's pace moves fast ...
@@ -92,10 +95,18 @@ class CostModel:
             r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
             self.observed += 1
 
-    def observe_overhead(self, seconds: float, logit_rows: int) -> None:
-        """A step spent `seconds` outside its forwards over `logit_rows` logit rows (online only)."""
+    def observe_overhead(self, kind: str, seconds: float, logit_rows: float) -> None:
+        """A row running a plan of `kind` spent `seconds` of a step outside the forwards, over
+        `logit_rows` logit rows (online only)."""
         if self.online and logit_rows > 0:
-            self.overhead = self.DECAY * self.overhead + (1 - self.DECAY) * max(0.0, seconds) / logit_rows
+            d, per_row = self.DECAY, max(0.0, seconds) / logit_rows
+            self.overhead[kind] = d * self.overhead.get(kind, per_row) + (1 - d) * per_row
+
+    def overhead_of(self, kind: str) -> float:
+        """Seconds per logit row of a plan kind's work around the forwards (module docstring)."""
+        if kind in self.overhead:
+            return self.overhead[kind]
+        return sum(self.overhead.values()) / len(self.overhead) if self.overhead else 0.0
 
     def _bucket(self, tier: str, tokens: float) -> int:
         pts = self.grid[tier]
@@ -137,7 +148,7 @@ class CostModel:
             "key": self.key,
             "online": self.online,
             "observed": self.observed,
-            "overhead_seconds": round(self.overhead, 6),
+            "overhead_seconds": {kind: round(o, 6) for kind, o in self.overhead.items()},
             "seconds": {t: {n: round(self.seconds(t, n), 6) for n, _ in pts} for t, pts in self.grid.items()},
             "scale": {t: round(g, 4) for t, g in self.scale.items()},
             "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()},

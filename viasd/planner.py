@@ -13,14 +13,16 @@ The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], wit
                     + C_slim(n_via * T_via) + C_full(n_full * T_full)
                     + C_drafter(n_lag * max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
                                                             (lazy drafters catching up)
-                    + overhead * logit rows                 (positions sampled or judged: viasd.costs)
+                    + sum_rows overhead[kind] * logit rows  (positions sampled or judged: viasd.costs)
 where a batched forward costs its padded size (rows x its longest row: T = k + 1 for a block,
 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost curves
 (viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
 admission: a row whose drafter lags `lag` tokens pays for catching up once, spread over the
 cycles it has left (at most PAYBACK_CYCLES), so under load, where speculation does not pay, the
 drafter never runs.
-Rows with a fixed mode count with their own plan.
+Rows with a fixed mode count with their own plan, and requests still prefilling as `ar` rows:
+the plans are for the batch they will run in (a catch-up paid while the batch fills would be
+wasted once it is full).
 The plans are chosen by coordinate ascent from the best uniform assignment (every auto row on
 the same plan, where it has it: a drafting round costs about the same for one row as for all,
 so single-row moves alone would never leave `ar`); each row in turn takes the plan that
@@ -166,14 +168,22 @@ def expected_tokens(row: RowState, plan: Plan) -> float:
     return min(row.acceptance.expected_tokens("ngram" if plan.kind == "ngram" else "model", plan.k), row.remaining)
 
 
+def logit_rows(plan: Plan, escalation: float = 0.0) -> float:
+    """Positions a row running `plan` samples or judges in a step: one per drafting round, k + 1
+    for a verified block (`via`: the slim tier's, and q's with probability `escalation`), 1 for `ar`."""
+    if plan.kind == "ar":
+        return 1.0
+    rounds = plan.k if plan.kind in ("sd", "via") else 0  # (n-gram drafts need no forward)
+    return rounds + (plan.k + 1) * (1.0 + escalation if plan.kind == "via" else 1.0)
+
+
 def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
     """Expected seconds of one step in which row i runs plans[i] (module docstring)."""
     drafting = sorted((p.k for p in plans if p.kind in ("sd", "via")), reverse=True)
-    seconds, logit_rows = 0.0, 0.0
+    seconds = 0.0
     for r in range(drafting[0] if drafting else 0):
         n = sum(1 for k in drafting if k > r)
         seconds += costs.seconds("drafter", n)
-        logit_rows += n
     lagging = [
         (row.draft_lag, min(PAYBACK_CYCLES, max(1.0, row.remaining / expected_tokens(row, p))))
         for row, p in zip(rows, plans)
@@ -185,7 +195,6 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
     slim = [p.k + 1 for p in plans if p.kind == "via"]  # [n_via] tokens per row
     if slim:
         seconds += costs.seconds("slim", len(slim) * max(slim))
-        logit_rows += sum(slim)
     full = [
         (1.0, 1 if p.kind == "ar" else p.k + 1) if p.kind != "via" else (row.via_escalation, p.k + 1)
         for row, p in zip(rows, plans)
@@ -194,8 +203,7 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
     if full:
         n_full = sum(w for w, _ in full)
         seconds += costs.seconds("full", n_full * max(t for _, t in full))
-        logit_rows += sum(w * t for w, t in full)
-    return seconds + costs.overhead * logit_rows
+    return seconds + sum(costs.overhead_of(p.kind) * logit_rows(p, row.via_escalation) for row, p in zip(rows, plans))
 
 
 def goodput(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:

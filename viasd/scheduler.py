@@ -36,7 +36,7 @@ from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan, learn_cycle
+from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan, learn_cycle, logit_rows
 from viasd.proposers import ngram_lookup
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
@@ -273,7 +273,7 @@ class Scheduler:
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="viasd-draft-ahead")  # `overlap`
         self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
-        self._step_forwards = [0.0, 0]  # this step's forward seconds and logit rows (the overhead estimate)
+        self._step_forwards = 0.0  # this step's forward seconds (the overhead estimate)
 
     # ---------------------------------------------------------------- requests
 
@@ -463,7 +463,7 @@ class Scheduler:
         rows = [r for r in self._running if r.prefilled]
         if not rows:
             return []
-        t0, self._step_forwards = time.perf_counter(), [0.0, 0]
+        t0, self._step_forwards, timing = time.perf_counter(), 0.0, {}
         plans = dict(zip(rows, self._plans(rows)))
         drafting = [r for r in rows if plans[r].kind != "ar"]
         for r in rows:
@@ -475,6 +475,7 @@ class Scheduler:
         proposals = drive(
             {r: r.draft.propose_steps(plans[r].k, plans[r].proposer) for r in drafting},
             observe=self._observe,
+            timing=timing,
         )
         ahead = [r for r in drafting if r.handle.params.overlap]
         running_ahead = None
@@ -489,29 +490,31 @@ class Scheduler:
                     for r in rows
                 },
                 observe=self._observe,
+                timing=timing,
             )
         finally:
             if running_ahead is not None:
                 for r in ahead:
                     r.draft.stop.set()
                 running_ahead.result()
-        out = []
+        out, escalated = [], {}
         for r in rows:
             outcome = outcomes[r]
             if r.draft is not None:
                 r.draft.commit(outcome)
             r.verify.commit(outcome)
-            self._learn(r, plans[r], proposals.get(r), outcome)
+            escalated[r] = self._learn(r, plans[r], proposals.get(r), outcome)
             out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
-        if isinstance(self._costs, CostModel):
-            forward_seconds, logit_rows = self._step_forwards
-            self._costs.observe_overhead(time.perf_counter() - t0 - forward_seconds, logit_rows)
+        if isinstance(self._costs, CostModel):  # each row's work around the forwards, by plan kind
+            shared = time.perf_counter() - t0 - self._step_forwards - sum(timing.values())
+            for r in rows:
+                seconds = timing.get(r, 0.0) + max(0.0, shared) / len(rows)
+                self._costs.observe_overhead(plans[r].kind, seconds, logit_rows(plans[r], float(escalated[r])))
         return out
 
-    def _observe(self, tier: str, logit_rows: int, tokens: int, seconds: float) -> None:
+    def _observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
         """A batched forward of this step ran: the cost model learns from it (viasd.costs)."""
-        self._step_forwards[0] += seconds
-        self._step_forwards[1] += logit_rows
+        self._step_forwards += seconds
         if isinstance(self._costs, CostModel):
             self._costs.observe(tier, tokens, seconds)
 
@@ -536,11 +539,17 @@ class Scheduler:
             )
         if all(s.fixed is not None for s in states):
             return [s.fixed for s in states]
-        return choose(self.costs(), states)
+        # requests still prefilling decode with these rows from the next steps: the plans are for
+        # the batch they will run in (counted as `ar` rows)
+        joining = [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * sum(
+            1 for r in self._running if not r.prefilled
+        )
+        return choose(self.costs(), states + joining)[: len(states)]
 
-    def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> None:
+    def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> bool:
         """Update the running estimates the planner reads (the request's, and the engine-wide ones
-        from every request), and count an `auto` request's plan in its stats."""
+        from every request), and count an `auto` request's plan in its stats. Returns whether the
+        cycle escalated to q."""
         stats = r.handle.stats
         escalated, r.via_seen = stats.escalations > r.via_seen, stats.escalations
         learn_cycle(
@@ -552,6 +561,7 @@ class Scheduler:
             escalated=escalated,
             plans=stats.plans if r.handle.params.mode == Mode.AUTO else None,
         )
+        return escalated
 
     def close(self) -> None:
         self._ahead.shutdown(wait=False, cancel_futures=True)

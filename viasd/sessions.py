@@ -115,8 +115,7 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
     """Run forwards, one `MaskedLM.forward_batch` per (model, mask, cache): the logits of each,
     in order. Each request's stats get one forward and the batch's wall time for that tier
     (`prefill`: counted as prefill instead, so `forwards` counts decode forwards only).
-    `observe(tier, positions with logits, padded tokens B * T_max, seconds)` hears of every
-    batched forward."""
+    `observe(tier, rows, padded tokens B * T_max, seconds)` hears of every batched forward."""
     out: list[Tensor | None] = [None] * len(forwards)
     groups: dict[tuple, list[int]] = {}
     for i, f in enumerate(forwards):
@@ -131,8 +130,7 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
         logits = first.lm.forward_batch(rows, first.cache.store, first.mask)
         seconds = time.perf_counter() - t0
         if observe is not None:
-            padded = len(rows) * max(len(r.tokens) for r in rows)
-            observe(first.name, sum(r.num_logits for r in rows), padded, seconds)
+            observe(first.name, len(rows), len(rows) * max(len(r.tokens) for r in rows), seconds)
         for i, lg in zip(idx, logits):
             stats = forwards[i].stats
             if prefill:
@@ -145,8 +143,10 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
     return out  # type: ignore[return-value]
 
 
-def drive(generators: dict, *, observe: Observer | None = None) -> dict:
-    """Run step generators together (key -> generator); return key -> result.
+def drive(generators: dict, *, observe: Observer | None = None, timing: dict | None = None) -> dict:
+    """Run step generators together (key -> generator); return key -> result. `timing` (key ->
+    seconds) accumulates the time each generator computes between its forwards (sampling, the
+    gate, the rules: the per-row work the planner prices, viasd.costs).
 
     Each round runs the pending forwards of the earliest tier in TIER_ORDER as one batched
     forward per cache: every drafting round first (rows leave as their blocks end), then one slim
@@ -155,22 +155,25 @@ def drive(generators: dict, *, observe: Observer | None = None) -> dict:
     """
     results, pending = {}, {}
     for key, gen in generators.items():
-        _advance(key, gen, None, pending, results, first=True)
+        _advance(key, gen, None, pending, results, timing, first=True)
     while pending:
         tier = min(TIER_ORDER[f.tier.name] for f in pending.values())
         keys = [k for k, f in pending.items() if TIER_ORDER[f.tier.name] == tier]
         logits = execute([pending[k] for k in keys], observe=observe)
         for key, lg in zip(keys, logits):
-            _advance(key, generators[key], lg, pending, results)
+            _advance(key, generators[key], lg, pending, results, timing)
     return results
 
 
-def _advance(key, gen: Steps, value, pending: dict, results: dict, first: bool = False) -> None:
+def _advance(key, gen: Steps, value, pending: dict, results: dict, timing: dict | None, first: bool = False) -> None:
+    t0 = time.perf_counter()
     try:
         pending[key] = next(gen) if first else gen.send(value)
     except StopIteration as done:
         pending.pop(key, None)
         results[key] = done.value
+    if timing is not None:
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
 
 
 def run_alone(steps: Steps):

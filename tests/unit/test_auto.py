@@ -20,7 +20,16 @@ from viasd.costs import Acceptance, CostModel, profile
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
-from viasd.planner import PAYBACK_CYCLES, Plan, RowState, choose, expected_tokens, goodput, step_seconds
+from viasd.planner import (
+    PAYBACK_CYCLES,
+    Plan,
+    RowState,
+    choose,
+    expected_tokens,
+    goodput,
+    logit_rows,
+    step_seconds,
+)
 from viasd.runtime import LayerMask
 
 PROMPTS = [[5, 17, 3, 88, 41, 9], [33, 34, 35, 33, 34, 35, 33, 34, 35, 33], [1, 2, 3]]
@@ -239,11 +248,16 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
     assert step_seconds(flat, [long], [Plan("sd", 2)]) == pytest.approx(
         step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / PAYBACK_CYCLES
     )
-    flat.overhead = 0.25  # per logit row: 2 drafter rounds + a block of 3 positions judged by q
+    # per logit row and plan kind: sd judges 2 drafter rounds + a block of 3 positions, ar 1 each
+    flat.overhead = {"sd": 0.25, "ar": 0.01}
     assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
         2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 5 * 0.25
     )
-    assert step_seconds(flat, [_row(0.5)] * 2, [Plan("ar")] * 2) == pytest.approx(flat.seconds("full", 2) + 2 * 0.25)
+    assert step_seconds(flat, [_row(0.5)] * 2, [Plan("ar")] * 2) == pytest.approx(flat.seconds("full", 2) + 2 * 0.01)
+    # a kind never observed takes the mean of the others (n-gram: a block of 3, no drafter rounds)
+    assert step_seconds(flat, [_row(0.5)], [Plan("ngram", 2)]) == pytest.approx(flat.seconds("full", 3) + 3 * 0.13)
+    via = _row(0.5, via_escalation=0.5)  # the slim block, and q's half the time
+    assert logit_rows(Plan("via", 2), via.via_escalation) == 2 + 3 * 1.5 and logit_rows(Plan("ar")) == 1
 
 
 def test_planner_never_expects_more_tokens_than_the_request_may_produce():
@@ -258,10 +272,10 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
         for m in (fixed, slow):
             m.observe("full", 1, 3.0)  # the whole machine 3x slower than when profiled ...
             m.observe("full", 16, 6.0)
-            m.observe_overhead(0.5, 10)
+            m.observe_overhead("sd", 0.5, 10)
         shape.observe("full", 1, 1.0)  # ... or only one size dearer than the profile
         shape.observe("full", 16, 6.0)
-    assert fixed.seconds("full", 16) == 2.0 and fixed.overhead == 0.0  # an explicit model stays as given
+    assert fixed.seconds("full", 16) == 2.0 and fixed.overhead == {}  # an explicit model stays as given
     assert slow.seconds("full", 1) == pytest.approx(3.0, rel=0.02) and slow.seconds("full", 16) == pytest.approx(
         6.0, rel=0.02
     )
@@ -269,7 +283,24 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
     assert shape.seconds("full", 1) == pytest.approx(1.0, rel=0.05) and shape.seconds("full", 16) == pytest.approx(
         6.0, rel=0.05
     )
-    assert slow.overhead == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
+    assert slow.overhead["sd"] == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
+
+
+def test_auto_plans_for_the_batch_that_is_still_filling(tiny_pair):
+    # speculation pays for one row, not for eight (q flat up to 4 tokens, then linear): the first
+    # request to decode, while seven others still prefill (one prompt chunk per step), plans for
+    # the batch of eight it is about to run in, not for the one row it is in now
+    costs = CostModel(
+        {"full": [(1, 1.0), (4, 1.1), (64, 16.0)], "slim": [(1, 0.5), (64, 8.0)], "drafter": [(1, 0.01), (64, 0.5)]}
+    )
+    assert choose(costs, [_row(0.6)])[0].kind == "sd" and {p.kind for p in choose(costs, [_row(0.6)] * 8)} == {"ar"}
+    engine = _engine(tiny_pair, costs, max_batch=8, prefill_chunk=10)
+    handles = [engine.submit([7 + i] * 10 + [40, 41], parse_params(mode="auto", max_tokens=6)) for i in range(8)]
+    steps = 0
+    while not handles[0].stats.plans and steps < 20:
+        engine.step()
+        steps += 1
+    assert handles[0].stats.plans == {"ar": 1} and any(not h.chunks for h in handles[1:])  # planned as a batch
 
 
 def test_planner_state_reports_costs_and_acceptance(tiny_pair):
@@ -279,6 +310,8 @@ def test_planner_state_reports_costs_and_acceptance(tiny_pair):
     after = engine.planner_state()
     assert after["costs"]["online"] and after["costs"]["observed"] > 0 and after["costs"]["correction"]["full"]
     assert after["acceptance"]["model"] != before["acceptance"]["model"]  # the drafts taught it something
+    ran = {label.split(":")[0] for label in engine.complete(PROMPTS[1], parse_params(mode="auto")).stats.plans}
+    assert ran <= set(engine.planner_state()["costs"]["overhead_seconds"])  # each kind's work around the forwards
 
 
 def test_auto_prefills_the_drafter_only_when_a_plan_drafts(tiny_pair):
