@@ -7,7 +7,7 @@ batch is right-padded to its longest row, and every weight matmul is [M, H] x [H
 points. The grid is measured once per (model fingerprint, device, dtype, threads, mask) and
 cached as JSON under the model cache (viasd.models.embedded.cache_root).
 
-The grid sees one row of M tokens at a short cached length; a served batch adds attention over
+The grid sees one row of M tokens after PREFIX cached positions; a served batch adds attention over
 long contexts, many rows and the per-row work around each forward (sampling, the rules, the
 session generators). An `online` model therefore learns from the forwards the engine runs:
 
@@ -44,7 +44,7 @@ import torch
 from viasd.runtime import LayerMask, MaskedLM, Row
 
 GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per profiled forward
-PREFIX = 32  # cached positions each profiled forward attends to
+PREFIX = 128  # cached positions each profiled forward attends to (a served request's context, roughly)
 
 
 @dataclass
@@ -197,6 +197,7 @@ def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Seque
         "threads": torch.get_num_threads(),
         "grid": list(grid),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "prefix": PREFIX,
         **extra,
     }
 

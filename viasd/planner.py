@@ -9,7 +9,7 @@ changes speed.
 
 The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], with
   E[tokens]       = 1 + sum_{i=1..k} prod_{j<=i} a_j        (a: the row's running acceptance)
-  E[step seconds] = sum_r C_drafter(n_r)                    (n_r: rows drafting in round r)
+  E[step seconds] = sum_r C_drafter(n_r * T_r)              (n_r: rows drafting in round r; T_0 = 2, else 1)
                     + C_slim(n_via * T_via) + C_full(n_full * T_full)
                     + C_drafter(n_lag * max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
                                                             (lazy drafters catching up)
@@ -41,6 +41,10 @@ from viasd.costs import Acceptance, CostModel
 # request has left): under load the batch changes every few cycles, and with it the best plan, so
 # a catch-up spread over a long request's every cycle is a bet the planner rarely wins.
 PAYBACK_CYCLES = 16
+# A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
+# last draft token too when the block was accepted whole (drafted k, fed k - 1): 2 tokens a row
+# in most steps of a batch (it is right-padded to its longest row).
+FIRST_ROUND_TOKENS = 2
 
 
 @dataclass(frozen=True)
@@ -183,7 +187,7 @@ def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Pla
     seconds = 0.0
     for r in range(drafting[0] if drafting else 0):
         n = sum(1 for k in drafting if k > r)
-        seconds += costs.seconds("drafter", n)
+        seconds += costs.seconds("drafter", n * (FIRST_ROUND_TOKENS if r == 0 else 1))
     lagging = [
         (row.draft_lag, min(PAYBACK_CYCLES, max(1.0, row.remaining / expected_tokens(row, p))))
         for row, p in zip(rows, plans)

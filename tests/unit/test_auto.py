@@ -235,7 +235,7 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
     rows = [_row(0.5), _row(0.5)]
     # a batch is right-padded: one row of 6 tokens and one of 2 cost as 2 x 6 in the full forward
     mixed = step_seconds(flat, rows, [Plan("sd", 5), Plan("sd", 1)])
-    drafting = sum(flat.seconds("drafter", n) for n in (2, 1, 1, 1, 1))
+    drafting = sum(flat.seconds("drafter", n) for n in (2 * 2, 1, 1, 1, 1))  # the first round feeds 2 tokens a row
     assert mixed == pytest.approx(drafting + flat.seconds("full", 12))
     # a lagging drafter pays for its catch-up, spread over the cycles the row has left
     lag = _row(0.5, draft_lag=20, remaining=10)
@@ -251,7 +251,7 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
     # per logit row and plan kind: sd judges 2 drafter rounds + a block of 3 positions, ar 1 each
     flat.overhead = {"sd": 0.25, "ar": 0.01}
     assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
-        2 * flat.seconds("drafter", 1) + flat.seconds("full", 3) + 5 * 0.25
+        flat.seconds("drafter", 2) + flat.seconds("drafter", 1) + flat.seconds("full", 3) + 5 * 0.25
     )
     assert step_seconds(flat, [_row(0.5)] * 2, [Plan("ar")] * 2) == pytest.approx(flat.seconds("full", 2) + 2 * 0.01)
     # a kind never observed takes the mean of the others (n-gram: a block of 3, no drafter rounds)

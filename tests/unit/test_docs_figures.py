@@ -230,6 +230,29 @@ def test_continuous_batching_table_equals_its_results_json():
             check_cell(cell, exact, f"{method} at C={c}")
 
 
+def test_auto_load_table_equals_its_results_json():
+    """BENCHMARKS.md, "Never slower": `auto` beside every fixed mode, aggregate tok/s per dtype and
+    concurrency, and its ratios to the best fixed mode and to `ar`, against
+    docs/benchmarks/cpu/load-auto/<dtype>/results.json (one interleaved run per dtype)."""
+    seen = set()
+    for cells in table("BENCHMARKS.md", "| dtype | C | `ar` |"):
+        dtype, c = cells[0].strip("`"), int(cells[1])
+        results = load(DOCS / "benchmarks" / "cpu" / "load-auto" / dtype / "results.json")
+        assert results["meta"]["dtype"] == dtype and results["meta"]["cpu_capability"]
+        tps = {
+            (r["method"], r["concurrency"]): r["aggregate_tokens_per_second"]
+            for r in results["summary"]
+            if r["arrival"] == "all"
+        }
+        for method, cell in zip(("ar", "sd", "via", "auto"), cells[2:6]):
+            check_cell(cell.replace("*", ""), [tps[(method, c)]], f"{dtype} {method} C={c}")
+        best = max(tps[(m, c)] for m in ("ar", "sd", "via"))
+        check_cell(cells[6].replace("*", ""), [tps[("auto", c)] / best], f"{dtype} auto / best C={c}")
+        check_cell(cells[7].replace("*", ""), [tps[("auto", c)] / tps[("ar", c)]], f"{dtype} auto / ar C={c}")
+        seen.add((dtype, c))
+    assert seen == {(d, c) for d in ("bfloat16", "float32") for c in (1, 4, 8, 16)}
+
+
 def test_calibrated_gates_table_equals_the_shipped_045_artifact():
     """BENCHMARKS.md, "Calibrated gates": every row against the artifact's `gates` entry."""
     g = load(MASKS / "qwen2.5-coder-1.5b-instruct-r0.45.json")["gates"]
