@@ -60,7 +60,7 @@ from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, res
 from viasd.errors import InvalidParameterError, ViaSDError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan, learn_cycle
+from viasd.planner import FIRST_ROUND_TOKENS, Estimates, Plan, RowState, choose, fixed_plan, learn_cycle
 from viasd.proposers import ngram_lookup
 from viasd.sessions import CATCH_UP, sample_seed
 from viasd.v1 import internal_pb2 as ipb
@@ -532,7 +532,10 @@ class Coordinator:
         ks = [  # (n-gram lookups run no forward)
             plans[r].k for r in group if plans[r].kind != "ngram" and r.params.proposer != Proposer.NGRAM
         ]
-        forwards = [("drafter", sum(1 for k in ks if k > j)) for j in range(max(ks, default=0))]
+        forwards = [  # (the first round feeds FIRST_ROUND_TOKENS a row, as the planner prices it)
+            ("drafter", sum(1 for k in ks if k > j) * (FIRST_ROUND_TOKENS if j == 0 else 1))
+            for j in range(max(ks, default=0))
+        ]
         if lags:
             forwards.append(("drafter", len(lags) * max(lags)))
         self.costs.observe_call(forwards, seconds)

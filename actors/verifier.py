@@ -51,6 +51,7 @@ from viasd.costs import CostModel, profile_tiers, verifier_tiers
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
+from viasd.planner import Plan
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import drive, uses_slim
 from viasd.v1 import internal_pb2 as ipb
@@ -181,7 +182,7 @@ class VerifierCore:
         self.work.shutdown()
 
 
-_PLAN_MODES = {"sd": Mode.SD, "ngram": Mode.SD, "via": Mode.VIA}
+PLANS = ("sd", "ngram", "via")  # the plans a Verify row may name (viasd.planner.Plan.kind, `ar` aside)
 
 
 def _plan_mode(params: GenerationParams, plan: str, drafted: bool) -> Mode | None:
@@ -193,11 +194,11 @@ def _plan_mode(params: GenerationParams, plan: str, drafted: bool) -> Mode | Non
         return None
     if params.mode != Mode.AUTO:
         raise InvalidParameterError("plan", f"only `auto` requests take a plan; this one is {params.mode.value!r}")
-    if plan not in _PLAN_MODES:
-        raise InvalidParameterError("plan", f"unknown plan {plan!r}: expected one of {sorted(_PLAN_MODES)}")
+    if plan not in PLANS:
+        raise InvalidParameterError("plan", f"unknown plan {plan!r}: expected one of {list(PLANS)}")
     if plan == "via" and not uses_slim(params):
         raise InvalidParameterError("plan", "plan 'via' is lossy: the request did not allow it (auto_lossy)")
-    return _PLAN_MODES[plan]
+    return Plan(plan).verify_mode
 
 
 def _future(ref) -> asyncio.Future:
