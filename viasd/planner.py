@@ -31,6 +31,7 @@ maximises the batch's goodput given the others; two passes.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -181,55 +182,103 @@ def logit_rows(plan: Plan, escalation: float = 0.0) -> float:
     return rounds + (plan.k + 1) * (1.0 + escalation if plan.kind == "via" else 1.0)
 
 
+def _drafts(plan: Plan) -> bool:
+    """Whether `plan` runs the drafter model (n-gram drafts need no forward)."""
+    return plan.kind in ("sd", "via")
+
+
+def _cycles_left(row: RowState, plan: Plan) -> float:
+    """The cycles a lagging drafter's catch-up is spread over (module docstring)."""
+    return min(PAYBACK_CYCLES, max(1.0, row.remaining / expected_tokens(row, plan)))
+
+
+class _Step:
+    """The sums one step's expected seconds and tokens are made of (module docstring), kept so
+    that moving one row to another plan costs O(1) instead of a pass over the batch: the
+    planner tries every candidate of every row against the rest. Counters of the padded lengths
+    give each forward's longest row as rows come and go."""
+
+    def __init__(self, costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]):
+        self.costs = costs
+        self.drafting: Counter[int] = Counter()  # k -> rows drafting k tokens with the model
+        self.lags: Counter[int] = Counter()  # lag -> drafting rows that must catch up so far
+        self.inverse_cycles = 0.0  # sum over lagging rows of 1 / cycles left
+        self.slim: Counter[int] = Counter()  # block tokens -> via rows
+        self.full: Counter[int] = Counter()  # tokens -> rows q may run (escalation > 0 for via)
+        self.full_rows = 0.0  # expected rows of q's forward
+        self.overhead = 0.0  # seconds of the work around the forwards
+        self.tokens = 0.0  # expected committed tokens
+        for row, plan in zip(rows, plans):
+            self.add(row, plan)
+
+    def add(self, row: RowState, plan: Plan, sign: int = 1) -> None:
+        """Count row running `plan` in the step (sign -1: take it out again)."""
+        if _drafts(plan):
+            self.drafting[plan.k] += sign
+            if row.draft_lag > 0:
+                self.lags[row.draft_lag] += sign
+                self.inverse_cycles += sign / _cycles_left(row, plan)
+        if plan.kind == "via":
+            self.slim[plan.k + 1] += sign
+        weight = row.via_escalation if plan.kind == "via" else 1.0
+        if weight > 0:
+            self.full[1 if plan.kind == "ar" else plan.k + 1] += sign
+            self.full_rows += sign * weight
+        self.overhead += sign * self.costs.overhead_of(plan.kind) * logit_rows(plan, row.via_escalation)
+        self.tokens += sign * expected_tokens(row, plan)
+
+    def seconds(self) -> float:
+        """E[step seconds] (module docstring)."""
+        costs, seconds = self.costs, self.overhead
+        drafting = [(k, n) for k, n in self.drafting.items() if n > 0]
+        for r in range(max((k for k, _ in drafting), default=0)):  # drafting round r: rows with k > r
+            n = sum(c for k, c in drafting if k > r)
+            seconds += costs.seconds("drafter", n * (FIRST_ROUND_TOKENS if r == 0 else 1))
+        lagging = sum(self.lags.values())
+        if lagging:  # one batched catch-up forward, its cost spread over the rows' cycles left
+            longest = max(lag for lag, n in self.lags.items() if n > 0)
+            seconds += costs.seconds("drafter", lagging * longest) * self.inverse_cycles / lagging
+        slim = sum(self.slim.values())
+        if slim:
+            seconds += costs.seconds("slim", slim * max(t for t, n in self.slim.items() if n > 0))
+        if sum(self.full.values()):
+            seconds += costs.seconds("full", self.full_rows * max(t for t, n in self.full.items() if n > 0))
+        return seconds
+
+    def goodput(self) -> float:
+        """Expected committed tokens per second of step time."""
+        seconds = self.seconds()
+        return self.tokens / seconds if seconds > 0 else 0.0
+
+
 def step_seconds(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
     """Expected seconds of one step in which row i runs plans[i] (module docstring)."""
-    drafting = sorted((p.k for p in plans if p.kind in ("sd", "via")), reverse=True)
-    seconds = 0.0
-    for r in range(drafting[0] if drafting else 0):
-        n = sum(1 for k in drafting if k > r)
-        seconds += costs.seconds("drafter", n * (FIRST_ROUND_TOKENS if r == 0 else 1))
-    lagging = [
-        (row.draft_lag, min(PAYBACK_CYCLES, max(1.0, row.remaining / expected_tokens(row, p))))
-        for row, p in zip(rows, plans)
-        if p.kind in ("sd", "via") and row.draft_lag > 0
-    ]
-    if lagging:  # one batched catch-up forward, its cost spread over the rows' cycles left
-        catch_up = costs.seconds("drafter", len(lagging) * max(lag for lag, _ in lagging))
-        seconds += catch_up * sum(1 / cycles for _, cycles in lagging) / len(lagging)
-    slim = [p.k + 1 for p in plans if p.kind == "via"]  # [n_via] tokens per row
-    if slim:
-        seconds += costs.seconds("slim", len(slim) * max(slim))
-    full = [
-        (1.0, 1 if p.kind == "ar" else p.k + 1) if p.kind != "via" else (row.via_escalation, p.k + 1)
-        for row, p in zip(rows, plans)
-    ]  # (expected rows, tokens) per row
-    full = [(w, t) for w, t in full if w > 0]
-    if full:
-        n_full = sum(w for w, _ in full)
-        seconds += costs.seconds("full", n_full * max(t for _, t in full))
-    return seconds + sum(costs.overhead_of(p.kind) * logit_rows(p, row.via_escalation) for row, p in zip(rows, plans))
+    return _Step(costs, rows, plans).seconds()
 
 
 def goodput(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -> float:
     """Expected committed tokens per second of step time."""
-    seconds = step_seconds(costs, rows, plans)
-    return sum(expected_tokens(r, p) for r, p in zip(rows, plans)) / seconds if seconds > 0 else 0.0
+    return _Step(costs, rows, plans).goodput()
 
 
 def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[Plan]:
     """Every row's plan for this step (module docstring)."""
     plans = _best_uniform(costs, rows)
+    step = _Step(costs, rows, plans)
     for _ in range(passes):
         for i, row in enumerate(rows):
             if row.fixed is not None:
                 continue
+            step.add(row, plans[i], -1)
             best, best_value = plans[i], -1.0
             for plan in row.candidates():
-                plans[i] = plan
-                value = goodput(costs, rows, plans)
+                step.add(row, plan)
+                value = step.goodput()
+                step.add(row, plan, -1)
                 if value > best_value + 1e-12:
                     best, best_value = plan, value
             plans[i] = best
+            step.add(row, best)
     return plans
 
 

@@ -11,6 +11,8 @@ expected tokens per second, and lossless plans keep the output exact.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -24,6 +26,7 @@ from viasd.planner import (
     PAYBACK_CYCLES,
     Plan,
     RowState,
+    _Step,
     choose,
     expected_tokens,
     goodput,
@@ -258,6 +261,34 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
     assert step_seconds(flat, [_row(0.5)], [Plan("ngram", 2)]) == pytest.approx(flat.seconds("full", 3) + 3 * 0.13)
     via = _row(0.5, via_escalation=0.5)  # the slim block, and q's half the time
     assert logit_rows(Plan("via", 2), via.via_escalation) == 2 + 3 * 1.5 and logit_rows(Plan("ar")) == 1
+
+
+def test_planner_moves_rows_between_plans_at_the_cost_of_a_fresh_count():
+    """choose moves one row at a time on running sums (planner._Step); after any sequence of
+    moves they must price the batch exactly as counting it afresh does."""
+    rng = random.Random(0)
+    costs = CostModel(
+        {"full": [(1, 1.0), (8, 1.5), (64, 9.0)], "slim": [(1, 0.5), (64, 5.0)], "drafter": [(1, 0.1), (64, 2.0)]},
+        overhead={"ar": 0.01, "sd": 0.02, "via": 0.03},
+    )
+    rows = [
+        _row(
+            0.7, gamma=4, lossy=True, ngram_match=2, via_escalation=rng.choice((0.0, 0.4)), draft_lag=rng.choice((0, 9))
+        )
+        for _ in range(6)
+    ]
+    plans = [Plan("ar")] * len(rows)
+    step, seen = _Step(costs, rows, plans), set()
+    for _ in range(200):
+        i = rng.randrange(len(rows))
+        new = rng.choice(rows[i].candidates())
+        step.add(rows[i], plans[i], -1)
+        step.add(rows[i], new)
+        plans[i] = new
+        seen |= {(p.kind, r.draft_lag > 0) for r, p in zip(rows, plans)}
+        assert step.seconds() == pytest.approx(step_seconds(costs, rows, plans), rel=1e-12)
+        assert step.goodput() == pytest.approx(goodput(costs, rows, plans), rel=1e-12)
+    assert seen == {(kind, lag) for kind in ("ar", "sd", "via", "ngram") for lag in (False, True)}
 
 
 def test_planner_never_expects_more_tokens_than_the_request_may_produce():
