@@ -156,6 +156,8 @@ class Engine:
             costs=costs if costs is not None else self.cost_model,
         )
         self._step_lock = threading.Lock()
+        self._stepped = threading.Condition()  # notified at the end of every step (`follow`)
+        self._steps = 0  # steps run, under _stepped
 
     def cost_model(self) -> CostModel:
         """The forward cost curves of every tier on this device and dtype (viasd.costs)."""
@@ -189,7 +191,16 @@ class Engine:
     def step(self) -> list[tuple[RequestHandle, Chunk]]:
         """Run one engine step (viasd.scheduler) for every request; the chunks it committed."""
         with self._step_lock:
-            return self.scheduler.step()
+            try:
+                return self.scheduler.step()
+            finally:
+                self._step_ended()
+
+    def _step_ended(self) -> None:
+        """Wake every thread waiting in `follow` for a step to end (its chunks may be ready)."""
+        with self._stepped:
+            self._steps += 1
+            self._stepped.notify_all()
 
     def cancel(self, handle: RequestHandle) -> None:
         self.scheduler.cancel(handle)
@@ -199,8 +210,8 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[Chunk]:
         """Stream the committed tokens of one request, chunk by chunk; the last chunk has the stats.
 
-        Callers on several threads share the steps: whichever holds the step lock runs the next
-        step for every request. Closing the iterator early cancels the request. n > 1: the chunks
+        Callers on several threads share the steps: one runs the next step for every request
+        while the others wait for it to end, then take their chunks. Closing the iterator early cancels the request. n > 1: the chunks
         of every sample, interleaved as steps commit them (`chunk.index` says whose); each sample's
         last chunk has its finish reason and stats.
         """
@@ -226,13 +237,24 @@ class Engine:
                             live.remove(handle)
                 if not live:
                     return
-                with self._step_lock:
+                with self._stepped:
+                    seen = self._steps
+                if not self._step_lock.acquire(blocking=False):
+                    # another thread is stepping for every request: wait for its step to end (a
+                    # lock is not fair: blocking on it, this thread could wait many steps while
+                    # the stepping thread takes it again, its chunks piling up undelivered)
+                    with self._stepped:
+                        self._stepped.wait_for(lambda seen=seen: self._steps != seen)
+                    continue
+                try:
                     if not any(h.chunks for h in live) and not all(h.finished for h in live):
-                        try:
-                            self.scheduler.step()
-                        except Exception:  # noqa: BLE001 - delivered through the handles it failed
-                            if all(h.error is None for h in live):
-                                raise
+                        self.scheduler.step()
+                except Exception:  # noqa: BLE001 - delivered through the handles it failed
+                    if all(h.error is None for h in live):
+                        raise
+                finally:
+                    self._step_lock.release()
+                    self._step_ended()
         finally:
             for handle in samples:
                 if not handle.finished:

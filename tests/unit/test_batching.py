@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -305,6 +306,36 @@ def test_threads_calling_generate_share_steps(tiny_pair):
         t.join(120)
     assert [out[i] for i in range(len(jobs))] == alone
     assert max(steps_with_many) > 1  # requests were in flight together
+
+
+def test_threads_calling_generate_get_each_chunk_within_a_step(tiny_pair):
+    """While one thread steps for every request, the others wait for the step to end and take
+    their chunks then: no stream's chunks pile up behind a thread that keeps the steps to itself.
+    (Each step sleeps, as a real forward releases the GIL.)"""
+    engine = _engine(tiny_pair, max_batch=4)
+    step = engine.scheduler.step
+    steps, committed_at = [0], {}  # the step that committed each chunk
+
+    def slow_step():
+        time.sleep(0.01)
+        out = step()
+        steps[0] += 1
+        committed_at.update((id(chunk), steps[0]) for _, chunk in out)
+        return out
+
+    engine.scheduler.step = slow_step
+    lags: list[int] = []  # per chunk: steps run after the one that committed it, before its delivery
+
+    def worker(i):
+        for chunk in engine.generate(PROMPTS[i], _params(dict(mode="ar"), max_tokens=30)):
+            lags.append(steps[0] - committed_at[id(chunk)])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(lags) >= 4 * 30 and max(lags) <= 2, lags
 
 
 def test_closing_a_stream_cancels_the_request(tiny_pair):
