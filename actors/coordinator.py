@@ -447,7 +447,9 @@ class Coordinator:
             )
             checking = [r for r in rows if r not in failed]
             outcomes: dict[_Request, ipb.VerifyResponse] = {}
-            calls: list[tuple[list[_Request], float]] = []  # each Verify's rows and seconds
+            calls: list[
+                tuple[list[_Request], float, float]
+            ] = []  # each Verify's rows, its service's seconds, round trip
             await asyncio.gather(
                 *(
                     self._verify(group, verify, outcomes, failed, calls)
@@ -455,8 +457,8 @@ class Coordinator:
                 )
             )
             escalated = {r: r in outcomes and outcomes[r].stats.escalations > r.via_seen for r in rows}
-            for group, seconds in calls:
-                self._observe_verify(group, plans, verify, escalated, seconds)
+            for group, served, seconds in calls:
+                self._observe_verify(group, plans, verify, escalated, served, seconds)
             for r in rows:
                 if r in failed:
                     self._leave(r)
@@ -524,9 +526,12 @@ class Coordinator:
             plans=r.limits.stats.plans if r.estimates is not None else None,
         )
 
-    def _observe_propose(self, group: list[_Request], plans: dict, lags: list[int], seconds: float) -> None:
-        """The cost model learns from a Propose: its drafting rounds (rows still drafting in
-        round j: those with k > j) and the lazy drafters' catch-up forward (viasd.costs)."""
+    def _observe_propose(
+        self, group: list[_Request], plans: dict, lags: list[int], served: float, seconds: float
+    ) -> None:
+        """The cost model learns from a Propose that the drafter spent `served` of its `seconds`
+        on: its drafting rounds (rows still drafting in round j: those with k > j), the lazy
+        drafters' catch-up forward, and the call's transport (viasd.costs)."""
         if self.costs is None:
             return
         ks = [  # (n-gram lookups run no forward)
@@ -538,13 +543,15 @@ class Coordinator:
         ]
         if lags:
             forwards.append(("drafter", len(lags) * max(lags)))
-        self.costs.observe_call(forwards, seconds)
+        self.costs.observe_call(forwards, served)
+        self.costs.observe_transport("propose", seconds - served)
 
     def _observe_verify(
-        self, group: list[_Request], plans: dict, verify: dict, escalated: dict, seconds: float
+        self, group: list[_Request], plans: dict, verify: dict, escalated: dict, served: float, seconds: float
     ) -> None:
-        """The cost model learns from a Verify: one slim forward over the `via` blocks, one full
-        forward over the `ar` rows, the `sd` blocks and the escalated `via` blocks (padded)."""
+        """The cost model learns from a Verify that the verifier spent `served` of its `seconds`
+        on: one slim forward over the `via` blocks, one full forward over the `ar` rows, the `sd`
+        blocks and the escalated `via` blocks (padded), and the call's transport."""
         if self.costs is None:
             return
         slim, full = [], []  # tokens per row
@@ -555,7 +562,8 @@ class Coordinator:
             if via and escalated[r]:
                 full.append(t)
         forwards = [("slim", len(slim) * max(slim, default=0)), ("full", len(full) * max(full, default=0))]
-        self.costs.observe_call(forwards, seconds)
+        self.costs.observe_call(forwards, served)
+        self.costs.observe_transport("verify", seconds - served)
 
     async def _propose(self, group: list[_Request], plans: dict, verify: dict, failed: dict) -> None:
         """One Propose for the drafting rows of one drafter (after committing what each row's
@@ -583,7 +591,7 @@ class Coordinator:
         try:
             response = await self._call(group[0].drafter, "drafter", "Propose", request)
             answers: list = list(response.rows)
-            self._observe_propose(group, plans, lags, time.perf_counter() - t0)
+            self._observe_propose(group, plans, lags, response.seconds, time.perf_counter() - t0)
         except BackendError as exc:
             answers = [exc] * len(group)
         for r, answer in zip(group, answers):
@@ -612,7 +620,7 @@ class Coordinator:
         except BackendError as exc:
             failed.update((r, exc) for r in group)
             return
-        calls.append((group, time.perf_counter() - t0))
+        calls.append((group, response.seconds, time.perf_counter() - t0))
         for r, answer in zip(group, response.rows):
             if answer.HasField("error"):
                 failed[r] = BackendError("verifier", answer.error.code, answer.error.message)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import grpc
 import ray
@@ -88,6 +89,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
     @rpc
     async def Propose(self, request: ipb.ProposeRequest, context) -> ipb.ProposeResponse:
         """Commit each row's previous outcome, then draft every row's block together."""
+        t0 = time.perf_counter()
         rows, batched = rows_of(request)
         answers: list[ipb.ProposeResponse | None] = [None] * len(rows)
         work = {}  # row index -> (session, previous outcome, k, proposer)
@@ -113,7 +115,9 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
             ahead = {i: w[0] for i, w in work.items() if w[0].params.overlap and answers[i].draft}
             if ahead:  # draft the next blocks while the verifier checks these ones
                 self._work.submit(self._draft_ahead, ahead).add_done_callback(_log_failure)
-        return ipb.ProposeResponse(rows=answers) if batched else answers[0]
+        response = ipb.ProposeResponse(rows=answers) if batched else answers[0]
+        response.seconds = time.perf_counter() - t0
+        return response
 
     def _propose(self, work: dict) -> dict[int, ipb.ProposeResponse]:
         """On the worker thread: commit, catch lazy drafters up (`auto`: one batched prefill

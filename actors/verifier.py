@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import time
 from typing import NamedTuple
 
 import grpc
@@ -275,6 +276,7 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
     @rpc
     async def Verify(self, request: ipb.VerifyRequest, context) -> ipb.VerifyResponse:
         """One step over every row of the request, on every rank in lockstep."""
+        t0 = time.perf_counter()
         rows, batched = rows_of(request)
         args = [
             (r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None, r.plan)
@@ -296,7 +298,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
                         logprobs=logprobs_to_proto(outcome.logprobs),
                     )
                 )
-        return ipb.VerifyResponse(rows=answers) if batched else answers[0]
+        response = ipb.VerifyResponse(rows=answers) if batched else answers[0]
+        response.seconds = time.perf_counter() - t0
+        return response
 
     @rpc
     async def Close(self, request: ipb.CloseRequest, context) -> ipb.CloseResponse:

@@ -133,6 +133,13 @@ SPECS = (
         "reached), for `kind` model or ngram drafts.",
         ("model_name", "kind", "position"),
     ),
+    Spec(
+        "planner_transport_seconds",
+        "gauge",
+        "Mode auto's running estimate of a served step's `call` (propose, verify) outside the service that "
+        "answers it: serialisation, the network, gRPC.",
+        ("model_name", "call"),
+    ),
     Spec("planner_via_tokens_per_cycle", "gauge", "Mode auto's running mean of tokens a via cycle commits.", _M),
     Spec("planner_via_escalation_rate", "gauge", "Mode auto's running probability that a via cycle escalates.", _M),
     Spec(
@@ -295,6 +302,8 @@ class ServingMetrics:
             gauges += [("planner_acceptance", a, {"kind": kind, "position": str(j)}) for j, a in enumerate(rates)]
         for tier, curve in ((state["costs"] or {}).get("seconds") or {}).items():
             gauges += [("planner_forward_seconds", sec, {"tier": tier, "tokens": str(n)}) for n, sec in curve.items()]
+        for call, sec in ((state["costs"] or {}).get("transport_seconds") or {}).items():
+            gauges.append(("planner_transport_seconds", sec, {"call": call}))
         for sink in self.sinks:
             for name, value, labels in gauges:
                 sink.gauge(name, value, {**self._labels, **labels})

@@ -13,6 +13,7 @@ session generators). An `online` model therefore learns from the forwards the en
 
     seconds(tier, M) = grid(tier, M) * g[tier] * r[tier][bucket(M)]
     step seconds    += sum_rows overhead[plan kind] * logit rows   (overhead: EMA per kind)
+                     + transport[call] per served call             (served: EMA per call kind)
 
 A logit row is one position whose distribution the step samples or judges (a drafting round: one
 per row; a verified block of k: k + 1; `ar`: 1, viasd.planner.logit_rows). The work around the
@@ -21,6 +22,11 @@ grows with them and differs by plan: a verified block costs more per position th
 token. The engine times each row's work between its forwards (`sessions.drive(timing=...)`)
 and shares the rest of the step (planning, commits) equally; a kind never observed takes the
 mean of those that were.
+
+A served step makes one Verify call, and one Propose call when a row drafts; each costs its
+round trip less the seconds the service reports it spent (serialisation, the network, gRPC),
+whatever the call's rows: `transport`, learnt apart from the forwards, so that speculation pays
+for the Propose it adds and a fixed cost is not read as a slower forward.
 
 g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
 uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
@@ -58,6 +64,7 @@ class CostModel:
     scale: dict[str, float] = field(default_factory=dict)  # tier -> g (module docstring)
     correction: dict[str, list[float]] = field(default_factory=dict)  # tier -> r per grid point
     overhead: dict[str, float] = field(default_factory=dict)  # plan kind -> seconds per logit row (EMA)
+    transport: dict[str, float] = field(default_factory=dict)  # served call ("propose", "verify") -> seconds (EMA)
     observed: int = 0  # forwards observed
 
     DECAY = 0.8  # weight of the past in each online update of g: the machine's pace moves fast ...
@@ -79,8 +86,8 @@ class CostModel:
     def observe_call(self, forwards: Sequence[tuple[str, float]], seconds: float) -> None:
         """A call that ran `forwards` [(tier, tokens)] took `seconds` in all (online only): each
         forward is credited its predicted share, so every tier of the call moves by the same
-        ratio observed / predicted. (A served step times its Propose and Verify RPCs, whose
-        seconds include serialisation and transport: the planner then sees what a served step costs.)"""
+        ratio observed / predicted. (A served step reports each Propose and Verify by the seconds
+        its service spent on it; the rest of the round trip is `observe_transport`'s.)"""
         forwards = [(t, n) for t, n in forwards if n > 0 and t in self.grid]
         predicted = [self.seconds(t, n) for t, n in forwards]
         if not self.online or not forwards or sum(predicted) <= 0:
@@ -101,6 +108,14 @@ class CostModel:
         if self.online and logit_rows > 0:
             d, per_row = self.DECAY, max(0.0, seconds) / logit_rows
             self.overhead[kind] = d * self.overhead.get(kind, per_row) + (1 - d) * per_row
+
+    def observe_transport(self, call: str, seconds: float) -> None:
+        """A served step's `call` ("propose", "verify") spent `seconds` outside the service that
+        answered it: serialisation, the network and gRPC, a cost per call whatever its rows
+        (online only)."""
+        if self.online:
+            d, seconds = self.DECAY, max(0.0, seconds)
+            self.transport[call] = d * self.transport.get(call, seconds) + (1 - d) * seconds
 
     def overhead_of(self, kind: str) -> float:
         """Seconds per logit row of a plan kind's work around the forwards (module docstring)."""
@@ -149,6 +164,7 @@ class CostModel:
             "online": self.online,
             "observed": self.observed,
             "overhead_seconds": {kind: round(o, 6) for kind, o in self.overhead.items()},
+            "transport_seconds": {call: round(t, 6) for call, t in self.transport.items()},
             "seconds": {t: {n: round(self.seconds(t, n), 6) for n, _ in pts} for t, pts in self.grid.items()},
             "scale": {t: round(g, 4) for t, g in self.scale.items()},
             "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()},

@@ -14,6 +14,7 @@ The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], wit
                     + C_drafter(n_lag * max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
                                                             (lazy drafters catching up)
                     + sum_rows overhead[kind] * logit rows  (positions sampled or judged: viasd.costs)
+                    + transport[verify] + transport[propose] if a row drafts   (served calls: viasd.costs)
 where a batched forward costs its padded size (rows x its longest row: T = k + 1 for a block,
 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost curves
 (viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
@@ -201,6 +202,8 @@ class _Step:
     def __init__(self, costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]):
         self.costs = costs
         self.drafting: Counter[int] = Counter()  # k -> rows drafting k tokens with the model
+        self.proposing = 0  # rows that draft (with the model or the n-gram lookup): a served Propose
+        self.rows = 0
         self.lags: Counter[int] = Counter()  # lag -> drafting rows that must catch up so far
         self.inverse_cycles = 0.0  # sum over lagging rows of 1 / cycles left
         self.slim: Counter[int] = Counter()  # block tokens -> via rows
@@ -213,6 +216,8 @@ class _Step:
 
     def add(self, row: RowState, plan: Plan, sign: int = 1) -> None:
         """Count row running `plan` in the step (sign -1: take it out again)."""
+        self.rows += sign
+        self.proposing += sign * (plan.kind != "ar")
         if _drafts(plan):
             self.drafting[plan.k] += sign
             if row.draft_lag > 0:
@@ -230,6 +235,10 @@ class _Step:
     def seconds(self) -> float:
         """E[step seconds] (module docstring)."""
         costs, seconds = self.costs, self.overhead
+        if self.rows:  # a served step's calls (in-process: no transport)
+            seconds += costs.transport.get("verify", 0.0) + (
+                costs.transport.get("propose", 0.0) if self.proposing else 0.0
+            )
         drafting = [(k, n) for k, n in self.drafting.items() if n > 0]
         for r in range(max((k for k, _ in drafting), default=0)):  # drafting round r: rows with k > r
             n = sum(c for k, c in drafting if k > r)

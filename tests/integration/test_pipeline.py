@@ -843,6 +843,8 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
     """The first `auto` request fetches each service's profile of its own tiers (`Costs`); the
     steps' Propose and Verify calls then correct it, and the planner's state says so. A lossy
     plan runs only for a request that allows it."""
+    from viasd.cluster.serving_metrics import ServingMetrics, parse_exposition, total
+
     coord = _coordinator(pipeline)
 
     async def run():
@@ -865,6 +867,13 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
     assert costs["key"]["verifier"]["ranks"] == 1 and set(costs["key"]["verifier"]["tiers"]) == {"full", "slim"}
     assert set(costs["key"]["drafter"]["tiers"]) == {"drafter"}
     assert costs["online"] and costs["observed"] > 0 and costs["scale"]["full"] != 1.0  # the steps taught it
+    assert costs["transport_seconds"]["verify"] > 0  # each Verify's round trip beyond the verifier's own seconds
+    metrics = ServingMetrics("m")
+    metrics.set_planner(state)
+    exposed = total(
+        parse_exposition(metrics.exposition()[0].decode()), "viasd_planner_transport_seconds", call="verify"
+    )
+    assert exposed == pytest.approx(costs["transport_seconds"]["verify"])
     assert state["acceptance"]["model"] and 0 <= state["via"]["escalation_rate"] <= 1
     plans = lossless[-1].stats.plans, lossy[-1].stats.plans
     assert not any(k.startswith("via") for k in plans[0]) and lossless[-1].stats.forwards["slim"] == 0

@@ -291,6 +291,28 @@ def test_planner_moves_rows_between_plans_at_the_cost_of_a_fresh_count():
     assert seen == {(kind, lag) for kind in ("ar", "sd", "via", "ngram") for lag in (False, True)}
 
 
+def test_served_calls_are_priced_per_call_and_the_propose_only_when_a_row_drafts():
+    """transport (viasd.costs): a served step's Verify costs its round trip beyond the
+    verifier's own seconds whatever it carries; its Propose only when a row drafts. A dear
+    Propose turns a plan that speculated in-process into `ar`."""
+    costs = CostModel(dict(SPECULATE.grid), online=True)
+    rows = [_row(0.9), _row(0.9)]
+    ar, sd = [Plan("ar")] * 2, [Plan("sd", 3), Plan("ar")]
+    in_process = {"ar": step_seconds(costs, rows, ar), "sd": step_seconds(costs, rows, sd)}
+    assert choose(costs, rows)[0].kind == "sd"
+    for _ in range(40):
+        costs.observe_transport("verify", 0.05)
+        costs.observe_transport("propose", 20.0)
+    assert costs.transport == pytest.approx({"verify": 0.05, "propose": 20.0})
+    assert step_seconds(costs, rows, ar) == pytest.approx(in_process["ar"] + 0.05)
+    assert step_seconds(costs, rows, sd) == pytest.approx(in_process["sd"] + 20.05)
+    assert choose(costs, rows) == ar
+    assert costs.summary()["transport_seconds"] == {"verify": 0.05, "propose": 20.0}
+    offline = CostModel(dict(SPECULATE.grid))
+    offline.observe_transport("propose", 1.0)  # a profile that does not learn keeps its prices
+    assert offline.transport == {}
+
+
 def test_planner_never_expects_more_tokens_than_the_request_may_produce():
     assert expected_tokens(_row(1.0, remaining=2), Plan("sd", 5)) == 2
     assert choose(SPECULATE, [_row(0.9, remaining=1)]) == [Plan("ar")]  # one token left: nothing to gain

@@ -78,20 +78,22 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error")
+    __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error", "seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     stats: _generation_pb2.RequestStats
     rows: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
     error: RowError
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "draft", "probs", "rows", "plan")
@@ -108,20 +110,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., plan: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs")
+    __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs", "seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: Outcome
     stats: _generation_pb2.RequestStats
     rows: _containers.RepeatedCompositeFieldContainer[VerifyResponse]
     error: RowError
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CostsRequest(_message.Message):
     __slots__ = ()
