@@ -24,6 +24,7 @@ duplicated or reordered token is a mismatch (exit status 1).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -273,6 +274,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dtype", default=None, help="override the pipeline's engine dtype (float32, bfloat16)")
     ap.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="measure every system this many times, in-process and served alternating (ABBA: a machine "
+        "whose pace drifts moves both alike); the tables and ratios take each figure's median",
+    )
+    ap.add_argument(
         "--guidellm",
         default=None,
         help="the guidellm executable, e.g. `guidellm` on PATH (pip install -e .[load], or its own "
@@ -321,67 +329,86 @@ def main(argv: list[str] | None = None) -> int:
     results = {"cpus": os.cpu_count(), **provenance(), "levels": levels, "modes": modes, "runs": []}
     expected: dict[int, list[int]] = {}
 
-    def measure(target, system: str, mode_list: list[str]) -> None:
+    def measure(target, system: str, mode_list: list[str], p: int) -> None:
         for mode in mode_list:
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
-                r = run_level(target, mode, c, args.max_tokens, system)
+                r = {**run_level(target, mode, c, args.max_tokens, system), "pass": p}
                 results["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), flush=True)
 
-    if args.in_process:
-        import gc
-
+    def in_process(p: int) -> None:
         from viasd.llm import LLM
 
         pc = config.pipeline()
         llm = LLM(pc.engine)
         results["in_process"] = {"engine": pc.engine.model_dump(mode="json"), "runtime": llm.runtime_info()}
         defaults = dict(config.default_params)
-        measure(
-            lambda prompt, mode, n, out: in_process_stream(llm, prompt, mode, n, defaults, out), "in_process", modes
-        )
-        llm.engine.close()
-        del llm
-        gc.collect()
-    started = None
-    if args.url:
-        base = args.url.rstrip("/")
-    else:
+        try:
+            measure(
+                lambda prompt, mode, n, out: in_process_stream(llm, prompt, mode, n, defaults, out),
+                "in_process",
+                modes,
+                p,
+            )
+        finally:
+            llm.engine.close()  # (the models leave memory with this frame: gc.collect below)
+
+    def served(p: int) -> None:
         from viasd.cluster import launch
 
-        t0 = time.perf_counter()
-        started = launch.start(config, blocking_timeout_s=1200)
-        print(f"[serve_throughput] application up in {time.perf_counter() - t0:.0f}s: {started.http}", file=sys.stderr)
-        base = started.http
-    try:
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
-        model = client.models.list().data[0]
-        results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
-        measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served", modes)
-        if args.guidellm:
-            import tempfile
+        started = None
+        if args.url:
+            base = args.url.rstrip("/")
+        else:
+            t0 = time.perf_counter()
+            started = launch.start(config, blocking_timeout_s=1200)
+            print(
+                f"[serve_throughput] application up in {time.perf_counter() - t0:.0f}s: {started.http}", file=sys.stderr
+            )
+            base = started.http
+        try:
+            client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
+            model = client.models.list().data[0]
+            results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
+            measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served", modes, p)
+            if args.guidellm and p == 0:
+                import tempfile
 
-            tok = tokenizer_dir(config.pipeline().engine.verifier)
-            with tempfile.TemporaryDirectory() as work:
-                results["guidellm"] = {
-                    mode: run_guidellm(
-                        args.guidellm, base, model.id, tok, mode, levels, args.max_tokens, args.guidellm_requests, work
-                    )
-                    for mode in modes
-                }
-    finally:
-        if started is not None:
-            from viasd.cluster import launch
+                tok = tokenizer_dir(config.pipeline().engine.verifier)
+                with tempfile.TemporaryDirectory() as work:
+                    results["guidellm"] = {
+                        mode: run_guidellm(
+                            args.guidellm,
+                            base,
+                            model.id,
+                            tok,
+                            mode,
+                            levels,
+                            args.max_tokens,
+                            args.guidellm_requests,
+                            work,
+                        )
+                        for mode in modes
+                    }
+        finally:
+            if started is not None:
+                launch.stop()
 
-            launch.stop()
+    results["passes"] = args.passes
+    for p in range(args.passes):  # (one copy of the models in memory at a time)
+        systems = [in_process, served] if args.in_process else [served]
+        for system in systems if p % 2 == 0 else systems[::-1]:
+            system(p)
+            gc.collect()
     if args.merge_guidellm:
         with open(args.merge_guidellm) as f:
             other = json.load(f)
         results["merged"] = {"what": "guidellm", "command": other["command"], "environment": other["environment"]}
         results["guidellm"] = other["guidellm"]
     results["tokens"] = check_tokens(results["runs"], expected)
-    results["ratios"] = ratios(results["runs"])
+    results["summary"] = summarize(results["runs"])
+    results["ratios"] = ratios(results["summary"])
     print(json.dumps({"tokens": results["tokens"], "ratios": results["ratios"]}, indent=1), flush=True)
     print(markdown_table(results), flush=True)
     if args.out:
@@ -401,7 +428,7 @@ def markdown_table(results: dict, in_process: bool = True) -> str:
     checks that the page's table is this one); `in_process=False` leaves the in-process runs out."""
     runs = {
         (r["system"], r["mode"], r["concurrency"]): r
-        for r in results["runs"]
+        for r in results.get("summary") or results["runs"]
         if in_process or r["system"] != "in_process"
     }
     guide = {(mode, lv["streams"]): lv for mode, g in results.get("guidellm", {}).items() for lv in g["levels"]}
@@ -423,6 +450,36 @@ def markdown_table(results: dict, in_process: bool = True) -> str:
             ]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+FIGURES = (  # a run's figures that a summary row takes the median of over the passes
+    "wall_s",
+    "aggregate_tokens_per_s",
+    "per_stream_tokens_per_s",
+    "mean_ttft_s",
+    "p50_ttft_s",
+    "p99_ttft_s",
+    "p50_itl_s",
+    "p99_itl_s",
+    "mean_queue_s",
+    "mean_acceptance_length",
+)
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (system, mode, concurrency): the median of each figure over its passes."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["system"], r["mode"], r["concurrency"]), []).append(r)
+    rows = []
+    for (system, mode, c), rs in groups.items():
+        row = {"system": system, "mode": mode, "concurrency": c, "passes": len(rs)}
+        for name in FIGURES:
+            values = [r[name] for r in rs if r.get(name) is not None]
+            row[name] = round(statistics.median(values), 4) if values else None
+        row["mismatched_streams"] = sum(r.get("mismatched_streams", 0) for r in rs)
+        rows.append(row)
+    return rows
 
 
 def ratios(runs: list[dict]) -> dict:

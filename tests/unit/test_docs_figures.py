@@ -313,12 +313,17 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     assert module.markdown_table(results, **kwargs) in page, f"regenerate the table from docs/benchmarks/{raw}"
     assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
     if script == "serve_throughput" and "stream_token_ids" in results["runs"][0]:  # zero lost / wrong tokens
-        streams = sum(results["levels"]) * len(results["modes"]) * 2  # every stream of both systems
+        streams = (
+            sum(results["levels"]) * len(results["modes"]) * 2 * results.get("passes", 1)
+        )  # (every pass of both systems)
         tokens = module.check_tokens(results["runs"], {})
         lossless = module.check_tokens([r for r in results["runs"] if r["mode"] != "via"], {})
         assert tokens["streams_checked"] == streams and lossless["streams_mismatched"] == 0
         if raw != "serve-throughput-cpu-threads.json":  # (its served `via` ran the paper's gates: SERVING.md)
             assert tokens["streams_mismatched"] == 0
+    if "summary" in results:  # several passes: each figure is the median of its passes
+        assert results["summary"] == module.summarize(results["runs"])
+        assert results["ratios"] == module.ratios(results["summary"])
     args = shlex.split(results["command"])
     assert args[0] == f"scripts/{script}.py", args
     flat = " ".join(page.replace("\\\n", " ").split())  # the page's commands, continuation lines joined
