@@ -20,6 +20,7 @@ import grpc
 import ray
 
 from viasd.actors.rpc import (
+    Batched,
     InOrder,
     SessionNotFound,
     advertised_host,
@@ -39,7 +40,7 @@ from viasd.engine import DraftSession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.runtime import MaskedLM
-from viasd.sessions import drive, execute
+from viasd.sessions import drive, execute, prefill_together
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import params_from_proto, stats_to_proto
@@ -52,13 +53,21 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
     step's rows run as one batched forward); p leaves only when the rules need it (sampling)."""
 
     def __init__(
-        self, lm: MaskedLM, *, probs_dtype: str = "auto", max_rows: int = 64, cost_cache_dir: str | None = None
+        self,
+        lm: MaskedLM,
+        *,
+        probs_dtype: str = "auto",
+        max_rows: int = 64,
+        cost_cache_dir: str | None = None,
+        prefill_tokens: int = 512,
     ):
         self.lm = lm
         self.probs_dtype = probs_dtype
         self.store = lm.new_store(max_rows=max_rows)
         self.sessions: dict[str, DraftSession] = {}
         self._work = InOrder("drafter")
+        self._opens = Batched(lambda items: self._work.submit(self._prefill, items))
+        self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward (engine.prefill_chunk)
         self.cost_cache_dir = cost_cache_dir  # where `Costs` caches the profile (None: measured each start)
         self.costs: CostModel | None = None
 
@@ -79,12 +88,26 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         if params.proposer != Proposer.NGRAM:  # a row of the shared cache; a private one when all are taken
             row = free_row(self.store) or self.lm.new_cache()
         session = DraftSession(self.lm, prompt, params, request.seed, stats, cache=row)
-        if request.prefill_from:  # a sample of an n > 1 request: copy sample 0's prefill
-            await self._work.submit(session.copy_prefill, self._session(request.prefill_from))
-        elif params.mode != Mode.AUTO:  # (`auto`: fed only when a plan drafts, as in-process)
-            await self._work.submit(session.prefill)  # the prompt but its last token, as in-process
+        # a sample of an n > 1 request copies sample 0's prefill; `auto` is fed only when a plan
+        # drafts (as in-process); the others prefill the prompt but its last token, together with
+        # the Opens that arrive while earlier ones run
+        leader = self._session(request.prefill_from) if request.prefill_from else None
+        if leader is not None or params.mode != Mode.AUTO:
+            try:
+                await self._opens.submit((session, leader))
+            except BaseException:
+                session.release()
+                raise
         self.sessions[request.request_id] = session
         return ipb.OpenResponse(request_id=request.request_id, stats=stats_to_proto(stats))
+
+    def _prefill(self, items: list[tuple[DraftSession, DraftSession | None]]) -> list[None]:
+        """On the worker thread: the Opens' prefills, those without a leader together."""
+        prefill_together([session for session, leader in items if leader is None], self.prefill_tokens)
+        for session, leader in items:
+            if leader is not None:
+                session.copy_prefill(leader)
+        return [None] * len(items)
 
     @rpc
     async def Propose(self, request: ipb.ProposeRequest, context) -> ipb.ProposeResponse:
@@ -237,7 +260,9 @@ class DrafterActor:
         )
         pack_linears(model, config, device)
         lm = MaskedLM(model)
-        self.servicer = DrafterServicer(lm, probs_dtype=probs_dtype, cost_cache_dir=str(cost_cache_dir()))
+        self.servicer = DrafterServicer(
+            lm, probs_dtype=probs_dtype, cost_cache_dir=str(cost_cache_dir()), prefill_tokens=config.prefill_chunk
+        )
         self.server, port = await start_server(
             lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s),
             host,

@@ -26,7 +26,7 @@ import asyncio
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -284,6 +284,44 @@ def costs_from_proto(msg: ipb.CostsResponse) -> CostModel:
 
 
 # ------------------------------------------------------------------ blocking model calls
+
+
+class Batched:
+    """Group commit for calls that run best together (the Opens' prefills): a call that arrives
+    while a batch runs waits for it and goes in the next one, with every call that arrived
+    meanwhile; a call to an idle batcher starts a batch at once (no waiting for company).
+
+    `run(items)` returns one result per item (an exception instance fails that item's call);
+    if it raises, every call of the batch fails with its exception."""
+
+    def __init__(self, run: Callable[[list], Awaitable[list]]):
+        self._run = run
+        self._waiting: list[tuple[Any, asyncio.Future]] = []
+        self._draining: asyncio.Future | None = None
+
+    async def submit(self, item: Any) -> Any:
+        result = asyncio.get_running_loop().create_future()
+        self._waiting.append((item, result))
+        if self._draining is None:
+            self._draining = asyncio.ensure_future(self._drain())
+        return await result
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, []
+                try:
+                    results = await self._run([item for item, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - every call of the batch fails with it
+                    results = [exc] * len(batch)
+                for (_, future), r in zip(batch, results):
+                    if not future.done():  # (a caller that gave up: its item still ran)
+                        if isinstance(r, BaseException):
+                            future.set_exception(r)
+                        else:
+                            future.set_result(r)
+        finally:
+            self._draining = None
 
 
 class InOrder:

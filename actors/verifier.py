@@ -33,6 +33,7 @@ import ray
 
 from viasd.actors.drafter import pack_linears, set_threads
 from viasd.actors.rpc import (
+    Batched,
     InOrder,
     PeerUnavailable,
     SessionNotFound,
@@ -51,10 +52,10 @@ from viasd.config import CachePolicy, EngineConfig, GenerationParams, Mode, Prop
 from viasd.costs import CostModel, profile_tiers, verifier_tiers
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats, TokenLogprob
+from viasd.metrics import RequestStats
 from viasd.planner import Plan
 from viasd.runtime import LayerMask, MaskedLM
-from viasd.sessions import drive, uses_slim
+from viasd.sessions import drive, prefill_together, uses_slim
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import logprobs_to_proto, params_from_proto, stats_to_proto
@@ -82,8 +83,10 @@ class VerifierCore:
         *,
         world_size: int = 1,
         cost_cache_dir: str | None = None,
+        prefill_tokens: int = 512,
     ):
         self.lm = lm
+        self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward (engine.prefill_chunk)
         self.mask = mask
         self.cache_policy = CachePolicy(cache_policy)
         self.full_store = lm.new_store(max_rows=max_rows)
@@ -94,28 +97,49 @@ class VerifierCore:
         self.cost_cache_dir = cost_cache_dir if world_size == 1 else None  # ranks must all measure, or none
         self._costs: CostModel | None = None
 
-    def open(
-        self, request_id: str, prompt: list[int], params: GenerationParams, seed: int, prefill_from: str = ""
-    ) -> tuple[list[TokenLogprob | None] | None, ipb.RequestStats]:
-        """Open a request's session and prefill it (or copy the prefill of the open session
-        `prefill_from`, same prompt: the samples of an n > 1 request); its prompt logprobs and stats."""
-        if request_id in self.sessions:
-            raise InvalidParameterError("request_id", f"{request_id!r} is already open on the verifier")
-        leader = self._session(prefill_from) if prefill_from else None
+    def open(self, requests: list[tuple[str, list[int], GenerationParams, int, str]]) -> list:
+        """Open each request's session, (request_id, prompt, params, seed, prefill_from) per
+        request: the Opens that arrived while the previous ones ran, their prompts prefilled
+        together (`viasd.sessions.prefill_together`, at most `prefill_tokens` padded tokens per
+        forward), or the prefill of the open session `prefill_from` copied (same prompt: the
+        samples of an n > 1 request). Returns per request (its prompt logprobs, stats message),
+        or RowFailed (a duplicate id, an unknown `prefill_from`)."""
+        out: list = [None] * len(requests)
+        opened: dict[str, VerifySession] = {}
+        for i, (request_id, prompt, params, seed, prefill_from) in enumerate(requests):
+            try:
+                if request_id in self.sessions or request_id in opened:
+                    raise InvalidParameterError("request_id", f"{request_id!r} is already open on the verifier")
+                if prefill_from and prefill_from not in opened:
+                    self._session(prefill_from)
+                opened[request_id] = self._new_session(prompt, params, seed)
+            except (SessionNotFound, InvalidParameterError) as exc:
+                out[i] = RowFailed(exc)
+        leaders = {r[0]: r[4] for r in requests if r[0] in opened and r[4]}
+        try:
+            prefill_together([s for rid, s in opened.items() if rid not in leaders], self.prefill_tokens)
+            for rid, leader in leaders.items():
+                opened[rid].copy_prefill(opened.get(leader) or self.sessions[leader])
+        except BaseException:
+            for session in opened.values():
+                session.release()
+            raise
+        for i, (request_id, *_) in enumerate(requests):
+            if out[i] is None:
+                session = self.sessions[request_id] = opened[request_id]
+                out[i] = (session.prompt_logprobs, stats_to_proto(session.stats))
+        return out
+
+    def _new_session(self, prompt: list[int], params: GenerationParams, seed: int) -> VerifySession:
+        """A session on rows of the shared caches (private ones when every row is taken)."""
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        slim = None  # rows of the shared caches; private ones when every row is taken
+        slim = None
         if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
             slim = free_row(self.slim_store) or self.lm.new_cache(self.mask)
         full = free_row(self.full_store) or self.lm.new_cache()
-        session = VerifySession(
+        return VerifySession(
             self.lm, self.mask, self.cache_policy, prompt, params, seed, stats, full_cache=full, slim_cache=slim
         )
-        if leader is not None:
-            session.copy_prefill(leader)
-        else:
-            session.prefill()  # the prompt but its last token, as the in-process scheduler prefills it
-        self.sessions[request_id] = session
-        return session.prompt_logprobs, stats_to_proto(session.stats)
 
     def verify(self, rows: list[tuple[str, list[int], bytes | None, str]], with_stats: bool = False) -> list:
         """One step: check every row's draft block (decode one token where the draft is empty),
@@ -225,8 +249,10 @@ def _comparable(op: str, result):
     if op == "costs":  # each rank's own timings
         return None
     if op == "open":  # prompt logprobs: floats, compared through the tokens they score
-        scored, _ = result
-        return None if scored is None else [e and e.token_id for e in scored]
+        return [
+            repr(r.error) if isinstance(r, RowFailed) else (None if r[0] is None else [e and e.token_id for e in r[0]])
+            for r in result
+        ]
     return result
 
 
@@ -237,6 +263,7 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         self.core = core
         self.followers = list(followers)  # Ray handles of VerifierWorker ranks 1..N-1
         self.check_ranks = check_ranks
+        self._opens = Batched(lambda requests: self._lockstep("open", requests))
 
     async def _lockstep(self, op: str, *args, local_args: tuple = ()):
         work = self.core.work
@@ -267,10 +294,15 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
 
     @rpc
     async def Open(self, request: ipb.OpenRequest, context) -> ipb.OpenResponse:
+        """Open and prefill a request's session on every rank, in one lockstep call with the Opens
+        that arrive while earlier ones run (`Batched`: their prompts prefill together)."""
         params = params_from_proto(request.params)
-        scored, stats = await self._lockstep(
-            "open", request.request_id, list(request.prompt_token_ids), params, request.seed, request.prefill_from
+        result = await self._opens.submit(
+            (request.request_id, list(request.prompt_token_ids), params, request.seed, request.prefill_from)
         )
+        if isinstance(result, RowFailed):
+            raise result.error
+        scored, stats = result
         return ipb.OpenResponse(request_id=request.request_id, prompt_logprobs=logprobs_to_proto(scored), stats=stats)
 
     @rpc
@@ -374,7 +406,12 @@ class VerifierWorker:
             pack_linears(model, config, device)  # (sharded linears keep their own kernels)
         lm = MaskedLM(model)
         self.core = VerifierCore(
-            lm, mask, config.cache_policy, world_size=world_size, cost_cache_dir=str(cost_cache_dir())
+            lm,
+            mask,
+            config.cache_policy,
+            world_size=world_size,
+            cost_cache_dir=str(cost_cache_dir()),
+            prefill_tokens=config.prefill_chunk,
         )
         self._tokenizer = tokenizer if rank == 0 else None
         return {

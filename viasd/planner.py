@@ -203,7 +203,7 @@ class _Step:
         self.costs = costs
         self.drafting: Counter[int] = Counter()  # k -> rows drafting k tokens with the model
         self.proposing = 0  # rows that draft (with the model or the n-gram lookup): a served Propose
-        self.rows = 0
+        self.rows = 0  # rows in the step: a served step makes one Verify call whatever they run
         self.lags: Counter[int] = Counter()  # lag -> drafting rows that must catch up so far
         self.inverse_cycles = 0.0  # sum over lagging rows of 1 / cycles left
         self.slim: Counter[int] = Counter()  # block tokens -> via rows

@@ -241,11 +241,8 @@ class _Session:
         return [f for t in self.tiers if (f := t.prefill(self.seq, upto, budget, self.stats)) is not None]
 
     def prefill(self) -> None:
-        """Prefill every tier with the prompt but its last token, alone (the served actors)."""
-        forwards = self.prefill_steps(len(self.seq) - 1, len(self.seq))
-        if forwards:
-            for f, logits in zip(forwards, execute(forwards, prefill=True)):
-                self.prefilled(f, logits)
+        """Prefill every tier with the prompt but its last token, alone."""
+        prefill_together([self], budget=0)
 
     def prefilled(self, forward: Forward, logits: Tensor) -> None:
         """What a prefill forward of this side returned (logits [num_logits, V]); nothing by default."""
@@ -668,6 +665,28 @@ class VerifySession(_Session):
         rewrite the kept layers' slots from its own position on, so after it both tiers hold q's
         keys/values up to the same valid length."""
         _commit(self.seq, self.tiers, outcome)
+
+
+def prefill_together(sessions: Sequence[_Session], budget: int) -> None:
+    """Prefill every session's tiers with its prompt but the last token (the served actors' Opens:
+    those that arrived together). Shortest prompt first, as many rows go in one batched forward
+    per tier as keep rows x the longest prompt (its padded tokens) within `budget`; a prompt
+    longer than the budget goes alone, whole."""
+    group: list[_Session] = []
+    for session in sorted(sessions, key=lambda x: len(x.seq)):  # (sorted: a group's last is its longest)
+        if group and (len(group) + 1) * (len(session.seq) - 1) > budget:
+            _prefill_group(group)
+            group = []
+        group.append(session)
+    if group:
+        _prefill_group(group)
+
+
+def _prefill_group(sessions: Sequence[_Session]) -> None:
+    forwards = [(s, f) for s in sessions for f in s.prefill_steps(len(s.seq) - 1, len(s.seq))]
+    if forwards:
+        for (session, f), logits in zip(forwards, execute([f for _, f in forwards], prefill=True)):
+            session.prefilled(f, logits)
 
 
 def uses_slim(params: GenerationParams) -> bool:

@@ -408,6 +408,77 @@ def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     assert sizes == [2]  # the `ar` row and the `sd` block: one batched full forward
 
 
+@pytest.mark.parametrize("prefill_tokens", [512, 1], ids=["together", "alone"])
+def test_opens_that_arrive_together_prefill_together(aio, llm, prefill_tokens):
+    """The verifier's Opens that arrive while one runs go in the next lockstep call together, and
+    their prompts (of different lengths: right-padded) prefill in one batched forward per tier
+    within `prefill_tokens` padded tokens (1: each alone); every request then decodes its own
+    greedy tokens, and each prompt's logprobs are its alone."""
+    import threading
+
+    from viasd.actors.rpc import start_server
+    from viasd.actors.verifier import VerifierCore, VerifierServicer
+    from viasd.v1 import internal_pb2 as ipb
+    from viasd.v1 import internal_pb2_grpc
+
+    prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9], list(range(20, 41))]
+    prefills = []  # rows of each prefill forward of q (the full tier: one per Open batch)
+    forward_batch = llm.verifier.forward_batch
+
+    def counting(rows, store, mask=None, *args, **kwargs):
+        if mask is None and any(len(r.tokens) > 1 for r in rows):
+            prefills.append(len(rows))
+        return forward_batch(rows, store, mask, *args, **kwargs)
+
+    async def run():
+        core = VerifierCore(llm.verifier, llm.engine.mask, "separate", prefill_tokens=prefill_tokens)
+        servicer = VerifierServicer(core)
+        server, port = await start_server(
+            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s)
+        )
+        busy = threading.Event()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = internal_pb2_grpc.VerifierServiceStub(ch)
+                blocker = core.work.submit(busy.wait, 30)  # the worker is busy (a step) while the Opens arrive
+                llm.verifier.forward_batch = counting
+                params = params_to_proto(parse_params(mode="via", prompt_logprobs=1))
+                opens = [
+                    asyncio.ensure_future(
+                        stub.Open(ipb.OpenRequest(request_id=f"r{i}", prompt_token_ids=p, params=params, seed=1))
+                    )
+                    for i, p in enumerate(prompts)
+                ]
+                await asyncio.sleep(0.5)
+                busy.set()
+                await blocker
+                opened = await asyncio.gather(*opens)
+                del llm.verifier.forward_batch
+                tokens = {f"r{i}": [] for i in range(len(prompts))}
+                for _ in range(4):  # `ar` steps of every row
+                    out = await stub.Verify(ipb.VerifyRequest(rows=[ipb.VerifyRequest(request_id=r) for r in tokens]))
+                    for r in out.rows:
+                        tokens[r.request_id] += list(r.outcome.tokens)
+                for rid in tokens:
+                    await stub.Close(ipb.CloseRequest(request_id=rid))
+                return opened, list(tokens.values())
+        finally:
+            busy.set()
+            await server.stop(None)
+
+    opened, tokens = aio.run(run())
+    for prompt, got, response in zip(prompts, tokens, opened):
+        alone = llm.complete(prompt, parse_params(mode="ar", max_tokens=4, prompt_logprobs=1))
+        assert got == alone.token_ids
+        ref = [e for e in alone.prompt_logprobs if e is not None]  # (the first prompt token has none)
+        assert [e.token_id for e in response.prompt_logprobs] == [e.token_id for e in ref] == prompt[1:]
+        assert [e.logprob for e in response.prompt_logprobs] == pytest.approx([e.logprob for e in ref], abs=1e-4)
+    if prefill_tokens == 1:
+        assert prefills == [1] * len(prompts)
+    else:  # the first Open took a batch at once; the others, arriving meanwhile, the next
+        assert sum(prefills) == len(prompts) and len(prefills) <= 2 and max(prefills) >= len(prompts) - 1
+
+
 # ------------------------------------------------------------------ lifecycle
 
 
@@ -661,8 +732,8 @@ def test_rank_disagreement_is_detected(aio, llm):
             self.call = self
 
         def remote(self, seq, op, *args):
-            if op == "open":
-                args = (*args[:3], args[3] + 1)
+            if op == "open":  # (one Open per call here: a batch of one)
+                args = ([(*r[:3], r[3] + 1, *r[4:]) for r in args[0]],)
 
             async def run():
                 return _comparable(op, await self.core.work.enqueue(seq, getattr(self.core, op), *args))
