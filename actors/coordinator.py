@@ -447,9 +447,8 @@ class Coordinator:
             )
             checking = [r for r in rows if r not in failed]
             outcomes: dict[_Request, ipb.VerifyResponse] = {}
-            calls: list[
-                tuple[list[_Request], float, float]
-            ] = []  # each Verify's rows, its service's seconds, round trip
+            # each Verify's rows, the seconds its service reported, and its round trip
+            calls: list[tuple[list[_Request], float, float]] = []
             await asyncio.gather(
                 *(
                     self._verify(group, verify, outcomes, failed, calls)

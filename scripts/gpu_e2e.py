@@ -13,8 +13,9 @@
    next block on its own GPU share while the verifier verifies (issue 9; tokens must not change).
 3. Measures the served-batching curve of docs/SERVING.md ("Served continuous batching") at 1, 4,
    8 and 16 concurrent streams (scripts/serve_throughput.py): aggregate tokens/s, TTFT and ITL
-   p50 / p99 for ar, sd and via through HTTP, and the same levels on the in-process batched
-   engine (the reference LLM on cuda:0) for the served / in-process ratio; then sd with
+   p50 / p99 for ar, sd, via and auto (the service default) through HTTP, and the same levels
+   on the in-process batched engine (the reference LLM on cuda:0) for the served / in-process
+   ratio; then sd with
    overlap and sd with the hybrid proposer and adaptive drafting, served only. Every stream is
    greedy, so it must equal its prompt's greedy output (reported: `tokens`; required at TP=1 or
    in float32).
@@ -160,7 +161,7 @@ def main() -> int:
         in_process = lambda prompt, mode, n, out: in_process_stream(ref, prompt, mode, n, {}, out)  # noqa: E731, F821
         curve = [
             (mode, system, target)
-            for mode in ("ar", "sd", "via")
+            for mode in ("ar", "sd", "via", "auto")
             for system, target in (("in_process", in_process), ("served", served))
         ]
         curve += [

@@ -129,6 +129,10 @@ def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str 
         raise RuntimeError(f"a stream failed at concurrency {concurrency}")
     tokens = sum(r["tokens"] for r in results)
     mal = [r["stats"]["mean_acceptance_length"] for r in results if r.get("stats", {}).get("mean_acceptance_length")]
+    plans: dict[str, int] = {}  # `auto`: the steps of every stream by the plan chosen
+    for r in results:
+        for label, n in (r.get("stats", {}).get("plans") or {}).items():
+            plans[label] = plans.get(label, 0) + n
     itl = [g for r in results for g in r["itl"]]
     ttft = [r["ttft"] for r in results]
     return {
@@ -147,6 +151,7 @@ def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str 
         "p99_itl_s": round(percentile(itl, 99), 4) if itl else None,
         "mean_queue_s": round(statistics.mean(r.get("stats", {}).get("queue_seconds", 0.0) for r in results), 3),
         "mean_acceptance_length": round(statistics.mean(mal), 2) if mal else None,
+        "plans": dict(sorted(plans.items())),
         "stream_token_ids": [[i % len(PROMPTS), r["ids"]] for i, r in enumerate(results)],  # [prompt, ids]
     }
 

@@ -273,35 +273,52 @@ def profile_tiers(
     return model
 
 
-class Acceptance:
-    """Running estimates of what speculation buys one request (exponential moving averages,
-    starting from the engine-wide estimate): per draft position j, the probability that the
-    verifier accepts the drafted token given it reached j, for model drafts and n-gram drafts.
+def running_mean(mean: float, weight: float, x: float) -> tuple[float, float]:
+    """One observation x for an exponentially weighted mean: the past's weight decays by
+    Acceptance.DECAY, x counts 1, and the prior it started from counts PRIOR_WEIGHT
+    observations (aging with the rest). Returns the new (mean, weight).
 
-    A position no block has reached yet takes the rate of the deepest one reached (before any
-    evidence: the prior). Otherwise a plan that starts short would never learn what longer
+        mean' = (DECAY * weight * mean + x) / (DECAY * weight + 1),  weight' = DECAY * weight + 1
+
+    A plain EMA started at the prior (mean' = DECAY * mean + (1 - DECAY) * x) would weigh it
+    like an infinite past: after three accepted blocks a position would still read half prior."""
+    weight = Acceptance.DECAY * weight
+    return (weight * mean + x) / (weight + 1.0), weight + 1.0
+
+
+class Acceptance:
+    """Running estimates of what speculation buys one request (exponentially weighted means,
+    `running_mean`, starting from the engine-wide estimate): per draft position j, the
+    probability that the verifier accepts the drafted token given it reached j, for model
+    drafts and n-gram drafts.
+
+    A position no block has reached yet takes the estimate of the deepest one reached (before
+    any evidence: the prior). Otherwise a plan that starts short would never learn what longer
     blocks buy: a k = 1 block says nothing about position 2, whose prior would keep k at 1."""
 
-    DECAY = 0.8  # weight of the past in each update
+    DECAY = 0.8  # weight of the past in each update (steady state: the last ~5 blocks)
     PRIOR = {"model": 0.6, "ngram": 0.5}
+    PRIOR_WEIGHT = 1.0  # observations the prior counts as
 
     def __init__(self, prior: Acceptance | None = None, positions: int = 8):
         self.rates = {  # kind -> [positions]
             kind: list(prior.rates[kind]) if prior else [a] * positions for kind, a in self.PRIOR.items()
+        }
+        self.weights = {  # kind -> [positions]: the evidence behind each rate (running_mean)
+            kind: list(prior.weights[kind]) if prior else [self.PRIOR_WEIGHT] * positions for kind in self.PRIOR
         }
         self.depth = dict(prior.depth) if prior else dict.fromkeys(self.PRIOR, 0)  # positions ever reached
 
     def update(self, kind: str, drafted: int, accepted: int) -> None:
         """A block of `drafted` tokens of which the first `accepted` were accepted: positions
         0..accepted were reached (all accepted but the last, unless the whole block was)."""
-        rates = self.rates[kind]
+        rates, weights = self.rates[kind], self.weights[kind]
         reached = min(drafted, accepted + 1, len(rates))
         for j in range(reached):
-            hit = 1.0 if j < accepted else 0.0
-            rates[j] = self.DECAY * rates[j] + (1 - self.DECAY) * hit
+            rates[j], weights[j] = running_mean(rates[j], weights[j], 1.0 if j < accepted else 0.0)
         depth = self.depth[kind] = max(self.depth[kind], reached)
         for j in range(depth, len(rates)):  # never reached: as the deepest position reached
-            rates[j] = rates[depth - 1]
+            rates[j], weights[j] = rates[depth - 1], weights[depth - 1]
 
     def expected_tokens(self, kind: str, k: int) -> float:
         """E[tokens committed by a cycle of k drafts] = 1 + sum_{i=1..k} prod_{j<=i} a_j."""

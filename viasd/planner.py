@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from viasd.config import Mode, Proposer
-from viasd.costs import Acceptance, CostModel
+from viasd.costs import Acceptance, CostModel, running_mean
 
 # A lagging drafter's catch-up must pay for itself within this many cycles (or the cycles the
 # request has left): under load the batch changes every few cycles, and with it the best plan, so
@@ -79,13 +79,14 @@ def fixed_plan(mode: Mode, k: int) -> Plan:
 class Estimates:
     """Running estimates of what each plan buys one request: the acceptance per draft position of
     model and n-gram drafts (`Acceptance`), and the tokens a `via` cycle commits and how often it
-    escalates to q (EMAs with Acceptance.DECAY). A request's start from the engine-wide
-    estimates, which learn from every request."""
+    escalates to q (`running_mean`s). A request's estimates start from the engine-wide ones,
+    which learn from every request."""
 
     def __init__(self, prior: Estimates | None = None):
         self.acceptance = Acceptance(prior.acceptance if prior else None)
         self.via_tokens = prior.via_tokens if prior else 2.0
         self.via_escalation = prior.via_escalation if prior else 0.5
+        self.via_weight = prior.via_weight if prior else Acceptance.PRIOR_WEIGHT  # (running_mean)
 
     def learn(self, plan: Plan, drafted: int, accepted: int, committed: int, escalated: bool) -> None:
         """A cycle of `plan` drafted `drafted` tokens, `accepted` of them were accepted, it
@@ -96,9 +97,8 @@ class Estimates:
         if plan.kind in ("sd", "ngram"):
             self.acceptance.update("ngram" if plan.kind == "ngram" else "model", drafted, accepted)
         elif plan.kind == "via":
-            d = Acceptance.DECAY
-            self.via_tokens = d * self.via_tokens + (1 - d) * committed
-            self.via_escalation = d * self.via_escalation + (1 - d) * float(escalated)
+            self.via_tokens, _ = running_mean(self.via_tokens, self.via_weight, committed)
+            self.via_escalation, self.via_weight = running_mean(self.via_escalation, self.via_weight, escalated)
 
     def row(self, **state) -> RowState:
         """The planner's view of an `auto` row with these estimates (`state`: RowState's other fields)."""

@@ -24,6 +24,7 @@ from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.planner import (
     PAYBACK_CYCLES,
+    Estimates,
     Plan,
     RowState,
     _Step,
@@ -170,7 +171,7 @@ def test_planner_speculates_only_when_it_pays():
 def test_acceptance_of_positions_never_reached_follows_the_deepest_reached():
     acc = Acceptance()
     acc.update("model", drafted=1, accepted=1)  # a k = 1 block, accepted: says nothing of position 1 ...
-    assert acc.rates["model"][0] == pytest.approx(0.68) and acc.rates["model"][1:] == [acc.rates["model"][0]] * 7
+    assert acc.rates["model"][0] == pytest.approx(1.48 / 1.8) and acc.rates["model"][1:] == [acc.rates["model"][0]] * 7
     # this CPU's curve (bf16, docs/benchmarks/cpu/costs): a drafter round is 40% of a verifier forward
     cpu = CostModel(
         {
@@ -187,6 +188,26 @@ def test_acceptance_of_positions_never_reached_follows_the_deepest_reached():
     deep = acc.rates["model"]
     assert deep[1] < deep[0] and deep[2:] == [deep[1]] * 6 and acc.depth["model"] == 2
     assert Acceptance(acc).rates == acc.rates and Acceptance(acc).depth == acc.depth  # a request's prior
+
+
+def test_acceptance_weighs_the_prior_as_one_aging_observation():
+    """running_mean: the prior counts as PRIOR_WEIGHT observations that age with the rest, so the
+    first blocks move an estimate as far as their evidence says (a plain EMA from the prior would
+    still read 0.80 after three accepted blocks); in steady state each new block weighs 1 - DECAY."""
+    acc = Acceptance()
+    for _ in range(3):
+        acc.update("model", drafted=2, accepted=2)
+    hits = sum(Acceptance.DECAY**i for i in range(3))  # the three blocks' weights, the newest 1
+    prior = Acceptance.PRIOR_WEIGHT * Acceptance.DECAY**3
+    assert acc.rates["model"][0] == pytest.approx((prior * 0.6 + hits) / (prior + hits)) and acc.rates["model"][0] > 0.9
+    for _ in range(60):
+        acc.update("model", drafted=1, accepted=1)
+    before = acc.rates["model"][0]
+    acc.update("model", drafted=1, accepted=0)  # a miss after many hits: as an EMA with decay 0.8
+    assert acc.rates["model"][0] == pytest.approx(Acceptance.DECAY * before, rel=1e-3)
+    est = Estimates()
+    est.learn(Plan("via", 4), drafted=4, accepted=4, committed=5, escalated=False)
+    assert est.via_tokens == pytest.approx((0.8 * 2.0 + 5) / 1.8) and est.via_escalation == pytest.approx(0.4 / 1.8)
 
 
 def test_planner_block_length_grows_with_acceptance():
