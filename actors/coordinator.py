@@ -4,7 +4,8 @@ verifier services over gRPC (docs/ARCHITECTURE.md, "Distributed shape"; docs/SER
 A request, with the same code for the limits as in-process (`viasd.engine.check_request`,
 `RequestLimits`, `request_seeds`):
 
-    Open(drafter, drafter seed) and Open(verifier, verifier seed), concurrently; then it joins
+    Open(drafter, drafter seed) and Open(verifier, verifier seed), concurrently (each service
+    prefills the Opens that arrive while one runs together); then it joins
     the batch, and each time its consumer asks for the next chunk it takes part in a step;
     Close both sides (also on cancellation and errors), merge both sides' RequestStats.
 
@@ -16,8 +17,8 @@ A step, for every request asking for its next chunk (the step driver, `_drive`):
     per row: cut at stop tokens / max_tokens / the context; hand the chunk to its consumer
 
 `auto` rows plan with the cost curves each service profiles of its own tiers (`Costs`, fetched
-for the first `auto` request; corrected online from the Propose and Verify calls' seconds, so
-the planner prices a served step with its transport) and the running acceptance. A row planned
+for the first `auto` request; corrected online from the seconds each service reports for its
+Propose and Verify, with each call's transport priced apart) and the running acceptance. A row planned
 `ar` sends no Propose: its drafter (fed only when a plan drafts, as in-process) commits the
 outcomes it missed with its next one.
 
