@@ -211,9 +211,9 @@ class Engine:
         """Stream the committed tokens of one request, chunk by chunk; the last chunk has the stats.
 
         Callers on several threads share the steps: one runs the next step for every request
-        while the others wait for it to end, then take their chunks. Closing the iterator early cancels the request. n > 1: the chunks
-        of every sample, interleaved as steps commit them (`chunk.index` says whose); each sample's
-        last chunk has its finish reason and stats.
+        while the others wait for it to end, then take their chunks. Closing the iterator early
+        cancels the request. n > 1: the chunks of every sample, interleaved as steps commit them
+        (`chunk.index` says whose); each sample's last chunk has its finish reason and stats.
         """
         yield from self.follow(self.submit(prompt_ids, params).samples)
 

@@ -242,7 +242,7 @@ class _Session:
 
     def prefill(self) -> None:
         """Prefill every tier with the prompt but its last token, alone."""
-        prefill_together([self], budget=0)
+        prefill_together([self], budget=len(self.seq))
 
     def prefilled(self, forward: Forward, logits: Tensor) -> None:
         """What a prefill forward of this side returned (logits [num_logits, V]); nothing by default."""
@@ -683,6 +683,7 @@ def prefill_together(sessions: Sequence[_Session], budget: int) -> None:
 
 
 def _prefill_group(sessions: Sequence[_Session]) -> None:
+    """One batched prefill forward per tier over the sessions' prompts (viasd.sessions.execute)."""
     forwards = [(s, f) for s in sessions for f in s.prefill_steps(len(s.seq) - 1, len(s.seq))]
     if forwards:
         for (session, f), logits in zip(forwards, execute([f for _, f in forwards], prefill=True)):
