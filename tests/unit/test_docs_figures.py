@@ -294,6 +294,7 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
         ("serve_throughput", "serve-throughput-cpu-threads-via.json", {}),
         ("serve_throughput", "serve-throughput-cpu-auto.json", {}),
         ("serve_throughput", "serve-throughput-cpu-passes.json", {}),
+        ("serve_throughput", "serve-throughput-cpu-auto-prior.json", {}),
         ("measure_probs_travel", "probs-travel-cpu.json", {}),
     ],
 )
