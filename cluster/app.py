@@ -102,7 +102,15 @@ class PipelineDeployment:
         self._down_since: float | None = None
         # `viasd drain` / SIGTERM of `viasd serve` (cluster/drain.py): drain, then end the rest with `abort`
         self._replica_id = f"{pc.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._drain_watch = asyncio.ensure_future(drain.watch(self._replica_id, self.server.drain))
+        registered = asyncio.Event()
+        self._drain_watch = asyncio.ensure_future(drain.watch(self._replica_id, self.server.drain, registered))
+        try:  # serve only once a drain would wait for this replica
+            await asyncio.wait_for(registered.wait(), pc.start_timeout_s)
+        except TimeoutError:
+            raise RuntimeError(
+                f"pipeline {pc.name}: the drain control actor did not register this replica within "
+                f"start_timeout_s={pc.start_timeout_s:g}s"
+            ) from None
         logger.info("pipeline %s ready: %s", pc.name, self.pipeline.info())
 
     def __serve_build_asgi_app__(self):

@@ -86,16 +86,23 @@ def control():
     ).remote()
 
 
-async def watch(replica: str, drain, retry_s: float = 1.0) -> None:
-    """A replica's watcher: register, and for every drain order that concerns this replica's node
-    run `drain(timeout_s)` (an async callable returning how many requests it aborted) and report.
-    Runs until cancelled; a control actor that went away (`reset`) is looked up again."""
+async def watch(replica: str, drain, registered: asyncio.Event | None = None, retry_s: float = 1.0) -> None:
+    """A replica's watcher: register (then set `registered`), and for every drain order that
+    concerns this replica's node run `drain(timeout_s)` (an async callable returning how many
+    requests it aborted) and report. Runs until cancelled; a control actor that went away
+    (`reset`) is looked up again.
+
+    The replica's constructor waits for `registered`: a replica that served before it registered
+    could be missed by a drain issued in between (it would still drain, but the operator would not
+    wait for its report, and Serve's shutdown would cut its streams)."""
     node = ray.util.get_node_ip_address()
     while True:
         after = 0
         try:
             ctl = control()
             await ctl.register.remote(replica, node)
+            if registered is not None:
+                registered.set()
             while True:
                 order, timeout_s = await ctl.wait.remote(node, after)
                 log.info("replica %s draining for up to %.0fs", replica, timeout_s)

@@ -96,6 +96,7 @@ def _grpc_stream(stub, out: dict, started: threading.Event) -> None:
 
 
 def test_drain_ends_running_streams_with_abort_and_refuses_new_requests(service):
+    import ray
     import requests
 
     from viasd.cluster import drain
@@ -104,6 +105,8 @@ def test_drain_ends_running_streams_with_abort_and_refuses_new_requests(service)
     grpc.channel_ready_future(channel).result(timeout=30)
     stub = generation_pb2_grpc.GenerationServiceStub(channel)
 
+    # the replica registered before its application ran: a drain issued at once waits for it
+    assert len(ray.get(drain.control().status.remote())["replicas"]) == 1
     other = drain.drain(0.0, node="192.0.2.1")  # an order for another node concerns no replica here
     assert other == {"replicas": [], "reports": {}, "missing": []}
     r = requests.post(service.http + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, timeout=CALL_S)
@@ -228,7 +231,8 @@ def test_sigterm_drains_viasd_serve_and_leaves_no_process(tmp_path):
         assert out["events"][-1] == "data: [DONE]"
         last = json.loads(out["events"][-2].removeprefix("data: "))
         assert last["choices"][0]["finish_reason"] == "abort" and last["viasd_stats"]["stopped_by"] == "drain"
-        assert "drained 1 replica(s), 1 request(s) aborted" in (tmp_path / "serve.log").read_text()
+        served_log = (tmp_path / "serve.log").read_text()
+        assert "drained 1 replica(s), 1 request(s) aborted" in served_log, served_log[-3000:]
         deadline = time.monotonic() + 60
         while [c for c in children if process_alive(c)]:
             assert time.monotonic() < deadline, "child processes left after exit"
