@@ -538,11 +538,11 @@ class Coordinator:
             plans[r].k for r in group if plans[r].kind != "ngram" and r.params.proposer != Proposer.NGRAM
         ]
         forwards = [  # (the first round feeds FIRST_ROUND_TOKENS a row, as the planner prices it)
-            ("drafter", sum(1 for k in ks if k > j) * (FIRST_ROUND_TOKENS if j == 0 else 1))
+            ("drafter", sum(1 for k in ks if k > j), FIRST_ROUND_TOKENS if j == 0 else 1)
             for j in range(max(ks, default=0))
         ]
         if lags:
-            forwards.append(("drafter", len(lags) * max(lags)))
+            forwards.append(("drafter", len(lags), max(lags)))
         self.costs.observe_call(forwards, served)
         self.costs.observe_transport("propose", seconds - served)
 
@@ -561,7 +561,7 @@ class Coordinator:
             (slim if via else full).append(t)
             if via and escalated[r]:
                 full.append(t)
-        forwards = [("slim", len(slim) * max(slim, default=0)), ("full", len(full) * max(full, default=0))]
+        forwards = [("slim", len(slim), max(slim, default=0)), ("full", len(full), max(full, default=0))]
         self.costs.observe_call(forwards, served)
         self.costs.observe_transport("verify", seconds - served)
 

@@ -270,7 +270,12 @@ def merge_outcomes(first: ipb.Outcome | None, then: ipb.Outcome) -> ipb.Outcome:
 def costs_to_proto(model: CostModel) -> ipb.CostsResponse:
     return ipb.CostsResponse(
         curves=[
-            ipb.CostCurve(tier=tier, tokens=[n for n, _ in points], seconds=[sec for _, sec in points])
+            ipb.CostCurve(
+                tier=tier,
+                rows=[b for b, _, _ in points],
+                tokens=[n for _, n, _ in points],
+                seconds=[sec for _, _, sec in points],
+            )
             for tier, points in model.grid.items()
         ],
         key_json=json.dumps(model.key, sort_keys=True),
@@ -279,7 +284,7 @@ def costs_to_proto(model: CostModel) -> ipb.CostsResponse:
 
 
 def costs_from_proto(msg: ipb.CostsResponse) -> CostModel:
-    grid = {c.tier: list(zip(c.tokens, c.seconds)) for c in msg.curves}
+    grid = {c.tier: list(zip(c.rows or [1] * len(c.tokens), c.tokens, c.seconds)) for c in msg.curves}
     return CostModel(grid, json.loads(msg.key_json or "{}"), msg.profile_seconds, online=True)
 
 

@@ -122,9 +122,9 @@ SPECS = (
     Spec(
         "planner_forward_seconds",
         "gauge",
-        "Mode auto's cost model: predicted seconds of one forward of `tier` carrying `tokens` tokens "
-        "(profiled at start, corrected online).",
-        ("model_name", "tier", "tokens"),
+        "Mode auto's cost model: predicted seconds of one forward of `tier` over `rows` rows of `tokens` "
+        "tokens (profiled at start, corrected online).",
+        ("model_name", "tier", "rows", "tokens"),
     ),
     Spec(
         "planner_acceptance",
@@ -301,7 +301,14 @@ class ServingMetrics:
         for kind, rates in state["acceptance"].items():
             gauges += [("planner_acceptance", a, {"kind": kind, "position": str(j)}) for j, a in enumerate(rates)]
         for tier, curve in ((state["costs"] or {}).get("seconds") or {}).items():
-            gauges += [("planner_forward_seconds", sec, {"tier": tier, "tokens": str(n)}) for n, sec in curve.items()]
+            gauges += [
+                (
+                    "planner_forward_seconds",
+                    p["seconds"],
+                    {"tier": tier, "rows": str(p["rows"]), "tokens": str(p["tokens"])},
+                )
+                for p in curve
+            ]
         for call, sec in ((state["costs"] or {}).get("transport_seconds") or {}).items():
             gauges.append(("planner_transport_seconds", sec, {"call": call}))
         for sink in self.sinks:

@@ -14,10 +14,10 @@ HumanEval prompts for the acceptance actually reached, and writes
 runs AVX2 kernels) with the raw grid, the command, the commit and the machine.
 
 Break-even, per row at batch B (a cycle must commit E* tokens to match `ar`, which commits one
-token per C_full(B) seconds):
+token per C_full(B, 1) seconds; C(B, T): a forward of B rows of T tokens, viasd.costs):
 
-    sd,  k drafts:  E* = (k C_drafter(B) + C_full(B (k + 1))) / C_full(B)
-    via, k drafts:  E* = (k C_drafter(B) + C_slim(B (k + 1)) + C_full(P B (k + 1))) / C_full(B)
+    sd,  k drafts:  E* = (k C_drafter(B, 1) + C_full(B, k + 1)) / C_full(B, 1)
+    via, k drafts:  E* = (k C_drafter(B, 1) + C_slim(B, k + 1) + C_full(P B, k + 1)) / C_full(B, 1)
 
 with P the probability that a via cycle escalates. A plan pays when its measured tokens per cycle
 exceed E*.
@@ -31,11 +31,14 @@ import sys
 import time
 from pathlib import Path
 
+from viasd.costs import GRID as ENGINE_GRID
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks" / "cpu" / "costs"
-GRID = (1, 2, 4, 8, 16, 32, 64, 96)
 BATCHES = (1, 4, 16)
 KS = (1, 2, 3, 4, 5)
+# (rows, tokens per row): the engine's grid, a longer 1-row curve, and the blocks of BATCHES rows
+GRID = tuple(sorted({*ENGINE_GRID, (1, 96), *((b, k + 1) for b in BATCHES for k in (0, *KS))}))
 
 
 def break_even(grid: dict, plan: str, k: int, batch: int, escalation: float = 0.0) -> float:
@@ -44,11 +47,11 @@ def break_even(grid: dict, plan: str, k: int, batch: int, escalation: float = 0.
 
     c = CostModel({t: [tuple(p) for p in pts] for t, pts in grid.items()})
     verify = (
-        c.seconds("full", batch * (k + 1))
+        c.seconds("full", batch, k + 1)
         if plan == "sd"
-        else c.seconds("slim", batch * (k + 1)) + c.seconds("full", escalation * batch * (k + 1))
+        else c.seconds("slim", batch, k + 1) + c.seconds("full", escalation * batch, k + 1)
     )
-    return (k * c.seconds("drafter", batch) + verify) / c.seconds("full", batch)
+    return (k * c.seconds("drafter", batch, 1) + verify) / c.seconds("full", batch, 1)
 
 
 def cmd_run(args: argparse.Namespace) -> None:
@@ -113,7 +116,8 @@ def cmd_table(args: argparse.Namespace) -> None:
         "# Cost curves and break-even acceptance lengths",
         "",
         "Written by `python scripts/measure_costs.py table` from the `costs-*.json` files beside it "
-        "(each records its command, commit and machine). Seconds of one forward carrying M tokens; "
+        "(each records its command, commit and machine). Seconds of one forward of B rows x T tokens "
+        "(files from before the rows x tokens grid: one row of M tokens); "
         "E* = tokens a cycle must commit per row to match `ar` at batch B (scripts/measure_costs.py).",
         "",
     ]
@@ -128,10 +132,10 @@ def cmd_table(args: argparse.Namespace) -> None:
             f"dtype {rt.get('dtype')} ({rt.get('dtype_reason', '')}); linears {rt.get('linear_method')}",
             "",
         ]
-        ms = [m for m, _ in r["grid"]["full"]]
-        lines += ["| tier | " + " | ".join(f"M={m}" for m in ms) + " |", "|---|" + "---:|" * len(ms)]
+        heads = [f"M={p[0]}" if len(p) == 2 else f"{p[0]}x{p[1]}" for p in r["grid"]["full"]]
+        lines += ["| tier | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
         for tier, pts in r["grid"].items():
-            lines.append(f"| {tier} | " + " | ".join(f"{s * 1e3:.1f} ms" for _, s in pts) + " |")
+            lines.append(f"| {tier} | " + " | ".join(f"{p[-1] * 1e3:.1f} ms" for p in pts) + " |")
         meas = r["measured"]
         lines += [
             "",

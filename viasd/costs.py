@@ -1,19 +1,30 @@
 """The engine's own cost curve: forward seconds per tier, profiled at start, and the running
 acceptance estimates that say what a speculative plan buys (issue "Never slower").
 
-Forward cost is modelled as a function of the tokens one forward carries, M = B * T_max (a
-batch is right-padded to its longest row, and every weight matmul is [M, H] x [H, H']):
-`seconds(tier, M)` interpolates a measured grid linearly and extrapolates from its last two
-points. The grid is measured once per (model fingerprint, device, dtype, threads, mask) and
-cached as JSON under the model cache (viasd.models.embedded.cache_root).
+A batched forward of B rows is right-padded to its longest row, T tokens, so every weight matmul
+is [M, H] x [H, H'] with M = B * T; attention, the cache's gathers and the per-row work grow with
+B apart from M. The profile therefore measures a rows x tokens grid (GRID): one row at every
+token count (the curve of M), and a few batches, whose ratio to one row of the same M says what
+rows cost beyond their tokens:
 
-The grid sees one row of M tokens after PREFIX cached positions; a served batch adds attention over
-long contexts, many rows and the per-row work around each forward (sampling, the rules, the
-session generators). An `online` model therefore learns from the forwards the engine runs:
+    grid(tier, B, T) = one(tier, B * T) * rho(tier, B, T)
+    one(M)      the 1-row points, interpolated linearly, extrapolated from the last two
+    rho(B, T)   grid(b, T) / one(b * T) at the profiled batches b (1 at b = 1): linear in T
+                between a batch's points (the nearest one outside them), linear in B between
+                batches, the largest batch's beyond it
+    grid(B < 1, T) = B * grid(1, T)     (the expected cost of a row that runs with probability B)
 
-    seconds(tier, M) = grid(tier, M) * g[tier] * r[tier][bucket(M)]
-    step seconds    += sum_rows overhead[plan kind] * logit rows   (overhead: EMA per kind)
-                     + transport[call] per served call             (served: EMA per call kind)
+(On the AVX-512 machine, float32: four 1-token rows cost 1.22x one row of four tokens.) The grid
+is measured once per (model fingerprint, device, dtype, threads, mask) and cached as JSON under
+the model cache (viasd.models.embedded.cache_root).
+
+The grid sees rows of T tokens after PREFIX cached positions each; a served batch adds attention
+over long contexts and the per-row work around each forward (sampling, the rules, the session
+generators). An `online` model therefore learns from the forwards the engine runs:
+
+    seconds(tier, B, T) = grid(tier, B, T) * g[tier] * r[tier][bucket(B, T)]
+    step seconds       += sum_rows overhead[plan kind] * logit rows   (overhead: EMA per kind)
+                        + transport[call] per served call             (served: EMA per call kind)
 
 A logit row is one position whose distribution the step samples or judges (a drafting round: one
 per row; a verified block of k: k + 1; `ar`: 1, viasd.planner.logit_rows). The work around the
@@ -30,34 +41,56 @@ for the Propose it adds and a fixed cost is not read as a slower forward.
 
 g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
 uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
-once. r is an EMA of the residual observed / (grid * g) at bucket(M), the grid point nearest M in
-log scale: a shape the profile missed (long contexts, many rows) moves only the sizes it shows
-at. Sizes never observed keep the profile's shape, scaled by g.
+once. r is an EMA of the residual observed / (grid * g) at bucket(B, T), the grid point nearest
+(B, T) in (log B * T, log B): a shape the profile missed (long contexts, more rows) moves only the
+sizes it shows at. Sizes never observed keep the profile's shape, scaled by g.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from viasd.runtime import LayerMask, MaskedLM, Row
 
-GRID = (1, 2, 4, 8, 16, 32, 64)  # tokens per profiled forward
-PREFIX = 128  # cached positions each profiled forward attends to (a served request's context, roughly)
+#: (rows, tokens per row) of every profiled forward: the 1-row curve, and two batches at 1 and 4 tokens
+GRID = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (4, 1), (4, 4), (16, 1), (16, 4))
+PREFIX = 128  # cached positions each profiled row attends to (a served request's context, roughly)
+
+Point = tuple[int, int, float]  # (rows, tokens per row, seconds)
+
+
+def _line(points: Sequence[tuple[float, float]], x: float) -> float:
+    """y at x on the polyline through `points` (x ascending), extended from its last two points
+    (from its first below the first x: clamped)."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + (y1 - y0) * (max(x, x0) - x0) / (x1 - x0)
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    return y1 + (y1 - y0) * (x - x1) / (x1 - x0)
+
+
+def _clamped(points: Sequence[tuple[float, float]], x: float) -> float:
+    """y at x on the polyline through `points` (x ascending), the nearest end's y outside it."""
+    if x <= points[0][0]:
+        return points[0][1]
+    return _line(points, x) if x < points[-1][0] else points[-1][1]
 
 
 @dataclass
 class CostModel:
-    """Seconds of one forward of each tier ("drafter", "slim", "full") against its token count."""
+    """Seconds of one forward of each tier ("drafter", "slim", "full") against its rows and
+    tokens per row (module docstring)."""
 
-    grid: dict[str, list[tuple[int, float]]]  # tier -> [(M, seconds)], M ascending
+    grid: dict[str, list[Point]]  # tier -> profiled points (a (tokens, seconds) pair: one row)
     key: dict = field(default_factory=dict)  # what the figures were measured for
     profile_seconds: float = 0.0  # wall time the profile took (0 when read from the cache)
     online: bool = False  # learn corrections from observed forwards (module docstring)
@@ -70,35 +103,51 @@ class CostModel:
     DECAY = 0.8  # weight of the past in each online update of g: the machine's pace moves fast ...
     SHAPE_DECAY = 0.95  # ... and of r: the shape only where g cannot explain it
 
-    def seconds(self, tier: str, tokens: float) -> float:
-        """Forward seconds of `tier` carrying `tokens` tokens (0 tokens: 0 s): the grid,
-        interpolated, times the learnt correction of the nearest grid point."""
-        if tokens <= 0:
+    def __post_init__(self):
+        self.grid = {
+            tier: sorted((1, *p) if len(p) == 2 else tuple(p) for p in points) for tier, points in self.grid.items()
+        }
+        self._shape: dict[str, tuple] = {}  # tier -> (one, [(b, rho_b)]): the grid's curves (module docstring)
+        for tier, points in self.grid.items():
+            one = [(t, sec) for b, t, sec in points if b == 1]
+            if len(one) < 2:
+                raise ValueError(f"cost grid of {tier!r}: needs two 1-row points at least, got {points}")
+            batches = sorted({b for b, _, _ in points if b > 1})
+            rho = [(b, [(t, sec / _line(one, b * t)) for b2, t, sec in points if b2 == b]) for b in batches]
+            self._shape[tier] = (one, rho)
+
+    def seconds(self, tier: str, rows: float, tokens: float) -> float:
+        """Forward seconds of `tier` over `rows` rows padded to `tokens` tokens each (no rows or
+        tokens: 0 s): the grid, interpolated, times the online corrections (module docstring)."""
+        if rows <= 0 or tokens <= 0:
             return 0.0
-        base = self._grid_seconds(tier, tokens) * self.scale.get(tier, 1.0)
+        if rows < 1:  # a row that runs with probability `rows`
+            return rows * self.seconds(tier, 1, tokens)
+        base = self._profiled(tier, rows, tokens) * self.scale.get(tier, 1.0)
         r = self.correction.get(tier)
-        return base * r[self._bucket(tier, tokens)] if r else base
+        return base * r[self._bucket(tier, rows, tokens)] if r else base
 
-    def observe(self, tier: str, tokens: int, seconds: float) -> None:
-        """One forward of `tier` over `tokens` (B * T_max) tokens took `seconds` (online only)."""
-        self.observe_call([(tier, tokens)], seconds)
+    def observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
+        """One forward of `tier` over `rows` rows padded to `tokens` tokens took `seconds` (online only)."""
+        self.observe_call([(tier, rows, tokens)], seconds)
 
-    def observe_call(self, forwards: Sequence[tuple[str, float]], seconds: float) -> None:
-        """A call that ran `forwards` [(tier, tokens)] took `seconds` in all (online only): each
-        forward is credited its predicted share, so every tier of the call moves by the same
-        ratio observed / predicted. (A served step reports each Propose and Verify by the seconds
-        its service spent on it; the rest of the round trip is `observe_transport`'s.)"""
-        forwards = [(t, n) for t, n in forwards if n > 0 and t in self.grid]
-        predicted = [self.seconds(t, n) for t, n in forwards]
+    def observe_call(self, forwards: Sequence[tuple[str, float, float]], seconds: float) -> None:
+        """A call that ran `forwards` [(tier, rows, tokens per row)] took `seconds` in all
+        (online only): each forward is credited its predicted share, so every tier of the call
+        moves by the same ratio observed / predicted. (A served step reports each Propose and
+        Verify by the seconds its service spent on it; the rest of the round trip is
+        `observe_transport`'s.)"""
+        forwards = [(t, b, n) for t, b, n in forwards if b >= 1 and n > 0 and t in self.grid]
+        predicted = [self.seconds(*f) for f in forwards]
         if not self.online or not forwards or sum(predicted) <= 0:
             return
         ratio, d = seconds / sum(predicted), self.DECAY
-        for tier in {t for t, _ in forwards}:
+        for tier in {t for t, _, _ in forwards}:
             self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * ratio)
-        for (tier, tokens), share in zip(forwards, predicted):
+        for (tier, rows, tokens), share in zip(forwards, predicted):
             r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
-            i = self._bucket(tier, tokens)
-            residual = share * ratio / (self._grid_seconds(tier, tokens) * self.scale[tier])
+            i = self._bucket(tier, rows, tokens)
+            residual = share * ratio / (self._profiled(tier, rows, tokens) * self.scale[tier])
             r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
             self.observed += 1
 
@@ -123,20 +172,40 @@ class CostModel:
             return self.overhead[kind]
         return sum(self.overhead.values()) / len(self.overhead) if self.overhead else 0.0
 
-    def _bucket(self, tier: str, tokens: float) -> int:
+    def _bucket(self, tier: str, rows: float, tokens: float) -> int:
+        """The grid point nearest (rows, tokens) in (log M, log rows), M = rows * tokens: a grid
+        of one row only buckets by the tokens a forward carries."""
+        lm, lb = math.log(rows * tokens), math.log(rows)
         pts = self.grid[tier]
-        return min(range(len(pts)), key=lambda i: abs(math.log(pts[i][0]) - math.log(max(tokens, 1e-9))))
+        return min(
+            range(len(pts)), key=lambda i: (math.log(pts[i][0] * pts[i][1]) - lm) ** 2 + (math.log(pts[i][0]) - lb) ** 2
+        )
 
-    def _grid_seconds(self, tier: str, tokens: float) -> float:
-        pts = self.grid[tier]
-        for (m0, s0), (m1, s1) in zip(pts, pts[1:]):
-            if tokens <= m1:
-                return s0 + (s1 - s0) * (max(tokens, m0) - m0) / (m1 - m0)
-        (m0, s0), (m1, s1) = pts[-2], pts[-1]
-        return s1 + (s1 - s0) * (tokens - m1) / (m1 - m0)
+    def _profiled(self, tier: str, rows: float, tokens: float) -> float:
+        """grid(tier, rows >= 1, tokens) (module docstring)."""
+        one, rho = self._shape[tier]
+        seconds = _line(one, rows * tokens)
+        if not rho or rows <= 1:
+            return seconds
+        i = bisect.bisect_left([b for b, _ in rho], rows)
+        if i == len(rho):  # beyond the largest batch
+            return seconds * _clamped(rho[-1][1], tokens)
+        b0, r0 = (1, 1.0) if i == 0 else (rho[i - 1][0], _clamped(rho[i - 1][1], tokens))
+        b1, r1 = rho[i][0], _clamped(rho[i][1], tokens)
+        return seconds * (r0 + (r1 - r0) * (rows - b0) / (b1 - b0))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        return {
+            "grid": self.grid,
+            "key": self.key,
+            "profile_seconds": self.profile_seconds,
+            "online": self.online,
+            "scale": self.scale,
+            "correction": self.correction,
+            "overhead": self.overhead,
+            "transport": self.transport,
+            "observed": self.observed,
+        }
 
     @classmethod
     def combine(cls, parts: dict[str, CostModel]) -> CostModel:
@@ -157,15 +226,18 @@ class CostModel:
         )
 
     def summary(self) -> dict:
-        """What the stats and /metrics report: each tier's predicted seconds at its grid's token
-        counts (the profile with the online corrections), the corrections, the overhead."""
+        """What the stats and /metrics report: each tier's predicted seconds at its grid's points
+        (the profile with the online corrections), the corrections, the overhead."""
         return {
             "key": self.key,
             "online": self.online,
             "observed": self.observed,
             "overhead_seconds": {kind: round(o, 6) for kind, o in self.overhead.items()},
             "transport_seconds": {call: round(t, 6) for call, t in self.transport.items()},
-            "seconds": {t: {n: round(self.seconds(t, n), 6) for n, _ in pts} for t, pts in self.grid.items()},
+            "seconds": {
+                t: [{"rows": b, "tokens": n, "seconds": round(self.seconds(t, b, n), 6)} for b, n, _ in pts]
+                for t, pts in self.grid.items()
+            },
             "scale": {t: round(g, 4) for t, g in self.scale.items()},
             "correction": {t: [round(x, 3) for x in c] for t, c in self.correction.items()},
         }
@@ -173,31 +245,33 @@ class CostModel:
     def break_even(self, tier_draft: str, tier_verify: str, k: int) -> float:
         """Tokens one cycle of k drafted tokens must commit to beat `ar` at batch 1:
         (k drafter forwards + one verify forward of k + 1 tokens) / one full forward of 1 token."""
-        cycle = k * self.seconds(tier_draft, 1) + self.seconds(tier_verify, k + 1)
-        return cycle / self.seconds("full", 1)
+        cycle = k * self.seconds(tier_draft, 1, 1) + self.seconds(tier_verify, 1, k + 1)
+        return cycle / self.seconds("full", 1, 1)
 
 
-def _time_forward(lm: MaskedLM, mask: LayerMask | None, tokens: int, repeats: int) -> float:
-    """Best-of-`repeats` seconds of one forward of `tokens` tokens after PREFIX cached ones."""
-    store = lm.new_store(mask, max_rows=1, max_len=PREFIX + tokens)
-    row = store.alloc()
+def _time_forward(lm: MaskedLM, mask: LayerMask | None, rows: int, tokens: int, repeats: int) -> float:
+    """Best-of-`repeats` seconds of one forward of `rows` rows of `tokens` tokens, each after
+    PREFIX cached positions of its own."""
+    store = lm.new_store(mask, max_rows=rows, max_len=PREFIX + tokens)
+    slots = [store.alloc() for _ in range(rows)]
     prefix = [(7 * i + 3) % lm.vocab_size for i in range(PREFIX)]
-    lm.forward_batch([Row(prefix, 0, 0, row)], store, mask)
+    lm.forward_batch([Row(prefix, 0, 0, s) for s in slots], store, mask)
     block = [(11 * i + 5) % lm.vocab_size for i in range(tokens)]
     best = float("inf")
     for _ in range(repeats):
-        store.crop(row, PREFIX)
+        for s in slots:
+            store.crop(s, PREFIX)
         if lm.device.type == "cuda":
             torch.cuda.synchronize(lm.device)
         t0 = time.perf_counter()
-        lm.forward_batch([Row(block, PREFIX, 1, row)], store, mask)
+        lm.forward_batch([Row(block, PREFIX, 1, s) for s in slots], store, mask)
         if lm.device.type == "cuda":
             torch.cuda.synchronize(lm.device)
         best = min(best, time.perf_counter() - t0)
     return best
 
 
-def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Sequence[int], **extra) -> dict:
+def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Sequence[tuple[int, int]], **extra) -> dict:
     """What a cost profile depends on: each tier's model (fingerprint) and mask, the device,
     dtype, threads, CPU capability and grid (`extra`: more, e.g. the tensor-parallel ranks)."""
     from viasd.models.loader import model_fingerprint
@@ -211,7 +285,7 @@ def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Seque
         "device": str(lm.device),
         "dtype": str(lm.dtype).removeprefix("torch."),
         "threads": torch.get_num_threads(),
-        "grid": list(grid),
+        "grid": [list(p) for p in grid],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "prefix": PREFIX,
         **extra,
@@ -228,11 +302,11 @@ def profile(
     drafter: MaskedLM | None,
     mask: LayerMask,
     *,
-    grid: Sequence[int] = GRID,
+    grid: Sequence[tuple[int, int]] = GRID,
     repeats: int = 2,
     cache_dir: Path | None = None,
 ) -> CostModel:
-    """Measure (or read from the cache) the forward seconds of every tier over `grid` tokens."""
+    """Measure (or read from the cache) the forward seconds of every tier over `grid` (rows, tokens)."""
     tiers = verifier_tiers(verifier, mask)
     if drafter is not None:
         tiers["drafter"] = (drafter, None)
@@ -242,7 +316,7 @@ def profile(
 def profile_tiers(
     tiers: dict[str, tuple[MaskedLM, LayerMask | None]],
     *,
-    grid: Sequence[int] = GRID,
+    grid: Sequence[tuple[int, int]] = GRID,
     repeats: int = 2,
     cache_dir: Path | None = None,
     **key_extra,
@@ -264,8 +338,8 @@ def profile_tiers(
                 pass  # a damaged cache file is measured again
     t0 = time.perf_counter()
     for lm, m in tiers.values():  # one untimed forward each: first-call allocations stay out of the figures
-        _time_forward(lm, m, 1, 1)
-    table = {name: [(n, _time_forward(lm, m, n, repeats)) for n in grid] for name, (lm, m) in tiers.items()}
+        _time_forward(lm, m, 1, 1, 1)
+    table = {name: [(b, n, _time_forward(lm, m, b, n, repeats)) for b, n in grid] for name, (lm, m) in tiers.items()}
     model = CostModel(table, key, time.perf_counter() - t0, online=True)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,15 +9,15 @@ changes speed.
 
 The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], with
   E[tokens]       = 1 + sum_{i=1..k} prod_{j<=i} a_j        (a: the row's running acceptance)
-  E[step seconds] = sum_r C_drafter(n_r * T_r)              (n_r: rows drafting in round r; T_0 = 2, else 1)
-                    + C_slim(n_via * T_via) + C_full(n_full * T_full)
-                    + C_drafter(n_lag * max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
+  E[step seconds] = sum_r C_drafter(n_r, T_r)               (n_r: rows drafting in round r; T_0 = 2, else 1)
+                    + C_slim(n_via, T_via) + C_full(n_full, T_full)
+                    + C_drafter(n_lag, max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
                                                             (lazy drafters catching up)
                     + sum_rows overhead[kind] * logit rows  (positions sampled or judged: viasd.costs)
                     + transport[verify] + transport[propose] if a row drafts   (served calls: viasd.costs)
-where a batched forward costs its padded size (rows x its longest row: T = k + 1 for a block,
-1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost curves
-(viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
+where a batched forward of n rows costs C(n, T) at its padded length (its longest row: T = k + 1
+for a block, 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost
+grids over rows x tokens (viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
 admission: a row whose drafter lags `lag` tokens pays for catching up once, spread over the
 cycles it has left (at most PAYBACK_CYCLES), so under load, where speculation does not pay, the
 drafter never runs.
@@ -242,16 +242,16 @@ class _Step:
         drafting = [(k, n) for k, n in self.drafting.items() if n > 0]
         for r in range(max((k for k, _ in drafting), default=0)):  # drafting round r: rows with k > r
             n = sum(c for k, c in drafting if k > r)
-            seconds += costs.seconds("drafter", n * (FIRST_ROUND_TOKENS if r == 0 else 1))
+            seconds += costs.seconds("drafter", n, FIRST_ROUND_TOKENS if r == 0 else 1)
         lagging = sum(self.lags.values())
         if lagging:  # one batched catch-up forward, its cost spread over the rows' cycles left
             longest = max(lag for lag, n in self.lags.items() if n > 0)
-            seconds += costs.seconds("drafter", lagging * longest) * self.inverse_cycles / lagging
+            seconds += costs.seconds("drafter", lagging, longest) * self.inverse_cycles / lagging
         slim = sum(self.slim.values())
         if slim:
-            seconds += costs.seconds("slim", slim * max(t for t, n in self.slim.items() if n > 0))
+            seconds += costs.seconds("slim", slim, max(t for t, n in self.slim.items() if n > 0))
         if sum(self.full.values()):
-            seconds += costs.seconds("full", self.full_rows * max(t for t, n in self.full.items() if n > 0))
+            seconds += costs.seconds("full", self.full_rows, max(t for t, n in self.full.items() if n > 0))
         return seconds
 
     def goodput(self) -> float:

@@ -27,6 +27,7 @@ from conftest import LOOP_TIMEOUT_S as TIMEOUT_S
 from conftest import save_tiny_pair
 
 from viasd.config import EngineConfig, parse_params
+from viasd.costs import GRID
 from viasd.v1 import generation_pb2 as pb
 from viasd.v1 import generation_pb2_grpc
 from viasd.v1.convert import finish_from_proto, params_to_proto, stats_from_proto
@@ -934,7 +935,9 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
     assert [t for c in ar for t in c.token_ids] == reference(llm, PROMPTS[0], mode="ar").token_ids
     costs = state["costs"]
     assert set(costs["seconds"]) == {"full", "slim", "drafter"}
-    assert all(s > 0 for curve in costs["seconds"].values() for s in curve.values())
+    assert all(p["seconds"] > 0 for curve in costs["seconds"].values() for p in curve)
+    # the profiles' rows x tokens grids travel whole (CostCurve.rows)
+    assert all({p["rows"] for p in curve} == {b for b, _ in GRID} for curve in costs["seconds"].values())
     assert costs["key"]["verifier"]["ranks"] == 1 and set(costs["key"]["verifier"]["tiers"]) == {"full", "slim"}
     assert set(costs["key"]["drafter"]["tiers"]) == {"drafter"}
     assert costs["online"] and costs["observed"] > 0 and costs["scale"]["full"] != 1.0  # the steps taught it

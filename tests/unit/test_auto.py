@@ -233,25 +233,56 @@ def test_planner_shortens_blocks_when_the_batch_makes_verification_dear():
 
 
 def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
-    m = CostModel({"full": [(1, 1.0), (3, 2.0), (5, 6.0)]})
-    assert m.seconds("full", 0) == 0.0 and m.seconds("full", 2) == pytest.approx(1.5)
-    assert m.seconds("full", 4) == pytest.approx(4.0) and m.seconds("full", 7) == pytest.approx(10.0)
+    m = CostModel({"full": [(1, 1.0), (3, 2.0), (5, 6.0)]})  # one row at 1, 3 and 5 tokens
+    assert m.seconds("full", 0, 1) == 0.0 and m.seconds("full", 1, 0) == 0.0
+    assert m.seconds("full", 1, 2) == pytest.approx(1.5) and m.seconds("full", 1, 4) == pytest.approx(4.0)
+    assert m.seconds("full", 1, 7) == pytest.approx(10.0)  # extrapolated from the last two points
+    assert m.seconds("full", 2, 2) == m.seconds("full", 1, 4)  # no batch profiled: rows cost as their tokens
+    assert m.seconds("full", 0.25, 3) == pytest.approx(0.25 * 2.0)  # a row that runs a quarter of the time
     verifier, drafter = tiny_pair
     mask = LayerMask.from_skipped((1, 3), verifier.num_layers)
-    prof = profile(verifier, drafter, mask, grid=(1, 2, 4), repeats=1, cache_dir=tmp_path)
-    assert set(prof.grid) == {"full", "slim", "drafter"} and all(len(v) == 3 for v in prof.grid.values())
-    assert all(s > 0 for v in prof.grid.values() for _, s in v) and prof.profile_seconds > 0
-    again = profile(verifier, drafter, mask, grid=(1, 2, 4), repeats=1, cache_dir=tmp_path)
+    grid = ((1, 1), (1, 2), (1, 4), (2, 2))
+    prof = profile(verifier, drafter, mask, grid=grid, repeats=1, cache_dir=tmp_path)
+    assert set(prof.grid) == {"full", "slim", "drafter"}
+    assert all([p[:2] for p in v] == sorted(grid) for v in prof.grid.values())
+    assert all(s > 0 for v in prof.grid.values() for *_, s in v) and prof.profile_seconds > 0
+    again = profile(verifier, drafter, mask, grid=grid, repeats=1, cache_dir=tmp_path)
     assert again.grid == prof.grid and again.profile_seconds == prof.profile_seconds  # read from the cache
     other = profile(
         verifier,
         drafter,
         LayerMask.from_skipped((2,), verifier.num_layers),
-        grid=(1, 2, 4),
+        grid=grid,
         repeats=1,
         cache_dir=tmp_path,
     )
     assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["tiers"]["slim"]["skipped"] == [2]
+
+
+def test_cost_grid_prices_rows_beyond_their_tokens():
+    """grid(B, T) = one(B * T) * rho(B, T) (viasd.costs): rows cost more than their tokens in one
+    row where the profile says so (on the AVX-512 machine in float32: four 1-token rows 1.22x one
+    row of four), and a batch of rows dearer than its tokens makes a verified block relatively
+    cheaper than `ar`'s step, so the planner drafts longer."""
+    one = [(1, 1.0), (4, 1.06), (8, 1.25), (16, 1.6), (32, 2.4), (64, 4.0)]
+    batches = [(4, 1, 1.30), (4, 4, 1.45), (16, 1, 1.9), (16, 4, 3.9)]
+    flat = CostModel({"full": one, "slim": one, "drafter": [(1, 0.25), (64, 1.0)]})
+    rows = CostModel({"full": one + batches, "slim": one, "drafter": [(1, 0.25), (64, 1.0)]})
+    assert flat.seconds("full", 4, 1) == pytest.approx(1.06) and rows.seconds("full", 4, 1) == pytest.approx(1.30)
+    assert rows.seconds("full", 16, 4) == pytest.approx(3.9) and rows.seconds("full", 1, 8) == pytest.approx(1.25)
+    rho4, rho16 = 1.30 / 1.06, 1.9 / 1.6  # at one token a row; between batches: linear in the rows
+    assert rows.seconds("full", 8, 1) == pytest.approx(1.25 * (rho4 + (rho16 - rho4) * 4 / 12))
+    assert rows.seconds("full", 2, 1) == pytest.approx(1.02 * (1 + (rho4 - 1) / 3))  # from 1 at one row
+    assert rows.seconds("full", 32, 1) == pytest.approx(2.4 * rho16)  # beyond the largest batch: its ratio
+    assert rows.seconds("full", 4, 8) == pytest.approx(2.4 * 1.45 / 1.6)  # beyond a batch's tokens: its last
+    assert rows.seconds("full", 4, 2) == pytest.approx(1.25 * (rho4 + (1.45 / 1.6 - rho4) / 3))
+    i = rows._bucket("full", 4, 1)  # what a 4-row step teaches moves its own grid point
+    assert rows.grid["full"][i][:2] == (4, 1) and flat.grid["full"][flat._bucket("full", 4, 1)][:2] == (1, 4)
+    four = [_row(0.6) for _ in range(4)]
+    assert [p.label for p in choose(flat, four)] == ["sd:k=1"] * 4
+    assert [p.label for p in choose(rows, four)] == ["sd:k=2"] * 4
+    with pytest.raises(ValueError, match="two 1-row points"):
+        CostModel({"full": [(1, 1, 1.0), (4, 1, 2.0)]})
 
 
 def test_step_cost_counts_padding_catch_up_and_overhead():
@@ -259,27 +290,27 @@ def test_step_cost_counts_padding_catch_up_and_overhead():
     rows = [_row(0.5), _row(0.5)]
     # a batch is right-padded: one row of 6 tokens and one of 2 cost as 2 x 6 in the full forward
     mixed = step_seconds(flat, rows, [Plan("sd", 5), Plan("sd", 1)])
-    drafting = sum(flat.seconds("drafter", n) for n in (2 * 2, 1, 1, 1, 1))  # the first round feeds 2 tokens a row
-    assert mixed == pytest.approx(drafting + flat.seconds("full", 12))
+    drafting = flat.seconds("drafter", 2, 2) + 4 * flat.seconds("drafter", 1, 1)  # round 0 feeds 2 tokens a row
+    assert mixed == pytest.approx(drafting + flat.seconds("full", 2, 6))
     # a lagging drafter pays for its catch-up, spread over the cycles the row has left
     lag = _row(0.5, draft_lag=20, remaining=10)
     cycles = 10 / expected_tokens(lag, Plan("sd", 2))
     assert step_seconds(flat, [lag], [Plan("sd", 2)]) == pytest.approx(
-        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / cycles
+        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 1, 20) / cycles
     )
-    assert step_seconds(flat, [lag], [Plan("ar")]) == flat.seconds("full", 1)  # `ar` never catches up
+    assert step_seconds(flat, [lag], [Plan("ar")]) == flat.seconds("full", 1, 1)  # `ar` never catches up
     long = _row(0.5, draft_lag=20, remaining=1000)  # a long request: the catch-up must pay back within 16 cycles
     assert step_seconds(flat, [long], [Plan("sd", 2)]) == pytest.approx(
-        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 20) / PAYBACK_CYCLES
+        step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) + flat.seconds("drafter", 1, 20) / PAYBACK_CYCLES
     )
     # per logit row and plan kind: sd judges 2 drafter rounds + a block of 3 positions, ar 1 each
     flat.overhead = {"sd": 0.25, "ar": 0.01}
     assert step_seconds(flat, [_row(0.5)], [Plan("sd", 2)]) == pytest.approx(
-        flat.seconds("drafter", 2) + flat.seconds("drafter", 1) + flat.seconds("full", 3) + 5 * 0.25
+        flat.seconds("drafter", 1, 2) + flat.seconds("drafter", 1, 1) + flat.seconds("full", 1, 3) + 5 * 0.25
     )
-    assert step_seconds(flat, [_row(0.5)] * 2, [Plan("ar")] * 2) == pytest.approx(flat.seconds("full", 2) + 2 * 0.01)
+    assert step_seconds(flat, [_row(0.5)] * 2, [Plan("ar")] * 2) == pytest.approx(flat.seconds("full", 2, 1) + 0.02)
     # a kind never observed takes the mean of the others (n-gram: a block of 3, no drafter rounds)
-    assert step_seconds(flat, [_row(0.5)], [Plan("ngram", 2)]) == pytest.approx(flat.seconds("full", 3) + 3 * 0.13)
+    assert step_seconds(flat, [_row(0.5)], [Plan("ngram", 2)]) == pytest.approx(flat.seconds("full", 1, 3) + 3 * 0.13)
     via = _row(0.5, via_escalation=0.5)  # the slim block, and q's half the time
     assert logit_rows(Plan("via", 2), via.via_escalation) == 2 + 3 * 1.5 and logit_rows(Plan("ar")) == 1
 
@@ -344,19 +375,17 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
     fixed, slow, shape = CostModel(dict(grid)), CostModel(dict(grid), online=True), CostModel(dict(grid), online=True)
     for _ in range(200):
         for m in (fixed, slow):
-            m.observe("full", 1, 3.0)  # the whole machine 3x slower than when profiled ...
-            m.observe("full", 16, 6.0)
+            m.observe("full", 1, 1, 3.0)  # the whole machine 3x slower than when profiled ...
+            m.observe("full", 1, 16, 6.0)
             m.observe_overhead("sd", 0.5, 10)
-        shape.observe("full", 1, 1.0)  # ... or only one size dearer than the profile
-        shape.observe("full", 16, 6.0)
-    assert fixed.seconds("full", 16) == 2.0 and fixed.overhead == {}  # an explicit model stays as given
-    assert slow.seconds("full", 1) == pytest.approx(3.0, rel=0.02) and slow.seconds("full", 16) == pytest.approx(
-        6.0, rel=0.02
-    )
-    assert slow.seconds("full", 64) == pytest.approx(24.0, rel=0.1)  # never observed: the profile's shape, scaled
-    assert shape.seconds("full", 1) == pytest.approx(1.0, rel=0.05) and shape.seconds("full", 16) == pytest.approx(
-        6.0, rel=0.05
-    )
+        shape.observe("full", 1, 1, 1.0)  # ... or only one size dearer than the profile
+        shape.observe("full", 1, 16, 6.0)
+    assert fixed.seconds("full", 1, 16) == 2.0 and fixed.overhead == {}  # an explicit model stays as given
+    assert slow.seconds("full", 1, 1) == pytest.approx(3.0, rel=0.02)
+    assert slow.seconds("full", 1, 16) == pytest.approx(6.0, rel=0.02)
+    assert slow.seconds("full", 1, 64) == pytest.approx(24.0, rel=0.1)  # never observed: the profile's shape, scaled
+    assert shape.seconds("full", 1, 1) == pytest.approx(1.0, rel=0.05)
+    assert shape.seconds("full", 1, 16) == pytest.approx(6.0, rel=0.05)
     assert slow.overhead["sd"] == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
 
 

@@ -132,14 +132,16 @@ class CostsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class CostCurve(_message.Message):
-    __slots__ = ("tier", "tokens", "seconds")
+    __slots__ = ("tier", "tokens", "seconds", "rows")
     TIER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     tier: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     seconds: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, tier: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+    rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tier: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., seconds: _Optional[_Iterable[float]] = ..., rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CostsResponse(_message.Message):
     __slots__ = ("curves", "key_json", "profile_seconds")
