@@ -4,7 +4,8 @@
 stream + its copy of the sequence) per request id. A step is one `Propose` for every drafting
 row of the coordinator's batch: commit each row's previous outcome, then draft every block
 together with `viasd.sessions.drive` (one batched drafter forward per round; a row leaves when
-its block ends). Rows with `overlap` then draft their next blocks together, on the same
+its block ends). Rows with `overlap` whose blocks are likely accepted whole
+(`DraftSession.drafts_ahead`) then draft their next blocks together, on the same
 thread, until the next Propose arrives. Forwards run on one worker thread, so the event loop
 keeps answering Open / Close (and calls queue in arrival order); the servicer is usable in
 any process with a running event loop, the actor only adds model loading and a port.
@@ -135,8 +136,8 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
             done = await self._work.submit(self._propose, {i: (rows[i].request_id, *w) for i, w in work.items()})
             for i, answer in done.items():
                 answers[i] = answer
-            ahead = {i: w[0] for i, w in work.items() if w[0].params.overlap and answers[i].draft}
-            if ahead:  # draft the next blocks while the verifier checks these ones
+            ahead = {i: w[0] for i, w in work.items() if w[0].drafts_ahead() and answers[i].draft}
+            if ahead:  # draft the next blocks while the verifier checks these ones (rows likely accepted whole)
                 self._work.submit(self._draft_ahead, ahead).add_done_callback(_log_failure)
         response = ipb.ProposeResponse(rows=answers) if batched else answers[0]
         response.seconds = time.perf_counter() - t0

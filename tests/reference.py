@@ -130,6 +130,9 @@ class _Drafter:
         self.last: list[int] = []
         self.last_p: list[Tensor] = []
         self.from_model = False
+        # overlap drafts ahead only while blocks are accepted whole at least half the time: a mean
+        # with weights 0.8^age over the blocks so far and a prior of 1 counting as one block
+        self.whole_sum, self.whole_weight = 1.0, 1.0
 
     def _length(self, k: int) -> int:
         return min(k, self.current) if self.params.adaptive_gamma else k
@@ -167,10 +170,15 @@ class _Drafter:
     def commit(self, seq: list[int], committed: list[int], accepted: int) -> None:
         """After the verdict (seq: the prefix the block was drafted on). With overlap the next
         block was drafted ahead from seq + last (here: always to its full length, which the engine
-        reaches or continues later with the same stream); it is kept where the committed tokens
-        agree with that optimistic continuation."""
+        reaches or continues later with the same stream) if the blocks before this one were
+        accepted whole often enough; it is kept where the committed tokens agree with that
+        optimistic continuation."""
         params = self.params
         length_now = self._length(params.gamma)
+        drafted_ahead = self.whole_sum / self.whole_weight >= 0.5
+        if self.last:
+            self.whole_sum = 0.8 * self.whole_sum + float(accepted == len(self.last))
+            self.whole_weight = 0.8 * self.whole_weight + 1.0
         if params.adaptive_gamma and self.last:
             self.current = (
                 min(params.gamma, self.current + 2) if accepted == len(self.last) else max(1, self.current - 1)
@@ -178,7 +186,7 @@ class _Drafter:
         if not params.overlap:
             return
         gen = _block_generator(self.seed, self.blocks)
-        if self.from_model:
+        if self.from_model and drafted_ahead:
             ahead, ahead_p = [], []
             ended = self._extend(seq + self.last, ahead, ahead_p, length_now, gen)
             optimistic, optimistic_p = self.last + ahead, self.last_p + ahead_p

@@ -10,7 +10,8 @@
       4. verify     one batched slim forward over the `via` rows, the gate per row, then one
                     batched full forward over the `ar` rows, the `sd` blocks and the escalated
                     `via` rows; the acceptance rules per row with the row's own random stream;
-                    (`overlap` rows draft their next block on a second thread meanwhile)
+                    (`overlap` rows likely accepted whole draft their next block on a second
+                    thread meanwhile: DraftSession.drafts_ahead)
       5. commit     per row: append, roll back, stream the chunk; finished rows free their cache
                     rows at once, and the next step can admit in their place.
 
@@ -477,7 +478,7 @@ class Scheduler:
             observe=self._observe,
             timing=timing,
         )
-        ahead = [r for r in drafting if r.handle.params.overlap]
+        ahead = [r for r in drafting if r.draft.drafts_ahead()]
         running_ahead = None
         if ahead:  # overlap: draft the next blocks from the optimistic prefixes while the verifier works
             running_ahead = self._ahead.submit(drive, {r: r.draft.draft_ahead_steps() for r in ahead})

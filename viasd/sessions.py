@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from viasd.config import CachePolicy, GenerationParams, LogprobTier, Mode, Proposer, RegionB, Rule
+from viasd.costs import running_mean
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.proposers import GammaPolicy, ngram_lookup
@@ -50,6 +51,7 @@ from viasd.sampling import Penalties, Sampler, token_logprobs
 
 TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
 CATCH_UP = 4  # a lazy drafter lagging more tokens than this catches up in a prefill forward (DraftSession.lag)
+AHEAD_MIN = 0.5  # overlap drafts ahead while a request's blocks are accepted whole at least this often (drafts_ahead)
 
 
 @dataclass
@@ -278,7 +280,8 @@ class DraftSession(_Session):
     `commit` keeps the drafted-ahead tokens that the committed tokens agree with, as the start of
     the next block. Each kept token was drawn from p given exactly the prefix it ends up on, so
     the rules see a correct draft; each block has its own seeded stream (`block_generator`), so
-    the output does not depend on timing.
+    the output does not depend on timing; which blocks are drafted ahead at all (`drafts_ahead`:
+    the rows likely to be accepted whole) follows the request's own outcomes.
     """
 
     def __init__(
@@ -319,6 +322,9 @@ class DraftSession(_Session):
         self.pending_p: list[Tensor] = []
         self.pending_ended = False
         self.stop = threading.Event()  # set by the verifier side when its outcome is in
+        # running P(a block is accepted whole) and its evidence (costs.running_mean), from an
+        # optimistic prior: overlap drafts ahead from the first block on (drafts_ahead)
+        self.whole, self.whole_weight = 1.0, 1.0
 
     def propose(self, k: int) -> tuple[list[int], Tensor | None]:
         """`propose_steps` alone."""
@@ -410,6 +416,14 @@ class DraftSession(_Session):
         """`draft_ahead_steps` alone."""
         run_alone(self.draft_ahead_steps())
 
+    def drafts_ahead(self) -> bool:
+        """Overlap: whether to draft the next block while this one is verified. A block drafted
+        ahead is kept only when the block under verification is accepted whole (and the
+        verifier's next token is the drafter's first guess); otherwise the drafter's forwards
+        beside the verifier's were spent for nothing. So only a model-drafted block of a request
+        whose blocks are accepted whole at least AHEAD_MIN of the time (running mean) drafts ahead."""
+        return self.params.overlap and self.last_from_model and self.whole >= AHEAD_MIN
+
     def draft_ahead_steps(self) -> Steps:
         """Overlap: draft the next block from self.seq + self.last, until `stop` is set (the
         outcome of `last` is in) or the block is full. Runs beside the verifier's forward."""
@@ -432,6 +446,9 @@ class DraftSession(_Session):
         """Append the committed tokens. With overlap, keep what was drafted past them if they
         agree with the drafter's own optimistic continuation (last block + drafted ahead)."""
         self.gamma.update(len(self.last), outcome.num_draft_accepted)
+        if self.last:
+            whole = float(outcome.num_draft_accepted >= len(self.last))
+            self.whole, self.whole_weight = running_mean(self.whole, self.whole_weight, whole)
         committed = outcome.tokens
         optimistic, optimistic_p = self.last + self.ahead, self.last_p + self.ahead_p
         if self.params.overlap:

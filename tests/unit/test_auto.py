@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from viasd.config import parse_params
-from viasd.costs import Acceptance, CostModel, profile
+from viasd.costs import Acceptance, CostModel, monotone, profile
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
@@ -246,6 +246,10 @@ def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
     assert set(prof.grid) == {"full", "slim", "drafter"}
     assert all([p[:2] for p in v] == sorted(grid) for v in prof.grid.values())
     assert all(s > 0 for v in prof.grid.values() for *_, s in v) and prof.profile_seconds > 0
+    assert all(monotone(v) == v for v in prof.grid.values())
+    # noise only adds time: a point dearer than one carrying as many rows and tokens or more is cut to it
+    noisy = [(1, 1, 1.0), (1, 4, 1.2), (1, 8, 7.1), (1, 16, 3.2), (4, 1, 2.5), (4, 4, 1.1)]
+    assert monotone(noisy) == [(1, 1, 1.0), (1, 4, 1.1), (1, 8, 3.2), (1, 16, 3.2), (4, 1, 1.1), (4, 4, 1.1)]
     again = profile(verifier, drafter, mask, grid=grid, repeats=1, cache_dir=tmp_path)
     assert again.grid == prof.grid and again.profile_seconds == prof.profile_seconds  # read from the cache
     other = profile(

@@ -253,6 +253,50 @@ def test_sampled_overlap_is_reproducible_and_its_pending_rows_are_the_drafters(t
     assert checked > 0
 
 
+def test_overlap_drafts_ahead_only_for_rows_likely_accepted_whole(tiny_pair, monkeypatch):
+    """A drafted-ahead block is kept only when the block under verification is accepted whole, so
+    a request drafts ahead while its running rate of whole blocks is at least AHEAD_MIN (from an
+    optimistic prior): a rejected block stops it, whole blocks bring it back. The choice follows
+    the request's own outcomes, never timing."""
+    from viasd.engine import DraftSession
+    from viasd.metrics import RequestStats
+    from viasd.sessions import AHEAD_MIN, Outcome
+
+    verifier, drafter = tiny_pair
+    ds = DraftSession(drafter, PROMPTS[0], parse_params(mode="sd", overlap=True, gamma=3), 1, RequestStats())
+    assert not ds.drafts_ahead()  # no block under verification yet
+    seen = []
+    for accepted in (0, 3, 0, 0, 3, 3):
+        draft, _ = ds.propose(3)
+        seen.append(ds.drafts_ahead())
+        ds.commit(Outcome([*draft[:accepted], 5], accepted))
+    # the prior; one rejection stops it, one whole block brings it back; after two rejections it
+    # takes two whole blocks
+    assert seen == [True, False, True, False, False, False]
+    draft, _ = ds.propose(3)
+    assert ds.drafts_ahead() and ds.whole >= AHEAD_MIN
+    plain = DraftSession(drafter, PROMPTS[0], parse_params(mode="sd", gamma=3), 1, RequestStats())
+    plain.propose(3)
+    assert not plain.drafts_ahead()  # (no overlap asked for)
+
+    # through the engine: a drafter that is not the verifier's (blocks often rejected) drafts
+    # ahead for some blocks only; the choice follows the request's own outcomes, so sampled
+    # tokens are reproducible and greedy ones are `ar`'s
+    calls = []
+    original = DraftSession.draft_ahead_steps
+    monkeypatch.setattr(DraftSession, "draft_ahead_steps", lambda self: calls.append(1) or original(self))
+    engine = Engine(verifier, drafter)
+    params = parse_params(mode="sd", max_tokens=40, gamma=4, temperature=1.0, seed=3, overlap=True)
+    chosen = [engine.complete(prompt, params) for prompt in PROMPTS]
+    blocks = sum(r.stats.num_drafts for r in chosen)
+    assert 0 < len(calls) < blocks, (len(calls), blocks)
+    assert [r.token_ids for r in chosen] == [engine.complete(prompt, params).token_ids for prompt in PROMPTS]
+    greedy = dict(mode="sd", max_tokens=40, gamma=4)
+    for prompt in PROMPTS:
+        ahead = engine.complete(prompt, parse_params(overlap=True, **greedy)).token_ids
+        assert ahead == engine.complete(prompt, parse_params(mode="ar", max_tokens=40)).token_ids
+
+
 @pytest.mark.parametrize("mode", ["sd", "via"])
 def test_overlap_tokens_do_not_depend_on_how_far_the_drafter_got_ahead(tiny_pair, mode):
     """The two extremes of timing, played sequentially: the outcome arrives before drafting ahead
