@@ -70,6 +70,7 @@ GRID = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (4, 1), (4, 4
 PREFIX = 128  # cached positions each profiled row attends to (a served request's context, roughly)
 
 Point = tuple[int, int, float]  # (rows, tokens per row, seconds)
+PROFILE_METHOD = "best-of, one prefill per row count, monotone"  # (in the cache key: a new method measures afresh)
 
 
 def _line(points: Sequence[tuple[float, float]], x: float) -> float:
@@ -301,7 +302,8 @@ def _profile_tier(lm: MaskedLM, mask: LayerMask | None, grid: Sequence[tuple[int
 
 def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Sequence[tuple[int, int]], **extra) -> dict:
     """What a cost profile depends on: each tier's model (fingerprint) and mask, the device,
-    dtype, threads, CPU capability and grid (`extra`: more, e.g. the tensor-parallel ranks)."""
+    dtype, threads, CPU capability, grid and how it is measured (`extra`: more, e.g. the
+    tensor-parallel ranks)."""
     from viasd.models.loader import model_fingerprint
 
     lm = next(iter(tiers.values()))[0]
@@ -316,6 +318,7 @@ def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Seque
         "grid": [list(p) for p in grid],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "prefix": PREFIX,
+        "method": PROFILE_METHOD,
         **extra,
     }
 
