@@ -14,12 +14,12 @@ rows cost beyond their tokens:
                 batches, the largest batch's beyond it
     grid(B < 1, T) = B * grid(1, T)     (the expected cost of a row that runs with probability B)
 
-(On the AVX-512 machine, float32: four 1-token rows cost 1.22x one row of four tokens.) Each
-point is a best-of-2, and a point dearer than one that carries as many rows and tokens or more
-is noise that takes that one's seconds (`monotone`: on the shared 2-core machine one point of the
-1-row curve once read 2.2x its larger neighbour, which priced every 8-row `ar` step at twice its
-cost and made `auto` speculate where `ar` was best). The grid is measured once per (model
-fingerprint, device, dtype, threads, mask) and cached as JSON under the model cache
+(The bf16 profile beside the load run in docs/BENCHMARKS.md: four 1-token rows of q cost 1.33x one
+row of four tokens, sixteen 1.90x one row of sixteen.) Each point is a best-of-2, and a point dearer
+than one that carries as many rows and tokens or more is noise that takes that one's seconds
+(`monotone`: on the shared 2-core machine one noisy point of the 1-row curve once priced every 8-row
+`ar` step far above its cost, and `auto` speculated where `ar` was best). The grid is measured once
+per (model fingerprint, device, dtype, threads, mask) and cached as JSON under the model cache
 (viasd.models.embedded.cache_root).
 
 The grid sees rows of T tokens after PREFIX cached positions each; a served batch adds attention

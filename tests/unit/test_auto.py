@@ -265,8 +265,8 @@ def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
 
 def test_cost_grid_prices_rows_beyond_their_tokens():
     """grid(B, T) = one(B * T) * rho(B, T) (viasd.costs): rows cost more than their tokens in one
-    row where the profile says so (on the AVX-512 machine in float32: four 1-token rows 1.22x one
-    row of four), and a batch of rows dearer than its tokens makes a verified block relatively
+    row where the profile says so (the bf16 profile in docs/BENCHMARKS.md: four 1-token rows 1.33x
+    one row of four), and a batch of rows dearer than its tokens makes a verified block relatively
     cheaper than `ar`'s step, so the planner drafts longer."""
     one = [(1, 1.0), (4, 1.06), (8, 1.25), (16, 1.6), (32, 2.4), (64, 4.0)]
     batches = [(4, 1, 1.30), (4, 4, 1.45), (16, 1, 1.9), (16, 4, 3.9)]

@@ -230,14 +230,19 @@ def test_continuous_batching_table_equals_its_results_json():
             check_cell(cell, exact, f"{method} at C={c}")
 
 
-def test_auto_load_table_equals_its_results_json():
+@pytest.mark.parametrize(
+    "header, folder",
+    [("| dtype | C | `ar` |", "load-auto"), ("| dtype (rows x tokens) | C | `ar` |", "load-auto-grid")],
+)
+def test_auto_load_table_equals_its_results_json(header, folder):
     """BENCHMARKS.md, "Never slower": `auto` beside every fixed mode, aggregate tok/s per dtype and
     concurrency, and its ratios to the best fixed mode and to `ar`, against
-    docs/benchmarks/cpu/load-auto/<dtype>/results.json (one interleaved run per dtype)."""
+    docs/benchmarks/cpu/<folder>/<dtype>/results.json (one interleaved run per dtype; load-auto
+    with the 1-row cost curve, load-auto-grid with the rows x tokens grid)."""
     seen = set()
-    for cells in table("BENCHMARKS.md", "| dtype | C | `ar` |"):
+    for cells in table("BENCHMARKS.md", header):
         dtype, c = cells[0].strip("`"), int(cells[1])
-        results = load(DOCS / "benchmarks" / "cpu" / "load-auto" / dtype / "results.json")
+        results = load(DOCS / "benchmarks" / "cpu" / folder / dtype / "results.json")
         assert results["meta"]["dtype"] == dtype and results["meta"]["cpu_capability"]
         tps = {
             (r["method"], r["concurrency"]): r["aggregate_tokens_per_second"]
