@@ -112,6 +112,10 @@ def ngram(seq: list[int], k: int, ngram_max: int) -> list[int]:
     return []
 
 
+#: overlap drafts ahead only while at least this share of blocks was accepted whole (the rate below)
+AHEAD_MIN = 0.5
+
+
 def _block_generator(seed: int, block: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * BLOCK_SEED_MULTIPLIER + block) % 2**63)
 
@@ -175,7 +179,7 @@ class _Drafter:
         optimistic continuation."""
         params = self.params
         length_now = self._length(params.gamma)
-        drafted_ahead = self.whole_sum / self.whole_weight >= 0.5
+        drafted_ahead = self.whole_sum / self.whole_weight >= AHEAD_MIN
         if self.last:
             self.whole_sum = 0.8 * self.whole_sum + float(accepted == len(self.last))
             self.whole_weight = 0.8 * self.whole_weight + 1.0

@@ -156,16 +156,28 @@ def test_adaptive_gamma_equals_the_reference(tiny_pair, mode):
 
 @pytest.mark.parametrize("mode", ["sd", "via"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_overlap_equals_the_reference(tiny_pair, mode, temperature):
+@pytest.mark.parametrize("ahead_min", [None, 0.0], ids=["rows-likely-accepted", "every-row"])
+def test_overlap_equals_the_reference(tiny_pair, mode, temperature, ahead_min, monkeypatch):
     """The drafter drafts the next block during the verification, each block on its own seeded
-    stream: the tokens do not depend on how far it got, and equal the reference's."""
+    stream: the tokens do not depend on how far it got, and equal the reference's, with the
+    shipped rule for which rows draft ahead, and with every row drafting ahead (where how many
+    drafted-ahead tokens are used, a matter of timing, is surely more than none)."""
+    import reference
+
+    from viasd import sessions
+
+    if ahead_min is not None:
+        monkeypatch.setattr(sessions, "AHEAD_MIN", ahead_min)
+        monkeypatch.setattr(reference, "AHEAD_MIN", ahead_min)
+    assert sessions.AHEAD_MIN == reference.AHEAD_MIN
     settings = dict(mode="sd", gamma=4) if mode == "sd" else dict(VIA)
     stats = []
     for seed in (41, 42):
         stats += run_both(
             tiny_pair, engine(tiny_pair), PROMPTS, overlap=True, temperature=temperature, seed=seed, **settings
         )
-    assert total(stats, "overlap_draft_tokens") > 0  # drafted-ahead tokens were used
+    if ahead_min == 0.0:
+        assert total(stats, "overlap_draft_tokens") > 0  # drafted-ahead tokens were used
 
 
 def test_sampled_overlap_reference_is_not_the_plain_one(tiny_pair):
