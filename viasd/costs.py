@@ -112,14 +112,17 @@ class CostModel:
         self.grid = {
             tier: sorted((1, *p) if len(p) == 2 else tuple(p) for p in points) for tier, points in self.grid.items()
         }
-        self._shape: dict[str, tuple] = {}  # tier -> (one, [(b, rho_b)]): the grid's curves (module docstring)
+        # tier -> (one, batches, [rho_b per batch], [(log M, log rows) per point]): the grid's curves
+        # (module docstring) and bucket coordinates, computed once (the planner prices many steps)
+        self._shape: dict[str, tuple] = {}
         for tier, points in self.grid.items():
             one = [(t, sec) for b, t, sec in points if b == 1]
             if len(one) < 2:
                 raise ValueError(f"cost grid of {tier!r}: needs two 1-row points at least, got {points}")
             batches = sorted({b for b, _, _ in points if b > 1})
-            rho = [(b, [(t, sec / _line(one, b * t)) for b2, t, sec in points if b2 == b]) for b in batches]
-            self._shape[tier] = (one, rho)
+            rho = [[(t, sec / _line(one, b * t)) for b2, t, sec in points if b2 == b] for b in batches]
+            logs = [(math.log(b * t), math.log(b)) for b, t, _ in points]
+            self._shape[tier] = (one, batches, rho, logs)
 
     def seconds(self, tier: str, rows: float, tokens: float) -> float:
         """Forward seconds of `tier` over `rows` rows padded to `tokens` tokens each (no rows or
@@ -181,22 +184,20 @@ class CostModel:
         """The grid point nearest (rows, tokens) in (log M, log rows), M = rows * tokens: a grid
         of one row only buckets by the tokens a forward carries."""
         lm, lb = math.log(rows * tokens), math.log(rows)
-        pts = self.grid[tier]
-        return min(
-            range(len(pts)), key=lambda i: (math.log(pts[i][0] * pts[i][1]) - lm) ** 2 + (math.log(pts[i][0]) - lb) ** 2
-        )
+        logs = self._shape[tier][3]
+        return min(range(len(logs)), key=lambda i: (logs[i][0] - lm) ** 2 + (logs[i][1] - lb) ** 2)
 
     def _profiled(self, tier: str, rows: float, tokens: float) -> float:
         """grid(tier, rows >= 1, tokens) (module docstring)."""
-        one, rho = self._shape[tier]
+        one, batches, rho, _ = self._shape[tier]
         seconds = _line(one, rows * tokens)
         if not rho or rows <= 1:
             return seconds
-        i = bisect.bisect_left([b for b, _ in rho], rows)
+        i = bisect.bisect_left(batches, rows)
         if i == len(rho):  # beyond the largest batch
-            return seconds * _clamped(rho[-1][1], tokens)
-        b0, r0 = (1, 1.0) if i == 0 else (rho[i - 1][0], _clamped(rho[i - 1][1], tokens))
-        b1, r1 = rho[i][0], _clamped(rho[i][1], tokens)
+            return seconds * _clamped(rho[-1], tokens)
+        b0, r0 = (1, 1.0) if i == 0 else (batches[i - 1], _clamped(rho[i - 1], tokens))
+        b1, r1 = batches[i], _clamped(rho[i], tokens)
         return seconds * (r0 + (r1 - r0) * (rows - b0) / (b1 - b0))
 
     def to_dict(self) -> dict:

@@ -17,10 +17,10 @@ The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], wit
                     + transport[verify] + transport[propose] if a row drafts   (served calls: viasd.costs)
 where a batched forward of n rows costs C(n, T) at its padded length (its longest row: T = k + 1
 for a block, 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost
-grids over rows x tokens (viasd.costs: profiled, then corrected online). An `auto` request's drafter is not prefilled at
-admission: a row whose drafter lags `lag` tokens pays for catching up once, spread over the
-cycles it has left (at most PAYBACK_CYCLES), so under load, where speculation does not pay, the
-drafter never runs.
+grids over rows x tokens (viasd.costs: profiled, then corrected online). An `auto` request's
+drafter is not prefilled at admission: a row whose drafter lags `lag` tokens pays for catching
+up once, spread over the cycles it has left (at most PAYBACK_CYCLES), so under load, where
+speculation does not pay, the drafter never runs.
 Rows with a fixed mode count with their own plan, and requests still prefilling as `ar` rows:
 the plans are for the batch they will run in (a catch-up paid while the batch fills would be
 wasted once it is full).

@@ -514,11 +514,11 @@ class Scheduler:
         return out
 
     def _observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
-        """A batched forward of this step ran over `rows` rows, `tokens` padded tokens in all:
-        the cost model learns from it (viasd.costs)."""
+        """A batched forward of this step ran over `rows` rows padded to `tokens` tokens: the
+        cost model learns from it (viasd.costs)."""
         self._step_forwards += seconds
         if isinstance(self._costs, CostModel):
-            self._costs.observe(tier, rows, tokens // rows, seconds)
+            self._costs.observe(tier, rows, tokens, seconds)
 
     def _plans(self, rows: list[_Running]) -> list[Plan]:
         """This step's plan of every row: its own mode's, or the planner's for `auto` rows."""

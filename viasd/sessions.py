@@ -117,7 +117,7 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
     """Run forwards, one `MaskedLM.forward_batch` per (model, mask, cache): the logits of each,
     in order. Each request's stats get one forward and the batch's wall time for that tier
     (`prefill`: counted as prefill instead, so `forwards` counts decode forwards only).
-    `observe(tier, rows, padded tokens B * T_max, seconds)` hears of every batched forward."""
+    `observe(tier, rows B, padded length T_max, seconds)` hears of every batched forward."""
     out: list[Tensor | None] = [None] * len(forwards)
     groups: dict[tuple, list[int]] = {}
     for i, f in enumerate(forwards):
@@ -132,7 +132,7 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
         logits = first.lm.forward_batch(rows, first.cache.store, first.mask)
         seconds = time.perf_counter() - t0
         if observe is not None:
-            observe(first.name, len(rows), len(rows) * max(len(r.tokens) for r in rows), seconds)
+            observe(first.name, len(rows), max(len(r.tokens) for r in rows), seconds)
         for i, lg in zip(idx, logits):
             stats = forwards[i].stats
             if prefill:
