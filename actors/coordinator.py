@@ -61,7 +61,7 @@ from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, res
 from viasd.errors import InvalidParameterError, ViaSDError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import FIRST_ROUND_TOKENS, Estimates, Plan, RowState, choose, fixed_plan, learn_cycle
+from viasd.planner import FIRST_ROUND_TOKENS, Estimates, Plan, Planner, RowState, fixed_plan, learn_cycle
 from viasd.proposers import ngram_lookup
 from viasd.sessions import CATCH_UP, sample_seed
 from viasd.v1 import internal_pb2 as ipb
@@ -171,6 +171,7 @@ class Coordinator:
         self.gates = gates  # `via` requests that choose no gate get these, as in-process (Engine.submit)
         self.costs = costs  # `auto`: both services' cost curves, fetched (`Costs`) for the first auto request
         self.estimates = Estimates()  # running estimates over every request: the prior of new `auto` ones
+        self.planner = Planner()  # `auto`'s plans, step after step
         self._costs_lock: asyncio.Lock | None = None
         self.totals = RpcTotals()
         self._active: dict[str, _Request] = {}  # by the id the backends know (a sample's: "<id>#<i>")
@@ -307,8 +308,12 @@ class Coordinator:
 
     def planner_state(self) -> dict:
         """What `auto` plans with now (as `Engine.planner_state`): the cost model (None until the
-        first `auto` request) and the running estimates over every request."""
-        return {"costs": self.costs.summary() if self.costs is not None else None, **self.estimates.to_dict()}
+        first `auto` request), the running estimates over every request and the probe steps run."""
+        return {
+            "costs": self.costs.summary() if self.costs is not None else None,
+            **self.estimates.to_dict(),
+            "probes": self.planner.probes,
+        }
 
     def _forget(self, request_id: str, reqs: list[_Request]) -> None:
         self._groups.pop(request_id, None)
@@ -507,7 +512,7 @@ class Coordinator:
         # requests still opening (prefilling) join the next steps: plan for that batch (as in-process)
         opening = sum(1 for r in self._active.values() if not r.left and r not in self._rows)
         joining = [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * opening
-        return dict(zip(rows, choose(self.costs, states + joining)))
+        return dict(zip(rows, self.planner.plans(self.costs, states + joining)))
 
     def _learn(self, r: _Request, plan: Plan, sent: ipb.VerifyRequest | None, result, escalated: bool) -> None:
         """Update the running estimates the planner reads (the request's, and those over every

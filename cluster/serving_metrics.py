@@ -143,6 +143,13 @@ SPECS = (
     Spec("planner_via_tokens_per_cycle", "gauge", "Mode auto's running mean of tokens a via cycle commits.", _M),
     Spec("planner_via_escalation_rate", "gauge", "Mode auto's running probability that a via cycle escalates.", _M),
     Spec(
+        "planner_probe_steps",
+        "gauge",
+        "Mode auto's probe steps so far: `ar` steps run while it speculated, to measure the plan every other "
+        "must beat.",
+        _M,
+    ),
+    Spec(
         "auto_plan_steps",
         "counter",
         "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).",
@@ -296,6 +303,7 @@ class ServingMetrics:
             for name, value in (
                 ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
                 ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
+                ("planner_probe_steps", state["probes"]),
             )
         ]
         for kind, rates in state["acceptance"].items():

@@ -45,9 +45,16 @@ for the Propose it adds and a fixed cost is not read as a slower forward.
 
 g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
 uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
-once. r is an EMA of the residual observed / (grid * g) at bucket(B, T), the grid point nearest
-(B, T) in (log B * T, log B): a shape the profile missed (long contexts, more rows) moves only the
-sizes it shows at. Sizes never observed keep the profile's shape, scaled by g.
+once. r is a running mean (`running_mean`, no prior: a size's first observation sets it, decay
+SHAPE_DECAY) of the residual observed / (grid * g) at bucket(B, T), the grid point nearest (B, T)
+in (log B * T, log B): a shape the profile missed (long contexts, more rows) moves only the sizes
+it shows at. After each update the observed sizes' r are divided by their geometric mean
+(weighted by their evidence), and g multiplied by it: what every observed size shows is the
+pace, so sizes never observed keep the profile's shape, scaled by g. (An EMA of r started at 1
+left a mispriced size's first observations to g alone, which moved every other size with it:
+a block the bf16 profile underpriced raised `ar`'s price by as much.) A size no forward has
+shown still moves with the ones that have, so `auto` measures the plan it compares everything
+with: viasd.planner.Planner runs an `ar` step now and then while it speculates.
 """
 
 from __future__ import annotations
@@ -101,12 +108,13 @@ class CostModel:
     online: bool = False  # learn corrections from observed forwards (module docstring)
     scale: dict[str, float] = field(default_factory=dict)  # tier -> g (module docstring)
     correction: dict[str, list[float]] = field(default_factory=dict)  # tier -> r per grid point
+    evidence: dict[str, list[float]] = field(default_factory=dict)  # tier -> r's weight per grid point (running_mean)
     overhead: dict[str, float] = field(default_factory=dict)  # plan kind -> seconds per logit row (EMA)
     transport: dict[str, float] = field(default_factory=dict)  # served call ("propose", "verify") -> seconds (EMA)
     observed: int = 0  # forwards observed
 
     DECAY = 0.8  # weight of the past in each online update of g: the machine's pace moves fast ...
-    SHAPE_DECAY = 0.95  # ... and of r: the shape only where g cannot explain it
+    SHAPE_DECAY = 0.95  # ... and of r, once observed: the shape only where g cannot explain it
 
     def __post_init__(self):
         self.grid = {
@@ -154,10 +162,16 @@ class CostModel:
             self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * ratio)
         for (tier, rows, tokens), share in zip(forwards, predicted):
             r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
+            w = self.evidence.setdefault(tier, [0.0] * len(self.grid[tier]))
             i = self._bucket(tier, rows, tokens)
             residual = share * ratio / (self._profiled(tier, rows, tokens) * self.scale[tier])
-            r[i] = self.SHAPE_DECAY * r[i] + (1 - self.SHAPE_DECAY) * residual
+            r[i], w[i] = running_mean(r[i], w[i], residual, self.SHAPE_DECAY)
             self.observed += 1
+        for tier in {t for t, _, _ in forwards}:  # what the observed sizes share is the pace
+            r, w = self.correction[tier], self.evidence[tier]
+            common = math.exp(sum(wj * math.log(rj) for rj, wj in zip(r, w)) / sum(w))
+            self.correction[tier] = [rj / common if wj > 0 else rj for rj, wj in zip(r, w)]
+            self.scale[tier] *= common
 
     def observe_overhead(self, kind: str, seconds: float, logit_rows: float) -> None:
         """A row running a plan of `kind` spent `seconds` of a step outside the forwards, over
@@ -208,6 +222,7 @@ class CostModel:
             "online": self.online,
             "scale": self.scale,
             "correction": self.correction,
+            "evidence": self.evidence,
             "overhead": self.overhead,
             "transport": self.transport,
             "observed": self.observed,
@@ -379,16 +394,16 @@ def profile_tiers(
     return model
 
 
-def running_mean(mean: float, weight: float, x: float) -> tuple[float, float]:
-    """One observation x for an exponentially weighted mean: the past's weight decays by
-    Acceptance.DECAY, x counts 1, and the prior it started from counts PRIOR_WEIGHT
-    observations (aging with the rest). Returns the new (mean, weight).
+def running_mean(mean: float, weight: float, x: float, decay: float | None = None) -> tuple[float, float]:
+    """One observation x for an exponentially weighted mean: the past's weight decays by `decay`
+    (default Acceptance.DECAY), x counts 1, and the prior it started from counts `weight`
+    observations (aging with the rest; 0: none, x sets the mean). Returns the new (mean, weight).
 
-        mean' = (DECAY * weight * mean + x) / (DECAY * weight + 1),  weight' = DECAY * weight + 1
+        mean' = (decay * weight * mean + x) / (decay * weight + 1),  weight' = decay * weight + 1
 
-    A plain EMA started at the prior (mean' = DECAY * mean + (1 - DECAY) * x) would weigh it
+    A plain EMA started at the prior (mean' = decay * mean + (1 - decay) * x) would weigh it
     like an infinite past: after three accepted blocks a position would still read half prior."""
-    weight = Acceptance.DECAY * weight
+    weight = (Acceptance.DECAY if decay is None else decay) * weight
     return (weight * mean + x) / (weight + 1.0), weight + 1.0
 
 

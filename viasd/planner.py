@@ -28,6 +28,13 @@ The plans are chosen by coordinate ascent from the best uniform assignment (ever
 the same plan, where it has it: a drafting round costs about the same for one row as for all,
 so single-row moves alone would never leave `ar`); each row in turn takes the plan that
 maximises the batch's goodput given the others; two passes.
+
+The cost model learns a size's price only from forwards of that size (viasd.costs), and `ar` is
+the plan every other must beat: while `auto` speculates, `Planner` runs one `ar` step (a probe)
+after PROBE_EVERY steps without one, when `ar`'s expected goodput is within PROBE_MARGIN of the
+chosen plans'. A probe costs at most (1 - PROBE_MARGIN) / PROBE_EVERY of the goodput it was
+expected to give (1.25%); without it a block the profile underpriced kept `ar`'s price up with
+its own (the tier's pace g), and `auto` speculated where `ar` was best.
 """
 
 from __future__ import annotations
@@ -43,6 +50,9 @@ from viasd.costs import Acceptance, CostModel, running_mean
 # request has left): under load the batch changes every few cycles, and with it the best plan, so
 # a catch-up spread over a long request's every cycle is a bet the planner rarely wins.
 PAYBACK_CYCLES = 16
+# How often and how close: a probe `ar` step (module docstring)
+PROBE_EVERY = 16
+PROBE_MARGIN = 0.8
 # A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
 # last draft token too when the block was accepted whole (drafted k, fed k - 1): 2 tokens a row
 # in most steps of a batch (it is right-padded to its longest row).
@@ -301,3 +311,29 @@ def _best_uniform(costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
         if value > best_value:
             best, best_value = plans, value
     return best
+
+
+class Planner:
+    """`choose` with what it keeps across steps: the steps `auto` has speculated since its last
+    `ar` step, for the probes (module docstring)."""
+
+    def __init__(self):
+        self.since_ar = 0  # steps since every row last ran `ar`
+        self.probes = 0  # probe steps run
+
+    def plans(self, costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
+        """Every row's plan for this step: `choose`'s, or a probe's."""
+        plans = choose(costs, rows)
+        if all(p.kind == "ar" for p in plans):
+            self.since_ar = 0
+            return plans
+        self.since_ar += 1
+        if not costs.online or self.since_ar < PROBE_EVERY:  # (a model that does not learn needs no probe)
+            return plans
+        ar = [row.fixed if row.fixed is not None else Plan("ar") for row in rows]
+        if any(p.kind != "ar" for p in ar):  # a fixed row's block: q's forward is no `ar` step
+            return plans
+        if goodput(costs, rows, ar) < PROBE_MARGIN * goodput(costs, rows, plans):
+            return plans
+        self.since_ar, self.probes = 0, self.probes + 1
+        return ar

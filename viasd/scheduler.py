@@ -37,7 +37,7 @@ from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import Estimates, Plan, RowState, choose, fixed_plan, learn_cycle, logit_rows
+from viasd.planner import Estimates, Plan, Planner, RowState, fixed_plan, learn_cycle, logit_rows
 from viasd.proposers import ngram_lookup
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
@@ -273,6 +273,7 @@ class Scheduler:
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps are serialised by the caller
         self._ahead = ThreadPoolExecutor(1, thread_name_prefix="viasd-draft-ahead")  # `overlap`
         self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
+        self.planner = Planner()  # `auto`'s plans, step after step
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
         self._step_forwards = 0.0  # this step's forward seconds (the overhead estimate)
 
@@ -546,7 +547,7 @@ class Scheduler:
         joining = [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * sum(
             1 for r in self._running if not r.prefilled
         )
-        return choose(self.costs(), states + joining)[: len(states)]
+        return self.planner.plans(self.costs(), states + joining)[: len(states)]
 
     def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> bool:
         """Update the running estimates the planner reads (the request's, and the engine-wide ones

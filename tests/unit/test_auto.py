@@ -24,8 +24,10 @@ from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.planner import (
     PAYBACK_CYCLES,
+    PROBE_EVERY,
     Estimates,
     Plan,
+    Planner,
     RowState,
     _Step,
     choose,
@@ -391,6 +393,45 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
     assert shape.seconds("full", 1, 1) == pytest.approx(1.0, rel=0.05)
     assert shape.seconds("full", 1, 16) == pytest.approx(6.0, rel=0.05)
     assert slow.overhead["sd"] == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
+
+
+# q nearly flat from 1 to 2 tokens, the drafter cheap: a k = 1 block at acceptance 0.5 is
+# expected to beat `ar` by 15% (1.5 tokens in 1.3 s)
+MARGINAL = {"full": [(1, 1.0), (2, 1.1), (64, 40.0)], "slim": [(1, 0.5), (64, 20.0)], "drafter": [(1, 0.1), (64, 6.4)]}
+
+
+def test_a_mispriced_size_moves_its_own_price_not_ar_s():
+    # the bf16 load run's failure: the profile underpriced the verifier's block (1.1 s, truly
+    # 1.6 s: sd then loses to ar). What the blocks show first reads as the pace, which prices
+    # `ar` as dear; one probe `ar` step measures it, and from then on `auto` runs `ar`
+    costs, planner, ran = CostModel(dict(MARGINAL), online=True), Planner(), []
+    for _ in range(64):
+        (plan,) = planner.plans(costs, [_row(0.5, gamma=1)])
+        ran.append(plan.kind)
+        if plan.kind == "ar":
+            costs.observe("full", 1, 1, 1.0)
+        else:
+            costs.observe("drafter", 1, 2, costs.seconds("drafter", 1, 2))
+            costs.observe("full", 1, 2, 1.6)
+    assert ran == ["sd"] * (PROBE_EVERY - 1) + ["ar"] * (64 - PROBE_EVERY + 1) and planner.probes == 1
+    assert costs.seconds("full", 1, 1) == pytest.approx(1.0, rel=0.01)
+    assert costs.seconds("full", 1, 2) == pytest.approx(1.6, rel=0.1)
+
+
+def test_auto_probes_ar_while_it_speculates_near_ar():
+    def run(costs, rows, steps=2 * PROBE_EVERY):
+        planner = Planner()
+        probes = [i for i in range(steps) if all(p.kind == "ar" for p in planner.plans(costs, rows))]
+        assert planner.probes == len(probes)
+        return probes
+
+    near = CostModel(dict(MARGINAL), online=True)
+    assert choose(near, [_row(0.5, gamma=1)]) == [Plan("sd", 1)]
+    assert run(near, [_row(0.5, gamma=1)]) == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert run(CostModel(dict(MARGINAL)), [_row(0.5, gamma=1)]) == []  # a model that does not learn
+    assert run(CostModel(dict(SPECULATE.grid), online=True), [_row(0.9)]) == []  # ar far behind: no probe
+    fixed = RowState(fixed=Plan("sd", 1), gamma=1, acceptance=Acceptance())
+    assert run(near, [_row(0.5, gamma=1), fixed]) == []  # a fixed block beside: q's forward is no ar step
 
 
 def test_auto_plans_for_the_batch_that_is_still_filling(tiny_pair):
