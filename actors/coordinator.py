@@ -61,7 +61,16 @@ from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, res
 from viasd.errors import InvalidParameterError, ViaSDError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import FIRST_ROUND_TOKENS, Estimates, Plan, Planner, RowState, fixed_plan, learn_cycle
+from viasd.planner import (
+    FIRST_ROUND_TOKENS,
+    Estimates,
+    Plan,
+    Planner,
+    RowState,
+    drafts_from_the_start,
+    fixed_plan,
+    learn_cycle,
+)
 from viasd.proposers import ngram_lookup
 from viasd.sessions import CATCH_UP, sample_seed
 from viasd.v1 import internal_pb2 as ipb
@@ -489,30 +498,40 @@ class Coordinator:
     def _plans(self, rows: list[_Request]) -> dict[_Request, Plan]:
         """This step's plan of every row: its own mode's, or the planner's for `auto` rows
         (viasd.planner, as in-process: `Scheduler._plans`)."""
-        states = []
-        for r in rows:
-            gamma = r.limits.draft_length(r.seq_len)
-            if r.estimates is None:  # (a row whose drafter failed goes on as `ar`)
-                plan = fixed_plan(r.params.mode if r.drafted else Mode.AR, gamma)
-                states.append(RowState(fixed=plan, gamma=gamma, acceptance=self.estimates.acceptance))
-                continue
-            lag = len(r.tokens) - 1 - r.fed
-            states.append(
-                r.estimates.row(
-                    gamma=gamma,
-                    ngram_match=len(ngram_lookup(r.tokens, gamma, r.params.ngram_max)) if r.drafted else 0,
-                    has_drafter=r.drafted and r.params.proposer != Proposer.NGRAM,
-                    lossy=r.params.auto_lossy,
-                    draft_lag=lag if lag > CATCH_UP else 0,
-                    remaining=r.limits.remaining,
-                )
-            )
+        states = [self._state(r) for r in rows]
         if all(s.fixed is not None for s in states):
             return {r: s.fixed for r, s in zip(rows, states)}
-        # requests still opening (prefilling) join the next steps: plan for that batch (as in-process)
-        opening = sum(1 for r in self._active.values() if not r.left and r not in self._rows)
-        joining = [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * opening
-        return dict(zip(rows, self.planner.plans(self.costs, states + joining)))
+        return dict(zip(rows, self.planner.plans(self.costs, states + self._joining())))
+
+    def _state(self, r: _Request) -> RowState:
+        """What the planner knows of a row: its own mode's plan, or an `auto` row's estimates."""
+        gamma = r.limits.draft_length(r.seq_len)
+        if r.estimates is None:  # (a row whose drafter failed goes on as `ar`)
+            plan = fixed_plan(r.params.mode if r.drafted else Mode.AR, gamma)
+            return RowState(fixed=plan, gamma=gamma, acceptance=self.estimates.acceptance)
+        lag = len(r.tokens) - 1 - r.fed
+        return r.estimates.row(
+            gamma=gamma,
+            ngram_match=len(ngram_lookup(r.tokens, gamma, r.params.ngram_max)) if r.drafted else 0,
+            has_drafter=r.drafted and r.params.proposer != Proposer.NGRAM,
+            lossy=r.params.auto_lossy,
+            draft_lag=lag if lag > CATCH_UP else 0,
+            remaining=r.limits.remaining,
+        )
+
+    def _joining(self, new: _Request | None = None) -> list[RowState]:
+        """Requests still opening (prefilling) but `new` join the next steps: plans are for the
+        batch they will run in, where they count as `ar` rows (as in-process)."""
+        n = sum(1 for r in self._active.values() if not r.left and r not in self._rows and r is not new)
+        return [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * n
+
+    def _drafts_at_once(self, new: _Request) -> bool:
+        """Whether a new `auto` request's drafter prefills with its prompt at Open
+        (viasd.planner.drafts_from_the_start; as in-process: `Scheduler._drafts_at_once`)."""
+        if not new.drafted or new.params.proposer == Proposer.NGRAM:
+            return False
+        batch = [self._state(r) for r in self._rows] + self._joining(new)
+        return drafts_from_the_start(self.costs, batch, self._state(new))
 
     def _learn(self, r: _Request, plan: Plan, sent: ipb.VerifyRequest | None, result, escalated: bool) -> None:
         """Update the running estimates the planner reads (the request's, and those over every
@@ -638,9 +657,19 @@ class Coordinator:
         draft_seed, verify_seed = request_seeds(resolve_seed(req.params))
         params = params_to_proto(req.params)  # fully resolved: both sides see the same request
 
+        leader = self._active.get(prefill_from)
+        if req.tokens is not None:  # `auto`: fed now, or at its first drafting step (a sample: as its leader)
+            fed_now = leader.fed > 0 if leader is not None else self._drafts_at_once(req)
+            req.fed = len(prompt) - 1 if fed_now else 0
+
         def open_request(seed: int) -> ipb.OpenRequest:
             return ipb.OpenRequest(
-                request_id=req.request_id, prompt_token_ids=prompt, params=params, seed=seed, prefill_from=prefill_from
+                request_id=req.request_id,
+                prompt_token_ids=prompt,
+                params=params,
+                seed=seed,
+                prefill_from=prefill_from,
+                feed_drafter=req.fed > 0,
             )
 
         calls = [self._call(req.verifier, "verifier", "Open", open_request(verify_seed))]

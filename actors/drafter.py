@@ -89,11 +89,11 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         if params.proposer != Proposer.NGRAM:  # a row of the shared cache; a private one when all are taken
             row = free_row(self.store) or self.lm.new_cache()
         session = DraftSession(self.lm, prompt, params, request.seed, stats, cache=row)
-        # a sample of an n > 1 request copies sample 0's prefill; `auto` is fed only when a plan
-        # drafts (as in-process); the others prefill the prompt but its last token, together with
-        # the Opens that arrive while earlier ones run
+        # a sample of an n > 1 request copies sample 0's prefill; `auto` is fed when a plan drafts
+        # unless the coordinator planned it to draft at once (as in-process); the others prefill
+        # the prompt but its last token, together with the Opens that arrive while earlier ones run
         leader = self._session(request.prefill_from) if request.prefill_from else None
-        if leader is not None or params.mode != Mode.AUTO:
+        if leader is not None or params.mode != Mode.AUTO or request.feed_drafter:
             try:
                 await self._opens.submit((session, leader))
             except BaseException:

@@ -20,7 +20,10 @@ for a block, 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the en
 grids over rows x tokens (viasd.costs: profiled, then corrected online). An `auto` request's
 drafter is not prefilled at admission: a row whose drafter lags `lag` tokens pays for catching
 up once, spread over the cycles it has left (at most PAYBACK_CYCLES), so under load, where
-speculation does not pay, the drafter never runs.
+speculation does not pay, the drafter never runs. A request whose plan in the batch it joins
+drafts, its catch-up priced so, prefills its drafter with its prompt instead
+(`drafts_from_the_start`): the same work, sooner, and served on the drafter's own process
+while the verifier prefills, not in the first step's critical path.
 Rows with a fixed mode count with their own plan, and requests still prefilling as `ar` rows:
 the plans are for the batch they will run in (a catch-up paid while the batch fills would be
 wasted once it is full).
@@ -299,6 +302,12 @@ def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[
             plans[i] = best
             step.add(row, best)
     return plans
+
+
+def drafts_from_the_start(costs: CostModel, batch: Sequence[RowState], new: RowState) -> bool:
+    """Whether a new `auto` row (`new`: its drafter lagging the whole prompt) should prefill its
+    drafter at admission: its plan in `batch` + [new] drafts (module docstring)."""
+    return _drafts(choose(costs, [*batch, new])[-1])
 
 
 def _best_uniform(costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:

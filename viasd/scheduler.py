@@ -37,7 +37,16 @@ from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import Estimates, Plan, Planner, RowState, fixed_plan, learn_cycle, logit_rows
+from viasd.planner import (
+    Estimates,
+    Plan,
+    Planner,
+    RowState,
+    drafts_from_the_start,
+    fixed_plan,
+    learn_cycle,
+    logit_rows,
+)
 from viasd.proposers import ngram_lookup
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
@@ -237,6 +246,7 @@ class _Running:
     estimates: Estimates | None = None  # `auto`: what each plan buys this request (viasd.planner)
     via_seen: int = 0  # escalations counted so far
     leader: _Running | None = None  # n > 1: the sample whose prefill this one copies
+    feed_drafter: bool = True  # its drafter prefills with the prompt (`auto`: when planned to draft at once)
 
     @property
     def sessions(self) -> list:
@@ -369,16 +379,22 @@ class Scheduler:
             self._retire(r)
 
     def _admit(self) -> None:
+        admitted = []
         while len(self._running) < self.capacity.max_batch:
             with self._lock:
                 if not self._waiting:
-                    return
+                    break
                 handle = self._waiting.popleft()
             handle.stats.queue_seconds = time.perf_counter() - handle.submitted
             r = self._open(handle)
             if handle.index > 0:  # an n > 1 sample: prefilled from sample 0's rows while that one runs
                 r.leader = next((x for x in self._running if x.handle is handle.samples[0]), None)
             self._running.append(r)
+            admitted.append(r)
+        for r in admitted:  # `auto`: with the batch they join known (a sample: as its leader, whose prefill it copies)
+            if r.handle.params.mode == Mode.AUTO:
+                has_model = r.draft is not None and r.draft.tier is not None
+                r.feed_drafter = r.leader.feed_drafter if r.leader else has_model and self._drafts_at_once(r)
 
     def _open(self, handle: RequestHandle) -> _Running:
         """The request's sessions, on fresh rows of the tiers it uses."""
@@ -425,8 +441,8 @@ class Scheduler:
                 continue
             upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
             n = min(budget, upto - done)
-            # an `auto` request's drafter catches up only when a plan drafts (viasd.planner)
-            for s in [r.verify] if r.handle.params.mode == Mode.AUTO else r.sessions:
+            # an `auto` request's drafter catches up when a plan drafts, unless planned to draft at once (viasd.planner)
+            for s in r.sessions if r.feed_drafter else [r.verify]:
                 steps = s.prefill_steps(done + n, n)
                 forwards += steps
                 owners += [s] * len(steps)
@@ -521,33 +537,37 @@ class Scheduler:
         if isinstance(self._costs, CostModel):
             self._costs.observe(tier, rows, tokens, seconds)
 
+    def _state(self, r: _Running) -> RowState:
+        """What the planner knows of a row: its own mode's plan, or an `auto` row's estimates."""
+        params, gamma = r.handle.params, r.handle.limits.draft_length(len(r.verify.seq))
+        if params.mode != Mode.AUTO:
+            return RowState(fixed=fixed_plan(params.mode, gamma), gamma=gamma, acceptance=self.estimates.acceptance)
+        return r.estimates.row(
+            gamma=gamma,
+            ngram_match=len(ngram_lookup(r.verify.seq, gamma, params.ngram_max)),
+            has_drafter=r.draft is not None and r.draft.tier is not None,
+            lossy=params.auto_lossy,
+            draft_lag=r.draft.lag if r.draft is not None else 0,
+            remaining=r.handle.limits.remaining,
+        )
+
+    def _joining(self, new: _Running | None = None) -> list[RowState]:
+        """Requests still prefilling but `new` decode with the prefilled rows from the next steps:
+        plans are for the batch they will run in, where they count as `ar` rows."""
+        n = sum(1 for r in self._running if not r.prefilled and r is not new)
+        return [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * n
+
     def _plans(self, rows: list[_Running]) -> list[Plan]:
         """This step's plan of every row: its own mode's, or the planner's for `auto` rows."""
-        states = []
-        for r in rows:
-            params, gamma = r.handle.params, r.handle.limits.draft_length(len(r.verify.seq))
-            if params.mode != Mode.AUTO:
-                fixed = fixed_plan(params.mode, gamma)
-                states.append(RowState(fixed=fixed, gamma=gamma, acceptance=self.estimates.acceptance))
-                continue
-            states.append(
-                r.estimates.row(
-                    gamma=gamma,
-                    ngram_match=len(ngram_lookup(r.verify.seq, gamma, params.ngram_max)),
-                    has_drafter=r.draft is not None and r.draft.tier is not None,
-                    lossy=params.auto_lossy,
-                    draft_lag=r.draft.lag if r.draft is not None else 0,
-                    remaining=r.handle.limits.remaining,
-                )
-            )
+        states = [self._state(r) for r in rows]
         if all(s.fixed is not None for s in states):
             return [s.fixed for s in states]
-        # requests still prefilling decode with these rows from the next steps: the plans are for
-        # the batch they will run in (counted as `ar` rows)
-        joining = [RowState(fixed=Plan("ar"), gamma=0, acceptance=self.estimates.acceptance)] * sum(
-            1 for r in self._running if not r.prefilled
-        )
-        return self.planner.plans(self.costs(), states + joining)[: len(states)]
+        return self.planner.plans(self.costs(), states + self._joining())[: len(states)]
+
+    def _drafts_at_once(self, new: _Running) -> bool:
+        """Whether a new `auto` request's drafter prefills with its prompt (viasd.planner.drafts_from_the_start)."""
+        batch = [self._state(r) for r in self._running if r.prefilled and r is not new] + self._joining(new)
+        return drafts_from_the_start(self.costs(), batch, self._state(new))
 
     def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> bool:
         """Update the running estimates the planner reads (the request's, and the engine-wide ones

@@ -907,8 +907,39 @@ def test_served_auto_plans_as_in_process(aio, pipeline, llm, grid):
             assert [t for c in chunks for t in c.token_ids] == ref.token_ids, params
             stats = chunks[-1].stats
             assert stats.plans == ref.stats.plans, params
-            for name in ("num_drafts", "num_draft_tokens", "ngram_draft_tokens", "num_accepted_tokens", "forwards"):
+            names = ("num_drafts", "num_draft_tokens", "ngram_draft_tokens", "num_accepted_tokens", "forwards")
+            for name in (*names, "prefill_forwards"):  # (the drafter fed at Open, or caught up, as in-process)
                 assert getattr(stats, name) == getattr(ref.stats, name), (params, name)
+
+
+@pytest.mark.parametrize("grid, fed", [(SPECULATE, True), (NEVER, False)], ids=["speculate", "never"])
+def test_served_auto_feeds_its_drafter_at_open_only_when_it_plans_to_draft(aio, pipeline, llm, grid, fed):
+    """The drafter of an `auto` request planned to draft from the start prefills at Open, beside
+    the verifier's prefill (as in-process: test_auto); one planned `ar` stays unfed."""
+    coord, opens = _coordinator(pipeline, grid), []
+    call = coord._call
+
+    async def recording(stub, component, method, request, timeout=None):
+        response = await call(stub, component, method, request, timeout)
+        if method == "Open" and component == "drafter":
+            opens.append((request.feed_drafter, response.stats.prefill_forwards))
+        return response
+
+    coord._call = recording
+    prompt = list(range(3, 33))  # (no repeats: no n-gram drafts)
+
+    async def run():
+        try:
+            return await _run(coord, f"feed-{fed}", prompt, mode="auto", max_tokens=12)
+        finally:
+            await coord.close()
+
+    chunks = aio.run(run())
+    assert opens == [(fed, int(fed))]
+    assert [t for c in chunks for t in c.token_ids] == llm.complete(
+        prompt, parse_params(mode="ar", max_tokens=12)
+    ).token_ids
+    assert (chunks[-1].stats.forwards["drafter"] > 0) == fed
 
 
 def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm):

@@ -31,6 +31,7 @@ from viasd.planner import (
     RowState,
     _Step,
     choose,
+    drafts_from_the_start,
     expected_tokens,
     goodput,
     logit_rows,
@@ -418,6 +419,18 @@ def test_a_mispriced_size_moves_its_own_price_not_ar_s():
     assert costs.seconds("full", 1, 2) == pytest.approx(1.6, rel=0.1)
 
 
+def test_a_new_auto_row_feeds_its_drafter_at_once_only_when_it_plans_to_draft():
+    speculating = _row(0.9, draft_lag=30, remaining=40)
+    assert drafts_from_the_start(SPECULATE, [], speculating)
+    assert not drafts_from_the_start(NEVER, [], speculating)
+    assert not drafts_from_the_start(SPECULATE, [], _row(0.0, draft_lag=30))  # nothing is ever accepted
+    # the catch-up priced: a request with two tokens left cannot pay for feeding 500
+    assert not drafts_from_the_start(SPECULATE, [], _row(0.9, draft_lag=500, remaining=2))
+    costs = CostModel({"full": [(1, 1.0), (4, 1.1), (64, 16.0)], "drafter": [(1, 0.01), (64, 0.5)]})
+    ar = RowState(fixed=Plan("ar"), gamma=0, acceptance=Acceptance())
+    assert drafts_from_the_start(costs, [], speculating) and not drafts_from_the_start(costs, [ar] * 7, speculating)
+
+
 def test_auto_probes_ar_while_it_speculates_near_ar():
     def run(costs, rows, steps=2 * PROBE_EVERY):
         planner = Planner()
@@ -475,11 +488,39 @@ def test_auto_prefills_the_drafter_only_when_a_plan_drafts(tiny_pair):
             assert draft.tier.pos == 0
     assert sum((c.token_ids for c in handle.chunks), []) == ar.token_ids
     assert handle.stats.forwards["drafter"] == 0 and handle.stats.prefill_forwards == ar.stats.prefill_forwards
-    # worth it: the drafter catches up once (one more prefill forward than `ar`), then drafts
-    engine = _engine(tiny_pair, SPECULATE)
-    auto = engine.complete(prompt, parse_params(mode="auto", max_tokens=20))
-    assert auto.token_ids == ar.token_ids and auto.stats.forwards["drafter"] > 0
-    assert auto.stats.prefill_forwards == ar.stats.prefill_forwards + 1
+    # worth it from the start: the drafter prefills with the prompt, chunk for chunk with the
+    # verifier, then drafts without catching up
+    engine, prompt = _engine(tiny_pair, SPECULATE, prefill_chunk=10), list(range(3, 33))  # (no n-gram matches)
+    ar = engine.complete(prompt, parse_params(mode="ar", max_tokens=20))
+    handle = engine.submit(prompt, parse_params(mode="auto", max_tokens=20))
+    engine.step()  # the prompt's first chunk, through both models
+    draft, verify = engine.scheduler.sessions(handle)
+    assert draft.tier.pos == verify.full.pos == 10
+    while not handle.finished:
+        engine.step()
+    assert sum((c.token_ids for c in handle.chunks), []) == ar.token_ids and handle.stats.forwards["drafter"] > 0
+    assert handle.stats.prefill_forwards == 2 * ar.stats.prefill_forwards
+
+
+def test_auto_catches_a_lazy_drafter_up_when_a_plan_first_drafts(tiny_pair):
+    # speculation pays for one row, not for eight: admitted beside seven short requests, the long
+    # one plans `ar` and leaves its drafter unfed; alone after they finish, it catches up once
+    # (one more prefill forward than `ar`) and drafts
+    costs = CostModel(
+        {"full": [(1, 1.0), (4, 1.1), (64, 16.0)], "slim": [(1, 0.5), (64, 8.0)], "drafter": [(1, 0.01), (64, 0.5)]}
+    )
+    engine, prompt = _engine(tiny_pair, costs, max_batch=8), list(range(3, 33))
+    ar = engine.complete(prompt, parse_params(mode="ar", max_tokens=20))
+    handle = engine.submit(prompt, parse_params(mode="auto", max_tokens=20))
+    others = [engine.submit([7 + i, 40, 41], parse_params(mode="auto", max_tokens=2)) for i in range(7)]
+    while not all(h.finished for h in others):
+        engine.step()
+        draft, _ = engine.scheduler.sessions(handle)
+        assert draft.tier.pos == 0
+    while not handle.finished:
+        engine.step()
+    assert sum((c.token_ids for c in handle.chunks), []) == ar.token_ids and handle.stats.forwards["drafter"] > 0
+    assert handle.stats.prefill_forwards == ar.stats.prefill_forwards + 1 and "ar" in handle.stats.plans
 
 
 def test_auto_crosses_the_wire():

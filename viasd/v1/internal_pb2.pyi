@@ -8,18 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "prefill_from")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "prefill_from", "feed_drafter")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FROM_FIELD_NUMBER: _ClassVar[int]
+    FEED_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.GenerationParams
     seed: int
     prefill_from: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefill_from: _Optional[str] = ...) -> None: ...
+    feed_drafter: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefill_from: _Optional[str] = ..., feed_drafter: _Optional[bool] = ...) -> None: ...
 
 class OpenResponse(_message.Message):
     __slots__ = ("request_id", "prompt_logprobs", "stats")
