@@ -10,8 +10,9 @@
 `run` loads the embedded pair as `viasd generate` does (prepacked linears), profiles the three
 tiers (`viasd.costs.profile`, no cache: measured afresh), runs `sd` and `via` greedily on a few
 HumanEval prompts for the acceptance actually reached, and writes
-``docs/benchmarks/cpu/costs/costs-<dtype>-<label>.json`` (label ``native``, or ``avx2`` when torch
-runs AVX2 kernels) with the raw grid, the command, the commit and the machine.
+``docs/benchmarks/cpu/costs/costs-<dtype>-<label>.json`` (viasd.bench.machine_label: ``native``,
+``avx2`` on a CPU without AVX-512, ``avx2-emulated`` with torch held to AVX2 kernels) with the raw
+grid, the command, the commit and the machine.
 
 Break-even, per row at batch B (a cycle must commit E* tokens to match `ar`, which commits one
 token per C_full(B, 1) seconds; C(B, T): a forward of B rows of T tokens, viasd.costs):
@@ -55,9 +56,8 @@ def break_even(grid: dict, plan: str, k: int, batch: int, escalation: float = 0.
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    import torch
 
-    from viasd.bench import environment, humaneval
+    from viasd.bench import environment, humaneval, machine_label
     from viasd.config import EngineConfig, parse_params
     from viasd.costs import profile
     from viasd.llm import LLM
@@ -90,7 +90,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         for k in KS
         for b in BATCHES
     }
-    label = "avx2" if torch.backends.cpu.get_cpu_capability().upper() == "AVX2" else "native"
+    label = machine_label()
     OUT.mkdir(parents=True, exist_ok=True)
     out = OUT / f"costs-{args.dtype}-{label}.json"
     record = {

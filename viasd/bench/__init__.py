@@ -165,6 +165,15 @@ def environment(device: str = "cpu") -> dict[str, Any]:
     return env
 
 
+def machine_label() -> str:
+    """How per-machine raw files are named: `avx2` on a CPU without AVX-512, `avx2-emulated` where
+    torch is held to AVX2 kernels on one that has it (ATEN_CPU_CAPABILITY=avx2), else `native`."""
+    env = environment()
+    if env["cpu_capability"].upper() != "AVX2":
+        return "native"
+    return "avx2-emulated" if any(f.startswith("avx512") for f in env["cpu_flags"]) else "avx2"
+
+
 def provenance(device: str = "cpu") -> dict[str, Any]:
     """What a committed raw file must record beside its figures: the command that made it (this
     process's argv), the commit and the machine (`environment`)."""
