@@ -9,10 +9,16 @@ says why, as a :class:`DtypeChoice`:
 * ``auto`` on CPU is ``bfloat16`` when the CPU has native bf16 arithmetic (AVX-512 BF16 or AMX
   BF16, see :func:`native_bf16`) *and* a short measured probe (a ``[6, 1536] x [1536, 4096]``
   ``F.linear``, best of a few, a few ms in all, :func:`probe_matmul`) is not slower in bf16
-  than in float32; else ``float32``. Without native bf16, oneDNN/ATen widen every bf16 tile to
-  float32 on the fly: one-token steps may still gain from reading half the bytes, but
-  multi-token blocks and prefill lose (docs/benchmarks/cpu/kernels/results.md), so ``auto``
-  stays in float32 there.
+  than in float32; else ``float32``.
+* Without native bf16, ATen widens every bf16 tile to float32 on the fly: a one-row step gains
+  from reading half the bytes, multi-token blocks and prefill lose (on a real AVX2 CPU a
+  one-token forward of the 1.5B verifier cost 267 ms in bf16 and 502 ms in float32, a 6-token
+  block 987 and 654 ms: docs/BENCHMARKS.md). Which wins depends on what decoding will run, so
+  ``auto`` probes a one-row and a 6-row product in each dtype, each with the kernel the engine
+  runs (:func:`probe_matmul`, ``packed``), and picks the dtype whose faster plan is faster
+  (:func:`decode_speed`: `ar`, one one-row step a token, or a reference `sd` cycle): bf16 when
+  its one-row steps win by more than float32's cheap blocks buy back (reason
+  ``no-native-bf16-decode``), else float32 (``no-native-bf16``).
 
 The CPU check and the probe run once per process (cached); :func:`resolve_dtype` is cheap to
 call again, so a caller can resolve once, load every tier with ``choice.dtype`` and record
@@ -32,11 +38,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "AUTO",
+    "DECODE_SHAPES",
     "DTYPE_NAMES",
     "PROBE_SHAPE",
     "DtypeChoice",
     "cpu_bf16_flags",
     "cpu_capability",
+    "decode_speed",
     "native_bf16",
     "optimize_linears",
     "probe_matmul",
@@ -50,6 +58,15 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 PROBE_SHAPE = (6, 1536, 4096)
 #: Runs of the probe per dtype (after one warm-up); the best one counts.
 PROBE_REPEATS = 5
+#: (M, K, N) of the probes without native bf16: a one-row step and a 6-token block through a
+#: 1536 -> 8960 projection (larger than the caches: decoding reads its weights from memory).
+DECODE_SHAPES = ((1, 1536, 8960), (6, 1536, 8960))
+#: The reference `sd` cycle of decode_speed, the embedded pair's on code (docs/BENCHMARKS.md, the
+#: AVX2 CPU): k draft tokens, committing REFERENCE_TOKENS a cycle, the drafter's step at
+#: REFERENCE_DRAFTER of the verifier's (0.29 in float32 there, 0.42 in bf16).
+REFERENCE_K = 5
+REFERENCE_TOKENS = 4.2
+REFERENCE_DRAFTER = 0.3
 #: CPU flags (``/proc/cpuinfo`` spelling) that mean native bf16 dot products.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -61,11 +78,11 @@ class DtypeChoice:
     ``dtype``: the concrete dtype name (``bfloat16`` / ``float16`` / ``float32`` / ``float64``).
     ``requested``: what the configuration asked for (``auto`` or a dtype name).
     ``reason``: ``requested``, ``cuda``, ``cuda-no-bf16``, ``native-bf16``,
-    ``native-bf16-probe-slower``, ``no-native-bf16`` or ``device``.
+    ``native-bf16-probe-slower``, ``no-native-bf16``, ``no-native-bf16-decode`` or ``device``.
     ``cpu_capability``: ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...)
     on CPU, else None. ``native_bf16``: the CPU check of :func:`native_bf16` (None where it did
-    not run). ``probe_seconds``: best time of the probe product per dtype name (empty where no
-    probe ran).
+    not run). ``probe_seconds``: best time of the probe product per dtype name, or per
+    ``dtype@rows`` without native bf16 (empty where no probe ran).
     """
 
     dtype: str
@@ -152,9 +169,12 @@ def native_bf16() -> bool:
     return bool(cpu_bf16_flags()) and _onednn_bf16_enabled() and cpu_capability().upper().startswith("AVX512")
 
 
-def probe_matmul(dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS) -> float:
+def probe_matmul(
+    dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS, packed: bool = False
+) -> float:
     """Best wall time in seconds of ``F.linear(x [M, K], w [N, K])`` in ``dtype_name`` on CPU,
-    after one warm-up run (a few ms for the default shape)."""
+    after one warm-up run (a few ms for the default shape). ``packed``: with the kernel
+    :func:`optimize_linears` swaps in where it would (oneDNN-prepacked weights), else F.linear."""
     import torch
     import torch.nn.functional as F
 
@@ -162,15 +182,29 @@ def probe_matmul(dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, rep
     dt = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).to(dt)
-    w = (torch.randn(n, k, generator=g) / k**0.5).to(dt)
+    linear = torch.nn.Linear(k, n, bias=False, dtype=dt)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+    run = lambda x: F.linear(x, linear.weight)  # noqa: E731
+    if packed and torch.backends.mkldnn.is_available() and (dt == torch.float32 or _onednn_bf16_enabled()):
+        run = packed_linear_class()(linear)
     best = float("inf")
     with torch.inference_mode():
-        F.linear(x, w)
+        run(x)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            F.linear(x, w)
+            run(x)
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def decode_speed(one_row: float, block: float) -> float:
+    """Tokens per second (relative) of the faster of `ar`, one one-row step of `one_row` seconds a
+    token, and the reference `sd` cycle: REFERENCE_K drafter steps at REFERENCE_DRAFTER of a
+    one-row step and one verified block of `block` seconds for REFERENCE_TOKENS tokens:
+
+        max(1 / one_row,  REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * one_row + block))"""
+    return max(1.0 / one_row, REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * one_row + block))
 
 
 @functools.cache
@@ -179,7 +213,18 @@ def _cpu_auto() -> DtypeChoice:
     cap = cpu_capability()
     native = native_bf16()
     if not native:
-        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", cap, False)
+        seconds = {
+            f"{name}@{m}": probe_matmul(name, (m, k, n), packed=True)
+            for name in ("bfloat16", "float32")
+            for m, k, n in DECODE_SHAPES
+        }
+        (one, _, _), (block, _, _) = DECODE_SHAPES
+        speed = {
+            name: decode_speed(seconds[f"{name}@{one}"], seconds[f"{name}@{block}"]) for name in ("bfloat16", "float32")
+        }
+        if speed["bfloat16"] > speed["float32"]:
+            return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-decode", cap, False, seconds)
+        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", cap, False, seconds)
     seconds = {name: probe_matmul(name) for name in ("bfloat16", "float32")}
     if seconds["bfloat16"] <= seconds["float32"]:
         return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", cap, True, seconds)

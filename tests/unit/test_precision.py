@@ -20,15 +20,16 @@ def fresh(monkeypatch):
     P._reset_cache()
 
 
-def _cpu(monkeypatch, *, flags, onednn=True, capability="AVX512", bf16_s=0.001, f32_s=0.002):
+def _cpu(monkeypatch, *, flags, onednn=True, capability="AVX512", bf16_s=0.001, f32_s=0.002, rows=None):
+    """A CPU with these flags whose probe products take bf16_s / f32_s seconds, or rows[(dtype, M)]."""
     calls = []
     monkeypatch.setattr(P, "cpu_bf16_flags", lambda: set(flags))
     monkeypatch.setattr(P, "_onednn_bf16_enabled", lambda: onednn)
     monkeypatch.setattr(P, "cpu_capability", lambda: capability)
 
-    def probe(name, *a, **k):
+    def probe(name, shape=P.PROBE_SHAPE, *a, **k):
         calls.append(name)
-        return {"bfloat16": bf16_s, "float32": f32_s}[name]
+        return rows[name, shape[0]] if rows else {"bfloat16": bf16_s, "float32": f32_s}[name]
 
     monkeypatch.setattr(P, "probe_matmul", probe)
     return calls
@@ -56,14 +57,32 @@ def test_auto_stays_float32_when_the_probe_is_slower(fresh):
     assert (choice.dtype, choice.reason) == ("float32", "native-bf16-probe-slower")
 
 
+# the AVX2 CPU of docs/BENCHMARKS.md (one-token and 6-token forwards of the verifier, seconds):
+# bf16 halves a one-row step, and its `ar` beats float32's best plan, `sd` with cheap blocks
+AVX2 = {("bfloat16", 1): 0.267, ("bfloat16", 6): 0.987, ("float32", 1): 0.502, ("float32", 6): 0.654}
+# a CPU where bf16 one-row steps gain little: float32's speculation wins
+NARROW = {("bfloat16", 1): 0.45, ("bfloat16", 6): 1.5, ("float32", 1): 0.5, ("float32", 6): 0.6}
+
+
 @pytest.mark.parametrize(
     "kw", [dict(flags=set()), dict(flags={"avx512_bf16"}, onednn=False), dict(flags={"avx512_bf16"}, capability="AVX2")]
 )
-def test_auto_is_float32_without_native_bf16(fresh, kw):
-    calls = _cpu(fresh, **kw)
+@pytest.mark.parametrize(
+    "rows, want", [(AVX2, ("bfloat16", "no-native-bf16-decode")), (NARROW, ("float32", "no-native-bf16"))]
+)
+def test_without_native_bf16_auto_picks_the_dtype_that_decodes_faster(fresh, kw, rows, want):
+    calls = _cpu(fresh, **kw, rows=rows)
     choice = P.resolve_dtype("auto", "cpu")
-    assert (choice.dtype, choice.reason, choice.native_bf16) == ("float32", "no-native-bf16", False)
-    assert calls == [] and choice.probe_seconds == {}  # no probe without native bf16
+    assert (choice.dtype, choice.reason, choice.native_bf16) == (*want, False)
+    assert choice.probe_seconds == {f"{d}@{m}": s for (d, m), s in rows.items()} and len(calls) == 4
+    # what decides: float32's reference `sd` cycle against bf16's `ar`
+    assert P.decode_speed(0.502, 0.654) == pytest.approx(P.REFERENCE_TOKENS / (1.5 * 0.502 + 0.654))
+    assert P.decode_speed(0.267, 0.987) == pytest.approx(1 / 0.267)
+
+
+def test_probe_runs_the_engine_s_kernel_or_plain_linear(fresh):
+    for packed in (False, True):
+        assert 0 < P.probe_matmul("float32", (1, 64, 128), repeats=2, packed=packed) < 1
 
 
 @pytest.mark.parametrize(
@@ -123,7 +142,7 @@ def test_auto_loads_a_tiny_model_in_the_concrete_dtype(fresh, tmp_path):
     save_tiny_pair(tmp_path)
     for native, want in ((False, torch.float32), (True, torch.bfloat16)):
         P._reset_cache()
-        _cpu(fresh, flags={"avx512_bf16"} if native else set())
+        _cpu(fresh, flags={"avx512_bf16"} if native else set(), rows=None if native else NARROW)
         model, tok = load_causal_lm(str(tmp_path / "verifier"), dtype="auto")
         assert tok is None and next(model.parameters()).dtype is want
 
@@ -132,7 +151,7 @@ def test_auto_never_names_a_cache_auto(fresh, tmp_path, monkeypatch):
     from viasd.models import embedded as E
 
     monkeypatch.setenv("VIASD_CACHE_DIR", str(tmp_path))
-    _cpu(fresh, flags=set())
+    _cpu(fresh, flags=set(), rows=NARROW)
     assert E.cache_dir_for(E.TEST_MODEL, "auto").name == f"{E.TEST_MODEL}-float32"
     assert E.concrete_dtype("auto") == "float32" and E.concrete_dtype("bf16") == "bfloat16"
     seen = []
