@@ -398,3 +398,40 @@ def test_quality_tables_equal_their_raw_files():
         p = sampled[row[0].split("`")[1]]["humaneval"]["pass_at_1"]
         assert p["n_samples"] == 80, row[0]
         check_unsigned(row[1], [p["pass_at_1"], *p["wilson95"]], row[0])
+
+
+# ------------------------------------------------------------------ a real AVX2 CPU
+
+
+def test_avx2_dtype_table_equals_its_raw_file():
+    """docs/BENCHMARKS.md's one-row / block forwards per dtype on the AVX2 CPU against
+    docs/benchmarks/cpu/dtypes/dtypes-avx2.json (command, commit and machine recorded)."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "dtypes" / "dtypes-avx2.json")
+    assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
+    assert raw["command"].startswith("scripts/measure_dtypes.py")
+    rows = table("BENCHMARKS.md", "| model (AVX2) | dtype |")
+    assert [(r[0].strip("`"), r[1].strip("`")) for r in rows] == [(f["model"], f["dtype"]) for f in raw["forwards"]]
+    for row, f in zip(rows, raw["forwards"]):
+        check_cell(row[2], [f["linears_swapped"]], "packed")
+        for cell, t in zip(row[3:], ("1", "2", "6")):
+            check_cell(cell, [f["seconds"][t] * 1e3], f"{f['model']} {f['dtype']} {t}")
+
+
+def test_avx2_quick_start_table_equals_its_raw_files():
+    """The quick start on the AVX2 CPU, per configuration: each pass, the median tokens/s and the
+    ratio to `before` in the same run, against docs/benchmarks/cpu/quickstart/quickstart-avx2.json
+    and (the float32 choice `dtype: auto` made before its decode probe) quickstart-avx2-float32-auto.json."""
+    folder = DOCS / "benchmarks" / "cpu" / "quickstart"
+    now, then = load(folder / "quickstart-avx2.json"), load(folder / "quickstart-avx2-float32-auto.json")
+    want = [(name, now, name) for name in ("before", "after", "ar")]
+    want += [(f"{name} (float32 auto)", then, name) for name in ("after", "ar")]
+    rows = table("BENCHMARKS.md", "| quick start (AVX2) | dtype |")
+    assert [r[0].replace("`", "") for r in rows] == [label for label, _, _ in want]
+    for row, (label, raw, name) in zip(rows, want):
+        runs = [r for r in raw["runs"] if r["config"] == name]
+        median = raw["median_tokens_per_second"]
+        assert row[1].strip("`") == runs[0]["runtime"]["dtype"], label
+        check_cell(row[2], [r["tokens_per_second"] for r in runs], label)
+        check_cell(row[3], [median[name]], label)
+        check_cell(row[4], [median[name] / median["before"]], label)
+        assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
