@@ -8,7 +8,8 @@ interleaved.
         flock /tmp/viasd-heavy.lock python scripts/measure_quickstart.py          # emulated AVX2 CPU
 
 Configurations: `before` = the old quick start (`--mode via`, bf16, plain `F.linear`, the paper's gates); `after` =
-today's (`--mode auto`, `dtype auto`, prepacked linears); `ar` = plain decoding with today's
+today's (`--mode auto`, `dtype auto`, prepacked linears); `after-float32` = the same in float32 (what
+`dtype auto` chose without native bf16 before its decode probe); `ar` = plain decoding with today's
 precision choice. tokens/s = generated tokens / request seconds (model loading excluded; one
 untimed 8-token request first). Writes ``docs/benchmarks/cpu/quickstart/quickstart-<label>.json``.
 """
@@ -28,6 +29,7 @@ PROMPT = "def fibonacci(n):"
 CONFIGS = {
     "before": ({"dtype": "bfloat16", "packed_linears": False, "gates": "paper"}, {"mode": "via"}),
     "after": ({"dtype": "auto", "packed_linears": True}, {"mode": "auto"}),
+    "after-float32": ({"dtype": "float32", "packed_linears": True}, {"mode": "auto"}),
     "ar": ({"dtype": "auto", "packed_linears": True}, {"mode": "ar"}),
 }
 
