@@ -62,10 +62,12 @@ PROBE_REPEATS = 5
 #: 1536 -> 8960 projection (larger than the caches: decoding reads its weights from memory).
 DECODE_SHAPES = ((1, 1536, 8960), (6, 1536, 8960))
 #: The reference `sd` cycle of decode_speed, the embedded pair's on code (docs/BENCHMARKS.md, the
-#: AVX2 CPU): k draft tokens, committing REFERENCE_TOKENS a cycle, the drafter's step at
+#: AVX2 CPU): k draft tokens, committing REFERENCE_TOKENS a cycle (what float32 `auto` committed
+#: per step in the quick start there: 128 tokens in about 35 steps; fixed `sd` reached 4.2 on
+#: HumanEval, an estimate that let probe noise flip the choice), the drafter's step at
 #: REFERENCE_DRAFTER of the verifier's (0.29 in float32 there, 0.42 in bf16).
 REFERENCE_K = 5
-REFERENCE_TOKENS = 4.2
+REFERENCE_TOKENS = 3.6
 REFERENCE_DRAFTER = 0.3
 #: CPU flags (``/proc/cpuinfo`` spelling) that mean native bf16 dot products.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -213,8 +215,8 @@ def _cpu_auto() -> DtypeChoice:
     cap = cpu_capability()
     native = native_bf16()
     if not native:
-        seconds = {
-            f"{name}@{m}": probe_matmul(name, (m, k, n), packed=True)
+        seconds = {  # (best of twice the repeats: each a few ms, and the choice is their margin)
+            f"{name}@{m}": probe_matmul(name, (m, k, n), 2 * PROBE_REPEATS, packed=True)
             for name in ("bfloat16", "float32")
             for m, k, n in DECODE_SHAPES
         }

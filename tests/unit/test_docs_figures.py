@@ -13,6 +13,8 @@
   tables (generate-until and loglikelihood) against docs/lm_eval.json.
 * docs/BENCHMARKS.md, "Three tiers without losing quality": the greedy and sampled quality
   tables against docs/benchmarks/quality/{greedy,sampled}/results.json.
+* docs/BENCHMARKS.md, "On a real AVX2 CPU": the forwards per dtype and the quick start against
+  docs/benchmarks/cpu/{dtypes/dtypes,quickstart/quickstart}-avx2.json.
 """
 
 from __future__ import annotations
@@ -417,21 +419,18 @@ def test_avx2_dtype_table_equals_its_raw_file():
             check_cell(cell, [f["seconds"][t] * 1e3], f"{f['model']} {f['dtype']} {t}")
 
 
-def test_avx2_quick_start_table_equals_its_raw_files():
+def test_avx2_quick_start_table_equals_its_raw_file():
     """The quick start on the AVX2 CPU, per configuration: each pass, the median tokens/s and the
-    ratio to `before` in the same run, against docs/benchmarks/cpu/quickstart/quickstart-avx2.json
-    and (the float32 choice `dtype: auto` made before its decode probe) quickstart-avx2-float32-auto.json."""
-    folder = DOCS / "benchmarks" / "cpu" / "quickstart"
-    now, then = load(folder / "quickstart-avx2.json"), load(folder / "quickstart-avx2-float32-auto.json")
-    want = [(name, now, name) for name in ("before", "after", "ar")]
-    want += [(f"{name} (float32 auto)", then, name) for name in ("after", "ar")]
+    ratio to `before` in the same run, against docs/benchmarks/cpu/quickstart/quickstart-avx2.json."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "quickstart" / "quickstart-avx2.json")
+    assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
+    assert raw["command"].startswith("python scripts/measure_quickstart.py")
+    median = raw["median_tokens_per_second"]
     rows = table("BENCHMARKS.md", "| quick start (AVX2) | dtype |")
-    assert [r[0].replace("`", "") for r in rows] == [label for label, _, _ in want]
-    for row, (label, raw, name) in zip(rows, want):
+    assert [r[0].strip("`") for r in rows] == list(median)
+    for row, name in zip(rows, median):
         runs = [r for r in raw["runs"] if r["config"] == name]
-        median = raw["median_tokens_per_second"]
-        assert row[1].strip("`") == runs[0]["runtime"]["dtype"], label
-        check_cell(row[2], [r["tokens_per_second"] for r in runs], label)
-        check_cell(row[3], [median[name]], label)
-        check_cell(row[4], [median[name] / median["before"]], label)
-        assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
+        assert row[1].replace("`", "").split(" / ") == list(dict.fromkeys(r["runtime"]["dtype"] for r in runs)), name
+        check_cell(row[2], [r["tokens_per_second"] for r in runs], name)
+        check_cell(row[3], [median[name]], name)
+        check_cell(row[4], [median[name] / median["before"]], name)
