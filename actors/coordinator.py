@@ -115,9 +115,28 @@ class RpcTotals:
     verify_seconds: float = 0.0
     open_close_seconds: float = 0.0
     drafter_fallbacks: int = 0
+    drafter_seconds: float = 0.0  # what the drafter reported it spent on the Proposes (`seconds`)
+    verifier_seconds: float = 0.0  # what verifier rank 0 reported it spent on the Verifies
+    coordinator_seconds: float = 0.0  # the steps' wall time outside their calls: planning, handing out
+    wait_consumers_seconds: float = 0.0  # the driver waited, rows open, for any of them to ask again
+    wait_batch_seconds: float = 0.0  # from the first row asking to the step's start (`batch_wait_s`)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def phases(self) -> dict[str, float]:
+        """Where the step driver's time went, in seconds: the services' own time on their calls,
+        each call's transport (its round trip less that), the coordinator's own work in the steps,
+        and its waits between steps (`viasd_coordinator_seconds{phase}`)."""
+        return {
+            "drafter": self.drafter_seconds,
+            "propose_transport": self.propose_seconds - self.drafter_seconds,
+            "verifier": self.verifier_seconds,
+            "verify_transport": self.verify_seconds - self.verifier_seconds,
+            "coordinator": self.coordinator_seconds,
+            "wait_consumers": self.wait_consumers_seconds,
+            "wait_batch": self.wait_batch_seconds,
+        }
 
 
 @dataclass(eq=False)
@@ -393,10 +412,14 @@ class Coordinator:
         """The step driver: whenever requests ask for their next chunk, run one step over all of
         them. A step waits up to `batch_wait_s` for the other rows to ask again (their consumers
         run between steps), so that streams that keep up stay in one batch."""
-        loop = asyncio.get_running_loop()
+        loop, t = asyncio.get_running_loop(), self.totals
         while True:
+            idle, t0 = bool(self._rows), loop.time()  # (no row open: nobody waits)
             await self._wake.wait()
-            deadline = loop.time() + self.batch_wait_s
+            t1 = loop.time()
+            if idle:
+                t.wait_consumers_seconds += t1 - t0
+            deadline = t1 + self.batch_wait_s
             while len(self._waiting()) < len(self._rows) and loop.time() < deadline:
                 self._wake.clear()
                 try:
@@ -406,12 +429,16 @@ class Coordinator:
             self._wake.clear()
             rows = self._waiting()
             if rows:
+                t2, calls = loop.time(), t.propose_seconds + t.verify_seconds
+                t.wait_batch_seconds += t2 - t1
                 try:
                     await self._step(rows)
                 except Exception as exc:  # a bug: the step's rows fail, the driver goes on
                     log.exception("step failed")
                     for r in rows:
                         _settle(r.asked, exc)
+                # (the calls of several backends run at once: what is left may be below 0)
+                t.coordinator_seconds += max(0.0, loop.time() - t2 - (t.propose_seconds + t.verify_seconds - calls))
 
     # ---------------------------------------------------------------- one step
 
@@ -614,6 +641,7 @@ class Coordinator:
         t0 = time.perf_counter()
         try:
             response = await self._call(group[0].drafter, "drafter", "Propose", request)
+            self.totals.drafter_seconds += response.seconds
             answers: list = list(response.rows)
             self._observe_propose(group, plans, lags, response.seconds, time.perf_counter() - t0)
         except BackendError as exc:
@@ -644,6 +672,7 @@ class Coordinator:
         except BackendError as exc:
             failed.update((r, exc) for r in group)
             return
+        self.totals.verifier_seconds += response.seconds
         calls.append((group, response.seconds, time.perf_counter() - t0))
         for r, answer in zip(group, response.rows):
             if answer.HasField("error"):

@@ -336,7 +336,11 @@ class Job:
                     "samples": [s.stats for s in self.samples],
                 }
             self._timer.finish([s.request_stats for s in self.samples], self.finish_reason)
-            self.handler.metrics.set_planner(self.handler.backend.coordinator.planner_state())
+            coordinator = self.handler.backend.coordinator
+            self.handler.metrics.set_planner(coordinator.planner_state())
+            totals = getattr(coordinator, "totals", None)  # (the served step driver's; in-process has none)
+            if totals is not None:
+                self.handler.metrics.set_steps(totals.steps, totals.phases())
         return Piece("", [], reason, stats, request_stats, index=index)
 
     def _cut(self, index: int, reason: str, stopped_by: str) -> Piece:

@@ -155,6 +155,17 @@ SPECS = (
         "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).",
         ("model_name", "plan"),
     ),
+    # the served step driver (actors.coordinator): where its time goes
+    Spec("coordinator_steps", "counter", "Engine steps the coordinator drove (one Verify per backend each).", _M),
+    Spec(
+        "coordinator_seconds",
+        "counter",
+        "The coordinator's time by `phase`: drafter and verifier (what each service spent on its calls), "
+        "propose_transport and verify_transport (the rest of each round trip), coordinator (its own work "
+        "in a step), wait_consumers (waiting, requests open, for any to ask for its next chunk) and "
+        "wait_batch (from the first request asking to the step's start).",
+        ("model_name", "phase"),
+    ),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
     Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
     Spec(
@@ -277,6 +288,7 @@ class ServingMetrics:
         if enabled and ray_export:
             self.sinks.append(RaySink())
         self._labels = {"model_name": model}
+        self._steps: tuple[int, dict[str, float]] = (0, {})  # the step totals published so far
 
     def _counter(self, name: str, value: float, **labels: str) -> None:
         for sink in self.sinks:
@@ -322,6 +334,15 @@ class ServingMetrics:
         for sink in self.sinks:
             for name, value, labels in gauges:
                 sink.gauge(name, value, {**self._labels, **labels})
+
+    def set_steps(self, steps: int, phases: dict[str, float]) -> None:
+        """The step driver's running totals (`RpcTotals.steps` and `.phases()`): the counters move
+        by what changed since the last call."""
+        done, seen = self._steps
+        self._counter("coordinator_steps", max(0, steps - done))
+        for phase, seconds in phases.items():
+            self._counter("coordinator_seconds", max(0.0, seconds - seen.get(phase, 0.0)), phase=phase)
+        self._steps = (max(steps, done), {p: max(v, seen.get(p, 0.0)) for p, v in phases.items()})
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)

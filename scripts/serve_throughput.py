@@ -156,6 +156,34 @@ def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str 
     }
 
 
+def coordinator_totals(base: str) -> dict:
+    """The served step driver's totals from /metrics: steps, and seconds by phase
+    (`viasd_coordinator_seconds{phase}`; published as each request ends)."""
+    import urllib.request
+
+    from viasd.cluster.serving_metrics import parse_exposition, total
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as f:
+        samples = parse_exposition(f.read().decode())
+    phases = {dict(lab)["phase"] for (n, lab) in samples if n == "viasd_coordinator_seconds_total"}
+    return {
+        "steps": total(samples, "viasd_coordinator_steps_total"),
+        "seconds": {ph: total(samples, "viasd_coordinator_seconds_total", phase=ph) for ph in sorted(phases)},
+    }
+
+
+def step_phases(before: dict, after: dict, tokens: int) -> dict:
+    """What one level cost the coordinator: its steps, and milliseconds per step by phase (the
+    services' own time, each call's transport, its own work, its waits between steps)."""
+    steps = after["steps"] - before["steps"]
+    seconds = {ph: s - before["seconds"].get(ph, 0.0) for ph, s in after["seconds"].items()}
+    return {
+        "steps": int(steps),
+        "tokens_per_step": round(tokens / steps, 2) if steps else None,
+        "ms_per_step": {ph: round(1e3 * s / steps, 1) for ph, s in seconds.items()} if steps else {},
+    }
+
+
 def tokenizer_dir(spec: str) -> str:
     """A local directory with the served model's tokenizer (guidellm sizes synthetic prompts with it)."""
     from pathlib import Path
@@ -334,11 +362,14 @@ def main(argv: list[str] | None = None) -> int:
     results = {"cpus": os.cpu_count(), **provenance(), "levels": levels, "modes": modes, "runs": []}
     expected: dict[int, list[int]] = {}
 
-    def measure(target, system: str, mode_list: list[str], p: int) -> None:
+    def measure(target, system: str, mode_list: list[str], p: int, steps=None) -> None:
         for mode in mode_list:
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
+                before = steps() if steps else None
                 r = {**run_level(target, mode, c, args.max_tokens, system), "pass": p}
+                if steps:
+                    r["coordinator"] = step_phases(before, steps(), r["tokens"])
                 results["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), flush=True)
 
@@ -376,7 +407,13 @@ def main(argv: list[str] | None = None) -> int:
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
             model = client.models.list().data[0]
             results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
-            measure(lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out), "served", modes, p)
+            measure(
+                lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out),
+                "served",
+                modes,
+                p,
+                steps=(lambda: coordinator_totals(base)) if raw["backend"] == "actors" else None,
+            )
             if args.guidellm and p == 0:
                 import tempfile
 

@@ -30,7 +30,10 @@ wasted once it is full).
 The plans are chosen by coordinate ascent from the best uniform assignment (every auto row on
 the same plan, where it has it: a drafting round costs about the same for one row as for all,
 so single-row moves alone would never leave `ar`); each row in turn takes the plan that
-maximises the batch's goodput given the others; two passes.
+maximises the batch's goodput given the others; two passes. The batch speculates only when
+that beats every auto row on `ar` by SPECULATE_MARGIN: `ar` is the plan `auto` must never lose
+to, and a gain smaller than the cost model's error is a bet on noise (at 8 rows in bf16 on an
+AVX-512 CPU the planner expected `sd` 7% above `ar` and its steps measured 4% below).
 
 The cost model learns a size's price only from forwards of that size (viasd.costs), and `ar` is
 the plan every other must beat: while `auto` speculates, `Planner` runs one `ar` step (a probe)
@@ -56,6 +59,8 @@ PAYBACK_CYCLES = 16
 # How often and how close: a probe `ar` step (module docstring)
 PROBE_EVERY = 16
 PROBE_MARGIN = 0.8
+# How much a speculating batch must be expected to beat `ar` by to be chosen (module docstring)
+SPECULATE_MARGIN = 1.1
 # A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
 # last draft token too when the block was accepted whole (drafted k, fed k - 1): 2 tokens a row
 # in most steps of a batch (it is right-padded to its longest row).
@@ -301,7 +306,15 @@ def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[
                     best, best_value = plan, value
             plans[i] = best
             step.add(row, best)
+    ar = _all_ar(rows)
+    if plans != ar and step.goodput() < SPECULATE_MARGIN * goodput(costs, rows, ar):
+        return ar
     return plans
+
+
+def _all_ar(rows: Sequence[RowState]) -> list[Plan]:
+    """Every auto row on `ar` (rows with a fixed mode keep their own plan)."""
+    return [row.fixed if row.fixed is not None else Plan("ar") for row in rows]
 
 
 def drafts_from_the_start(costs: CostModel, batch: Sequence[RowState], new: RowState) -> bool:
@@ -339,7 +352,7 @@ class Planner:
         self.since_ar += 1
         if not costs.online or self.since_ar < PROBE_EVERY:  # (a model that does not learn needs no probe)
             return plans
-        ar = [row.fixed if row.fixed is not None else Plan("ar") for row in rows]
+        ar = _all_ar(rows)
         if any(p.kind != "ar" for p in ar):  # a fixed row's block: q's forward is no `ar` step
             return plans
         if goodput(costs, rows, ar) < PROBE_MARGIN * goodput(costs, rows, plans):

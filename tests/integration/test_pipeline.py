@@ -346,6 +346,51 @@ def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
     assert coord.active_requests() == 0
 
 
+def test_a_slow_consumer_holds_back_only_its_own_request_one_chunk_ahead(aio, pipeline, llm):
+    """The step driver makes a request's next chunk while its consumer is busy with the last one
+    (the transport's work overlaps the models'), and no more than that one: a slow consumer holds
+    back only its own request. The driver's time is in its phases (`RpcTotals.phases`,
+    `viasd_coordinator_seconds{phase}`), the consumer's turns in `wait_consumers`."""
+    from viasd.cluster.serving_metrics import ServingMetrics, parse_exposition, total
+
+    coord = _coordinator(pipeline)
+    busy_s = 0.4
+
+    async def run():
+        chunks, made = [], []  # made: the request's steps that ended while its consumer was busy
+        t0 = time.perf_counter()
+        try:
+            async for chunk in coord.generate("slow", PROMPTS[0], parse_params(mode="ar", max_tokens=6)):
+                chunks.append(chunk)
+                before = coord.totals.cycles
+                await asyncio.sleep(busy_s)  # a slow consumer
+                made.append(coord.totals.cycles - before)
+        finally:
+            await coord.close()
+        return chunks, made, time.perf_counter() - t0
+
+    chunks, made, wall = aio.run(run())
+    assert [t for c in chunks for t in c.token_ids] == llm.complete(
+        PROMPTS[0], parse_params(mode="ar", max_tokens=6)
+    ).token_ids
+    assert len(chunks) == 6 and made == [1] * 5 + [0]  # (nothing after the last chunk)
+    t = coord.totals
+    phases = t.phases()
+    assert t.steps == 6 and phases["verifier"] > 0 and phases["verify_transport"] > 0 and phases["drafter"] == 0
+    assert sum(phases.values()) <= wall
+    # the driver waited out the consumer's turns, less the steps made meanwhile (but the fifth:
+    # the step it made ahead then was the last, and nobody waited for an ended request)
+    stepping = sum(v for k, v in phases.items() if not k.startswith("wait"))
+    assert 4 * busy_s - stepping - 0.05 <= phases["wait_consumers"] <= 4 * busy_s
+    metrics = ServingMetrics("m")
+    metrics.set_steps(3, {"verifier": 1e-3, "wait_consumers": 2e-3})
+    metrics.set_steps(t.steps, phases)  # the counters move by what changed
+    samples = parse_exposition(metrics.exposition()[0].decode())
+    assert total(samples, "viasd_coordinator_steps_total") == 6
+    for phase, seconds in phases.items():
+        assert total(samples, "viasd_coordinator_seconds_total", phase=phase) == pytest.approx(seconds)
+
+
 def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     """A Verify batch with one unknown request and one out-of-vocabulary draft: those rows carry
     NOT_FOUND / INVALID_ARGUMENT, the good rows are verified in the same call (the batched
