@@ -13,6 +13,7 @@ any process with a running event loop, the actor only adds model loading and a p
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -20,6 +21,7 @@ import time
 import grpc
 import ray
 
+from viasd import model_thread
 from viasd.actors.rpc import (
     Batched,
     InOrder,
@@ -255,12 +257,16 @@ class DrafterActor:
         from viasd.models.loader import load_causal_lm
 
         config = EngineConfig.model_validate(engine)
-        threads = set_threads(config.threads, ranks)
-        model, _ = load_causal_lm(
-            config.drafter, dtype=config.dtype, device=device, trust_remote_code=config.trust_remote_code
-        )
-        pack_linears(model, config, device)
-        lm = MaskedLM(model)
+
+        def load() -> tuple[MaskedLM, int]:  # on the model thread, where its forwards will run (viasd.model_thread)
+            threads = set_threads(config.threads, ranks)
+            model, _ = load_causal_lm(
+                config.drafter, dtype=config.dtype, device=device, trust_remote_code=config.trust_remote_code
+            )
+            pack_linears(model, config, device)
+            return MaskedLM(model), threads
+
+        lm, threads = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
         self.servicer = DrafterServicer(
             lm, probs_dtype=probs_dtype, cost_cache_dir=str(cost_cache_dir()), prefill_tokens=config.prefill_chunk
         )

@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from viasd import model_thread
 from viasd.costs import CostModel
 from viasd.engine import Outcome
 from viasd.errors import InvalidParameterError
@@ -330,7 +330,8 @@ class Batched:
 
 
 class InOrder:
-    """Runs blocking calls (model forwards) on one thread, in the order of their sequence numbers.
+    """Runs blocking calls (model forwards) on the process's model thread (viasd.model_thread), in
+    the order of their sequence numbers.
 
     The verifier's rank 0 numbers every call (`issue`) and hands the same number to the other
     ranks; each rank executes its calls in that order, whatever order Ray delivers them in, so
@@ -340,7 +341,8 @@ class InOrder:
     """
 
     def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.name = name
+        self._stopped = False  # `shutdown`: calls not yet started fail instead of running
         self._next = 0  # the next sequence number to hand to the thread
         self._issued = 0  # numbers handed out by `issue`
         self._pending: dict[int, tuple[asyncio.Future, Callable, tuple]] = {}
@@ -358,7 +360,9 @@ class InOrder:
         self._pending[seq] = (result, fn, args)
         while self._next in self._pending:
             res, f, a = self._pending.pop(self._next)
-            loop.run_in_executor(self._pool, f, *a).add_done_callback(functools.partial(_settle, res))
+            loop.run_in_executor(model_thread.executor(), self._run, f, a).add_done_callback(
+                functools.partial(_settle, res)
+            )
             self._next += 1
         return result
 
@@ -366,8 +370,14 @@ class InOrder:
         """Run in submission order (a single process with no peers)."""
         return self.enqueue(self.issue(), fn, *args)
 
+    def _run(self, fn: Callable, args: tuple) -> Any:
+        if self._stopped:
+            raise RuntimeError(f"{self.name} is shutting down")
+        return fn(*args)
+
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Calls not started yet fail (the model thread is the process's: it goes on)."""
+        self._stopped = True
 
 
 def _settle(result: asyncio.Future, done: asyncio.Future) -> None:

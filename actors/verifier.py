@@ -31,6 +31,7 @@ from typing import NamedTuple
 import grpc
 import ray
 
+from viasd import model_thread
 from viasd.actors.drafter import pack_linears, set_threads
 from viasd.actors.rpc import (
     Batched,
@@ -52,6 +53,7 @@ from viasd.config import CachePolicy, EngineConfig, GenerationParams, Mode, Prop
 from viasd.costs import CostModel, profile_tiers, verifier_tiers
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
+from viasd.gates import Gates
 from viasd.metrics import RequestStats
 from viasd.planner import Plan
 from viasd.runtime import LayerMask, MaskedLM
@@ -344,6 +346,19 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         return costs_to_proto(await self._lockstep("costs"))
 
 
+class _Loaded(NamedTuple):
+    """What a verifier rank loads (`VerifierWorker._load`)."""
+
+    lm: MaskedLM
+    mask: LayerMask
+    mask_source: str
+    gates: Gates | None
+    gates_source: str
+    eos: tuple[int, ...]
+    tokenizer: object  # (None for a directory without one)
+    threads: int
+
+
 @ray.remote
 class VerifierWorker:
     """One tensor-parallel rank of the verifier; rank 0 also serves VerifierService."""
@@ -373,14 +388,57 @@ class VerifierWorker:
     ) -> dict:
         """Load q, resolve the mask, shard across the group (every rank calls this at once)."""
         from viasd.engine import cost_cache_dir
-        from viasd.llm import eos_ids, resolve_gates, resolve_mask
-        from viasd.models.loader import load_causal_lm
-        from viasd.parallel import TPBackend, TPGroup, shard_model
         from viasd.precision import resolve_dtype
 
         config = EngineConfig.model_validate(engine)
-        threads = set_threads(config.threads, world_size)
         self.rank = rank
+        # on the model thread, where its forwards will run (viasd.model_thread)
+        loaded = await asyncio.get_running_loop().run_in_executor(
+            model_thread.executor(),
+            lambda: self._load(config, rank, world_size, master_addr, master_port, tp_backend, device),
+        )
+        lm, mask, gates = loaded.lm, loaded.mask, loaded.gates
+        self.core = VerifierCore(
+            lm,
+            mask,
+            config.cache_policy,
+            world_size=world_size,
+            cost_cache_dir=str(cost_cache_dir()),
+            prefill_tokens=config.prefill_chunk,
+        )
+        self._tokenizer = loaded.tokenizer if rank == 0 else None
+        return {
+            "rank": rank,
+            "vocab_size": lm.vocab_size,
+            "num_layers": lm.num_layers,
+            "skipped_layers": list(mask.skipped),
+            "mask_source": loaded.mask_source,
+            "gates": dataclasses.asdict(gates) if gates is not None else None,
+            "gates_source": loaded.gates_source,
+            "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
+            "eos_token_ids": list(loaded.eos),
+            "local_q_proj_rows": int(lm.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
+            "pid": os.getpid(),
+            "threads": loaded.threads,
+            "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
+        }
+
+    @staticmethod
+    def _load(
+        config: EngineConfig,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        tp_backend: str,
+        device: str,
+    ) -> _Loaded:
+        """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread)."""
+        from viasd.llm import eos_ids, resolve_gates, resolve_mask
+        from viasd.models.loader import load_causal_lm
+        from viasd.parallel import TPBackend, TPGroup, shard_model
+
+        threads = set_threads(config.threads, world_size)
         # sharded ranks load on the host and move only their shards to the device (shard_model)
         model, tokenizer = load_causal_lm(
             config.verifier,
@@ -404,31 +462,7 @@ class VerifierWorker:
             model = shard_model(model, TPBackend(tp_backend), group)
         else:
             pack_linears(model, config, device)  # (sharded linears keep their own kernels)
-        lm = MaskedLM(model)
-        self.core = VerifierCore(
-            lm,
-            mask,
-            config.cache_policy,
-            world_size=world_size,
-            cost_cache_dir=str(cost_cache_dir()),
-            prefill_tokens=config.prefill_chunk,
-        )
-        self._tokenizer = tokenizer if rank == 0 else None
-        return {
-            "rank": rank,
-            "vocab_size": lm.vocab_size,
-            "num_layers": lm.num_layers,
-            "skipped_layers": list(mask.skipped),
-            "mask_source": mask_source,
-            "gates": dataclasses.asdict(gates) if gates is not None else None,
-            "gates_source": gates_source,
-            "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
-            "eos_token_ids": list(eos),
-            "local_q_proj_rows": int(model.model.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
-            "pid": os.getpid(),
-            "threads": threads,
-            "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
-        }
+        return _Loaded(MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads)
 
     async def serve(
         self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: dict | None = None

@@ -2,17 +2,18 @@
 
 The same `viasd.cluster.handler.Backend` as `viasd.cluster.pipeline.Pipeline`, for CPU
 development and as the reference the served output is compared with. The engine's steps run on
-one worker thread: each `next()` of a stream runs one engine step for every request in flight
-(continuous batching, viasd.scheduler) unless that stream already has a chunk waiting, so
-concurrent streams decode together and the event loop never blocks.
+the process's model thread (viasd.model_thread): each `next()` of a stream runs there, one engine
+step for every request in flight (continuous batching, viasd.scheduler) unless that stream
+already has a chunk waiting, so concurrent streams decode together and the event loop never
+blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
+from viasd import model_thread
 from viasd.cluster.pipeline import PipelineConfig
 from viasd.config import GenerationParams
 from viasd.engine import Chunk
@@ -25,7 +26,7 @@ class LocalCoordinator:
 
     def __init__(self, engine):
         self.engine = engine
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="viasd-engine")
+        self._pool = model_thread.executor()  # (shared: the process's models run on it alone)
         self._active = 0
         self._samples: dict[str, list] = {}  # a running request's sample handles, by its id
 
@@ -62,7 +63,8 @@ class LocalCoordinator:
             self._pool.submit(self.engine.cancel, samples[index])  # between steps, on the engine's thread
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: the model thread outlives the backend (a stream still open closes its
+        request on it)."""
 
 
 class LocalPipeline:

@@ -14,12 +14,12 @@ in viasd.sessions, the acceptance rules in viasd.rules, the proposers in viasd.p
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from viasd import model_thread
 from viasd.config import CachePolicy, GenerationParams
 from viasd.costs import CostModel, profile
 from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
@@ -155,14 +155,14 @@ class Engine:
             context_name=context_name,
             costs=costs if costs is not None else self.cost_model,
         )
-        self._step_lock = threading.Lock()
-        self._stepped = threading.Condition()  # notified at the end of every step (`follow`)
-        self._steps = 0  # steps run, under _stepped
 
     def cost_model(self) -> CostModel:
-        """The forward cost curves of every tier on this device and dtype (viasd.costs)."""
+        """The forward cost curves of every tier on this device and dtype (viasd.costs; measured on
+        the model thread)."""
         if self.costs is None:
-            self.costs = profile(self.verifier, self.drafter, self.mask, cache_dir=self._cost_cache_dir)
+            self.costs = model_thread.run(
+                profile, self.verifier, self.drafter, self.mask, cache_dir=self._cost_cache_dir
+            )
         return self.costs
 
     def planner_state(self) -> dict:
@@ -194,18 +194,21 @@ class Engine:
         return self.scheduler.submit(prompt_ids, params)
 
     def step(self) -> list[tuple[RequestHandle, Chunk]]:
-        """Run one engine step (viasd.scheduler) for every request; the chunks it committed."""
-        with self._step_lock:
-            try:
-                return self.scheduler.step()
-            finally:
-                self._step_ended()
+        """Run one engine step (viasd.scheduler) for every request, on the model thread
+        (viasd.model_thread: every step of the process runs there, one after the other); the chunks
+        it committed."""
+        return model_thread.run(self.scheduler.step)
 
-    def _step_ended(self) -> None:
-        """Wake every thread waiting in `follow` for a step to end (its chunks may be ready)."""
-        with self._stepped:
-            self._steps += 1
-            self._stepped.notify_all()
+    def _step_for(self, live: list[RequestHandle]) -> None:
+        """On the model thread, for a `follow`er: one step, unless a step that ran since it looked
+        (another follower's) already gave one of its requests a chunk or an end."""
+        if any(h.chunks for h in live) or all(h.finished for h in live):
+            return
+        try:
+            self.scheduler.step()
+        except Exception:  # noqa: BLE001 - delivered through the handles it failed
+            if all(h.error is None for h in live):
+                raise
 
     def cancel(self, handle: RequestHandle) -> None:
         self.scheduler.cancel(handle)
@@ -215,9 +218,10 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[Chunk]:
         """Stream the committed tokens of one request, chunk by chunk; the last chunk has the stats.
 
-        Callers on several threads share the steps: one runs the next step for every request
-        while the others wait for it to end, then take their chunks. Closing the iterator early
-        cancels the request. n > 1: the chunks of every sample, interleaved as steps commit them
+        Callers on several threads share the steps: each asks the model thread for a step, which
+        runs them in turn, one for every request, so a caller whose request got a chunk from
+        another's step takes it without stepping again. Closing the iterator early cancels the
+        request. n > 1: the chunks of every sample, interleaved as steps commit them
         (`chunk.index` says whose); each sample's last chunk has its finish reason and stats.
         """
         yield from self.follow(self.submit(prompt_ids, params).samples)
@@ -242,24 +246,9 @@ class Engine:
                             live.remove(handle)
                 if not live:
                     return
-                with self._stepped:
-                    seen = self._steps
-                if not self._step_lock.acquire(blocking=False):
-                    # another thread is stepping for every request: wait for its step to end (a
-                    # lock is not fair: blocking on it, this thread could wait many steps while
-                    # the stepping thread takes it again, its chunks piling up undelivered)
-                    with self._stepped:
-                        self._stepped.wait_for(lambda seen=seen: self._steps != seen)
-                    continue
-                try:
-                    if not any(h.chunks for h in live) and not all(h.finished for h in live):
-                        self.scheduler.step()
-                except Exception:  # noqa: BLE001 - delivered through the handles it failed
-                    if all(h.error is None for h in live):
-                        raise
-                finally:
-                    self._step_lock.release()
-                    self._step_ended()
+                # (first come, first served: a thread that just stepped queues behind the others,
+                # so no caller's chunks pile up undelivered while another keeps stepping)
+                model_thread.run(self._step_for, live)
         finally:
             for handle in samples:
                 if not handle.finished:

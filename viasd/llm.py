@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from viasd import model_thread
 from viasd.config import EngineConfig, GenerationParams
 from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
@@ -138,6 +139,11 @@ class LLM:
     """The engine with its tokenizer: what the CLI, the benchmark and the servers call."""
 
     def __init__(self, config: EngineConfig, mask: str | Path | Sequence[int] | None = None):
+        # on the model thread (viasd.model_thread): the dtype probe, loading and packing start
+        # OpenMP teams, and the thread that runs the forwards must be the only one that has one
+        model_thread.run(self._load, config, mask)
+
+    def _load(self, config: EngineConfig, mask: str | Path | Sequence[int] | None) -> None:
         from viasd.models.loader import load_causal_lm
 
         if config.threads:

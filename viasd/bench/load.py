@@ -71,6 +71,7 @@ from typing import Any
 
 import torch
 
+from viasd import model_thread
 from viasd.bench.methods import Method, parse_method, split_specs
 from viasd.bench.runner import Bench, RSSSampler, _quiet_transformers, _sync
 from viasd.bench.workloads import Prompt
@@ -331,10 +332,10 @@ class LoadBench:
                     lm.method.params.model_copy(update={"max_tokens": params.max_tokens, "ignore_eos": True}),
                 )
                 extra = {}
-            elif lm.kind == "hf_cb":
-                reqs, extra = self._hf_run(requests, arrivals, params)
+            elif lm.kind == "hf_cb":  # (on the model thread, as the engine's forwards: viasd.model_thread)
+                reqs, extra = model_thread.run(self._hf_run, requests, arrivals, params)
             else:
-                reqs, extra = self._roofline(requests, params)
+                reqs, extra = model_thread.run(self._roofline, requests, params)
         run = {"requests": reqs, "peak_rss_bytes": rss.peak, "rss_start_bytes": rss.start, **extra}
         _finish_run(run)
         if lm.kind == "roofline":  # not requests: the figures are the step's

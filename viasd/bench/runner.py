@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from viasd import model_thread
 from viasd.bench.methods import Method, matched_baseline, parse_method, random_mask_skipped
 from viasd.bench.workloads import Prompt
 from viasd.config import CachePolicy, GenerationParams, Mode
@@ -267,8 +268,8 @@ class Bench:
         with RSSSampler() as rss:
             if method.kind == "engine":
                 out = self._run_engine(method, prompt_ids, params)
-            else:
-                out = self._run_hf(method, prompt_ids, params)
+            else:  # (on the model thread, as the engine's forwards: viasd.model_thread)
+                out = model_thread.run(self._run_hf, method, prompt_ids, params)
         out["cpu_seconds"] = time.process_time() - cpu0  # this process, all threads
         # the 1-minute load average around the run: above the core count, other processes competed
         out["loadavg"] = [load_before, os.getloadavg()[0]]

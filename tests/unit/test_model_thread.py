@@ -1,0 +1,133 @@
+"""The process's model thread (viasd.model_thread): every forward runs on it, whoever asks."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import psutil
+import pytest
+import torch
+from conftest import save_tiny_pair
+
+from viasd import model_thread
+from viasd.config import parse_params
+from viasd.engine import Engine
+from viasd.runtime import LayerMask
+
+
+def _model_thread_ident() -> int:
+    return model_thread.run(threading.get_ident)
+
+
+def test_run_hops_to_one_thread_runs_in_place_there_and_raises():
+    ident = _model_thread_ident()
+    assert ident != threading.get_ident()
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(_model_thread_ident())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert seen == [ident] * 3
+    # a call made on the model thread runs in place (a queued call there would wait for itself)
+    assert model_thread.run(lambda: model_thread.run(threading.get_ident)) == ident
+    with pytest.raises(ZeroDivisionError):
+        model_thread.run(lambda: 1 / 0)
+
+
+def test_torch_work_from_many_threads_starts_one_openmp_team():
+    """Each thread that runs a parallel region gets an OpenMP team whose workers live as long as
+    it does; routed through the model thread, callers that stay alive add no team of their own."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(1024, 1024)
+
+        def work():  # a BLAS product and an ATen parallel_for, each a parallel region
+            return (x @ x).sum() + torch.exp(x).sum()
+
+        model_thread.run(lambda: torch.set_num_threads(2) or work())  # the model thread's team
+        proc = psutil.Process()
+        before = proc.num_threads()
+        done, hold = threading.Barrier(4), threading.Event()
+
+        def caller():
+            model_thread.run(work)
+            done.wait()
+            hold.wait()  # alive, as a server's request threads are
+
+        callers = [threading.Thread(target=caller) for _ in range(3)]
+        for t in callers:
+            t.start()
+        done.wait(60)
+        added = proc.num_threads() - before
+        hold.set()
+        for t in callers:
+            t.join(30)
+        assert added == 3, added  # the callers themselves: no OpenMP worker of their own
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_every_forward_runs_on_the_model_thread_whoever_steps(tiny_pair, monkeypatch):
+    verifier, drafter = tiny_pair
+    engine = Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), max_batch=4)
+    where: set[int] = set()
+    for lm in (verifier, drafter):
+        forward = lm.forward_batch
+
+        def spy(*args, _forward=forward, **kwargs):
+            where.add(threading.get_ident())
+            return _forward(*args, **kwargs)
+
+        monkeypatch.setattr(lm, "forward_batch", spy)
+    callers = [
+        threading.Thread(target=lambda m=m: list(engine.generate([5, 6, 7], parse_params(mode=m, max_tokens=8))))
+        for m in ("ar", "sd", "via")
+    ]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join(120)
+    handle = engine.submit([9, 10], parse_params(mode="sd", max_tokens=4))
+    while not handle.finished:
+        engine.step()  # driven from this thread
+    assert where == {_model_thread_ident()}
+
+
+def test_an_actor_s_calls_run_in_order_on_the_model_thread():
+    from viasd.actors.rpc import InOrder
+
+    async def main():
+        work = InOrder("test")
+        order: list[int] = []
+        first, second = work.issue(), work.issue()
+        late = work.enqueue(second, lambda: order.append(1) or threading.get_ident())  # waits for `first`
+        early = work.enqueue(first, lambda: order.append(0) or threading.get_ident())
+        idents = {await early, await late}
+        work.shutdown()
+        with pytest.raises(RuntimeError, match="shutting down"):
+            await work.submit(threading.get_ident)
+        return order, idents
+
+    order, idents = asyncio.run(main())
+    assert order == [0, 1] and idents == {_model_thread_ident()}
+    assert _model_thread_ident() in idents  # the model thread goes on after one InOrder's shutdown
+
+
+def test_llm_loads_its_models_on_the_model_thread(tmp_path, monkeypatch):
+    from viasd.llm import LLM
+    from viasd.models import loader
+
+    config = save_tiny_pair(tmp_path)
+    where, load = [], loader.load_causal_lm
+
+    def spy(*args, **kwargs):
+        where.append(threading.get_ident())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_causal_lm", spy)
+    llm = LLM(config)
+    assert where == [_model_thread_ident()] * 2  # the verifier and the drafter
+    assert llm.complete([5, 6, 7], parse_params(mode="sd", max_tokens=4)).finish_reason == "length"

@@ -1,0 +1,57 @@
+"""One thread per process runs the models (docs/ARCHITECTURE.md, "Threads").
+
+torch's CPU build runs its kernels on libgomp (GNU OpenMP). Every thread that starts a parallel
+region gets a team of its own, whose worker threads live as long as that thread does. Once a
+process holds more OpenMP threads than it has CPUs, libgomp stops spinning at its barriers (its
+throttled spin count is 100) and parks every thread on a futex at the end of every parallel
+region, so each kernel of a forward pays a sleep and a wake-up. A process that loads its models
+on one thread and runs them on another, or steps from whichever request thread asks, is in that
+state on any machine where torch uses every core: measured on the embedded verifier, 2 cores,
+bf16, 32 tokens of `ar`, 14,700 context switches instead of fewer than 10 and 16% more time
+(docs/BENCHMARKS.md, "One model thread").
+
+So the models live on one thread: the engine's steps (`viasd.engine.Engine`), the loading,
+packing and profiling of `viasd.llm.LLM`, the actors' forwards (`viasd.actors.rpc.InOrder`) and
+the benchmark's baselines all run through `run` (blocking) or `executor()` (asyncio), and a call
+made on the model thread itself runs in place. Work that must overlap a forward on purpose
+(`overlap`'s drafting ahead in process) keeps a thread of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+
+_lock = threading.Lock()
+_executor: ThreadPoolExecutor | None = None
+_ident: int | None = None  # the model thread's, once it has started
+
+
+def executor() -> ThreadPoolExecutor:
+    """The process's model thread as an executor (`loop.run_in_executor(executor(), fn)`)."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(1, thread_name_prefix="viasd-model", initializer=_started)
+        return _executor
+
+
+def _started() -> None:
+    global _ident
+    _ident = threading.get_ident()
+
+
+def on_model_thread() -> bool:
+    """Whether the caller is the model thread."""
+    return threading.get_ident() == _ident
+
+
+def run(fn: Callable[..., T], *args, **kwargs) -> T:
+    """fn(*args, **kwargs) on the model thread (in place when called there); its result or exception."""
+    if on_model_thread():
+        return fn(*args, **kwargs)
+    return executor().submit(fn, *args, **kwargs).result()
