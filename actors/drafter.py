@@ -42,6 +42,7 @@ from viasd.costs import CostModel, profile_tiers
 from viasd.engine import DraftSession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
+from viasd.precision import LinearReport, optimize_linears, resolve_dtype
 from viasd.runtime import MaskedLM
 from viasd.sessions import drive, execute, prefill_together
 from viasd.v1 import internal_pb2 as ipb
@@ -209,13 +210,13 @@ def _log_failure(done) -> None:
         log.warning("drafting ahead failed: %s", done.exception())
 
 
-def pack_linears(model, config: EngineConfig, device: str) -> None:
+def pack_linears(model, config: EngineConfig, device: str) -> LinearReport:
     """The prepacked CPU linears the in-process engine uses (`EngineConfig.packed_linears`,
-    viasd.precision), so that a served request runs the kernels of an in-process one."""
-    if config.packed_linears:
-        from viasd.precision import optimize_linears, resolve_dtype
-
-        optimize_linears(model, resolve_dtype(config.dtype, device).dtype, device)
+    viasd.precision), so that a served request runs the kernels of an in-process one; what was
+    packed (reported with the runtime in /v1/models: packing stops where memory runs short)."""
+    if not config.packed_linears:
+        return LinearReport("off")
+    return optimize_linears(model, resolve_dtype(config.dtype, device).dtype, device)
 
 
 def set_threads(threads: int | None, ranks: int) -> int:
@@ -258,15 +259,15 @@ class DrafterActor:
 
         config = EngineConfig.model_validate(engine)
 
-        def load() -> tuple[MaskedLM, int]:  # on the model thread, where its forwards will run (viasd.model_thread)
+        def load() -> tuple[MaskedLM, int, LinearReport]:  # on the model thread, where it will run (viasd.model_thread)
             threads = set_threads(config.threads, ranks)
             model, _ = load_causal_lm(
                 config.drafter, dtype=config.dtype, device=device, trust_remote_code=config.trust_remote_code
             )
-            pack_linears(model, config, device)
-            return MaskedLM(model), threads
+            packed = pack_linears(model, config, device)  # (before MaskedLM takes the modules)
+            return MaskedLM(model), threads, packed
 
-        lm, threads = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
+        lm, threads, packed = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
         self.servicer = DrafterServicer(
             lm, probs_dtype=probs_dtype, cost_cache_dir=str(cost_cache_dir()), prefill_tokens=config.prefill_chunk
         )
@@ -284,6 +285,7 @@ class DrafterActor:
             "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
             "pid": os.getpid(),
             "threads": threads,
+            "linears": packed,  # (viasd.precision.LinearReport)
         }
 
     async def num_sessions(self) -> int:

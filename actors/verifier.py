@@ -56,6 +56,7 @@ from viasd.errors import InvalidParameterError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats
 from viasd.planner import Plan
+from viasd.precision import LinearReport
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import drive, prefill_together, uses_slim
 from viasd.v1 import internal_pb2 as ipb
@@ -357,6 +358,7 @@ class _Loaded(NamedTuple):
     eos: tuple[int, ...]
     tokenizer: object  # (None for a directory without one)
     threads: int
+    linears: LinearReport  # what pack_linears packed
 
 
 @ray.remote
@@ -420,6 +422,7 @@ class VerifierWorker:
             "local_q_proj_rows": int(lm.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
             "pid": os.getpid(),
             "threads": loaded.threads,
+            "linears": loaded.linears,
             "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
         }
 
@@ -460,9 +463,10 @@ class VerifierWorker:
                 local_rank=0 if cuda else None,
             )
             model = shard_model(model, TPBackend(tp_backend), group)
+            packed = LinearReport("off: sharded (its linears keep their own kernels)")
         else:
-            pack_linears(model, config, device)  # (sharded linears keep their own kernels)
-        return _Loaded(MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads)
+            packed = pack_linears(model, config, device)
+        return _Loaded(MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads, packed)
 
     async def serve(
         self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: dict | None = None

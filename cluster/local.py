@@ -55,12 +55,12 @@ class LocalCoordinator:
         finally:
             self._active -= 1
             self._samples.pop(request_id, None)
-            self._pool.submit(it.close)  # drop the request's caches on the engine's thread
+            self._pool.submit(it.close)  # drop the request's caches on the model thread
 
     def stop_sample(self, request_id: str, index: int) -> None:
         samples = self._samples.get(request_id, ())
         if 0 <= index < len(samples):
-            self._pool.submit(self.engine.cancel, samples[index])  # between steps, on the engine's thread
+            self._pool.submit(self.engine.cancel, samples[index])  # between steps, on the model thread
 
     def close(self) -> None:
         """Nothing to stop: the model thread outlives the backend (a stream still open closes its

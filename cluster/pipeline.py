@@ -38,6 +38,7 @@ from viasd.actors.verifier import VerifierWorker
 from viasd.config import EngineConfig, Mode, validate_named
 from viasd.engine import context_limit
 from viasd.gates import Gates
+from viasd.precision import LinearReport, kernels
 
 log = logging.getLogger("viasd.cluster.pipeline")
 
@@ -313,8 +314,14 @@ class Pipeline:
             "tensor_parallel_size": self.config.tp_size,
             "max_context": self.coordinator.max_context or 0,
             "default_mode": self.config.mode.value,
-            "runtime": self.verifier_info["runtime"],  # the verifier's dtype choice and CPU capability
+            # the verifier's dtype choice and CPU capability, and the linears both models packed
+            "runtime": {**self.verifier_info["runtime"], **kernels(self._linears())},
         }
+
+    def _linears(self) -> list[LinearReport]:
+        """What each model's actor packed: the verifier's rank 0, then the drafter."""
+        infos = [self.verifier_info] + ([self.drafter_info] if self.drafter_info else [])
+        return [info["linears"] for info in infos if "linears" in info]
 
     def status(self) -> dict:
         """For operators: the actors' processes, what `heal` rebuilt, requests the coordinator took."""

@@ -20,7 +20,7 @@ from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.gates import Gates, gates_from_artifact
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.precision import LinearReport, optimize_linears, resolve_dtype
+from viasd.precision import LinearReport, kernels, optimize_linears, resolve_dtype
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -169,11 +169,7 @@ class LLM:
             )[0]
             reports.append(pack(drafter))
             self.drafter = MaskedLM(drafter)
-        self.kernels = {
-            "linear_method": reports[0].method,
-            "linears_swapped": sum(len(r.swapped) for r in reports),
-            "linear_extra_bytes": sum(r.extra_bytes for r in reports),
-        }
+        self.kernels = kernels(reports)
         self.engine = Engine(
             self.verifier,
             self.drafter,

@@ -14,7 +14,8 @@ So the models live on one thread: the engine's steps (`viasd.engine.Engine`), th
 packing and profiling of `viasd.llm.LLM`, the actors' forwards (`viasd.actors.rpc.InOrder`) and
 the benchmark's baselines all run through `run` (blocking) or `executor()` (asyncio), and a call
 made on the model thread itself runs in place. Work that must overlap a forward on purpose
-(`overlap`'s drafting ahead in process) keeps a thread of its own.
+(`overlap`'s drafting ahead in process) runs `Beside` it, on a thread of its own that ends with
+the work, and its team with it.
 """
 
 from __future__ import annotations
@@ -55,3 +56,27 @@ def run(fn: Callable[..., T], *args, **kwargs) -> T:
     if on_model_thread():
         return fn(*args, **kwargs)
     return executor().submit(fn, *args, **kwargs).result()
+
+
+class Beside:
+    """fn(*args) on a new thread while the caller goes on (a forward of its own, say); `result()`
+    waits for the thread to end and returns fn's result or raises its exception. The thread ends
+    with fn, so its OpenMP team does not outlive the overlap."""
+
+    def __init__(self, fn: Callable[..., T], *args):
+        self._result: T | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, args=(fn, args), name="viasd-beside", daemon=True)
+        self._thread.start()
+
+    def _work(self, fn: Callable[..., T], args: tuple) -> None:
+        try:
+            self._result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller by result()
+            self._error = exc
+
+    def result(self) -> T:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result

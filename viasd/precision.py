@@ -326,6 +326,16 @@ class LinearReport:
         }
 
 
+def kernels(reports: list[LinearReport]) -> dict[str, Any]:
+    """The linears of several models, as ``/v1/models`` and the stats report them: the method of
+    the first (the verifier's), and what was packed in all."""
+    return {
+        "linear_method": reports[0].method if reports else "off",
+        "linears_swapped": sum(len(r.swapped) for r in reports),
+        "linear_extra_bytes": sum(r.extra_bytes for r in reports),
+    }
+
+
 #: Packing stops before it would leave less than this share of the machine's memory available:
 #: the packed copies double the weights' memory, and the KV cache and activations need room too.
 PACK_KEEP_FREE_FRACTION = 0.15

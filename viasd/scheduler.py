@@ -30,9 +30,9 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from viasd import model_thread
 from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError
@@ -281,7 +281,6 @@ class Scheduler:
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Running] = []
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps are serialised by the caller
-        self._ahead = ThreadPoolExecutor(1, thread_name_prefix="viasd-draft-ahead")  # `overlap`
         self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
@@ -498,7 +497,7 @@ class Scheduler:
         ahead = [r for r in drafting if r.draft.drafts_ahead()]
         running_ahead = None
         if ahead:  # overlap: draft the next blocks from the optimistic prefixes while the verifier works
-            running_ahead = self._ahead.submit(drive, {r: r.draft.draft_ahead_steps() for r in ahead})
+            running_ahead = model_thread.Beside(drive, {r: r.draft.draft_ahead_steps() for r in ahead})
         try:
             outcomes: dict[_Running, Outcome] = drive(
                 {
@@ -587,4 +586,4 @@ class Scheduler:
         return escalated
 
     def close(self) -> None:
-        self._ahead.shutdown(wait=False, cancel_futures=True)
+        """Nothing to stop: a step's drafting ahead ends with the step."""

@@ -630,6 +630,14 @@ def test_bad_input_is_invalid_argument_naming_the_field(server, aio, pipeline, m
     assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
 
 
+def test_the_actors_pack_the_linears_the_in_process_engine_packs(pipeline, llm):
+    """Each actor loads and packs on its model thread; /v1/models reports what both packed (packing
+    stops where memory runs short), as the in-process engine reports its own."""
+    runtime, local = pipeline.info()["runtime"], llm.runtime_info()
+    fields = ("linear_method", "linears_swapped", "linear_extra_bytes")
+    assert {f: runtime[f] for f in fields} == {f: local[f] for f in fields}
+
+
 def test_list_models_and_health(server, aio):
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -728,6 +736,7 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
     print(f"\nTP=2 ({backend}) pipeline up in {time.perf_counter() - t0:.1f}s")
     try:
         assert tp2.info()["tensor_parallel_size"] == 2
+        assert tp2.info()["runtime"]["linear_method"].startswith("off: sharded")  # (sharded linears: their own)
         assert tp2.verifier_info["local_q_proj_rows"] * 2 == pipeline.verifier_info["local_q_proj_rows"]  # sharded
         for case, params in CASES.items():
             tp1_tokens, tp1 = aio.run(collect(stub, request(PROMPTS[0], **params)))

@@ -131,3 +131,17 @@ def test_llm_loads_its_models_on_the_model_thread(tmp_path, monkeypatch):
     llm = LLM(config)
     assert where == [_model_thread_ident()] * 2  # the verifier and the drafter
     assert llm.complete([5, 6, 7], parse_params(mode="sd", max_tokens=4)).finish_reason == "length"
+
+
+def test_drafting_ahead_leaves_no_thread_behind(tiny_pair, monkeypatch):
+    """`overlap` drafts ahead beside the verifier's forward on a thread of its own that ends with
+    the step: no second OpenMP team outlives it (the tokens are the reference's: test_proposers)."""
+    verifier, drafter = tiny_pair
+    engine = Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), max_batch=2)
+    beside, calls = model_thread.Beside, []
+    monkeypatch.setattr(model_thread, "Beside", lambda *a: calls.append(1) or beside(*a))
+    model_thread.run(lambda: None)  # (the model thread is up before counting)
+    before = {t.ident for t in threading.enumerate()}
+    engine.complete([5, 6, 7], parse_params(mode="sd", overlap=True, max_tokens=24, temperature=0))
+    assert calls  # it did draft ahead
+    assert {t.ident for t in threading.enumerate()} == before
