@@ -280,7 +280,7 @@ class Scheduler:
         self.drafter_store = drafter.new_store(max_rows=rows, max_len=length) if drafter is not None else None
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Running] = []
-        self._lock = threading.Lock()  # guards _waiting and cancellation; steps are serialised by the caller
+        self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time on the model thread
         self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
