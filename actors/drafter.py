@@ -18,6 +18,7 @@ import logging
 import os
 import time
 
+import filelock
 import grpc
 import ray
 
@@ -27,6 +28,7 @@ from viasd.actors.rpc import (
     InOrder,
     SessionNotFound,
     advertised_host,
+    cores_lock,
     costs_to_proto,
     encode_probs,
     free_row,
@@ -64,12 +66,13 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         max_rows: int = 64,
         cost_cache_dir: str | None = None,
         prefill_tokens: int = 512,
+        cores: filelock.FileLock | None = None,
     ):
         self.lm = lm
         self.probs_dtype = probs_dtype
         self.store = lm.new_store(max_rows=max_rows)
         self.sessions: dict[str, DraftSession] = {}
-        self._work = InOrder("drafter")
+        self._work = InOrder("drafter", cores)  # (cores: the node's cores lock, `cores_lock`)
         self._opens = Batched(lambda items: self._work.submit(self._prefill, items))
         self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward (engine.prefill_chunk)
         self.cost_cache_dir = cost_cache_dir  # where `Costs` caches the profile (None: measured each start)
@@ -141,7 +144,8 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                 answers[i] = answer
             ahead = {i: w[0] for i, w in work.items() if w[0].drafts_ahead() and answers[i].draft}
             if ahead:  # draft the next blocks while the verifier checks these ones (rows likely accepted whole)
-                self._work.submit(self._draft_ahead, ahead).add_done_callback(_log_failure)
+                # (beside the Verify, outside the cores lock: drafting ahead is overlap's point)
+                self._work.submit(self._draft_ahead, ahead, exclusive=False).add_done_callback(_log_failure)
         response = ipb.ProposeResponse(rows=answers) if batched else answers[0]
         response.seconds = time.perf_counter() - t0
         return response
@@ -225,8 +229,8 @@ def set_threads(threads: int | None, ranks: int) -> int:
     (one Propose, then one Verify), so each may use every core the pipeline holds, as the
     in-process engine does; the tensor-parallel ranks run at once and split them. (Ray's CPU
     reservations, `drafter_cpus` / `verifier_cpus_per_rank`, place the actors; they are not
-    thread counts. Pipelines sharing a node, or `overlap` drafting during the verification, are
-    better off with `engine.threads` set.)"""
+    thread counts.) Actors with every core take turns on the node (`cores_lock`); `overlap`
+    drafting during the verification is better off with `engine.threads` set."""
     import torch
 
     n = threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
@@ -269,7 +273,11 @@ class DrafterActor:
 
         lm, threads, packed = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
         self.servicer = DrafterServicer(
-            lm, probs_dtype=probs_dtype, cost_cache_dir=str(cost_cache_dir()), prefill_tokens=config.prefill_chunk
+            lm,
+            probs_dtype=probs_dtype,
+            cost_cache_dir=str(cost_cache_dir()),
+            prefill_tokens=config.prefill_chunk,
+            cores=cores_lock(device, threads, ranks=1),
         )
         self.server, port = await start_server(
             lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s),

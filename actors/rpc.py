@@ -23,13 +23,17 @@ signed by the pipeline's CA and every channel presents one (mutual TLS).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import os
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import filelock
 import grpc
 import numpy as np
 import torch
@@ -329,6 +333,21 @@ class Batched:
             self._draining = None
 
 
+def cores_lock(device: str, threads: int, ranks: int) -> filelock.FileLock | None:
+    """The node's cores lock, for an actor whose torch threads span every core of its node (the
+    default, `set_threads`): every call it runs (`InOrder`) holds the lock, so such actors on one
+    node (the drafter and the verifier of a pipeline, other pipelines' actors) take turns on the
+    cores instead of running at once. Two processes each running an OpenMP team over every core
+    make 2N spinning threads on N cores: each team's barriers then wait for threads the kernel
+    has descheduled, and a forward slows by far more than the 2x of sharing (docs/SERVING.md,
+    "One forward per node at a time"). None on a GPU, with fewer threads than cores
+    (`engine.threads` partitions them), and for tensor-parallel ranks, which must run at once
+    (their collectives would wait for a rank waiting for the lock)."""
+    if device != "cpu" or ranks > 1 or threads < (os.cpu_count() or 1):
+        return None
+    return filelock.FileLock(os.path.join(tempfile.gettempdir(), f"viasd-cores-{os.getuid()}.lock"))
+
+
 class InOrder:
     """Runs blocking calls (model forwards) on the process's model thread (viasd.model_thread), in
     the order of their sequence numbers.
@@ -337,43 +356,47 @@ class InOrder:
     ranks; each rank executes its calls in that order, whatever order Ray delivers them in, so
     all ranks reach their collectives in the same order. `enqueue` registers a call
     synchronously (no await between numbering and registering, so a cancelled caller cannot
-    leave a gap), and a call whose caller gave up still runs: the other ranks run it too.
+    leave a gap), and a call whose caller gave up still runs: the other ranks run it too. With
+    `cores` (`cores_lock`) each call holds the node's cores lock while it runs, unless submitted
+    as `exclusive=False` (work that may as well run beside another process's).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, cores: filelock.FileLock | None = None):
         self.name = name
+        self.cores = cores
         self._stopped = False  # `shutdown`: calls not yet started fail instead of running
         self._next = 0  # the next sequence number to hand to the thread
         self._issued = 0  # numbers handed out by `issue`
-        self._pending: dict[int, tuple[asyncio.Future, Callable, tuple]] = {}
+        self._pending: dict[int, tuple[asyncio.Future, Callable, tuple, bool]] = {}
 
     def issue(self) -> int:
         seq, self._issued = self._issued, self._issued + 1
         return seq
 
-    def enqueue(self, seq: int, fn: Callable, *args: Any) -> asyncio.Future:
+    def enqueue(self, seq: int, fn: Callable, *args: Any, exclusive: bool = True) -> asyncio.Future:
         """Register call number `seq`; it runs once every smaller number has been handed over."""
         loop = asyncio.get_running_loop()
         if seq < self._next or seq in self._pending:
             raise RuntimeError(f"call number {seq} arrived twice (next is {self._next})")
         result = loop.create_future()
-        self._pending[seq] = (result, fn, args)
+        self._pending[seq] = (result, fn, args, exclusive)
         while self._next in self._pending:
-            res, f, a = self._pending.pop(self._next)
-            loop.run_in_executor(model_thread.executor(), self._run, f, a).add_done_callback(
+            res, f, a, x = self._pending.pop(self._next)
+            loop.run_in_executor(model_thread.executor(), self._run, f, a, x).add_done_callback(
                 functools.partial(_settle, res)
             )
             self._next += 1
         return result
 
-    def submit(self, fn: Callable, *args: Any) -> asyncio.Future:
+    def submit(self, fn: Callable, *args: Any, exclusive: bool = True) -> asyncio.Future:
         """Run in submission order (a single process with no peers)."""
-        return self.enqueue(self.issue(), fn, *args)
+        return self.enqueue(self.issue(), fn, *args, exclusive=exclusive)
 
-    def _run(self, fn: Callable, args: tuple) -> Any:
+    def _run(self, fn: Callable, args: tuple, exclusive: bool) -> Any:
         if self._stopped:
             raise RuntimeError(f"{self.name} is shutting down")
-        return fn(*args)
+        with self.cores if self.cores is not None and exclusive else contextlib.nullcontext():
+            return fn(*args)
 
     def shutdown(self) -> None:
         """Calls not started yet fail (the model thread is the process's: it goes on)."""

@@ -28,6 +28,7 @@ import os
 import time
 from typing import NamedTuple
 
+import filelock
 import grpc
 import ray
 
@@ -39,6 +40,7 @@ from viasd.actors.rpc import (
     PeerUnavailable,
     SessionNotFound,
     advertised_host,
+    cores_lock,
     costs_to_proto,
     decode_probs,
     free_row,
@@ -87,6 +89,7 @@ class VerifierCore:
         world_size: int = 1,
         cost_cache_dir: str | None = None,
         prefill_tokens: int = 512,
+        cores: filelock.FileLock | None = None,
     ):
         self.lm = lm
         self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward (engine.prefill_chunk)
@@ -95,7 +98,7 @@ class VerifierCore:
         self.full_store = lm.new_store(max_rows=max_rows)
         self.slim_store = lm.new_store(mask, max_rows=max_rows)  # (the separate policy only)
         self.sessions: dict[str, VerifySession] = {}
-        self.work = InOrder("verifier")
+        self.work = InOrder("verifier", cores)  # (cores: the node's cores lock, `cores_lock`)
         self.world_size = world_size
         self.cost_cache_dir = cost_cache_dir if world_size == 1 else None  # ranks must all measure, or none
         self._costs: CostModel | None = None
@@ -407,6 +410,7 @@ class VerifierWorker:
             world_size=world_size,
             cost_cache_dir=str(cost_cache_dir()),
             prefill_tokens=config.prefill_chunk,
+            cores=cores_lock(device, loaded.threads, world_size),
         )
         self._tokenizer = loaded.tokenizer if rank == 0 else None
         return {

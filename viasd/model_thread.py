@@ -7,8 +7,9 @@ throttled spin count is 100) and parks every thread on a futex at the end of eve
 region, so each kernel of a forward pays a sleep and a wake-up. A process that loads its models
 on one thread and runs them on another, or steps from whichever request thread asks, is in that
 state on any machine where torch uses every core: measured on the embedded verifier, 2 cores,
-bf16, 32 tokens of `ar`, 14,700 context switches instead of fewer than 10 and 16% more time
-(docs/BENCHMARKS.md, "One model thread").
+32 tokens of `ar`, a second live team cost 1.34x per token in bf16 and 1.26x in float32, with
+~465 voluntary context switches per token instead of ~3 (docs/BENCHMARKS.md, "One model
+thread").
 
 So the models live on one thread: the engine's steps (`viasd.engine.Engine`), the loading,
 packing and profiling of `viasd.llm.LLM`, the actors' forwards (`viasd.actors.rpc.InOrder`) and

@@ -188,6 +188,25 @@ def test_benchmark_commands_are_the_recorded_ones(folder):
     assert all(c == recorded for c in writing), (recorded, writing)
 
 
+def test_one_model_thread_table_equals_its_raw_files():
+    """BENCHMARKS.md, "One model thread": each row is the summary of its dtype's raw file, which
+    records the command (shown on the page), the commit and the machine."""
+    rows = table("BENCHMARKS.md", "| dtype | one team: s / token |")
+    page = (DOCS / "BENCHMARKS.md").read_text()
+    assert [r[0] for r in rows] == ["`bfloat16`", "`float32`"]
+    for row in rows:
+        dtype = row[0].strip("`")
+        raw = load(DOCS / "benchmarks" / "cpu" / "model-thread" / f"model-thread-{dtype}-native.json")
+        one, two = raw["summary"]["one team"], raw["summary"]["two teams"]
+        assert raw["dtype"] == dtype and raw["command"] in page
+        assert raw["environment"]["git_commit"] and raw["environment"]["cpu_capability"]
+        check_cell(row[1], [one["seconds_per_token_median"]], dtype)
+        check_cell(row[2], [two["seconds_per_token_median"]], dtype)
+        check_cell(row[3], [raw["summary"]["two_over_one_seconds"]], dtype)
+        switches = [one["voluntary_switches_per_token_median"], two["voluntary_switches_per_token_median"]]
+        check_cell(row[4], switches, dtype)
+
+
 # ------------------------------------------------------------------ SERVING
 
 
@@ -302,6 +321,7 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
         ("serve_throughput", "serve-throughput-cpu-auto.json", {}),
         ("serve_throughput", "serve-throughput-cpu-passes.json", {}),
         ("serve_throughput", "serve-throughput-cpu-auto-prior.json", {}),
+        ("serve_throughput", "serve-throughput-cpu-model-thread.json", {}),
         ("measure_probs_travel", "probs-travel-cpu.json", {}),
     ],
 )

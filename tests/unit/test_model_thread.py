@@ -116,6 +116,58 @@ def test_an_actor_s_calls_run_in_order_on_the_model_thread():
     assert _model_thread_ident() in idents  # the model thread goes on after one InOrder's shutdown
 
 
+def test_actors_that_span_every_core_take_turns_on_the_node(tmp_path, monkeypatch):
+    """`cores_lock`: a CPU actor whose threads cover every core holds the node's cores lock while
+    each of its calls runs, so another process holding it (another actor) makes it wait; overlap's
+    drafting ahead (`exclusive=False`) does not wait. GPU actors, actors with fewer threads than
+    cores and tensor-parallel ranks (their collectives run at once) take no lock."""
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from viasd.actors.rpc import InOrder, cores_lock
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert cores_lock("cuda:0", 2, 1) is None and cores_lock("cpu", 1, 1) is None and cores_lock("cpu", 2, 2) is None
+    lock = cores_lock("cpu", 2, 1)
+    assert lock is not None and lock.lock_file.startswith(str(tmp_path))
+    holder = subprocess.Popen(  # another actor of the node, in the middle of a forward
+        [
+            sys.executable,
+            "-c",
+            "import filelock, sys; lock = filelock.FileLock(sys.argv[1]); lock.acquire(); print('held', flush=True);"
+            " sys.stdin.readline(); lock.release()",
+            lock.lock_file,
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+
+        async def main():
+            work = InOrder("test", lock)
+            beside = await work.submit(lambda: lock.is_locked, exclusive=False)  # runs while the other holds it
+            waiting = work.submit(lambda: (lock.is_locked, time.monotonic()))
+            await asyncio.sleep(0.5)
+            assert not waiting.done()  # the other process holds the cores
+            released = time.monotonic()
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            held, ran = await asyncio.wait_for(waiting, 30)
+            return beside, held, ran >= released
+
+        beside, held, after_release = asyncio.run(main())
+        assert beside is False and held is True and after_release
+        assert not lock.is_locked  # released after the call
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_llm_loads_its_models_on_the_model_thread(tmp_path, monkeypatch):
     from viasd.llm import LLM
     from viasd.models import loader
