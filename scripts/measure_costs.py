@@ -57,7 +57,7 @@ def break_even(grid: dict, plan: str, k: int, batch: int, escalation: float = 0.
 
 def cmd_run(args: argparse.Namespace) -> None:
 
-    from viasd.bench import environment, humaneval, machine_label
+    from viasd.bench import environment, humaneval, write_raw
     from viasd.config import EngineConfig, parse_params
     from viasd.costs import profile
     from viasd.llm import LLM
@@ -90,9 +90,6 @@ def cmd_run(args: argparse.Namespace) -> None:
         for k in KS
         for b in BATCHES
     }
-    label = machine_label()
-    OUT.mkdir(parents=True, exist_ok=True)
-    out = OUT / f"costs-{args.dtype}-{label}.json"
     record = {
         "command": "python scripts/measure_costs.py " + " ".join(sys.argv[1:]),
         "environment": environment(),
@@ -107,7 +104,7 @@ def cmd_run(args: argparse.Namespace) -> None:
         "prompts": args.prompts,
         "max_tokens": args.max_tokens,
     }
-    out.write_text(json.dumps(record, indent=1))
+    out = write_raw(OUT, f"costs-{args.dtype}", record)
     print(f"wrote {out.relative_to(ROOT)}")
 
 

@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
-    from viasd.bench import machine_label, provenance
+    from viasd.bench import provenance, write_raw
     from viasd.costs import _time_forwards
     from viasd.models.loader import load_causal_lm
     from viasd.precision import DECODE_SHAPES, decode_speed, optimize_linears, probe_matmul
@@ -57,9 +57,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             del lm, model
             gc.collect()
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"dtypes-{machine_label()}.json"
-    path.write_text(json.dumps(record, indent=1))
+    path = write_raw(OUT, "dtypes", record)
     print(f"wrote {path.relative_to(ROOT)}")
 
 

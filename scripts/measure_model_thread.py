@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     args = ap.parse_args()
 
-    from viasd.bench import machine_label, provenance
+    from viasd.bench import provenance, write_raw
     from viasd.config import EngineConfig, parse_params
     from viasd.llm import LLM
 
@@ -132,9 +132,7 @@ def main() -> None:
     summary["two_over_one_seconds"] = round(two["seconds_per_token_median"] / one["seconds_per_token_median"], 3)
     record = {**provenance(), "runtime": llm.runtime_info(), "dtype": args.dtype, "runs": runs, "summary": summary}
     print(json.dumps(summary, indent=1))
-    OUT.mkdir(parents=True, exist_ok=True)
-    path = OUT / f"model-thread-{args.dtype}-{machine_label()}.json"
-    path.write_text(json.dumps(record, indent=1))
+    path = write_raw(OUT, f"model-thread-{args.dtype}", record)
     print(f"wrote {path.relative_to(ROOT)}")
 
 

@@ -14,7 +14,10 @@ in-process batched engine (`viasd.llm.LLM` of the same pipeline config; c thread
 steps), which is then freed before the application starts (one copy of the models in memory at
 a time), and `ratios` gives served / in-process per mode and level. Every stream is greedy, so
 each must equal its prompt's greedy output whatever the mode, level or system: a lost,
-duplicated or reordered token is a mismatch (exit status 1).
+duplicated or reordered token is a mismatch (exit status 1). Each level also records the cores
+each kind of process kept busy (`cores_busy`: CPU seconds over wall seconds, by
+`PROCESS_CLASSES`: the actors, Serve's replica, proxy and controller, Ray's own daemons, this
+client, and every other process of the machine).
 
     flock /tmp/viasd-heavy.lock python scripts/serve_throughput.py --config cluster/serve.yaml \
         --concurrency 1,4,8,16 --max-tokens 32 --modes ar,sd,via --in-process --dtype float32 \
@@ -170,6 +173,46 @@ def run_level(target, mode: str, concurrency: int, max_tokens: int, system: str 
         "plans": dict(sorted(plans.items())),
         "stream_token_ids": [[i % len(PROMPTS), r["ids"]] for i, r in enumerate(results)],  # [prompt, ids]
     }
+
+
+#: Whose CPU time a level records (`cpu_by_process`): a process whose command line names one of
+#: these is counted under it; this process is `client` (in process: the engine too), the rest `other`.
+PROCESS_CLASSES = {
+    "DrafterActor": "drafter",
+    "VerifierWorker": "verifier",
+    "ServeReplica": "replica",
+    "ProxyActor": "proxy",
+    "ServeController": "controller",
+    "raylet": "ray",
+    "gcs_server": "ray",
+    "ray/": "ray",
+}
+
+
+def cpu_by_process() -> dict[int, tuple[str, float]]:
+    """Every readable process of the machine: pid -> (its class, CPU seconds so far, user + system)."""
+    import psutil
+
+    out = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+        times = proc.info["cpu_times"]
+        if times is None:
+            continue
+        line = " ".join(proc.info["cmdline"] or [])
+        name = (
+            "client" if proc.pid == os.getpid() else next((c for k, c in PROCESS_CLASSES.items() if k in line), "other")
+        )
+        out[proc.pid] = (name, times.user + times.system)
+    return out
+
+
+def cpu_used(before: dict, after: dict, wall: float) -> dict[str, float]:
+    """Cores busy per class over a level: CPU seconds between two `cpu_by_process` snapshots over
+    the wall seconds (2.0 = both cores of this machine all the time)."""
+    used: dict[str, float] = {}
+    for pid, (name, seconds) in after.items():
+        used[name] = used.get(name, 0.0) + seconds - before.get(pid, (name, 0.0))[1]
+    return {name: round(s / wall, 3) for name, s in sorted(used.items())}
 
 
 def coordinator_totals(base: str) -> dict:
@@ -382,8 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         for mode in mode_list:
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
-                before = steps() if steps else None
+                before, cpu = (steps() if steps else None), cpu_by_process()
                 r = {**run_level(target, mode, c, args.max_tokens, system), "pass": p}
+                r["cores_busy"] = cpu_used(cpu, cpu_by_process(), r["wall_s"])
                 if steps:
                     r["coordinator"] = step_phases(before, steps(), r["tokens"])
                 results["runs"].append(r)

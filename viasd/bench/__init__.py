@@ -174,6 +174,14 @@ def machine_label() -> str:
     return "avx2-emulated" if any(f.startswith("avx512") for f in env["cpu_flags"]) else "avx2"
 
 
+def write_raw(folder: Path, stem: str, record: dict) -> Path:
+    """Write a per-machine raw file, `folder/{stem}-{machine_label()}.json`; return its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}-{machine_label()}.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
+
+
 def provenance(device: str = "cpu") -> dict[str, Any]:
     """What a committed raw file must record beside its figures: the command that made it (this
     process's argv), the commit and the machine (`environment`)."""
