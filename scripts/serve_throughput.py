@@ -554,6 +554,35 @@ def markdown_table(results: dict, in_process: bool = True) -> str:
     return "\n".join(lines)
 
 
+def cores_table(results: dict) -> str:
+    """The cores each kind of process kept busy per run (`cores_busy`), as docs/SERVING.md shows
+    them: in process the client is the engine; served, Serve's three kinds of process are summed."""
+    lines = [
+        "| system | mode | streams | pass | ITL p50 (s) | drafter | verifier | in-process engine | "
+        "Serve (replica, proxy, controller) | Ray daemons | client threads | other |",
+        "|" + " --- |" * 12,
+    ]
+    for r in results["runs"]:
+        b, served = r["cores_busy"], r["system"] == "served"
+        serve = sum(b.get(k, 0.0) for k in ("replica", "proxy", "controller"))
+        cells = [
+            r["system"],
+            r["mode"],
+            str(r["concurrency"]),
+            str(r["pass"]),
+            f"{r['p50_itl_s']:.3f}",
+            f"{b.get('drafter', 0.0):.2f}",
+            f"{b.get('verifier', 0.0):.2f}",
+            "-" if served else f"{b.get('client', 0.0):.2f}",
+            f"{serve:.2f}",
+            f"{b.get('ray', 0.0):.2f}",
+            f"{b.get('client', 0.0):.2f}" if served else "-",
+            f"{b.get('other', 0.0):.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 FIGURES = (  # a run's figures that a summary row takes the median of over the passes
     "wall_s",
     "aggregate_tokens_per_s",

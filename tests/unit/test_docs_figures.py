@@ -322,6 +322,8 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
         ("serve_throughput", "serve-throughput-cpu-passes.json", {}),
         ("serve_throughput", "serve-throughput-cpu-auto-prior.json", {}),
         ("serve_throughput", "serve-throughput-cpu-model-thread.json", {}),
+        ("serve_throughput", "serve-throughput-cpu-cores-lock.json", {}),
+        ("serve_throughput", "serve-throughput-cpu-cores-busy.json", {}),
         ("measure_probs_travel", "probs-travel-cpu.json", {}),
     ],
 )
@@ -357,6 +359,22 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     assert args[0] == f"scripts/{script}.py", args
     flat = " ".join(page.replace("\\\n", " ").split())  # the page's commands, continuation lines joined
     assert " ".join(args[1:]) in flat, results["command"]
+
+
+def test_served_cores_busy_table_equals_its_raw_file():
+    """SERVING.md, "One forward per node at a time": where the cores went, per kind of process,
+    is the table serve_throughput renders from the committed run's `cores_busy`."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import serve_throughput
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    results = load(DOCS / "benchmarks" / "serve-throughput-cpu-cores-busy.json")
+    assert serve_throughput.cores_table(results) in (DOCS / "SERVING.md").read_text()
+    served = [r["cores_busy"] for r in results["runs"] if r["system"] == "served"]
+    assert served and all(b["verifier"] > 0.5 for b in served)  # (the classes found the actors)
 
 
 def test_serving_lm_eval_table_equals_its_raw_file():
