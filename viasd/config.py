@@ -376,7 +376,13 @@ class EngineConfig(BaseModel):
     max_context: int | None = Field(
         None, ge=2, description="Cap on prompt + generated tokens; default: the models' max_position_embeddings."
     )
-    threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's choice.")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads; default: torch's choice in process; for the drafter and verifier actors "
+        "the node's cores over the verifier's ranks (with every core, the actors of a node take turns on them: "
+        "actors.rpc.cores_lock; fewer threads than cores opt an actor out).",
+    )
     max_batch: int = Field(
         8,
         ge=1,
