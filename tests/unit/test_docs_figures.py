@@ -49,6 +49,18 @@ def table(doc: str, header_start: str) -> list[list[str]]:
     return rows
 
 
+def script_module(name: str):
+    """scripts/<name>.py as a module (the scripts render the tables the docs show)."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+
+
 def numbers(cell: str) -> list[float]:
     return [float(x.replace(",", "")) for x in re.findall(r"-?\d[\d,]*\.?\d*", cell)]
 
@@ -331,14 +343,7 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     """The load table and the draft-probability table of docs/SERVING.md are the ones their
     scripts render from the committed raw files, which record command, commit and machine; the
     page shows the recorded command."""
-    import importlib
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        module = importlib.import_module(script)
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    module = script_module(script)
     results = load(DOCS / "benchmarks" / raw)
     page = (DOCS / "SERVING.md").read_text()
     assert module.markdown_table(results, **kwargs) in page, f"regenerate the table from docs/benchmarks/{raw}"
@@ -364,13 +369,7 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
 def test_served_cores_busy_table_equals_its_raw_file():
     """SERVING.md, "One forward per node at a time": where the cores went, per kind of process,
     is the table serve_throughput renders from the committed run's `cores_busy`."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import serve_throughput
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    serve_throughput = script_module("serve_throughput")
     results = load(DOCS / "benchmarks" / "serve-throughput-cpu-cores-busy.json")
     assert serve_throughput.cores_table(results) in (DOCS / "SERVING.md").read_text()
     served = [r["cores_busy"] for r in results["runs"] if r["system"] == "served"]

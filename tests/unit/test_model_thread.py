@@ -150,7 +150,8 @@ def test_actors_that_span_every_core_take_turns_on_the_node(tmp_path, monkeypatc
 
         async def main():
             work = InOrder("test", lock)
-            beside = await work.submit(lambda: lock.is_locked, exclusive=False)  # runs while the other holds it
+            # runs while the other holds it (bounded: a call that waited for the lock would hang here)
+            beside = await asyncio.wait_for(work.submit(lambda: lock.is_locked, exclusive=False), 30)
             waiting = work.submit(lambda: (lock.is_locked, time.monotonic()))
             await asyncio.sleep(0.5)
             assert not waiting.done()  # the other process holds the cores
