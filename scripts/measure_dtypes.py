@@ -32,11 +32,11 @@ def main() -> None:
     from viasd.bench import provenance, write_raw
     from viasd.costs import _time_forwards
     from viasd.models.loader import load_causal_lm
-    from viasd.precision import DECODE_SHAPES, decode_speed, optimize_linears, probe_matmul
+    from viasd.precision import DECODE_SHAPES, decode_probe_seconds, decode_speed, optimize_linears
     from viasd.runtime import MaskedLM
 
     torch.set_num_threads(args.threads)
-    probes = {f"{d}@{m}": probe_matmul(d, (m, k, n), packed=True) for d in DTYPES for m, k, n in DECODE_SHAPES}
+    probes = decode_probe_seconds()
     (one, _, _), (block, _, _) = DECODE_SHAPES
     record = {
         **provenance(),

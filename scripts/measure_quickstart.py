@@ -11,7 +11,7 @@ Configurations: `before` = the old quick start (`--mode via`, bf16, plain `F.lin
 today's (`--mode auto`, `dtype auto`, prepacked linears); `after-float32` = the same in float32 (what
 `dtype auto` chose without native bf16 before its decode probe); `ar` = plain decoding with today's
 precision choice. tokens/s = generated tokens / request seconds (model loading excluded; one
-untimed 8-token request first). Writes ``docs/benchmarks/cpu/quickstart/quickstart-<label>.json``.
+untimed 8-token request first). Writes ``docs/benchmarks/cpu/quickstart/quickstart-<label>.json`` (viasd.bench.machine_label).
 """
 
 from __future__ import annotations
@@ -69,9 +69,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(one(args.child, args.max_tokens, args.threads)))
         return
-    import torch
-
-    from viasd.bench import environment
+    from viasd.bench import environment, write_raw
 
     runs = []
     for p in range(args.passes):
@@ -94,8 +92,6 @@ def main() -> None:
             runs.append({"pass": p, **json.loads(out.stdout.strip().splitlines()[-1])})
             print(f"pass {p} {name}: {runs[-1]['tokens_per_second']:.2f} tok/s", file=sys.stderr)
     median = {n: statistics.median(r["tokens_per_second"] for r in runs if r["config"] == n) for n in CONFIGS}
-    label = "avx2" if torch.backends.cpu.get_cpu_capability().upper() == "AVX2" else "native"
-    OUT.mkdir(parents=True, exist_ok=True)
     record = {
         "command": "python scripts/measure_quickstart.py " + " ".join(sys.argv[1:]),
         "environment": environment(),
@@ -106,8 +102,7 @@ def main() -> None:
         "after_over_before": median["after"] / median["before"],
         "after_over_ar": median["after"] / median["ar"],
     }
-    path = OUT / f"quickstart-{label}.json"
-    path.write_text(json.dumps(record, indent=1))
+    path = write_raw(OUT, "quickstart", record)
     print(json.dumps({k: record[k] for k in ("median_tokens_per_second", "after_over_before", "after_over_ar")}))
     print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
 

@@ -8,14 +8,14 @@ says why, as a :class:`DtypeChoice`:
 * ``auto`` on CUDA is ``bfloat16`` (``float16`` on a GPU without bf16);
 * ``auto`` on CPU is ``bfloat16`` when the CPU has native bf16 arithmetic (AVX-512 BF16 or AMX
   BF16, see :func:`native_bf16`) *and* a short measured probe (a ``[6, 1536] x [1536, 4096]``
-  ``F.linear``, best of a few, a few ms in all, :func:`probe_matmul`) is not slower in bf16
+  ``F.linear``, best of a few, a few ms in all, :func:`probe_matmuls`) is not slower in bf16
   than in float32; else ``float32``.
 * Without native bf16, ATen widens every bf16 tile to float32 on the fly: a one-row step gains
   from reading half the bytes, multi-token blocks and prefill lose (on a real AVX2 CPU a
   one-token forward of the 1.5B verifier cost 267 ms in bf16 and 502 ms in float32, a 6-token
   block 987 and 654 ms: docs/BENCHMARKS.md). Which wins depends on what decoding will run, so
   ``auto`` probes a one-row and a 6-row product in each dtype, each with the kernel the engine
-  runs (:func:`probe_matmul`, ``packed``), and picks the dtype whose faster plan is faster
+  runs (:func:`probe_matmuls`, ``packed``, interleaved), and picks the dtype whose faster plan is faster
   (:func:`decode_speed`: `ar`, one one-row step a token, or a reference `sd` cycle): bf16 when
   its one-row steps win by more than float32's cheap blocks buy back (reason
   ``no-native-bf16-decode``), else float32 (``no-native-bf16``).
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import platform
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -44,10 +45,12 @@ __all__ = [
     "DtypeChoice",
     "cpu_bf16_flags",
     "cpu_capability",
+    "decode_probe_seconds",
     "decode_speed",
     "native_bf16",
     "optimize_linears",
     "probe_matmul",
+    "probe_matmuls",
     "resolve_dtype",
 ]
 
@@ -171,33 +174,54 @@ def native_bf16() -> bool:
     return bool(cpu_bf16_flags()) and _onednn_bf16_enabled() and cpu_capability().upper().startswith("AVX512")
 
 
-def probe_matmul(
-    dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS, packed: bool = False
-) -> float:
-    """Best wall time in seconds of ``F.linear(x [M, K], w [N, K])`` in ``dtype_name`` on CPU,
-    after one warm-up run (a few ms for the default shape). ``packed``: with the kernel
-    :func:`optimize_linears` swaps in where it would (oneDNN-prepacked weights), else F.linear."""
+def _probe_runner(dtype_name: str, shape: tuple[int, int, int], packed: bool) -> Callable[[], Any]:
+    """``F.linear(x [M, K], w [N, K])`` in ``dtype_name`` on CPU, ready to call. ``packed``: with
+    the kernel :func:`optimize_linears` swaps in where it would (oneDNN-prepacked weights)."""
     import torch
     import torch.nn.functional as F
 
     m, k, n = shape
     dt = getattr(torch, dtype_name)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(m, k, generator=g).to(dt)
+    x = torch.randn(m, k, generator=g).to(dt)  # [M, K]
     linear = torch.nn.Linear(k, n, bias=False, dtype=dt)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
-    run = lambda x: F.linear(x, linear.weight)  # noqa: E731
+        linear.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)  # [N, K]
     if packed and torch.backends.mkldnn.is_available() and (dt == torch.float32 or _onednn_bf16_enabled()):
-        run = packed_linear_class()(linear)
-    best = float("inf")
+        packed_linear = packed_linear_class()(linear)
+        return lambda: packed_linear(x)
+    return lambda: F.linear(x, linear.weight)
+
+
+def probe_matmuls(
+    probes: Sequence[tuple[str, tuple[int, int, int]]], repeats: int = PROBE_REPEATS, packed: bool = False
+) -> dict[tuple[str, tuple[int, int, int]], float]:
+    """Best wall time in seconds of each ``(dtype_name, (M, K, N))`` product (:func:`_probe_runner`),
+    after one warm-up run each. The probes run interleaved, one run of each per round, so that a
+    pause of the machine (another process, the hypervisor) slows every probe it overlaps, not the
+    whole of one dtype's: the choice rests on their ratios (a run where the one-row bf16 probe
+    alone read 15x its usual time once flipped ``auto``)."""
+    import torch
+
+    runners = {probe: _probe_runner(*probe, packed) for probe in probes}
+    best = dict.fromkeys(runners, float("inf"))
     with torch.inference_mode():
-        run(x)
+        for run in runners.values():
+            run()
         for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(x)
-            best = min(best, time.perf_counter() - t0)
+            for probe, run in runners.items():
+                t0 = time.perf_counter()
+                run()
+                best[probe] = min(best[probe], time.perf_counter() - t0)
     return best
+
+
+def probe_matmul(
+    dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS, packed: bool = False
+) -> float:
+    """Best wall time in seconds of one product (:func:`probe_matmuls`; a few ms for the default
+    shape)."""
+    return probe_matmuls([(dtype_name, shape)], repeats, packed)[dtype_name, shape]
 
 
 def decode_speed(one_row: float, block: float) -> float:
@@ -209,17 +233,21 @@ def decode_speed(one_row: float, block: float) -> float:
     return max(1.0 / one_row, REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * one_row + block))
 
 
+def decode_probe_seconds(repeats: int = 2 * PROBE_REPEATS) -> dict[str, float]:
+    """What ``auto`` decides with on a CPU without native bf16: the best seconds of the
+    :data:`DECODE_SHAPES` products in each dtype with the engine's kernels, by ``dtype@rows``
+    (best of twice the usual repeats: each a few ms, and the choice is their margin)."""
+    probes = probe_matmuls([(d, shape) for d in ("bfloat16", "float32") for shape in DECODE_SHAPES], repeats, True)
+    return {f"{d}@{shape[0]}": t for (d, shape), t in probes.items()}
+
+
 @functools.cache
 def _cpu_auto() -> DtypeChoice:
     """What ``auto`` means on this process's CPU (computed once)."""
     cap = cpu_capability()
     native = native_bf16()
     if not native:
-        seconds = {  # (best of twice the repeats: each a few ms, and the choice is their margin)
-            f"{name}@{m}": probe_matmul(name, (m, k, n), 2 * PROBE_REPEATS, packed=True)
-            for name in ("bfloat16", "float32")
-            for m, k, n in DECODE_SHAPES
-        }
+        seconds = decode_probe_seconds()
         (one, _, _), (block, _, _) = DECODE_SHAPES
         speed = {
             name: decode_speed(seconds[f"{name}@{one}"], seconds[f"{name}@{block}"]) for name in ("bfloat16", "float32")
@@ -227,7 +255,7 @@ def _cpu_auto() -> DtypeChoice:
         if speed["bfloat16"] > speed["float32"]:
             return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-decode", cap, False, seconds)
         return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", cap, False, seconds)
-    seconds = {name: probe_matmul(name) for name in ("bfloat16", "float32")}
+    seconds = {d: t for (d, _), t in probe_matmuls([(d, PROBE_SHAPE) for d in ("bfloat16", "float32")]).items()}
     if seconds["bfloat16"] <= seconds["float32"]:
         return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", cap, True, seconds)
     return DtypeChoice("float32", AUTO, "cpu", "native-bf16-probe-slower", cap, True, seconds)

@@ -402,3 +402,24 @@ def test_engine_config_device_is_validated():
     with pytest.raises(InvalidParameterError) as exc:
         parse_engine_config(device="tpu")
     assert exc.value.field == "device"
+
+
+@pytest.mark.parametrize(
+    ("capability", "flags", "label"),
+    [
+        ("AVX512", ["avx2", "avx512f", "avx512_bf16"], "native"),
+        ("AVX512", ["avx2", "avx512f", "amx_bf16"], "native"),
+        ("AVX512", ["avx2", "avx512f", "avx512_vnni"], "avx512-no-bf16"),
+        ("AVX2", ["avx2", "avx512f", "avx512_bf16"], "avx2-emulated"),
+        ("AVX2", ["avx", "avx2"], "avx2"),
+    ],
+)
+def test_raw_files_are_named_for_the_cpu_that_made_them(monkeypatch, tmp_path, capability, flags, label):
+    """Per-machine raw files never overwrite another kind of CPU's: a CPU without native bf16 is
+    named apart from one with it, and an emulated AVX2 run apart from a real one."""
+    import viasd.bench as bench
+
+    monkeypatch.setattr(bench, "environment", lambda device="cpu": {"cpu_capability": capability, "cpu_flags": flags})
+    assert bench.machine_label() == label
+    path = bench.write_raw(tmp_path, "quickstart", {"x": 1})
+    assert path.name == f"quickstart-{label}.json" and json.loads(path.read_text()) == {"x": 1}

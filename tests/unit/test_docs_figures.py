@@ -456,14 +456,20 @@ def test_avx2_dtype_table_equals_its_raw_file():
             check_cell(cell, [f["seconds"][t] * 1e3], f"{f['model']} {f['dtype']} {t}")
 
 
-def test_avx2_quick_start_table_equals_its_raw_file():
-    """The quick start on the AVX2 CPU, per configuration: each pass, the median tokens/s and the
-    ratio to `before` in the same run, against docs/benchmarks/cpu/quickstart/quickstart-avx2.json."""
-    raw = load(DOCS / "benchmarks" / "cpu" / "quickstart" / "quickstart-avx2.json")
-    assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
+@pytest.mark.parametrize(
+    ("machine", "label", "capability"),
+    [("AVX2", "avx2", "AVX2"), ("AVX-512, no bf16", "avx512-no-bf16", "AVX512")],
+)
+def test_quick_start_tables_equal_their_raw_files(machine, label, capability):
+    """The quick start on a CPU without native bf16, per configuration: each pass, the median
+    tokens/s and the ratio to `before` in the same run, against
+    docs/benchmarks/cpu/quickstart/quickstart-<label>.json."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "quickstart" / f"quickstart-{label}.json")
+    assert raw["environment"]["cpu_capability"] == capability and raw["environment"]["git_commit"]
+    assert not {"avx512_bf16", "amx_bf16"} & set(raw["environment"]["cpu_flags"])
     assert raw["command"].startswith("python scripts/measure_quickstart.py")
     median = raw["median_tokens_per_second"]
-    rows = table("BENCHMARKS.md", "| quick start (AVX2) | dtype |")
+    rows = table("BENCHMARKS.md", f"| quick start ({machine}) | dtype |")
     assert [r[0].strip("`") for r in rows] == list(median)
     for row, name in zip(rows, median):
         runs = [r for r in raw["runs"] if r["config"] == name]

@@ -27,11 +27,14 @@ def _cpu(monkeypatch, *, flags, onednn=True, capability="AVX512", bf16_s=0.001, 
     monkeypatch.setattr(P, "_onednn_bf16_enabled", lambda: onednn)
     monkeypatch.setattr(P, "cpu_capability", lambda: capability)
 
-    def probe(name, shape=P.PROBE_SHAPE, *a, **k):
-        calls.append(name)
-        return rows[name, shape[0]] if rows else {"bfloat16": bf16_s, "float32": f32_s}[name]
+    def probes(specs, *a, **k):
+        calls.extend(name for name, _ in specs)
+        return {
+            (name, shape): rows[name, shape[0]] if rows else {"bfloat16": bf16_s, "float32": f32_s}[name]
+            for name, shape in specs
+        }
 
-    monkeypatch.setattr(P, "probe_matmul", probe)
+    monkeypatch.setattr(P, "probe_matmuls", probes)
     return calls
 
 
@@ -83,6 +86,19 @@ def test_without_native_bf16_auto_picks_the_dtype_that_decodes_faster(fresh, kw,
 def test_probe_runs_the_engine_s_kernel_or_plain_linear(fresh):
     for packed in (False, True):
         assert 0 < P.probe_matmul("float32", (1, 64, 128), repeats=2, packed=packed) < 1
+
+
+def test_the_probes_run_interleaved_so_a_pause_of_the_machine_slows_them_all(monkeypatch):
+    """One run of every probe per round: a pause that spans a few runs cannot make one dtype's
+    probe slow in all its repeats while the other's stays fast (it flipped `auto` once)."""
+    order = []
+    monkeypatch.setattr(P, "_probe_runner", lambda name, shape, packed: lambda: order.append((name, shape[0])))
+    specs = [(d, (m, 8, 8)) for d in ("bfloat16", "float32") for m in (1, 6)]
+    seconds = P.probe_matmuls(specs, repeats=3, packed=True)
+    keys = [(d, shape[0]) for d, shape in specs]
+    assert order == keys * 4  # a warm-up round, then 3 timed rounds in the same order
+    assert set(seconds) == set(specs) and all(t >= 0 for t in seconds.values())
+    assert set(P.decode_probe_seconds(repeats=1)) == {"bfloat16@1", "bfloat16@6", "float32@1", "float32@6"}
 
 
 @pytest.mark.parametrize(

@@ -167,11 +167,15 @@ def environment(device: str = "cpu") -> dict[str, Any]:
 
 def machine_label() -> str:
     """How per-machine raw files are named: `avx2` on a CPU without AVX-512, `avx2-emulated` where
-    torch is held to AVX2 kernels on one that has it (ATEN_CPU_CAPABILITY=avx2), else `native`."""
+    torch is held to AVX2 kernels on one that has it (ATEN_CPU_CAPABILITY=avx2), `native` on an
+    AVX-512 CPU with native bf16 (AVX-512 BF16 or AMX), else `<capability>-no-bf16`."""
+    from viasd.precision import BF16_FLAGS
+
     env = environment()
-    if env["cpu_capability"].upper() != "AVX2":
-        return "native"
-    return "avx2-emulated" if any(f.startswith("avx512") for f in env["cpu_flags"]) else "avx2"
+    capability, flags = env["cpu_capability"].lower(), env["cpu_flags"]
+    if capability == "avx2":
+        return "avx2-emulated" if any(f.startswith("avx512") for f in flags) else "avx2"
+    return "native" if set(BF16_FLAGS) & set(flags) else f"{capability}-no-bf16"
 
 
 def write_raw(folder: Path, stem: str, record: dict) -> Path:
