@@ -206,6 +206,21 @@ def cpu_by_process() -> dict[int, tuple[str, float]]:
     return out
 
 
+def niceness_by_class() -> dict[str, list[int]]:
+    """The niceness of each class's processes (their main threads), as the scheduler weighs them
+    against each other: Ray starts its workers at 15, the model actors run at 0
+    (viasd.cluster.pipeline.MODEL_ACTOR_ENV)."""
+    import psutil
+
+    out: dict[str, set[int]] = {}
+    for proc in psutil.process_iter(["pid", "cmdline", "nice"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        name = next((c for k, c in PROCESS_CLASSES.items() if k in line), None)
+        if name is not None and proc.info["nice"] is not None:
+            out.setdefault(name, set()).add(proc.info["nice"])
+    return {name: sorted(values) for name, values in sorted(out.items())}
+
+
 def cpu_used(before: dict, after: dict, wall: float) -> dict[str, float]:
     """Cores busy per class over a level: CPU seconds between two `cpu_by_process` snapshots over
     the wall seconds (2.0 = both cores of this machine all the time)."""
@@ -366,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--dtype", default=None, help="override the pipeline's engine dtype (float32, bfloat16)")
     ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="override the pipeline's engine threads (both systems; fewer than the cores leaves the rest to "
+        "the control plane)",
+    )
+    ap.add_argument(
         "--passes",
         type=int,
         default=1,
@@ -410,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         p["engine"]["max_seq_len"] = p["engine"].get("max_seq_len") or 512
         if args.dtype:
             p["engine"]["dtype"] = args.dtype
+        if args.threads:
+            p["engine"]["threads"] = args.threads
     if args.backend:
         raw["backend"] = args.backend
     if not args.url:  # free loopback ports: other servers may run on this machine
@@ -428,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
                 before, cpu = (steps() if steps else None), cpu_by_process()
                 r = {**run_level(target, mode, c, args.max_tokens, system), "pass": p}
                 r["cores_busy"] = cpu_used(cpu, cpu_by_process(), r["wall_s"])
+                r["niceness"] = niceness_by_class()
                 if steps:
                     r["coordinator"] = step_phases(before, steps(), r["tokens"])
                 results["runs"].append(r)
@@ -580,6 +605,37 @@ def cores_table(results: dict) -> str:
             f"{b.get('other', 0.0):.2f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def variants_table(variants: dict[str, list[dict]]) -> str:
+    """Runs of one command under several variants of the code (label -> that variant's results
+    files, in the order they ran), level by level: served and in-process tokens/s and their
+    ratio in each run, the median ratio, and the served ITL p50 of each run."""
+    lines = [
+        "| variant | mode | streams | served tok/s per run | in-process tok/s per run | "
+        "served / in-process per run | median | served ITL p50 per run (s) |",
+        "|" + " --- |" * 8,
+    ]
+    first = next(iter(variants.values()))[0]
+    for mode in first["modes"]:
+        for c in first["levels"]:
+            for label, files in variants.items():
+                runs = [{(r["system"], r["mode"], r["concurrency"]): r for r in f["runs"]} for f in files]
+                sv = [by[("served", mode, c)] for by in runs]
+                ip = [by[("in_process", mode, c)] for by in runs]
+                ratio = [s["aggregate_tokens_per_s"] / i["aggregate_tokens_per_s"] for s, i in zip(sv, ip)]
+                cells = [
+                    label,
+                    mode,
+                    str(c),
+                    ", ".join(f"{s['aggregate_tokens_per_s']:.2f}" for s in sv),
+                    ", ".join(f"{i['aggregate_tokens_per_s']:.2f}" for i in ip),
+                    ", ".join(f"{x:.2f}" for x in ratio),
+                    f"{statistics.median(ratio):.2f}",
+                    ", ".join(f"{s['p50_itl_s']:.3f}" for s in sv),
+                ]
+                lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

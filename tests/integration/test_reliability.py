@@ -223,6 +223,7 @@ def test_killed_drafter_finishes_requests_as_ar_and_is_restarted(aio, server, pi
     assert len(set(outputs)) == 3  # three different outputs: a mix-up could not go unnoticed
     wait_until("a new drafter", lambda: pipeline.rebuilds["drafter"] == before + 1)
     assert pipeline.drafter_info["pid"] != old_pid
+    assert os.getpriority(os.PRIO_PROCESS, pipeline.drafter_info["pid"]) == 0  # rebuilt as it was built
     tokens, responses = aio.run(collect(server[2], request(PROMPTS[1], mode="sd", gamma=3)))
     stats = stats_from_proto(responses[-1].stats)
     assert not stats.drafter_fallback and stats.num_drafts > 0  # drafting again, on the new actor
@@ -418,6 +419,27 @@ def test_cancel_cycles_free_every_session_and_memory(aio, server, pipeline):
     after = rss(pids())
     print(f"\n{CANCEL_CYCLES} cancel cycles: RSS {baseline / 2**20:.1f} -> {after / 2**20:.1f} MB")
     assert after - baseline < RSS_TOLERANCE_MB * 2**20, (baseline, after)
+
+
+def test_model_actors_run_at_normal_priority_where_ray_workers_run_at_15(pipeline):
+    """The drafter and the verifier ranks run at niceness 0 (cluster.pipeline.MODEL_ACTOR_ENV),
+    while an actor started with Ray's defaults runs at its worker_niceness, 15, below every Ray
+    daemon of the node (docs/SERVING.md, "Model actors at normal priority")."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        def niceness(self) -> int:
+            return os.getpriority(os.PRIO_PROCESS, 0)
+
+    plain = Plain.remote()
+    try:
+        assert ray.get(plain.niceness.remote(), timeout=60) == 15
+    finally:
+        ray.kill(plain)
+    ranks = pipeline.verifier_info.get("rank_pids") or [pipeline.verifier_info["pid"]]
+    for pid in [pipeline.drafter_info["pid"], *ranks]:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == 0, pid
 
 
 # ------------------------------------------------------------------ bad input, property-based

@@ -336,6 +336,7 @@ def test_calibrated_gates_table_equals_the_shipped_045_artifact():
         ("serve_throughput", "serve-throughput-cpu-model-thread.json", {}),
         ("serve_throughput", "serve-throughput-cpu-cores-lock.json", {}),
         ("serve_throughput", "serve-throughput-cpu-cores-busy.json", {}),
+        ("serve_throughput", "serve-throughput-cpu-one-thread.json", {}),
         ("measure_probs_travel", "probs-travel-cpu.json", {}),
     ],
 )
@@ -366,14 +367,40 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
     assert " ".join(args[1:]) in flat, results["command"]
 
 
-def test_served_cores_busy_table_equals_its_raw_file():
-    """SERVING.md, "One forward per node at a time": where the cores went, per kind of process,
-    is the table serve_throughput renders from the committed run's `cores_busy`."""
+@pytest.mark.parametrize("raw", ["serve-throughput-cpu-cores-busy.json", "serve-throughput-cpu-one-thread.json"])
+def test_served_cores_busy_table_equals_its_raw_file(raw):
+    """SERVING.md, "One forward per node at a time" and "Model actors at normal priority": where
+    the cores went, per kind of process, is the table serve_throughput renders from the committed
+    run's `cores_busy`."""
     serve_throughput = script_module("serve_throughput")
-    results = load(DOCS / "benchmarks" / "serve-throughput-cpu-cores-busy.json")
+    results = load(DOCS / "benchmarks" / raw)
     assert serve_throughput.cores_table(results) in (DOCS / "SERVING.md").read_text()
     served = [r["cores_busy"] for r in results["runs"] if r["system"] == "served"]
     assert served and all(b["verifier"] > 0.5 for b in served)  # (the classes found the actors)
+
+
+def test_model_actor_niceness_table_equals_its_raw_files():
+    """SERVING.md, "Model actors at normal priority": the A/B table is the one serve_throughput
+    renders from the six committed runs, each made by the command the page shows (its own
+    --out), and the runs that recorded niceness ran their model actors as labelled."""
+    serve_throughput = script_module("serve_throughput")
+    folder = DOCS / "benchmarks" / "serve-niceness"
+    runs = {v: [load(folder / f"{v}-{i}.json") for i in range(3)] for v in ("base", "nice0")}
+    page = (DOCS / "SERVING.md").read_text()
+    table = serve_throughput.variants_table({"Ray's default (15)": runs["base"], "model actors at 0": runs["nice0"]})
+    assert table in page
+    flat = " ".join(page.replace("\\\n", " ").split())
+    for variant, niceness in (("base", 15), ("nice0", 0)):
+        for results in runs[variant]:
+            args = shlex.split(results["command"])
+            assert args[-2] == "--out" and " ".join(args[1:-2]) + " --out <run>.json" in flat, results["command"]
+            assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
+            assert serve_throughput.check_tokens(results["runs"], {})["streams_mismatched"] == 0
+            for r in results["runs"]:
+                if r["system"] == "served" and "niceness" in r:
+                    assert r["niceness"]["verifier"] == r["niceness"]["drafter"] == [niceness]
+                    assert r["niceness"]["replica"] == [15]
+    assert sum("niceness" in r for v in runs.values() for f in v for r in f["runs"]) >= 8  # (4 recorded runs)
 
 
 def test_serving_lm_eval_table_equals_its_raw_file():
