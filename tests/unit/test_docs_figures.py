@@ -485,7 +485,11 @@ def test_avx2_dtype_table_equals_its_raw_file():
 
 @pytest.mark.parametrize(
     ("machine", "label", "capability"),
-    [("AVX2", "avx2", "AVX2"), ("AVX-512, no bf16", "avx512-no-bf16", "AVX512")],
+    [
+        ("AVX2", "avx2", "AVX2"),
+        ("AVX-512, no bf16, probes in sequence", "avx512-no-bf16-first", "AVX512"),
+        ("AVX-512, no bf16", "avx512-no-bf16", "AVX512"),
+    ],
 )
 def test_quick_start_tables_equal_their_raw_files(machine, label, capability):
     """The quick start on a CPU without native bf16, per configuration: each pass, the median
