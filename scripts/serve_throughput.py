@@ -189,6 +189,12 @@ PROCESS_CLASSES = {
 }
 
 
+def process_class(cmdline: list[str] | None) -> str | None:
+    """The class of PROCESS_CLASSES a process's command line names, else None."""
+    line = " ".join(cmdline or [])
+    return next((c for k, c in PROCESS_CLASSES.items() if k in line), None)
+
+
 def cpu_by_process() -> dict[int, tuple[str, float]]:
     """Every readable process of the machine: pid -> (its class, CPU seconds so far, user + system)."""
     import psutil
@@ -198,10 +204,7 @@ def cpu_by_process() -> dict[int, tuple[str, float]]:
         times = proc.info["cpu_times"]
         if times is None:
             continue
-        line = " ".join(proc.info["cmdline"] or [])
-        name = (
-            "client" if proc.pid == os.getpid() else next((c for k, c in PROCESS_CLASSES.items() if k in line), "other")
-        )
+        name = "client" if proc.pid == os.getpid() else process_class(proc.info["cmdline"]) or "other"
         out[proc.pid] = (name, times.user + times.system)
     return out
 
@@ -214,8 +217,7 @@ def niceness_by_class() -> dict[str, list[int]]:
 
     out: dict[str, set[int]] = {}
     for proc in psutil.process_iter(["pid", "cmdline", "nice"]):
-        line = " ".join(proc.info["cmdline"] or [])
-        name = next((c for k, c in PROCESS_CLASSES.items() if k in line), None)
+        name = process_class(proc.info["cmdline"])
         if name is not None and proc.info["nice"] is not None:
             out.setdefault(name, set()).add(proc.info["nice"])
     return {name: sorted(values) for name, values in sorted(out.items())}
