@@ -19,7 +19,7 @@ from ray.serve.schema import ApplicationStatus
 
 from viasd.cluster import drain as draining
 from viasd.cluster.app import build_app, grpc_options, http_options
-from viasd.cluster.serve_config import ServeConfig
+from viasd.cluster.serve_config import ServeConfig, apply_control_plane_env
 
 #: After a drain, the seconds the proxies get to forward the last bytes of the streams that ended
 #: (an `abort` chunk and [DONE]) before the applications are deleted (0.5 s once fell short on a
@@ -59,6 +59,7 @@ def _ray_init(config: ServeConfig) -> None:
     if config.ray.address:
         ray.init(address=config.ray.address, namespace="viasd")
         return
+    apply_control_plane_env(config.ray.control_plane_env)
     per_pipeline = 4 * max(p.tp_size for p in config.pipelines) + 2  # drafter, verifier ranks, coordinator, ingress
     num_cpus = config.ray.num_cpus or per_pipeline * config.autoscaling.max_replicas * len(config.pipelines)
     ray.init(

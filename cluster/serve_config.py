@@ -12,6 +12,7 @@ fields (or `config: path/to/serve.yaml`) as the application's `args`.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -144,6 +145,27 @@ class MetricsOptions(BaseModel):
     )
 
 
+#: Ray's and Serve's periodic loops, slowed from their defaults for the local Ray that `viasd serve`
+#: (and the standalone server) start. On a node whose cores the model's threads fill, each wake-up
+#: of the control plane stalls the model's OpenMP team at its next barrier; these four take the
+#: idle control plane of the embedded pair from ~0.15 to ~0.11 of two cores (docs/SERVING.md, "A
+#: quieter control plane"). Each costs at most its period in reaction time, against requests of
+#: seconds and model loads of minutes.
+QUIET_CONTROL_PLANE = {
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # Serve controller's loop (Ray's default 0.1 s)
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",  # replicas' and proxies' metrics into Ray's (100 ms)
+    "RAY_raylet_report_resources_period_milliseconds": "1000",  # raylet -> GCS resource reports (100 ms)
+    "RAY_raylet_check_gc_period_milliseconds": "1000",  # raylet's memory-pressure check (100 ms)
+}
+
+
+def apply_control_plane_env(env: dict[str, str]) -> None:
+    """Set `env` in this process's environment, which a local Ray started next passes to its
+    daemons and workers; a variable the environment already sets wins."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+
+
 class RayOptions(BaseModel):
     """The Ray cluster `viasd serve` joins or starts (KubeRay brings its own)."""
 
@@ -160,6 +182,21 @@ class RayOptions(BaseModel):
         description="CPUs the Serve replica (the ingress of one pipeline) reserves; its actors reserve their own.",
     )
     include_dashboard: bool = Field(False, description="Start Ray's dashboard with the local Ray.")
+    control_plane_env: dict[str, str] = Field(
+        default_factory=lambda: dict(QUIET_CONTROL_PLANE),
+        description="Environment of the local Ray's daemons and workers (RAY_* variables only), set before it "
+        "starts; a variable already in the environment wins. Default: Ray's and Serve's periodic loops slowed "
+        "(QUIET_CONTROL_PLANE) so that fewer wake-ups share the model's cores; {}: Ray's own defaults. Not "
+        "used with `address` (a running cluster has its environment; on KubeRay, the chart's extraEnv).",
+    )
+
+    @field_validator("control_plane_env")
+    @classmethod
+    def _ray_variables(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in env if not k.startswith("RAY_")]
+        if bad:
+            raise ValueError(f"only Ray's variables (RAY_*) belong here, not {', '.join(sorted(bad))}")
+        return env
 
 
 class ServeConfig(BaseModel):

@@ -49,7 +49,7 @@ from viasd.cluster.handler import Admission, RequestHandler
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
-from viasd.cluster.serve_config import Limits
+from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, Limits, apply_control_plane_env
 from viasd.config import invalid_from_validation, parse_params
 from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
@@ -182,7 +182,8 @@ async def _main(args: argparse.Namespace) -> None:
     if started_ray:
         if args.ray_address:
             ray.init(address=args.ray_address)
-        else:  # a local Ray on loopback, like the servers
+        else:  # a local Ray on loopback, like the servers, with their quieter control plane
+            apply_control_plane_env(QUIET_CONTROL_PLANE)
             ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

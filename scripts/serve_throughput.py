@@ -409,6 +409,13 @@ def main(argv: list[str] | None = None) -> int:
         help="a results file of this script whose guidellm figures join these ones (its command, "
         "commit and machine are kept under `merged`)",
     )
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="before the load of each served pass, record the cores each kind of process keeps busy "
+        "over this many seconds with no request in flight (the control plane's own cost: `idle`)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -445,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
         raw["grpc"]["port"] = free_port()
     config = parse_serve_config(raw)
     results = {"cpus": os.cpu_count(), **provenance(), "levels": levels, "modes": modes, "runs": []}
+    # Ray's and Serve's settings from the environment (the control plane's loops read them at start)
+    results["ray_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")}
     expected: dict[int, list[int]] = {}
 
     def measure(target, system: str, mode_list: list[str], p: int, steps=None) -> None:
@@ -494,6 +503,12 @@ def main(argv: list[str] | None = None) -> int:
             client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=3600)
             model = client.models.list().data[0]
             results.update(model=model.id, pipeline=model.model_extra.get("viasd", {}), backend=raw["backend"])
+            if args.idle:
+                cpu, t0 = cpu_by_process(), time.perf_counter()
+                time.sleep(args.idle)
+                idle = cpu_used(cpu, cpu_by_process(), time.perf_counter() - t0)
+                results.setdefault("idle", []).append({"pass": p, "seconds": args.idle, "cores_busy": idle})
+                print(json.dumps({"idle": idle}), flush=True)
             measure(
                 lambda prompt, mode, n, out: one_stream(client, model.id, prompt, mode, n, out),
                 "served",

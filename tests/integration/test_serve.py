@@ -602,6 +602,7 @@ def test_serve_yaml_loads_and_names_bad_fields(tmp_path):
         ("default_model: other\n", "default_model"),
         ("http:\n  prot: 8000\n", "http.prot"),
         ("pipelines:\n  - name: a\n    engine:\n      dtype: int8\n", "pipelines.0.engine"),
+        ("ray:\n  control_plane_env:\n    OMP_NUM_THREADS: '1'\n", "ray.control_plane_env"),
     ]:
         bad.write_text(text)
         with pytest.raises(InvalidParameterError) as info:
@@ -611,6 +612,51 @@ def test_serve_yaml_loads_and_names_bad_fields(tmp_path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(InvalidParameterError):
         load_serve_config(bad)
+
+
+LOCAL_RAY_ENV = """
+import json, os, ray
+from viasd.cluster import launch
+from viasd.cluster.serve_config import parse_serve_config
+launch._ray_init(parse_serve_config({"ray": {"num_cpus": 1}}))
+names = ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_raylet_report_resources_period_milliseconds"]
+print(json.dumps(ray.get(ray.remote(lambda: {n: os.environ.get(n) for n in names}).remote())))
+ray.shutdown()
+"""
+
+
+def test_the_local_ray_starts_with_the_quiet_control_plane_and_the_environment_wins():
+    """`viasd serve`'s local Ray passes `ray.control_plane_env` to its daemons and workers (a task
+    sees it), and a variable the user's environment sets keeps the user's value."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_raylet_report_resources_period_milliseconds", None)
+    out = subprocess.run(
+        [sys.executable, "-c", LOCAL_RAY_ENV], env=env, capture_output=True, text=True, timeout=180, check=True
+    )
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {
+        "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.25",
+        "RAY_raylet_report_resources_period_milliseconds": "1000",
+    }
+
+
+def test_an_empty_control_plane_env_keeps_rays_defaults(monkeypatch):
+    import ray
+
+    from viasd.cluster import launch
+    from viasd.cluster.serve_config import QUIET_CONTROL_PLANE
+
+    environ: dict[str, str] = {}  # (this process's own environment stays as it is)
+    monkeypatch.setattr(os, "environ", environ)
+    started = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: started.append({n: environ.get(n) for n in QUIET_CONTROL_PLANE}))
+    launch._ray_init(parse_serve_config({"ray": {"control_plane_env": {}}}))
+    launch._ray_init(parse_serve_config({}))
+    assert started == [dict.fromkeys(QUIET_CONTROL_PLANE), QUIET_CONTROL_PLANE]
 
 
 def test_serve_config_fields_all_have_descriptions():
