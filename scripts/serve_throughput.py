@@ -656,6 +656,24 @@ def variants_table(variants: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
+IDLE_CLASSES = ("controller", "proxy", "replica", "ray", "drafter", "verifier", "other")
+
+
+def idle_table(variants: dict[str, list[dict]]) -> str:
+    """The `--idle` records of several variants' runs (label -> results files, in the order they
+    ran): the cores each kind of process kept busy with no request in flight, and their total
+    (this client's own polling left out)."""
+    lines = ["| variant | run | " + " | ".join(IDLE_CLASSES) + " | total |", "|" + " --- |" * (len(IDLE_CLASSES) + 3)]
+    for label, files in variants.items():
+        for i, results in enumerate(files):
+            for idle in results["idle"]:
+                busy = idle["cores_busy"]
+                cells = [f"{busy.get(c, 0.0):.3f}" for c in IDLE_CLASSES]
+                total = sum(v for c, v in busy.items() if c != "client")
+                lines.append(f"| {label} | {i} | " + " | ".join(cells) + f" | {total:.3f} |")
+    return "\n".join(lines)
+
+
 FIGURES = (  # a run's figures that a summary row takes the median of over the passes
     "wall_s",
     "aggregate_tokens_per_s",

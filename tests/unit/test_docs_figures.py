@@ -379,6 +379,15 @@ def test_served_cores_busy_table_equals_its_raw_file(raw):
     assert served and all(b["verifier"] > 0.5 for b in served)  # (the classes found the actors)
 
 
+def assert_one_of_the_runs_shown(serve_throughput, flat: str, results: dict) -> None:
+    """A run of an A/B: made by the command the page shows with `--out <run>.json`, on a recorded
+    commit and CPU, every stream its prompt's greedy output."""
+    args = shlex.split(results["command"])
+    assert args[-2] == "--out" and " ".join(args[1:-2]) + " --out <run>.json" in flat, results["command"]
+    assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
+    assert serve_throughput.check_tokens(results["runs"], {})["streams_mismatched"] == 0
+
+
 def test_model_actor_niceness_table_equals_its_raw_files():
     """SERVING.md, "Model actors at normal priority": the A/B table is the one serve_throughput
     renders from the six committed runs, each made by the command the page shows (its own
@@ -392,15 +401,32 @@ def test_model_actor_niceness_table_equals_its_raw_files():
     flat = " ".join(page.replace("\\\n", " ").split())
     for variant, niceness in (("base", 15), ("nice0", 0)):
         for results in runs[variant]:
-            args = shlex.split(results["command"])
-            assert args[-2] == "--out" and " ".join(args[1:-2]) + " --out <run>.json" in flat, results["command"]
-            assert results["environment"]["git_commit"] and results["environment"]["cpu_capability"]
-            assert serve_throughput.check_tokens(results["runs"], {})["streams_mismatched"] == 0
+            assert_one_of_the_runs_shown(serve_throughput, flat, results)
             for r in results["runs"]:
                 if r["system"] == "served" and "niceness" in r:
                     assert r["niceness"]["verifier"] == r["niceness"]["drafter"] == [niceness]
                     assert r["niceness"]["replica"] == [15]
     assert sum("niceness" in r for v in runs.values() for f in v for r in f["runs"]) >= 8  # (4 recorded runs)
+
+
+def test_quiet_control_plane_tables_equal_their_raw_files():
+    """SERVING.md, "A quieter control plane": the A/B table and the idle table are the ones
+    serve_throughput renders from the six committed runs, each made by the command the page shows,
+    and each run's control plane ran as labelled (Ray's defaults set in its environment, or none
+    set: `ray.control_plane_env` applies)."""
+    serve_throughput = script_module("serve_throughput")
+    folder = DOCS / "benchmarks" / "serve-quiet"
+    runs = {v: [load(folder / f"{v}-{i}.json") for i in range(3)] for v in ("defaults", "quiet")}
+    variants = {"Ray's defaults": runs["defaults"], "quiet (the default now)": runs["quiet"]}
+    page = (DOCS / "SERVING.md").read_text()
+    assert serve_throughput.variants_table(variants) in page
+    assert serve_throughput.idle_table(variants) in page
+    flat = " ".join(page.replace("\\\n", " ").split())
+    for variant, interval in (("defaults", "0.1"), ("quiet", None)):
+        for results in runs[variant]:
+            assert_one_of_the_runs_shown(serve_throughput, flat, results)
+            assert results["ray_env"].get("RAY_SERVE_CONTROL_LOOP_INTERVAL_S") == interval
+            assert [i["seconds"] for i in results["idle"]] == [30.0]
 
 
 def test_serving_lm_eval_table_equals_its_raw_file():
