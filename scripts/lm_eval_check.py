@@ -151,7 +151,7 @@ def _evaluate(model, task: str, tasks: Path, **kwargs) -> dict:
     return lm_eval.simple_evaluate(
         model=model,
         tasks=[task],
-        # only our task files: indexing lm-eval's thousands of bundled tasks costs ~9 s a call
+        # only our task files: indexing lm-eval's thousands of bundled tasks takes seconds a call
         task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         log_samples=True,
         bootstrap_iters=0,
