@@ -44,7 +44,7 @@ from viasd.costs import CostModel, profile_tiers
 from viasd.engine import DraftSession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
-from viasd.precision import LinearReport, optimize_linears, resolve_dtype
+from viasd.precision import LinearReport, engine_dtype, optimize_linears
 from viasd.runtime import MaskedLM
 from viasd.sessions import drive, execute, prefill_together
 from viasd.v1 import internal_pb2 as ipb
@@ -220,7 +220,7 @@ def pack_linears(model, config: EngineConfig, device: str) -> LinearReport:
     packed (reported with the runtime in /v1/models: packing stops where memory runs short)."""
     if not config.packed_linears:
         return LinearReport("off")
-    return optimize_linears(model, resolve_dtype(config.dtype, device).dtype, device)
+    return optimize_linears(model, engine_dtype(config, device).dtype, device)
 
 
 def set_threads(threads: int | None, ranks: int) -> int:
@@ -266,7 +266,10 @@ class DrafterActor:
         def load() -> tuple[MaskedLM, int, LinearReport]:  # on the model thread, where it will run (viasd.model_thread)
             threads = set_threads(config.threads, ranks)
             model, _ = load_causal_lm(
-                config.drafter, dtype=config.dtype, device=device, trust_remote_code=config.trust_remote_code
+                config.drafter,
+                dtype=engine_dtype(config, device).dtype,
+                device=device,
+                trust_remote_code=config.trust_remote_code,
             )
             packed = pack_linears(model, config, device)  # (before MaskedLM takes the modules)
             return MaskedLM(model), threads, packed

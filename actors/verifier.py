@@ -58,7 +58,7 @@ from viasd.errors import InvalidParameterError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats
 from viasd.planner import Plan
-from viasd.precision import LinearReport
+from viasd.precision import LinearReport, engine_dtype
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import drive, prefill_together, uses_slim
 from viasd.v1 import internal_pb2 as ipb
@@ -393,7 +393,6 @@ class VerifierWorker:
     ) -> dict:
         """Load q, resolve the mask, shard across the group (every rank calls this at once)."""
         from viasd.engine import cost_cache_dir
-        from viasd.precision import resolve_dtype
 
         config = EngineConfig.model_validate(engine)
         self.rank = rank
@@ -427,7 +426,7 @@ class VerifierWorker:
             "pid": os.getpid(),
             "threads": loaded.threads,
             "linears": loaded.linears,
-            "runtime": resolve_dtype(config.dtype, device).as_dict(),  # the dtype choice, the CPU capability
+            "runtime": engine_dtype(config, device).as_dict(),  # the dtype choice, the CPU capability
         }
 
     @staticmethod
@@ -449,7 +448,7 @@ class VerifierWorker:
         # sharded ranks load on the host and move only their shards to the device (shard_model)
         model, tokenizer = load_causal_lm(
             config.verifier,
-            dtype=config.dtype,
+            dtype=engine_dtype(config, device).dtype,  # the target device's, also where the host loads
             device=device if world_size == 1 else "cpu",
             trust_remote_code=config.trust_remote_code,
         )

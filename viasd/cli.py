@@ -45,13 +45,17 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--max-batch",
         type=int,
-        default=EngineConfig.model_fields["max_batch"].default,
-        help="requests decoding together (KV cache rows per tier)",
+        default=None,
+        help="requests decoding together (KV cache rows per tier; `dtype: auto` decides at this many rows a "
+        "step); default: 1 for generate and the batch-1 benchmark (one request at a time), the highest "
+        "concurrency for --suite load",
     )
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget of all tiers (GiB)")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, max_batch: int) -> EngineConfig:
+    """The engine flags as an EngineConfig; ``max_batch`` where ``--max-batch`` is not given: the
+    most requests the command runs at once."""
     return parse_engine_config(
         verifier=args.verifier,
         drafter=None if str(args.drafter).lower() == "none" else args.drafter,
@@ -61,7 +65,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
         gates=args.gates,
         threads=args.threads,
         device=args.device,
-        max_batch=args.max_batch,
+        max_batch=args.max_batch or max_batch,
         kv_cache_gib=args.kv_cache_gib,
     )
 
@@ -96,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from viasd.llm import LLM
 
     params = _params(args)  # validate before loading models
-    llm = LLM(_engine_config(args), mask=args.mask)
+    llm = LLM(_engine_config(args, max_batch=1), mask=args.mask)  # one request
     print(f"[viasd] slim verifier mask: {llm.mask_source}", file=sys.stderr)
     print(f"[viasd] gates of via requests that set none: {llm.gates_source}", file=sys.stderr)
     if args.chat:
@@ -122,12 +126,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "load":
-        from viasd.bench.load import run_load_bench
+        from viasd.bench.load import concurrency_levels, run_load_bench
 
-        return run_load_bench(args, _engine_config(args), _params(args, ignore_eos=True))
+        config = _engine_config(args, max_batch=max(concurrency_levels(args.concurrency)))
+        return run_load_bench(args, config, _params(args, ignore_eos=True))
     from viasd.bench import run_bench
 
-    return run_bench(args, _engine_config(args), _params(args, ignore_eos=True))
+    return run_bench(args, _engine_config(args, max_batch=1), _params(args, ignore_eos=True))  # one at a time
 
 
 def _floats(s: str) -> tuple[float, ...]:

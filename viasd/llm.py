@@ -20,7 +20,7 @@ from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.gates import Gates, gates_from_artifact
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.precision import LinearReport, kernels, optimize_linears, resolve_dtype
+from viasd.precision import LinearReport, engine_dtype, kernels, optimize_linears
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -149,7 +149,7 @@ class LLM:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
-        self.dtype_choice = resolve_dtype(config.dtype, config.device)  # `auto`: what runs fastest here
+        self.dtype_choice = engine_dtype(config)  # `auto`: what runs fastest here at max_batch rows a step
         dtype = self.dtype_choice.dtype
         model, self.tokenizer = load_causal_lm(
             config.verifier, dtype=dtype, device=config.device, trust_remote_code=config.trust_remote_code

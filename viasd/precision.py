@@ -11,22 +11,27 @@ says why, as a :class:`DtypeChoice`:
   ``F.linear``, best of a few, a few ms in all, :func:`probe_matmuls`) is not slower in bf16
   than in float32; else ``float32``.
 * Without native bf16, ATen widens every bf16 tile to float32 on the fly: a one-row step gains
-  from reading half the bytes, multi-token blocks and prefill lose (on a real AVX2 CPU a
-  one-token forward of the 1.5B verifier cost 267 ms in bf16 and 502 ms in float32, a 6-token
-  block 987 and 654 ms: docs/BENCHMARKS.md). Which wins depends on what decoding will run, so
-  ``auto`` probes a one-row and a 6-row product in each dtype, each with the kernel the engine
-  runs (:func:`probe_matmuls`, ``packed``, interleaved), and picks the dtype whose faster plan is faster
-  (:func:`decode_speed`: `ar`, one one-row step a token, or a reference `sd` cycle): bf16 when
-  its one-row steps win by more than float32's cheap blocks buy back (reason
-  ``no-native-bf16-decode``), else float32 (``no-native-bf16``).
+  from reading half the bytes, multi-token blocks, batched steps and prefill lose (on a real AVX2
+  CPU a one-token forward of the 1.5B verifier cost 267 ms in bf16 and 502 ms in float32, a
+  6-token block 987 and 654 ms: docs/BENCHMARKS.md). Which wins depends on what decoding will
+  run, so ``auto`` probes the products of a decoding step at the engine's batch capacity ``rows``
+  (``EngineConfig.max_batch``, :func:`engine_dtype`; :func:`decode_shapes`: a ``rows``-row step
+  and a block of ``rows * (REFERENCE_K + 1)`` rows) in each dtype, each with the kernel the engine
+  runs (:func:`probe_matmuls`, ``packed``, interleaved), and picks the dtype whose faster plan is
+  faster at that load (:func:`decode_speed`: `ar`, one ``rows``-row step for ``rows`` tokens, or a
+  reference `sd` cycle): bf16 when its steps win by more than float32's cheap blocks buy back
+  (reason ``no-native-bf16-decode``), else float32 (``no-native-bf16``). One request at a time
+  (``rows=1``) is where bf16 can win; a batch of a few rows already costs bf16 a multiple of
+  float32's step (docs/BENCHMARKS.md, "The dtype at the batch capacity").
 
-The CPU check and the probe run once per process (cached); :func:`resolve_dtype` is cheap to
-call again, so a caller can resolve once, load every tier with ``choice.dtype`` and record
-``choice.as_dict()`` in its stats.
+The CPU check and the probe run once per process and ``rows`` (cached); :func:`resolve_dtype` is
+cheap to call again, so a caller can resolve once, load every tier with ``choice.dtype`` and
+record ``choice.as_dict()`` in its stats.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import platform
 import time
@@ -46,7 +51,9 @@ __all__ = [
     "cpu_bf16_flags",
     "cpu_capability",
     "decode_probe_seconds",
+    "decode_shapes",
     "decode_speed",
+    "engine_dtype",
     "native_bf16",
     "optimize_linears",
     "probe_matmul",
@@ -61,9 +68,9 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 PROBE_SHAPE = (6, 1536, 4096)
 #: Runs of the probe per dtype (after one warm-up); the best one counts.
 PROBE_REPEATS = 5
-#: (M, K, N) of the probes without native bf16: a one-row step and a 6-token block through a
-#: 1536 -> 8960 projection (larger than the caches: decoding reads its weights from memory).
-DECODE_SHAPES = ((1, 1536, 8960), (6, 1536, 8960))
+#: (K, N) of the probes without native bf16: a 1536 -> 8960 projection (larger than the caches:
+#: decoding reads its weights from memory).
+DECODE_PROJECTION = (1536, 8960)
 #: The reference `sd` cycle of decode_speed, the embedded pair's on code (docs/BENCHMARKS.md, the
 #: AVX2 CPU): k draft tokens, committing REFERENCE_TOKENS a cycle (what float32 `auto` committed
 #: per step in the quick start there: 128 tokens in about 35 steps; fixed `sd` reached 4.2 on
@@ -84,6 +91,8 @@ class DtypeChoice:
     ``requested``: what the configuration asked for (``auto`` or a dtype name).
     ``reason``: ``requested``, ``cuda``, ``cuda-no-bf16``, ``native-bf16``,
     ``native-bf16-probe-slower``, ``no-native-bf16``, ``no-native-bf16-decode`` or ``device``.
+    ``rows``: the rows a decoding step carries that the choice was made for (the engine's batch
+    capacity, ``EngineConfig.max_batch``; only the CPU without native bf16 decides by it).
     ``cpu_capability``: ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...)
     on CPU, else None. ``native_bf16``: the CPU check of :func:`native_bf16` (None where it did
     not run). ``probe_seconds``: best time of the probe product per dtype name, or per
@@ -94,6 +103,7 @@ class DtypeChoice:
     requested: str
     device: str
     reason: str
+    rows: int = 1
     cpu_capability: str | None = None
     native_bf16: bool | None = None
     probe_seconds: dict[str, float] = field(default_factory=dict)
@@ -110,6 +120,7 @@ class DtypeChoice:
             "dtype": self.dtype,
             "dtype_requested": self.requested,
             "dtype_reason": self.reason,
+            "dtype_rows": self.rows,
             "device": self.device,
             "cpu_capability": self.cpu_capability,
             "native_bf16": self.native_bf16,
@@ -224,41 +235,55 @@ def probe_matmul(
     return probe_matmuls([(dtype_name, shape)], repeats, packed)[dtype_name, shape]
 
 
-def decode_speed(one_row: float, block: float) -> float:
-    """Tokens per second (relative) of the faster of `ar`, one one-row step of `one_row` seconds a
-    token, and the reference `sd` cycle: REFERENCE_K drafter steps at REFERENCE_DRAFTER of a
-    one-row step and one verified block of `block` seconds for REFERENCE_TOKENS tokens:
-
-        max(1 / one_row,  REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * one_row + block))"""
-    return max(1.0 / one_row, REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * one_row + block))
+def decode_shapes(rows: int = 1) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """(M, K, N) of the two products :func:`decode_speed` prices at ``rows`` rows a step: one
+    step (``rows`` rows of one token) and one verified block (``rows`` rows of REFERENCE_K + 1
+    tokens) through the :data:`DECODE_PROJECTION`."""
+    return (rows, *DECODE_PROJECTION), (rows * (REFERENCE_K + 1), *DECODE_PROJECTION)
 
 
-def decode_probe_seconds(repeats: int = 2 * PROBE_REPEATS) -> dict[str, float]:
+#: The products at one request a step: a one-row step and a 6-token block.
+DECODE_SHAPES = decode_shapes(1)
+
+
+def decode_speed(step: float, block: float, rows: int = 1) -> float:
+    """Tokens per second (relative) at ``rows`` requests a step of the faster of `ar`, one step of
+    `step` seconds for ``rows`` tokens, and the reference `sd` cycle: REFERENCE_K drafter steps
+    at REFERENCE_DRAFTER of a verifier step and one verified block of `block` seconds for
+    REFERENCE_TOKENS tokens a row:
+
+        max(rows / step,  rows * REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * step + block))"""
+    return max(rows / step, rows * REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * step + block))
+
+
+def decode_probe_seconds(rows: int = 1, repeats: int = 2 * PROBE_REPEATS) -> dict[str, float]:
     """What ``auto`` decides with on a CPU without native bf16: the best seconds of the
-    :data:`DECODE_SHAPES` products in each dtype with the engine's kernels, by ``dtype@rows``
-    (best of twice the usual repeats: each a few ms, and the choice is their margin)."""
-    probes = probe_matmuls([(d, shape) for d in ("bfloat16", "float32") for shape in DECODE_SHAPES], repeats, True)
+    :func:`decode_shapes` products at ``rows`` in each dtype with the engine's kernels, by
+    ``dtype@M`` (best of twice the usual repeats: each a few ms, and the choice is their margin)."""
+    shapes = decode_shapes(rows)
+    probes = probe_matmuls([(d, shape) for d in ("bfloat16", "float32") for shape in shapes], repeats, True)
     return {f"{d}@{shape[0]}": t for (d, shape), t in probes.items()}
 
 
 @functools.cache
-def _cpu_auto() -> DtypeChoice:
-    """What ``auto`` means on this process's CPU (computed once)."""
+def _cpu_auto(rows: int = 1) -> DtypeChoice:
+    """What ``auto`` means on this process's CPU for a step of ``rows`` rows (computed once)."""
     cap = cpu_capability()
     native = native_bf16()
     if not native:
-        seconds = decode_probe_seconds()
-        (one, _, _), (block, _, _) = DECODE_SHAPES
+        seconds = decode_probe_seconds(rows)
+        (step, _, _), (block, _, _) = decode_shapes(rows)
         speed = {
-            name: decode_speed(seconds[f"{name}@{one}"], seconds[f"{name}@{block}"]) for name in ("bfloat16", "float32")
+            name: decode_speed(seconds[f"{name}@{step}"], seconds[f"{name}@{block}"], rows)
+            for name in ("bfloat16", "float32")
         }
         if speed["bfloat16"] > speed["float32"]:
-            return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-decode", cap, False, seconds)
-        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", cap, False, seconds)
+            return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-decode", rows, cap, False, seconds)
+        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", rows, cap, False, seconds)
     seconds = {d: t for (d, _), t in probe_matmuls([(d, PROBE_SHAPE) for d in ("bfloat16", "float32")]).items()}
     if seconds["bfloat16"] <= seconds["float32"]:
-        return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", cap, True, seconds)
-    return DtypeChoice("float32", AUTO, "cpu", "native-bf16-probe-slower", cap, True, seconds)
+        return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", rows, cap, True, seconds)
+    return DtypeChoice("float32", AUTO, "cpu", "native-bf16-probe-slower", rows, cap, True, seconds)
 
 
 def _cuda_auto(device: str) -> DtypeChoice:
@@ -272,21 +297,29 @@ def _cuda_auto(device: str) -> DtypeChoice:
     return DtypeChoice("bfloat16" if ok else "float16", AUTO, device, "cuda" if ok else "cuda-no-bf16")
 
 
-def resolve_dtype(requested: str | torch.dtype, device: str = "cpu") -> DtypeChoice:
+def resolve_dtype(requested: str | torch.dtype, device: str = "cpu", rows: int = 1) -> DtypeChoice:
     """The concrete dtype for ``requested`` (``auto`` or a dtype name / alias / torch dtype) on
-    ``device`` (``cpu``, ``cuda``, ``cuda:N``), see the module docstring. Raises
-    :class:`~viasd.errors.ModelLoadError` for an unknown dtype name."""
+    ``device`` (``cpu``, ``cuda``, ``cuda:N``) for decoding steps of up to ``rows`` rows, see the
+    module docstring. Raises :class:`~viasd.errors.ModelLoadError` for an unknown dtype name."""
     name = _canonical(requested)
     device = str(device)
     kind = device.split(":", 1)[0]
     cap = cpu_capability() if kind == "cpu" else None
     if name != AUTO:
-        return DtypeChoice(name, name, device, "requested", cap)
+        return DtypeChoice(name, name, device, "requested", rows, cap)
     if kind == "cpu":
-        return _cpu_auto()
+        return _cpu_auto(rows)
     if kind == "cuda":
-        return _cuda_auto(device)
-    return DtypeChoice("float32", AUTO, device, "device", cap)
+        return dataclasses.replace(_cuda_auto(device), rows=rows)
+    return DtypeChoice("float32", AUTO, device, "device", rows, cap)
+
+
+def engine_dtype(config, device: str | None = None) -> DtypeChoice:
+    """The dtype an engine of ``config`` (an :class:`~viasd.config.EngineConfig`) loads its tiers
+    in on ``device`` (default: ``config.device``): :func:`resolve_dtype` of ``config.dtype`` at its
+    batch capacity, ``config.max_batch`` rows. Every process that loads a tier of one pipeline
+    (the in-process engine, the drafter and verifier actors) calls this, so they agree."""
+    return resolve_dtype(config.dtype, device or config.device, rows=config.max_batch)
 
 
 def _reset_cache() -> None:

@@ -30,6 +30,39 @@ def test_unknown_model_is_a_clear_error(capsys):
     assert "no-such-model" in capsys.readouterr().err
 
 
+class _Loaded(Exception):
+    """Raised in place of loading models: carries the engine config a command would load with."""
+
+
+@pytest.mark.parametrize(
+    "argv, max_batch",
+    [
+        (["generate", "x"], 1),  # one request
+        (["generate", "x", "--max-batch", "4"], 4),
+        (["bench", "--methods", "ar"], 1),  # the batch-1 benchmark runs one request at a time
+        (["bench", "--suite", "load", "--concurrency", "1,8,2"], 8),  # the highest concurrency
+        (["bench", "--suite", "load", "--max-batch", "16"], 16),
+    ],
+)
+def test_each_command_sizes_the_batch_it_runs_and_the_flag_wins(argv, max_batch, monkeypatch):
+    """`max_batch` is also the rows a step `dtype: auto` decides for (viasd.precision.engine_dtype)."""
+    import viasd.llm
+
+    def load(config, *a, **k):
+        raise _Loaded(config)
+
+    monkeypatch.setattr(viasd.llm, "LLM", load)
+    flags = ["--verifier", "smollm2-135m-instruct", "--drafter", "none"]
+    with pytest.raises(_Loaded) as loaded:
+        main([*argv, *flags, *(["--prompts", "1"] if argv[0] == "bench" else [])])
+    assert loaded.value.args[0].max_batch == max_batch
+
+
+def test_a_bad_concurrency_names_the_field(capsys):
+    assert main(["bench", "--suite", "load", "--concurrency", "0,x"]) == 2
+    assert "concurrency" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_generate_json_on_smollm2(capsys):
     rc = main(

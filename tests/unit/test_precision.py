@@ -83,6 +83,44 @@ def test_without_native_bf16_auto_picks_the_dtype_that_decodes_faster(fresh, kw,
     assert P.decode_speed(0.267, 0.987) == pytest.approx(1 / 0.267)
 
 
+# the emulated AVX2 CPU of docs/BENCHMARKS.md ("The dtype at the batch capacity"): the probe
+# products at one and at eight requests a step, best seconds by (dtype, M)
+EMULATED_AVX2 = {
+    ("bfloat16", 1): 0.00095,
+    ("bfloat16", 6): 0.00562,
+    ("bfloat16", 8): 0.0071,
+    ("bfloat16", 48): 0.03882,
+    ("float32", 1): 0.00272,
+    ("float32", 6): 0.00369,
+    ("float32", 8): 0.00411,
+    ("float32", 48): 0.0105,
+}
+
+
+def test_without_native_bf16_auto_decides_at_the_engines_batch_capacity(fresh):
+    """bf16's one-row step wins one request at a time; at eight rows a step its emulated products
+    cost more than float32's, so an engine of max_batch=8 loads in float32."""
+    calls = _cpu(fresh, flags=set(), capability="AVX2", rows=EMULATED_AVX2)
+    one = P.engine_dtype(EngineConfig(max_batch=1))
+    eight = P.engine_dtype(EngineConfig(max_batch=8))
+    assert (one.dtype, one.reason, one.rows) == ("bfloat16", "no-native-bf16-decode", 1)
+    assert (eight.dtype, eight.reason, eight.rows) == ("float32", "no-native-bf16", 8)
+    assert set(eight.probe_seconds) == {"bfloat16@8", "bfloat16@48", "float32@8", "float32@48"}
+    assert eight.as_dict()["dtype_rows"] == 8 and P.resolve_dtype("auto", "cpu", rows=8) == eight
+    assert len(calls) == 8  # probed once per row count
+    # at eight rows: float32's `ar` step (8 tokens in 4.11 ms) against bf16's (8 in 7.1 ms)
+    assert P.decode_speed(0.00411, 0.0105, 8) == pytest.approx(8 / 0.00411)
+    assert P.decode_speed(0.0071, 0.03882, 8) == pytest.approx(8 / 0.0071)
+    assert P.decode_shapes(8) == ((8, 1536, 8960), (48, 1536, 8960)) and P.decode_shapes() == P.DECODE_SHAPES
+
+
+def test_native_bf16_and_explicit_dtypes_do_not_depend_on_the_rows(fresh):
+    _cpu(fresh, flags={"avx512_bf16"}, bf16_s=0.001, f32_s=0.002)
+    for rows in (1, 8):
+        assert P.engine_dtype(EngineConfig(max_batch=rows)).dtype == "bfloat16"
+        assert P.engine_dtype(EngineConfig(max_batch=rows, dtype="float32")).dtype == "float32"
+
+
 def test_probe_runs_the_engine_s_kernel_or_plain_linear(fresh):
     for packed in (False, True):
         assert 0 < P.probe_matmul("float32", (1, 64, 128), repeats=2, packed=packed) < 1

@@ -189,6 +189,17 @@ def parse_load_methods(spec: str | Sequence[str] | None, base: GenerationParams)
     return list(out.values())
 
 
+def concurrency_levels(spec: str | int) -> list[int]:
+    """The concurrency levels of ``--concurrency`` ("1,4,8"): positive integers, at least one."""
+    try:
+        levels = [int(c) for c in str(spec).split(",") if c.strip()]
+    except ValueError:
+        raise InvalidParameterError("concurrency", f"comma-separated integers, got {spec!r}") from None
+    if not levels or min(levels) < 1:
+        raise InvalidParameterError("concurrency", f"at least one level, each >= 1, got {spec!r}")
+    return levels
+
+
 def arrival_times(n: int, pattern: str, rate: float, seed: int) -> list[float]:
     """Arrival offsets in seconds of n requests: all 0 (``all``), or a Poisson process at `rate`
     requests/s (exponential gaps, random.Random(seed)), the first request at 0."""
@@ -1059,7 +1070,7 @@ def run_load_bench(args, config, params: GenerationParams) -> int:
     from viasd.bench.workloads import load_workload
     from viasd.llm import LLM
 
-    concurrency = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    concurrency = concurrency_levels(args.concurrency)
     arrivals = [a.strip() for a in str(args.arrival).split(",") if a.strip()]
     parse_load_methods(args.methods, params)  # validate before loading models
     for a in arrivals:

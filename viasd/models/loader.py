@@ -91,9 +91,9 @@ def load_causal_lm(
     ``trust_remote_code=True`` (``EngineConfig.trust_remote_code``, off by default).
 
     ``dtype`` is a dtype name, a torch dtype or ``auto``, resolved for ``device`` by
-    :func:`viasd.precision.resolve_dtype` (cached per process); the model's parameters are in the
-    concrete dtype. Callers that record the choice call ``resolve_dtype`` themselves and pass
-    ``choice.dtype`` here.
+    :func:`viasd.precision.resolve_dtype` at one row a step (cached per process); the model's
+    parameters are in the concrete dtype. An engine's tiers resolve at its batch capacity
+    (:func:`viasd.precision.engine_dtype`) and pass ``choice.dtype`` here.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
