@@ -509,6 +509,45 @@ def test_avx2_dtype_table_equals_its_raw_file():
             check_cell(cell, [f["seconds"][t] * 1e3], f"{f['model']} {f['dtype']} {t}")
 
 
+def test_dtype_at_the_batch_capacity_tables_equal_their_raw_files():
+    """docs/BENCHMARKS.md's forwards at one and eight requests a step per dtype, and the load
+    suite per dtype, on the emulated AVX2 CPU, against their raw files."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "dtypes" / "dtypes-avx2-emulated.json")
+    assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
+    assert raw["command"] == "scripts/measure_dtypes.py --rows 1,8"
+    assert {r: a["dtype"] for r, a in raw["auto"].items()} == {"1": "bfloat16", "8": "float32"}
+    rows = table("BENCHMARKS.md", "| model (AVX2, emulated) |")
+    assert [(r[0].strip("`"), r[1].strip("`"), int(r[2])) for r in rows] == [
+        (f["model"], f["dtype"], f.get("rows", 1)) for f in raw["forwards"]
+    ]
+    for row, f in zip(rows, raw["forwards"]):
+        t = f["seconds"]
+        check_cell(row[3], [t["1"] * 1e3], "1 token")
+        check_cell(row[4], [t["6"] * 1e3], "6 tokens")
+        check_cell(row[5], [t["1"] * 1e3 / f.get("rows", 1)], "a token")
+    rows = table("BENCHMARKS.md", "| load (AVX2, emulated) |")
+    shown = []
+    for requested in ("auto", "bfloat16"):
+        res = load(DOCS / "benchmarks" / "cpu" / "dtype-rows" / requested / "results.json")
+        runtime = res["meta"]["runtime"]
+        assert runtime["dtype_requested"] == requested and runtime["dtype_rows"] == 8
+        assert runtime["cpu_capability"] == "AVX2" and f"--dtype {requested}" in res["meta"]["command"]
+        for srow in sorted(res["summary"], key=lambda x: (x["method"], x["concurrency"])):
+            shown.append((requested, runtime["dtype"], srow))
+    assert len(rows) == len(shown)
+    for row, (requested, dtype, srow) in zip(rows, shown):
+        assert (row[0], row[1], row[2], int(row[3])) == (
+            f"`--dtype {requested}`",
+            f"`{dtype}`",
+            f"`{srow['method']}`",
+            srow["concurrency"],
+        )
+        check_cell(row[4], [srow["aggregate_tokens_per_second"]], "agg")
+        check_cell(row[5], [srow["decode_tokens_per_second"]], "decode")
+        check_cell(row[6], [srow["ttft_p50"]], "ttft")
+        check_cell(row[7], [srow["itl_p50"] * 1e3], "itl")
+
+
 @pytest.mark.parametrize(
     ("machine", "label", "capability"),
     [
