@@ -429,6 +429,26 @@ def test_quiet_control_plane_tables_equal_their_raw_files():
             assert [i["seconds"] for i in results["idle"]] == [30.0]
 
 
+def test_native_bf16_serving_tables_equal_their_raw_files():
+    """SERVING.md, "On a CPU with native bf16": both tables are the ones serve_throughput renders
+    from the committed runs; float32 every stream exact; bf16 the same command without --dtype,
+    its only differing streams one prompt's at eight streams, full length (a batched-rounding tie)."""
+    serve_throughput = script_module("serve_throughput")
+    folder = DOCS / "benchmarks" / "serve-native"
+    f32, bf16 = load(folder / "float32.json"), load(folder / "auto.json")
+    page = (DOCS / "SERVING.md").read_text()
+    assert serve_throughput.markdown_table(f32) in page and serve_throughput.markdown_table(bf16) in page
+    flat = " ".join(page.replace("\\\n", " ").split())
+    assert_one_of_the_runs_shown(serve_throughput, flat, f32)
+    assert shlex.split(bf16["command"])[:-2] == [
+        a for a in shlex.split(f32["command"])[:-2] if a not in ("--dtype", "float32")
+    ]
+    assert bf16["pipeline"]["runtime"]["dtype"] == "bfloat16" and bf16["environment"]["cpu_capability"] == "AVX512"
+    assert serve_throughput.check_tokens(bf16["runs"], {}) == {"streams_checked": 72, "streams_mismatched": 7}
+    bad = {r["concurrency"] for r in bf16["runs"] if r["mismatched_streams"]}
+    assert bad == {8} and all(len(ids) == 32 for r in bf16["runs"] for _, ids in r["stream_token_ids"])
+
+
 def test_serving_lm_eval_table_equals_its_raw_file():
     """docs/SERVING.md's lm-eval table against docs/lm_eval.json (command, commit, machine recorded)."""
     raw = load(DOCS / "lm_eval.json")
