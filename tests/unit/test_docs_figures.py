@@ -529,14 +529,21 @@ def test_avx2_dtype_table_equals_its_raw_file():
             check_cell(cell, [f["seconds"][t] * 1e3], f"{f['model']} {f['dtype']} {t}")
 
 
-def test_dtype_at_the_batch_capacity_tables_equal_their_raw_files():
-    """docs/BENCHMARKS.md's forwards at one and eight requests a step per dtype, and the load
-    suite per dtype, on the emulated AVX2 CPU, against their raw files."""
-    raw = load(DOCS / "benchmarks" / "cpu" / "dtypes" / "dtypes-avx2-emulated.json")
-    assert raw["environment"]["cpu_capability"] == "AVX2" and raw["environment"]["git_commit"]
+@pytest.mark.parametrize(
+    ("label", "machine", "capability", "auto"),
+    [
+        ("avx2-emulated", "AVX2, emulated", "AVX2", {"1": "bfloat16", "8": "float32"}),
+        ("native", "AVX-512 BF16", "AVX512", {"1": "bfloat16", "8": "bfloat16"}),
+    ],
+)
+def test_dtype_at_the_batch_capacity_forwards_equal_their_raw_files(label, machine, capability, auto):
+    """docs/BENCHMARKS.md's forwards at one and eight requests a step per dtype, and what `auto`
+    chose at each, against their raw files."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "dtypes" / f"dtypes-{label}.json")
+    assert raw["environment"]["cpu_capability"] == capability and raw["environment"]["git_commit"]
     assert raw["command"] == "scripts/measure_dtypes.py --rows 1,8"
-    assert {r: a["dtype"] for r, a in raw["auto"].items()} == {"1": "bfloat16", "8": "float32"}
-    rows = table("BENCHMARKS.md", "| model (AVX2, emulated) |")
+    assert {r: a["dtype"] for r, a in raw["auto"].items()} == auto
+    rows = table("BENCHMARKS.md", f"| model ({machine}) |")
     assert [(r[0].strip("`"), r[1].strip("`"), int(r[2])) for r in rows] == [
         (f["model"], f["dtype"], f.get("rows", 1)) for f in raw["forwards"]
     ]
@@ -545,6 +552,10 @@ def test_dtype_at_the_batch_capacity_tables_equal_their_raw_files():
         check_cell(row[3], [t["1"] * 1e3], "1 token")
         check_cell(row[4], [t["6"] * 1e3], "6 tokens")
         check_cell(row[5], [t["1"] * 1e3 / f.get("rows", 1)], "a token")
+
+
+def test_dtype_at_the_batch_capacity_load_table_equals_its_raw_files():
+    """docs/BENCHMARKS.md's load suite per requested dtype on the emulated AVX2 CPU."""
     rows = table("BENCHMARKS.md", "| load (AVX2, emulated) |")
     shown = []
     for requested in ("auto", "bfloat16"):
