@@ -18,7 +18,8 @@ batched forward inside it (`MaskedLM.forward_batch`), the service's own part bei
 
     flock /tmp/viasd-heavy.lock python scripts/measure_verify_service.py [--dtype auto] [--rows 1,8]
 
-Writes ``docs/benchmarks/cpu/verify-service/verify-service-<dtype>-<label>.json``.
+Writes ``docs/benchmarks/cpu/verify-service/verify-service-<dtype>-<label>.json``
+(``verify-service-<dtype>-omp-<policy>-<label>.json`` with ``OMP_WAIT_POLICY`` set, recorded).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import statistics
 import time
 from pathlib import Path
@@ -142,14 +144,17 @@ def main() -> None:
     )
     llm = LLM(config)
     prompts = [llm.encode(p.text) for p in load_workload("humaneval", max(rows), 0)]
-    record = {**provenance(), "runtime": llm.runtime_info(), "duty": args.duty, "results": []}
+    wait_policy = os.environ.get("OMP_WAIT_POLICY", "")  # libgomp: PASSIVE parks waiting threads
+    record = {**provenance(), "runtime": llm.runtime_info(), "duty": args.duty, "omp_wait_policy": wait_policy}
+    record["results"] = []
     for r in rows:
         figures = asyncio.run(measure(llm, prompts, r, args.steps + WARMUP, args.duty))
         record["results"].append({"rows": r, **figures})
         print(
             r, {c: {k: round(v * 1e3, 1) for k, v in f.items() if k != "steps"} for c, f in figures.items()}, flush=True
         )
-    path = write_raw(OUT, f"verify-service-{llm.runtime_info()['dtype']}", record)
+    stem = f"verify-service-{llm.runtime_info()['dtype']}" + (f"-omp-{wait_policy.lower()}" if wait_policy else "")
+    path = write_raw(OUT, stem, record)
     print(f"wrote {path.relative_to(ROOT)}")
 
 
