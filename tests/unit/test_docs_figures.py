@@ -449,6 +449,29 @@ def test_native_bf16_serving_tables_equal_their_raw_files():
     assert bad == {8} and all(len(ids) == 32 for r in bf16["runs"] for _, ids in r["stream_token_ids"])
 
 
+def test_verify_service_table_equals_its_raw_files():
+    """SERVING.md's verify service without Ray, alone and beside a busy neighbour, per OpenMP
+    wait policy, against the two committed runs (each made by the command the page shows)."""
+    folder = DOCS / "benchmarks" / "cpu" / "verify-service"
+    runs = [
+        (load(folder / "verify-service-bfloat16-native.json"), "spinning (default)", None),
+        (load(folder / "verify-service-bfloat16-omp-passive-native.json"), "`OMP_WAIT_POLICY=PASSIVE`", "PASSIVE"),
+    ]
+    rows = iter(table("SERVING.md", "| verify service (bf16, no Ray) |"))
+    for raw, policy, recorded in runs:
+        assert raw["command"] == "scripts/measure_verify_service.py --steps 12"
+        assert raw.get("omp_wait_policy") == recorded  # (the first run predates the field)
+        assert raw["runtime"]["dtype"] == "bfloat16" and raw["environment"]["cpu_capability"]
+        for result in raw["results"]:
+            for condition in ("alone", "neighbour"):
+                row, f = next(rows), result[condition]
+                assert (row[0] == "alone") == (condition == "alone") and row[1] == policy
+                assert int(row[2]) == result["rows"] and f["steps"] == 12
+                for cell, key in zip(row[3:], ("verify_s", "forward_s", "service_s")):
+                    check_cell(cell, [f[key] * 1e3], f"{policy} {result['rows']} {condition} {key}")
+    assert next(rows, None) is None
+
+
 def test_serving_lm_eval_table_equals_its_raw_file():
     """docs/SERVING.md's lm-eval table against docs/lm_eval.json (command, commit, machine recorded)."""
     raw = load(DOCS / "lm_eval.json")
