@@ -521,8 +521,9 @@ def test_opens_that_arrive_together_prefill_together(aio, llm, prefill_tokens):
         assert [e.logprob for e in response.prompt_logprobs] == pytest.approx([e.logprob for e in ref], abs=1e-4)
     if prefill_tokens == 1:
         assert prefills == [1] * len(prompts)
-    else:  # the first Open took a batch at once; the others, arriving meanwhile, the next
-        assert sum(prefills) == len(prompts) and len(prefills) <= 2 and max(prefills) >= len(prompts) - 1
+    else:  # the first Open started a batch at once (with whichever Opens gRPC delivered in the same
+        # tick of the event loop: one or more); the others, arriving while it waited, the next one
+        assert sum(prefills) == len(prompts) and len(prefills) <= 2 and max(prefills) >= 2
 
 
 # ------------------------------------------------------------------ lifecycle
