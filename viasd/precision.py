@@ -267,23 +267,30 @@ def decode_probe_seconds(rows: int = 1, repeats: int = 2 * PROBE_REPEATS) -> dic
 
 @functools.cache
 def _cpu_auto(rows: int = 1) -> DtypeChoice:
-    """What ``auto`` means on this process's CPU for a step of ``rows`` rows (computed once)."""
+    """What ``auto`` means on this process's CPU for a step of ``rows`` rows (computed once per
+    row count; with native bf16 once in all: that choice does not depend on the rows)."""
+    if native_bf16():
+        return dataclasses.replace(_native_cpu_auto(), rows=rows)
     cap = cpu_capability()
-    native = native_bf16()
-    if not native:
-        seconds = decode_probe_seconds(rows)
-        (step, _, _), (block, _, _) = decode_shapes(rows)
-        speed = {
-            name: decode_speed(seconds[f"{name}@{step}"], seconds[f"{name}@{block}"], rows)
-            for name in ("bfloat16", "float32")
-        }
-        if speed["bfloat16"] > speed["float32"]:
-            return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-decode", rows, cap, False, seconds)
-        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", rows, cap, False, seconds)
+    seconds = decode_probe_seconds(rows)
+    (step, _, _), (block, _, _) = decode_shapes(rows)
+    speed = {
+        name: decode_speed(seconds[f"{name}@{step}"], seconds[f"{name}@{block}"], rows)
+        for name in ("bfloat16", "float32")
+    }
+    if speed["bfloat16"] > speed["float32"]:
+        return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-decode", rows, cap, False, seconds)
+    return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", rows, cap, False, seconds)
+
+
+@functools.cache
+def _native_cpu_auto() -> DtypeChoice:
+    """``auto`` on a CPU with native bf16: bf16 unless the probe product is slower in it."""
+    cap = cpu_capability()
     seconds = {d: t for (d, _), t in probe_matmuls([(d, PROBE_SHAPE) for d in ("bfloat16", "float32")]).items()}
     if seconds["bfloat16"] <= seconds["float32"]:
-        return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", rows, cap, True, seconds)
-    return DtypeChoice("float32", AUTO, "cpu", "native-bf16-probe-slower", rows, cap, True, seconds)
+        return DtypeChoice("bfloat16", AUTO, "cpu", "native-bf16", 1, cap, True, seconds)
+    return DtypeChoice("float32", AUTO, "cpu", "native-bf16-probe-slower", 1, cap, True, seconds)
 
 
 def _cuda_auto(device: str) -> DtypeChoice:
@@ -325,6 +332,7 @@ def engine_dtype(config, device: str | None = None) -> DtypeChoice:
 def _reset_cache() -> None:
     """Forget the cached CPU decision (tests)."""
     _cpu_auto.cache_clear()
+    _native_cpu_auto.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------
