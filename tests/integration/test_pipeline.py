@@ -391,6 +391,52 @@ def test_a_slow_consumer_holds_back_only_its_own_request_one_chunk_ahead(aio, pi
         assert total(samples, "viasd_coordinator_seconds_total", phase=phase) == pytest.approx(seconds)
 
 
+def test_a_request_opened_into_an_empty_batch_steps_with_the_opens_in_flight(aio, pipeline, llm):
+    """A burst into an idle pipeline: the first request's Open ends while the others' still run,
+    and it waits for them, so the first step carries all three rows (not a step of its own that
+    the others then wait for). A request that opens while the batch has a row steps at once,
+    whatever Opens are still in flight. Each request's tokens are its own."""
+    coord, verifies = _coordinator(pipeline), []
+    call = coord._call
+    slow = {"burst-1", "burst-2", "late-slow"}  # their Opens take 0.5 s more (a longer prefill)
+
+    async def recording(stub, component, method, request, timeout=None):
+        if method == "Open" and request.request_id in slow:
+            await asyncio.sleep(0.5)
+        if method == "Verify":
+            verifies.append({r.request_id for r in request.rows})
+        return await call(stub, component, method, request, timeout)
+
+    coord._call = recording
+    sd = dict(mode="sd", gamma=3, max_tokens=8)
+
+    async def tokens(name, prompt, params):
+        return [t for c in await _run(coord, name, prompt, **params) for t in c.token_ids]
+
+    async def run():
+        try:
+            burst = await asyncio.gather(
+                tokens("burst-0", PROMPTS[0], sd), *(tokens(f"burst-{i}", PROMPTS[1], sd) for i in (1, 2))
+            )
+            n = len(verifies)
+            held = coord.generate("holder", PROMPTS[0], parse_params(mode="ar", max_tokens=8))
+            await held.__anext__()  # a row in the batch (its consumer holds its next chunk back)
+            late_slow = asyncio.ensure_future(tokens("late-slow", PROMPTS[1], sd))
+            late = await tokens("late", PROMPTS[0], sd)
+            await late_slow
+            await held.aclose()
+            return burst, late, verifies[n:]
+        finally:
+            await coord.close()
+
+    burst, late, later = aio.run(run())
+    assert verifies[0] == {"burst-0", "burst-1", "burst-2"}
+    assert burst == [llm.complete(p, parse_params(**sd)).token_ids for p in (PROMPTS[0], PROMPTS[1], PROMPTS[1])]
+    assert late == llm.complete(PROMPTS[0], parse_params(**sd)).token_ids
+    joined = next(rows for rows in later if "late" in rows)
+    assert "late-slow" not in joined  # it stepped before the slow Open ended
+
+
 def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     """A Verify batch with one unknown request and one out-of-vocabulary draft: those rows carry
     NOT_FOUND / INVALID_ARGUMENT, the good rows are verified in the same call (the batched
