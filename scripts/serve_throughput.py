@@ -638,9 +638,7 @@ def variants_table(variants: dict[str, list[dict]]) -> str:
     for mode in first["modes"]:
         for c in first["levels"]:
             for label, files in variants.items():
-                runs = [{(r["system"], r["mode"], r["concurrency"]): r for r in f["runs"]} for f in files]
-                sv = [by[("served", mode, c)] for by in runs]
-                ip = [by[("in_process", mode, c)] for by in runs]
+                sv, ip = zip(*_pairs(files, mode, c))
                 ratio = [s["aggregate_tokens_per_s"] / i["aggregate_tokens_per_s"] for s, i in zip(sv, ip)]
                 cells = [
                     label,
@@ -654,6 +652,47 @@ def variants_table(variants: dict[str, list[dict]]) -> str:
                 ]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def steps_table(variants: dict[str, list[dict]]) -> str:
+    """Runs of one command under several variants of the code (label -> results files, in the
+    order they ran), one line per run and pass: tokens/s served and in-process, the served
+    coordinator's steps (and tokens per step), and the TTFT p50 of both systems."""
+    lines = [
+        "| variant | mode | streams | run | served tok/s | in-process tok/s | served / in-process | "
+        "served steps (tokens per step) | served TTFT p50 (s) | in-process TTFT p50 (s) |",
+        "|" + " --- |" * 10,
+    ]
+    first = next(iter(variants.values()))[0]
+    for mode in first["modes"]:
+        for c in first["levels"]:
+            for label, files in variants.items():
+                for i, (sv, ip) in enumerate(_pairs(files, mode, c)):
+                    steps = sv["coordinator"]
+                    cells = [
+                        label,
+                        mode,
+                        str(c),
+                        str(i),
+                        f"{sv['aggregate_tokens_per_s']:.2f}",
+                        f"{ip['aggregate_tokens_per_s']:.2f}",
+                        f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}",
+                        f"{steps['steps']} ({steps['tokens_per_step']:.2f})",
+                        f"{sv['p50_ttft_s']:.2f}",
+                        f"{ip['p50_ttft_s']:.2f}",
+                    ]
+                    lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _pairs(files: list[dict], mode: str, c: int) -> list[tuple[dict, dict]]:
+    """(served, in-process) run of `mode` at `c` streams, per file and pass, in the order they ran."""
+    pairs = []
+    for f in files:
+        for p in sorted({r.get("pass", 0) for r in f["runs"]}):
+            by = {(r["system"], r["mode"], r["concurrency"]): r for r in f["runs"] if r.get("pass", 0) == p}
+            pairs.append((by[("served", mode, c)], by[("in_process", mode, c)]))
+    return pairs
 
 
 IDLE_CLASSES = ("controller", "proxy", "replica", "ray", "drafter", "verifier", "other")

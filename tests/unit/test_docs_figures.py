@@ -363,7 +363,7 @@ def test_serving_batching_tables_equal_their_raw_files(script, raw, kwargs):
         assert results["ratios"] == module.ratios(results["summary"])
     args = shlex.split(results["command"])
     assert args[0] == f"scripts/{script}.py", args
-    flat = " ".join(page.replace("\\\n", " ").split())  # the page's commands, continuation lines joined
+    flat = commands_joined(page)
     assert " ".join(args[1:]) in flat, results["command"]
 
 
@@ -377,6 +377,11 @@ def test_served_cores_busy_table_equals_its_raw_file(raw):
     assert serve_throughput.cores_table(results) in (DOCS / "SERVING.md").read_text()
     served = [r["cores_busy"] for r in results["runs"] if r["system"] == "served"]
     assert served and all(b["verifier"] > 0.5 for b in served)  # (the classes found the actors)
+
+
+def commands_joined(page: str) -> str:
+    """The page on one line, with its commands' continuation lines joined (commands found as typed)."""
+    return " ".join(page.replace("\\\n", " ").split())
 
 
 def assert_one_of_the_runs_shown(serve_throughput, flat: str, results: dict) -> None:
@@ -398,7 +403,7 @@ def test_model_actor_niceness_table_equals_its_raw_files():
     page = (DOCS / "SERVING.md").read_text()
     table = serve_throughput.variants_table({"Ray's default (15)": runs["base"], "model actors at 0": runs["nice0"]})
     assert table in page
-    flat = " ".join(page.replace("\\\n", " ").split())
+    flat = commands_joined(page)
     for variant, niceness in (("base", 15), ("nice0", 0)):
         for results in runs[variant]:
             assert_one_of_the_runs_shown(serve_throughput, flat, results)
@@ -421,7 +426,7 @@ def test_quiet_control_plane_tables_equal_their_raw_files():
     page = (DOCS / "SERVING.md").read_text()
     assert serve_throughput.variants_table(variants) in page
     assert serve_throughput.idle_table(variants) in page
-    flat = " ".join(page.replace("\\\n", " ").split())
+    flat = commands_joined(page)
     for variant, interval in (("defaults", "0.1"), ("quiet", None)):
         for results in runs[variant]:
             assert_one_of_the_runs_shown(serve_throughput, flat, results)
@@ -438,7 +443,7 @@ def test_native_bf16_serving_tables_equal_their_raw_files():
     f32, bf16 = load(folder / "float32.json"), load(folder / "auto.json")
     page = (DOCS / "SERVING.md").read_text()
     assert serve_throughput.markdown_table(f32) in page and serve_throughput.markdown_table(bf16) in page
-    flat = " ".join(page.replace("\\\n", " ").split())
+    flat = commands_joined(page)
     assert_one_of_the_runs_shown(serve_throughput, flat, f32)
     assert shlex.split(bf16["command"])[:-2] == [
         a for a in shlex.split(f32["command"])[:-2] if a not in ("--dtype", "float32")
@@ -447,6 +452,28 @@ def test_native_bf16_serving_tables_equal_their_raw_files():
     assert serve_throughput.check_tokens(bf16["runs"], {}) == {"streams_checked": 72, "streams_mismatched": 7}
     bad = {r["concurrency"] for r in bf16["runs"] if r["mismatched_streams"]}
     assert bad == {8} and all(len(ids) == 32 for r in bf16["runs"] for _, ids in r["stream_token_ids"])
+
+
+def test_burst_table_equals_its_raw_files():
+    """SERVING.md, "A burst steps together": the before / after table is the one serve_throughput
+    renders from the two committed runs, made by the command the page shows on clean trees of the
+    commits it names; after the change every `sd` step carried all eight rows."""
+    serve_throughput = script_module("serve_throughput")
+    folder = DOCS / "benchmarks" / "serve-burst"
+    before, after = load(folder / "before.json"), load(folder / "after.json")
+    label = {
+        name: f"{name} (`{raw['environment']['git_commit'][:7]}`)"
+        for name, raw in (("before", before), ("after", after))
+    }
+    page = (DOCS / "SERVING.md").read_text()
+    assert serve_throughput.steps_table({label["before"]: [before], label["after"]: [after]}) in page
+    flat = commands_joined(page)
+    for raw in (before, after):
+        assert_one_of_the_runs_shown(serve_throughput, flat, raw)
+        assert not raw["environment"]["git_dirty"]
+    steps = {(r["mode"], r["pass"]): r["coordinator"]["steps"] for r in after["runs"] if r["system"] == "served"}
+    assert steps[("sd", 0)] == steps[("sd", 1)] == 10  # 8 x 32 tokens in steps of eight rows
+    assert all(r["coordinator"]["steps"] == 11 for r in before["runs"] if r["system"] == "served" and r["mode"] == "sd")
 
 
 def test_verify_service_table_equals_its_raw_files():
