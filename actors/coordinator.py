@@ -406,9 +406,9 @@ class Coordinator:
         arrived with it) and steps with them, instead of running steps alone meanwhile. Alone it
         would gain nothing: each service runs its calls in order, so its first Propose and Verify
         queue behind those Opens anyway, and the step they make is one the others then wait for
-        (a burst of 8 streams: a one-row step of ~0.9 s before the batch of eight; docs/SERVING.md,
-        "Served continuous batching"). A batch already stepping takes the request at once; only
-        the Opens already in flight count, so a steady stream of arrivals cannot hold it back."""
+        (docs/SERVING.md, "A burst steps together"). A batch already stepping takes the request at
+        once; only the Opens already in flight count, so arrivals that keep coming cannot hold it
+        back."""
         if self._rows:
             return
         opening = [

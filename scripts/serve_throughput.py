@@ -634,23 +634,20 @@ def variants_table(variants: dict[str, list[dict]]) -> str:
         "served / in-process per run | median | served ITL p50 per run (s) |",
         "|" + " --- |" * 8,
     ]
-    first = next(iter(variants.values()))[0]
-    for mode in first["modes"]:
-        for c in first["levels"]:
-            for label, files in variants.items():
-                sv, ip = zip(*_pairs(files, mode, c))
-                ratio = [s["aggregate_tokens_per_s"] / i["aggregate_tokens_per_s"] for s, i in zip(sv, ip)]
-                cells = [
-                    label,
-                    mode,
-                    str(c),
-                    ", ".join(f"{s['aggregate_tokens_per_s']:.2f}" for s in sv),
-                    ", ".join(f"{i['aggregate_tokens_per_s']:.2f}" for i in ip),
-                    ", ".join(f"{x:.2f}" for x in ratio),
-                    f"{statistics.median(ratio):.2f}",
-                    ", ".join(f"{s['p50_itl_s']:.3f}" for s in sv),
-                ]
-                lines.append("| " + " | ".join(cells) + " |")
+    for label, mode, c, pairs in _by_variant_and_level(variants):
+        sv, ip = zip(*pairs)
+        ratio = [s["aggregate_tokens_per_s"] / i["aggregate_tokens_per_s"] for s, i in pairs]
+        cells = [
+            label,
+            mode,
+            str(c),
+            ", ".join(f"{s['aggregate_tokens_per_s']:.2f}" for s in sv),
+            ", ".join(f"{i['aggregate_tokens_per_s']:.2f}" for i in ip),
+            ", ".join(f"{x:.2f}" for x in ratio),
+            f"{statistics.median(ratio):.2f}",
+            ", ".join(f"{s['p50_itl_s']:.3f}" for s in sv),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -663,36 +660,38 @@ def steps_table(variants: dict[str, list[dict]]) -> str:
         "served steps (tokens per step) | served TTFT p50 (s) | in-process TTFT p50 (s) |",
         "|" + " --- |" * 10,
     ]
+    for label, mode, c, pairs in _by_variant_and_level(variants):
+        for i, (sv, ip) in enumerate(pairs):
+            steps = sv["coordinator"]
+            cells = [
+                label,
+                mode,
+                str(c),
+                str(i),
+                f"{sv['aggregate_tokens_per_s']:.2f}",
+                f"{ip['aggregate_tokens_per_s']:.2f}",
+                f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}",
+                f"{steps['steps']} ({steps['tokens_per_step']:.2f})",
+                f"{sv['p50_ttft_s']:.2f}",
+                f"{ip['p50_ttft_s']:.2f}",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _by_variant_and_level(variants: dict[str, list[dict]]):
+    """(label, mode, streams, [(served, in-process) run of each file and pass, in the order they
+    ran]) for every level of the first file, variant after variant."""
     first = next(iter(variants.values()))[0]
     for mode in first["modes"]:
         for c in first["levels"]:
             for label, files in variants.items():
-                for i, (sv, ip) in enumerate(_pairs(files, mode, c)):
-                    steps = sv["coordinator"]
-                    cells = [
-                        label,
-                        mode,
-                        str(c),
-                        str(i),
-                        f"{sv['aggregate_tokens_per_s']:.2f}",
-                        f"{ip['aggregate_tokens_per_s']:.2f}",
-                        f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}",
-                        f"{steps['steps']} ({steps['tokens_per_step']:.2f})",
-                        f"{sv['p50_ttft_s']:.2f}",
-                        f"{ip['p50_ttft_s']:.2f}",
-                    ]
-                    lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def _pairs(files: list[dict], mode: str, c: int) -> list[tuple[dict, dict]]:
-    """(served, in-process) run of `mode` at `c` streams, per file and pass, in the order they ran."""
-    pairs = []
-    for f in files:
-        for p in sorted({r.get("pass", 0) for r in f["runs"]}):
-            by = {(r["system"], r["mode"], r["concurrency"]): r for r in f["runs"] if r.get("pass", 0) == p}
-            pairs.append((by[("served", mode, c)], by[("in_process", mode, c)]))
-    return pairs
+                pairs = []
+                for f in files:
+                    for p in sorted({r.get("pass", 0) for r in f["runs"]}):
+                        by = {(r["system"], r["mode"], r["concurrency"]): r for r in f["runs"] if r.get("pass", 0) == p}
+                        pairs.append((by[("served", mode, c)], by[("in_process", mode, c)]))
+                yield label, mode, c, pairs
 
 
 IDLE_CLASSES = ("controller", "proxy", "replica", "ray", "drafter", "verifier", "other")
