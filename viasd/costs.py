@@ -19,8 +19,8 @@ row of four tokens, sixteen 1.90x one row of sixteen.) Each point is a best-of-2
 than one that carries as many rows and tokens or more is noise that takes that one's seconds
 (`monotone`: on the shared 2-core machine one noisy point of the 1-row curve once priced every 8-row
 `ar` step far above its cost, and `auto` speculated where `ar` was best). The grid is measured once
-per (model fingerprint, device, dtype, threads, mask) and cached as JSON under the model cache
-(viasd.models.embedded.cache_root).
+per (model fingerprint, device, dtype, threads, mask, CPU capability and native bf16) and cached
+as JSON under the model cache (viasd.models.embedded.cache_root).
 
 The grid sees rows of T tokens after PREFIX cached positions each; a served batch adds attention
 over long contexts and the per-row work around each forward (sampling, the rules, the session
@@ -318,9 +318,12 @@ def _profile_tier(lm: MaskedLM, mask: LayerMask | None, grid: Sequence[tuple[int
 
 def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Sequence[tuple[int, int]], **extra) -> dict:
     """What a cost profile depends on: each tier's model (fingerprint) and mask, the device,
-    dtype, threads, CPU capability, grid and how it is measured (`extra`: more, e.g. the
-    tensor-parallel ranks)."""
+    dtype, threads, CPU capability and whether it computes bf16 natively (AVX-512 CPUs report
+    the same capability with and without it, and a bf16 forward costs several times more
+    without: a profile cache shared by nodes of both kinds must not mix them), grid and how it
+    is measured (`extra`: more, e.g. the tensor-parallel ranks)."""
     from viasd.models.loader import model_fingerprint
+    from viasd.precision import native_bf16
 
     lm = next(iter(tiers.values()))[0]
     return {
@@ -333,6 +336,7 @@ def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Seque
         "threads": torch.get_num_threads(),
         "grid": [list(p) for p in grid],
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": native_bf16() if lm.device.type == "cpu" else None,
         "prefix": PREFIX,
         "method": PROFILE_METHOD,
         **extra,

@@ -266,6 +266,23 @@ def test_cost_model_interpolates_and_profiles(tiny_pair, tmp_path):
     assert len(list(tmp_path.glob("costs-*.json"))) == 2 and other.key["tiers"]["slim"]["skipped"] == [2]
 
 
+def test_a_cost_profile_is_not_shared_by_cpus_with_and_without_native_bf16(tiny_pair, tmp_path, monkeypatch):
+    """AVX-512 CPUs report the same capability with and without AVX-512 BF16, and their bf16
+    forwards cost several times apart: a profile cache shared by both kinds (a volume mounted on
+    every node) keys them apart, so each measures its own curve."""
+    import viasd.precision
+
+    verifier, drafter = tiny_pair
+    mask = LayerMask.from_skipped((1, 3), verifier.num_layers)
+    grid = ((1, 1), (1, 2))
+    profiles = {}
+    for native in (True, False, True):
+        monkeypatch.setattr(viasd.precision, "native_bf16", lambda native=native: native)
+        profiles[native] = profile(verifier, drafter, mask, grid=grid, repeats=1, cache_dir=tmp_path)
+        assert profiles[native].key["native_bf16"] is native
+    assert len(list(tmp_path.glob("costs-*.json"))) == 2  # the third read the first's file
+
+
 def test_cost_grid_prices_rows_beyond_their_tokens():
     """grid(B, T) = one(B * T) * rho(B, T) (viasd.costs): rows cost more than their tokens in one
     row where the profile says so (the bf16 profile in docs/BENCHMARKS.md: four 1-token rows 1.33x
