@@ -337,11 +337,12 @@ class Coordinator:
 
     def planner_state(self) -> dict:
         """What `auto` plans with now (as `Engine.planner_state`): the cost model (None until the
-        first `auto` request), the running estimates over every request and the probe steps run."""
+        first `auto` request), the running estimates over every request, the probe steps run and the
+        forecasts."""
         return {
             "costs": self.costs.summary() if self.costs is not None else None,
             **self.estimates.to_dict(),
-            "probes": self.planner.probes,
+            **self.planner.to_dict(),
         }
 
     def _forget(self, request_id: str, reqs: list[_Request]) -> None:
@@ -496,6 +497,7 @@ class Coordinator:
         for r in rows:
             r.stepping = done
         self.totals.steps += 1
+        t0 = time.perf_counter()
         try:
             plans = self._plans(rows)
             verify: dict[_Request, ipb.VerifyRequest] = {}
@@ -517,6 +519,7 @@ class Coordinator:
             escalated = {r: r in outcomes and outcomes[r].stats.escalations > r.via_seen for r in rows}
             for group, served, seconds in calls:
                 self._observe_verify(group, plans, verify, escalated, served, seconds)
+            committed = 0
             for r in rows:
                 if r in failed:
                     self._leave(r)
@@ -533,9 +536,11 @@ class Coordinator:
                 chunk = r.limits.chunk(
                     tokens, logprobs_from_proto(result.logprobs) if r.params.logprobs is not None else None
                 )
+                committed += len(chunk.token_ids)
                 if chunk.finished:
                     self._leave(r)
                 _settle(r.asked, chunk)
+            self.planner.settle(time.perf_counter() - t0, committed)
         finally:
             done.set_result(None)
 
@@ -545,7 +550,7 @@ class Coordinator:
         states = [self._state(r) for r in rows]
         if all(s.fixed is not None for s in states):
             return {r: s.fixed for r, s in zip(rows, states)}
-        return dict(zip(rows, self.planner.plans(self.costs, states + self._joining())))
+        return dict(zip(rows, self.planner.plans(self.costs, states + self._joining(), len(states))))
 
     def _state(self, r: _Request) -> RowState:
         """What the planner knows of a row: its own mode's plan, or an `auto` row's estimates."""

@@ -150,6 +150,14 @@ SPECS = (
         _M,
     ),
     Spec(
+        "planner_forecast",
+        "gauge",
+        "Mode auto's steps so far, apart for `steps` that speculated and `ar` ones, and what the planner "
+        "expected of them beside what they did (`quantity`): steps, predicted_seconds and seconds (measured, "
+        "planning to commit), expected_tokens and tokens (committed).",
+        ("model_name", "steps", "quantity"),
+    ),
+    Spec(
         "auto_plan_steps",
         "counter",
         "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).",
@@ -318,6 +326,8 @@ class ServingMetrics:
                 ("planner_probe_steps", state["probes"]),
             )
         ]
+        for steps, forecast in state["forecasts"].items():
+            gauges += [("planner_forecast", v, {"steps": steps, "quantity": q}) for q, v in forecast.items()]
         for kind, rates in state["acceptance"].items():
             gauges += [("planner_acceptance", a, {"kind": kind, "position": str(j)}) for j, a in enumerate(rates)]
         for tier, curve in ((state["costs"] or {}).get("seconds") or {}).items():

@@ -17,7 +17,8 @@ each must equal its prompt's greedy output whatever the mode, level or system: a
 duplicated or reordered token is a mismatch (exit status 1). Each level also records the cores
 each kind of process kept busy (`cores_busy`: CPU seconds over wall seconds, by
 `PROCESS_CLASSES`: the actors, Serve's replica, proxy and controller, Ray's own daemons, this
-client, and every other process of the machine).
+client, and every other process of the machine), and an `auto` level what its steps cost and
+committed beside what the planner expected of them (`forecasts`: viasd.planner.Forecast).
 
     flock /tmp/viasd-heavy.lock python scripts/serve_throughput.py --config cluster/serve.yaml \
         --concurrency 1,4,8,16 --max-tokens 32 --modes ar,sd,via --in-process --dtype float32 \
@@ -248,6 +249,36 @@ def coordinator_totals(base: str) -> dict:
     }
 
 
+def served_forecasts(base: str) -> dict:
+    """Mode auto's forecasts so far (`viasd.planner.Forecast`, by steps that speculated and `ar`
+    steps) from /metrics (`viasd_planner_forecast{steps,quantity}`; published as each request ends)."""
+    import urllib.request
+
+    from viasd.cluster.serving_metrics import parse_exposition
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as f:
+        samples = parse_exposition(f.read().decode())
+    out: dict[str, dict] = {}
+    for (name, labels), value in samples.items():
+        if name == "viasd_planner_forecast":
+            lab = dict(labels)
+            out.setdefault(lab["steps"], {})[lab["quantity"]] = value
+    return out
+
+
+def forecast_delta(before: dict, after: dict) -> dict:
+    """What one level added to the planner's forecasts: per kind of step, its steps, predicted and
+    measured seconds, expected and committed tokens, and the two ratios."""
+    out = {}
+    for kind, f in after.items():
+        d = {q: v - before.get(kind, {}).get(q, 0) for q, v in f.items()}
+        if d.get("steps"):
+            d["measured_over_predicted"] = round(d["seconds"] / d["predicted_seconds"], 3)
+            d["committed_over_expected"] = round(d["tokens"] / d["expected_tokens"], 3)
+            out[kind] = {q: round(v, 4) if isinstance(v, float) else v for q, v in d.items()}
+    return out
+
+
 def step_phases(before: dict, after: dict, tokens: int) -> dict:
     """What one level cost the coordinator: its steps, and milliseconds per step by phase (the
     services' own time, each call's transport, its own work, its waits between steps)."""
@@ -456,16 +487,19 @@ def main(argv: list[str] | None = None) -> int:
     results["ray_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")}
     expected: dict[int, list[int]] = {}
 
-    def measure(target, system: str, mode_list: list[str], p: int, steps=None) -> None:
+    def measure(target, system: str, mode_list: list[str], p: int, steps=None, forecasts=None) -> None:
         for mode in mode_list:
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
                 before, cpu = (steps() if steps else None), cpu_by_process()
+                planned = forecasts() if forecasts and mode.startswith("auto") else None
                 r = {**run_level(target, mode, c, args.max_tokens, system), "pass": p}
                 r["cores_busy"] = cpu_used(cpu, cpu_by_process(), r["wall_s"])
                 r["niceness"] = niceness_by_class()
                 if steps:
                     r["coordinator"] = step_phases(before, steps(), r["tokens"])
+                if planned is not None:
+                    r["forecasts"] = forecast_delta(planned, forecasts())
                 results["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), flush=True)
 
@@ -482,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                 "in_process",
                 modes,
                 p,
+                forecasts=lambda: llm.engine.planner_state()["forecasts"],
             )
         finally:
             llm.engine.close()  # (the models leave memory with this frame: gc.collect below)
@@ -515,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
                 modes,
                 p,
                 steps=(lambda: coordinator_totals(base)) if raw["backend"] == "actors" else None,
+                forecasts=lambda: served_forecasts(base),
             )
             if args.guidellm and p == 0:
                 import tempfile
@@ -676,6 +712,35 @@ def steps_table(variants: dict[str, list[dict]]) -> str:
                 f"{ip['p50_ttft_s']:.2f}",
             ]
             lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def forecasts_table(results: dict) -> str:
+    """Mode auto's forecasts per run (`forecasts`): for each system, level and pass, the steps that
+    speculated and the `ar` steps, with the seconds the planner predicted against those measured
+    and the tokens it expected against those committed, and the run's tokens/s and TTFT p50."""
+    lines = [
+        "| system | streams | pass | tok/s | TTFT p50 (s) | steps | speculating steps | predicted / measured s "
+        "| expected / committed tokens | `ar` steps | predicted / measured s |",
+        "|" + " --- |" * 11,
+    ]
+    runs = [r for r in results["runs"] if "forecasts" in r]
+    for r in sorted(runs, key=lambda r: (r["system"], r["concurrency"], r.get("pass", 0))):
+        spec, ar = r["forecasts"].get("speculating"), r["forecasts"].get("ar")
+        cells = [
+            r["system"].replace("_", "-"),
+            str(r["concurrency"]),
+            str(r.get("pass", 0)),
+            f"{r['aggregate_tokens_per_s']:.2f}",
+            f"{r['p50_ttft_s']:.2f}",
+            str(sum(f["steps"] for f in r["forecasts"].values())),
+            str(spec["steps"]) if spec else "0",
+            f"{spec['predicted_seconds']:.1f} / {spec['seconds']:.1f}" if spec else "-",
+            f"{spec['expected_tokens']:.0f} / {spec['tokens']:.0f}" if spec else "-",
+            str(ar["steps"]) if ar else "0",
+            f"{ar['predicted_seconds']:.1f} / {ar['seconds']:.1f}" if ar else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -168,11 +168,11 @@ class Engine:
     def planner_state(self) -> dict:
         """What `auto` plans with now: the cost model (None until profiled) and the engine-wide
         running acceptance (model and n-gram drafts per position; via tokens and escalation), and the
-        probe steps run (viasd.planner.Planner)."""
+        probe steps run and its forecasts (viasd.planner.Planner)."""
         return {
             "costs": self.costs.summary() if self.costs is not None else None,
             **self.scheduler.estimates.to_dict(),
-            "probes": self.scheduler.planner.probes,
+            **self.scheduler.planner.to_dict(),
         }
 
     def _kv_bytes_per_token(self) -> int:

@@ -335,16 +335,68 @@ def _best_uniform(costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
     return best
 
 
+@dataclass
+class Forecast:
+    """What the planner expected of the steps it planned, beside what they did: a step's
+    predicted seconds (`step_seconds` at planning time) and expected committed tokens
+    (`expected_tokens`), summed, against its measured seconds (planning to commit) and committed
+    tokens. predicted / measured and expected / committed near 1 say the plans were chosen on
+    true prices; one side off says which input misled them."""
+
+    steps: int = 0
+    predicted_seconds: float = 0.0
+    seconds: float = 0.0
+    expected_tokens: float = 0.0
+    tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "predicted_seconds": round(self.predicted_seconds, 4),
+            "seconds": round(self.seconds, 4),
+            "expected_tokens": round(self.expected_tokens, 3),
+            "tokens": self.tokens,
+        }
+
+
 class Planner:
     """`choose` with what it keeps across steps: the steps `auto` has speculated since its last
-    `ar` step, for the probes (module docstring)."""
+    `ar` step, for the probes (module docstring), and its `Forecast`s of the steps it planned,
+    apart for steps that speculated and steps that did not."""
 
     def __init__(self):
         self.since_ar = 0  # steps since every row last ran `ar`
         self.probes = 0  # probe steps run
+        self.forecasts = {"speculating": Forecast(), "ar": Forecast()}
+        self._pending: tuple[str, float, float] | None = None  # the planned step's (kind, seconds, tokens)
 
-    def plans(self, costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
-        """Every row's plan for this step: `choose`'s, or a probe's."""
+    def plans(self, costs: CostModel, rows: Sequence[RowState], stepping: int | None = None) -> list[Plan]:
+        """Every row's plan for this step: `choose`'s, or a probe's. The first `stepping` rows
+        (default all; the rest join later) run it: its forecast waits for `settle`."""
+        plans = self._plans(costs, rows)
+        n = len(rows) if stepping is None else stepping
+        kind = "ar" if all(p.kind == "ar" for p in plans[:n]) else "speculating"
+        tokens = sum(expected_tokens(r, p) for r, p in zip(rows[:n], plans[:n]))
+        self._pending = (kind, step_seconds(costs, rows[:n], plans[:n]), tokens)
+        return plans
+
+    def settle(self, seconds: float, tokens: int) -> None:
+        """The step last planned took `seconds` and committed `tokens` (nothing planned: no-op)."""
+        if self._pending is None:
+            return
+        kind, predicted, expected = self._pending
+        f, self._pending = self.forecasts[kind], None
+        f.steps += 1
+        f.predicted_seconds += predicted
+        f.seconds += seconds
+        f.expected_tokens += expected
+        f.tokens += tokens
+
+    def to_dict(self) -> dict:
+        """What the stats and /metrics report: the probes run and the forecasts."""
+        return {"probes": self.probes, "forecasts": {kind: f.to_dict() for kind, f in self.forecasts.items()}}
+
+    def _plans(self, costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
         plans = choose(costs, rows)
         if all(p.kind == "ar" for p in plans):
             self.since_ar = 0

@@ -522,6 +522,7 @@ class Scheduler:
             r.verify.commit(outcome)
             escalated[r] = self._learn(r, plans[r], proposals.get(r), outcome)
             out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
+        self.planner.settle(time.perf_counter() - t0, sum(len(chunk.token_ids) for _, chunk in out))
         if isinstance(self._costs, CostModel):  # each row's work around the forwards, by plan kind
             shared = time.perf_counter() - t0 - self._step_forwards - sum(timing.values())
             for r in rows:
@@ -561,7 +562,7 @@ class Scheduler:
         states = [self._state(r) for r in rows]
         if all(s.fixed is not None for s in states):
             return [s.fixed for s in states]
-        return self.planner.plans(self.costs(), states + self._joining())[: len(states)]
+        return self.planner.plans(self.costs(), states + self._joining(), len(states))[: len(states)]
 
     def _drafts_at_once(self, new: _Running) -> bool:
         """Whether a new `auto` request's drafter prefills with its prompt (viasd.planner.drafts_from_the_start)."""

@@ -1080,6 +1080,12 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
         parse_exposition(metrics.exposition()[0].decode()), "viasd_planner_transport_seconds", call="verify"
     )
     assert exposed == pytest.approx(costs["transport_seconds"]["verify"])
+    tokens = len([t for c in ar for t in c.token_ids])  # every step of the request, planned and settled once
+    assert sum(f["tokens"] for f in state["forecasts"].values()) == tokens
+    steps = sum(f["steps"] for f in state["forecasts"].values())
+    assert (
+        total(parse_exposition(metrics.exposition()[0].decode()), "viasd_planner_forecast", quantity="steps") == steps
+    )
     assert state["acceptance"]["model"] and 0 <= state["via"]["escalation_rate"] <= 1
     plans = lossless[-1].stats.plans, lossy[-1].stats.plans
     assert not any(k.startswith("via") for k in plans[0]) and lossless[-1].stats.forwards["slim"] == 0

@@ -482,6 +482,31 @@ def test_auto_probes_ar_while_it_speculates_near_ar():
     assert run(near, [_row(0.5, gamma=1), fixed]) == []  # a fixed block beside: q's forward is no ar step
 
 
+def test_the_planner_forecasts_the_rows_that_step_and_settles_each_step_once():
+    # one auto row speculates beside a request still prefilling (planned as an `ar` row it will
+    # join as): the forecast prices the step the row runs now, not the batch it will run in
+    planner, row = Planner(), _row(0.9)
+    joining = RowState(fixed=Plan("ar"), gamma=0, acceptance=Acceptance())
+    plans = planner.plans(SPECULATE, [row, joining], stepping=1)
+    assert plans[0].kind == "sd"
+    planner.settle(2.5, 3)
+    planner.settle(9.0, 9)  # nothing planned since: not counted again
+    spec = planner.forecasts["speculating"]
+    assert spec.steps == 1 and (spec.seconds, spec.tokens) == (2.5, 3)
+    assert spec.predicted_seconds == pytest.approx(step_seconds(SPECULATE, [row], plans[:1]))
+    assert spec.predicted_seconds < step_seconds(SPECULATE, [row, joining], plans)
+    assert spec.expected_tokens == pytest.approx(expected_tokens(row, plans[0]))
+    planner.plans(NEVER, [row])
+    planner.settle(1.0, 1)
+    assert planner.to_dict()["forecasts"]["ar"] == {
+        "steps": 1,
+        "predicted_seconds": step_seconds(NEVER, [row], [Plan("ar")]),
+        "seconds": 1.0,
+        "expected_tokens": 1.0,
+        "tokens": 1,
+    }
+
+
 def test_auto_plans_for_the_batch_that_is_still_filling(tiny_pair):
     # speculation pays for one row, not for eight (q flat up to 4 tokens, then linear): the first
     # request to decode, while seven others still prefill (one prompt chunk per step), plans for
@@ -506,6 +531,9 @@ def test_planner_state_reports_costs_and_acceptance(tiny_pair):
     after = engine.planner_state()
     assert after["costs"]["online"] and after["costs"]["observed"] > 0 and after["costs"]["correction"]["full"]
     assert after["acceptance"]["model"] != before["acceptance"]["model"]  # the drafts taught it something
+    forecasts = after["forecasts"]  # every step of the request, planned and settled once
+    assert sum(f["tokens"] for f in forecasts.values()) == 12 and forecasts["speculating"]["steps"] > 0
+    assert all(f["seconds"] > 0 and f["predicted_seconds"] > 0 for f in forecasts.values() if f["steps"])
     ran = {label.split(":")[0] for label in engine.complete(PROMPTS[1], parse_params(mode="auto")).stats.plans}
     assert ran <= set(engine.planner_state()["costs"]["overhead_seconds"])  # each kind's work around the forwards
 
