@@ -733,11 +733,11 @@ def forecasts_table(results: dict) -> str:
             str(r.get("pass", 0)),
             f"{r['aggregate_tokens_per_s']:.2f}",
             f"{r['p50_ttft_s']:.2f}",
-            str(sum(f["steps"] for f in r["forecasts"].values())),
-            str(spec["steps"]) if spec else "0",
+            str(int(sum(f["steps"] for f in r["forecasts"].values()))),
+            str(int(spec["steps"])) if spec else "0",
             f"{spec['predicted_seconds']:.1f} / {spec['seconds']:.1f}" if spec else "-",
             f"{spec['expected_tokens']:.0f} / {spec['tokens']:.0f}" if spec else "-",
-            str(ar["steps"]) if ar else "0",
+            str(int(ar["steps"])) if ar else "0",
             f"{ar['predicted_seconds']:.1f} / {ar['seconds']:.1f}" if ar else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")

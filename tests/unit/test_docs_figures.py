@@ -499,6 +499,39 @@ def test_every_mode_after_the_burst_fix_equals_its_raw_file():
     assert_the_bf16_twin(serve_throughput, bf16, raw, mismatched=36)
 
 
+def test_auto_forecasts_table_equals_its_raw_file():
+    """SERVING.md, "What `auto` expected of its steps": both tables are the ones serve_throughput
+    renders from the committed run, made on a clean tree by the command the page shows; every
+    token of every `auto` level came from a step the planner forecast, and the ranges the page
+    states are the run's."""
+    serve_throughput = script_module("serve_throughput")
+    raw = load(DOCS / "benchmarks" / "serve-forecast" / "auto-float32.json")
+    page = (DOCS / "SERVING.md").read_text()
+    assert serve_throughput.forecasts_table(raw) in page and serve_throughput.markdown_table(raw) in page
+    assert_one_of_the_runs_shown(serve_throughput, commands_joined(page), raw)
+    assert not raw["environment"]["git_dirty"] and f"commit `{raw['environment']['git_commit'][:7]}`" in page
+    assert serve_throughput.check_tokens(raw["runs"], {})["streams_checked"] == 52
+    ratio = {"served": {}, "in_process": {}}  # (kind of step, ratio) -> every run's value
+    for r in raw["runs"]:
+        assert sum(f["tokens"] for f in r["forecasts"].values()) == 32 * r["concurrency"]
+        for kind, f in r["forecasts"].items():
+            for q in ("measured_over_predicted", "committed_over_expected"):
+                if kind == "ar" or q == "measured_over_predicted" or f["steps"] > 1:
+                    ratio[r["system"]].setdefault((kind, q), []).append(f[q])
+    outlier = ratio["served"][("speculating", "measured_over_predicted")]
+    assert sorted(outlier)[-1] > 2 and (min(outlier), sorted(outlier)[-2]) == pytest.approx((0.94, 1.12), abs=0.005)
+    stated = {
+        ("in_process", "speculating", "measured_over_predicted"): (0.95, 1.08),
+        ("served", "ar", "measured_over_predicted"): (0.96, 1.04),
+        ("in_process", "ar", "measured_over_predicted"): (0.95, 1.12),
+        ("served", "speculating", "committed_over_expected"): (0.98, 1.13),
+        ("in_process", "speculating", "committed_over_expected"): (0.87, 1.14),
+    }
+    for (system, kind, q), (low, high) in stated.items():
+        values = ratio[system][(kind, q)]
+        assert (min(values), max(values)) == pytest.approx((low, high), abs=0.006), (system, kind, q)
+
+
 def test_verify_service_table_equals_its_raw_files():
     """SERVING.md's verify service without Ray, alone and beside a busy neighbour, per OpenMP
     wait policy, against the two committed runs (each made by the command the page shows)."""
