@@ -41,6 +41,10 @@ after PROBE_EVERY steps without one, when `ar`'s expected goodput is within PROB
 chosen plans'. A probe costs at most (1 - PROBE_MARGIN) / PROBE_EVERY of the goodput it was
 expected to give (1.25%); without it a block the profile underpriced kept `ar`'s price up with
 its own (the tier's pace g), and `auto` speculated where `ar` was best.
+
+`Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
+those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What
+`auto` expected of its steps").
 """
 
 from __future__ import annotations
@@ -341,7 +345,9 @@ class Forecast:
     predicted seconds (`step_seconds` at planning time) and expected committed tokens
     (`expected_tokens`), summed, against its measured seconds (planning to commit) and committed
     tokens. predicted / measured and expected / committed near 1 say the plans were chosen on
-    true prices; one side off says which input misled them."""
+    true prices; one side off says which input misled them. (A step that catches lagging
+    drafters up is predicted only its share of the catch-up, spread over the cycles the rows have
+    left: that step measures more than its forecast by design.)"""
 
     steps: int = 0
     predicted_seconds: float = 0.0
