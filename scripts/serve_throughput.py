@@ -233,15 +233,22 @@ def cpu_used(before: dict, after: dict, wall: float) -> dict[str, float]:
     return {name: round(s / wall, 3) for name, s in sorted(used.items())}
 
 
+def metrics_samples(base: str) -> dict:
+    """The served application's /metrics, parsed (`serving_metrics.parse_exposition`)."""
+    import urllib.request
+
+    from viasd.cluster.serving_metrics import parse_exposition
+
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as f:
+        return parse_exposition(f.read().decode())
+
+
 def coordinator_totals(base: str) -> dict:
     """The served step driver's totals from /metrics: steps, and seconds by phase
     (`viasd_coordinator_seconds{phase}`; published as each request ends)."""
-    import urllib.request
+    from viasd.cluster.serving_metrics import total
 
-    from viasd.cluster.serving_metrics import parse_exposition, total
-
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as f:
-        samples = parse_exposition(f.read().decode())
+    samples = metrics_samples(base)
     phases = {dict(lab)["phase"] for (n, lab) in samples if n == "viasd_coordinator_seconds_total"}
     return {
         "steps": total(samples, "viasd_coordinator_steps_total"),
@@ -252,14 +259,8 @@ def coordinator_totals(base: str) -> dict:
 def served_forecasts(base: str) -> dict:
     """Mode auto's forecasts so far (`viasd.planner.Forecast`, by steps that speculated and `ar`
     steps) from /metrics (`viasd_planner_forecast{steps,quantity}`; published as each request ends)."""
-    import urllib.request
-
-    from viasd.cluster.serving_metrics import parse_exposition
-
-    with urllib.request.urlopen(base + "/metrics", timeout=30) as f:
-        samples = parse_exposition(f.read().decode())
     out: dict[str, dict] = {}
-    for (name, labels), value in samples.items():
+    for (name, labels), value in metrics_samples(base).items():
         if name == "viasd_planner_forecast":
             lab = dict(labels)
             out.setdefault(lab["steps"], {})[lab["quantity"]] = value
