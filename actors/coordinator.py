@@ -17,10 +17,10 @@ A step, for every request asking for its next chunk (the step driver, `_drive`):
     per row: cut at stop tokens / max_tokens / the context; hand the chunk to its consumer
 
 `auto` rows plan with the cost curves each service profiles of its own tiers (`Costs`, fetched
-for the first `auto` request; corrected online from the seconds each service reports for its
-Propose and Verify, with each call's transport priced apart) and the running acceptance. A row planned
-`ar` sends no Propose: its drafter (fed only when a plan drafts, as in-process) commits the
-outcomes it missed with its next one.
+for the first `auto` request; corrected online from the forwards and the rows' work each service
+measured of its Propose and Verify, as in-process, with each call's transport priced apart) and
+the running acceptance. A row planned `ar` sends no Propose: its drafter (fed only when a plan
+drafts, as in-process) commits the outcomes it missed with its next one.
 
 so a step costs two RPCs whatever the batch, and the drafter and the verifier each run the
 step's rows with one batched forward per tier and round (viasd.sessions.drive). Requests join
@@ -54,15 +54,14 @@ from dataclasses import asdict, dataclass
 
 import grpc
 
-from viasd.actors.rpc import InternalTLS, costs_from_proto, merge_outcomes, open_channel
+from viasd.actors.rpc import InternalTLS, costs_from_proto, merge_outcomes, open_channel, times_from_proto
 from viasd.config import GenerationParams, Mode, Proposer
-from viasd.costs import CostModel
+from viasd.costs import CostModel, StepTimes
 from viasd.engine import Chunk, RequestLimits, check_request, request_seeds, resolve_seed
 from viasd.errors import InvalidParameterError, ViaSDError
 from viasd.gates import Gates
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.planner import (
-    FIRST_ROUND_TOKENS,
     Estimates,
     Plan,
     Planner,
@@ -70,6 +69,7 @@ from viasd.planner import (
     drafts_from_the_start,
     fixed_plan,
     learn_cycle,
+    logit_rows,
 )
 from viasd.proposers import ngram_lookup
 from viasd.sessions import CATCH_UP, sample_seed
@@ -498,27 +498,27 @@ class Coordinator:
             r.stepping = done
         self.totals.steps += 1
         t0 = time.perf_counter()
+        times = _CallTimes()  # what the services measured of the step's calls (the cost model's)
         try:
             plans = self._plans(rows)
             verify: dict[_Request, ipb.VerifyRequest] = {}
             failed: dict[_Request, BaseException] = {}
             drafting = [r for r in rows if r.drafted and plans[r].kind != "ar"]
             await asyncio.gather(
-                *(self._propose(group, plans, verify, failed) for group in _by_backend(drafting, "drafter").values())
+                *(
+                    self._propose(group, plans, verify, failed, times)
+                    for group in _by_backend(drafting, "drafter").values()
+                )
             )
             checking = [r for r in rows if r not in failed]
             outcomes: dict[_Request, ipb.VerifyResponse] = {}
-            # each Verify's rows, the seconds its service reported, and its round trip
-            calls: list[tuple[list[_Request], float, float]] = []
             await asyncio.gather(
                 *(
-                    self._verify(group, verify, outcomes, failed, calls)
+                    self._verify(group, verify, outcomes, failed, times)
                     for group in _by_backend(checking, "verifier").values()
                 )
             )
             escalated = {r: r in outcomes and outcomes[r].stats.escalations > r.via_seen for r in rows}
-            for group, served, seconds in calls:
-                self._observe_verify(group, plans, verify, escalated, served, seconds)
             committed = 0
             for r in rows:
                 if r in failed:
@@ -541,6 +541,13 @@ class Coordinator:
                     self._leave(r)
                 _settle(r.asked, chunk)
             self.planner.settle(time.perf_counter() - t0, committed)
+            if self.costs is not None:  # as in-process (`Scheduler._decode`), the calls' transport apart
+                kinds = {  # (a row whose Propose failed went on as `ar`)
+                    r: (plan.kind, logit_rows(plan, float(escalated[r])))
+                    for r in outcomes
+                    for plan in [plans[r] if r in verify else Plan("ar")]
+                }
+                self.costs.observe_step(times, kinds, time.perf_counter() - t0 - times.transport)
         finally:
             done.set_result(None)
 
@@ -599,53 +606,20 @@ class Coordinator:
             plans=r.limits.stats.plans if r.estimates is not None else None,
         )
 
-    def _observe_propose(
-        self, group: list[_Request], plans: dict, lags: list[int], served: float, seconds: float
-    ) -> None:
-        """The cost model learns from a Propose that the drafter spent `served` of its `seconds`
-        on: its drafting rounds (rows still drafting in round j: those with k > j), the lazy
-        drafters' catch-up forward, and the call's transport (viasd.costs)."""
+    def _observe_call(self, call: str, group: list[_Request], response, seconds: float, times: _CallTimes) -> None:
+        """A Propose's or Verify's forwards and rows' work join the step's `times`; its round trip
+        beyond the seconds its service spent is transport (viasd.costs), learnt per call."""
         if self.costs is None:
             return
-        ks = [  # (n-gram lookups run no forward)
-            plans[r].k for r in group if plans[r].kind != "ngram" and r.params.proposer != Proposer.NGRAM
-        ]
-        forwards = [  # (the first round feeds FIRST_ROUND_TOKENS a row, as the planner prices it)
-            ("drafter", sum(1 for k in ks if k > j), FIRST_ROUND_TOKENS if j == 0 else 1)
-            for j in range(max(ks, default=0))
-        ]
-        if lags:
-            forwards.append(("drafter", len(lags), max(lags)))
-        self.costs.observe_call(forwards, served)
-        self.costs.observe_transport("propose", seconds - served)
+        times.join(times_from_proto(response, group))
+        times.transport += seconds - response.seconds
+        self.costs.observe_transport(call, seconds - response.seconds)
 
-    def _observe_verify(
-        self, group: list[_Request], plans: dict, verify: dict, escalated: dict, served: float, seconds: float
-    ) -> None:
-        """The cost model learns from a Verify that the verifier spent `served` of its `seconds`
-        on: one slim forward over the `via` blocks, one full forward over the `ar` rows, the `sd`
-        blocks and the escalated `via` blocks (padded), and the call's transport."""
-        if self.costs is None:
-            return
-        slim, full = [], []  # tokens per row
-        for r in group:
-            t = len(verify[r].draft) + 1 if r in verify else 1
-            via = r in verify and (plans[r].kind == "via")
-            (slim if via else full).append(t)
-            if via and escalated[r]:
-                full.append(t)
-        forwards = [("slim", len(slim), max(slim, default=0)), ("full", len(full), max(full, default=0))]
-        self.costs.observe_call(forwards, served)
-        self.costs.observe_transport("verify", seconds - served)
-
-    async def _propose(self, group: list[_Request], plans: dict, verify: dict, failed: dict) -> None:
+    async def _propose(self, group: list[_Request], plans: dict, verify: dict, failed: dict, times: _CallTimes) -> None:
         """One Propose for the drafting rows of one drafter (after committing what each row's
         drafter has not seen); their Verify rows go to `verify`."""
-        lags = []  # `auto` rows whose drafter catches up first (DraftSession.lag)
         for r in group:
             if r.tokens is not None and plans[r].kind != "ngram":
-                if len(r.tokens) - 1 - r.fed > CATCH_UP:
-                    lags.append(len(r.tokens) - 1 - r.fed)
                 r.fed = len(r.tokens) + plans[r].k - 1  # the context and every draft token but the last
         request = ipb.ProposeRequest(
             rows=[
@@ -665,7 +639,7 @@ class Coordinator:
             response = await self._call(group[0].drafter, "drafter", "Propose", request)
             self.totals.drafter_seconds += response.seconds
             answers: list = list(response.rows)
-            self._observe_propose(group, plans, lags, response.seconds, time.perf_counter() - t0)
+            self._observe_call("propose", group, response, time.perf_counter() - t0, times)
         except BackendError as exc:
             answers = [exc] * len(group)
         for r, answer in zip(group, answers):
@@ -685,7 +659,9 @@ class Coordinator:
                 plan=plans[r].kind if r.estimates is not None else "",  # (`auto`: how to check it)
             )
 
-    async def _verify(self, group: list[_Request], verify: dict, outcomes: dict, failed: dict, calls: list) -> None:
+    async def _verify(
+        self, group: list[_Request], verify: dict, outcomes: dict, failed: dict, times: _CallTimes
+    ) -> None:
         """One Verify for the rows of one verifier (an empty draft: `ar`, one token)."""
         request = ipb.VerifyRequest(rows=[verify.get(r) or ipb.VerifyRequest(request_id=r.request_id) for r in group])
         t0 = time.perf_counter()
@@ -695,7 +671,7 @@ class Coordinator:
             failed.update((r, exc) for r in group)
             return
         self.totals.verifier_seconds += response.seconds
-        calls.append((group, response.seconds, time.perf_counter() - t0))
+        self._observe_call("verify", group, response, time.perf_counter() - t0, times)
         for r, answer in zip(group, response.rows):
             if answer.HasField("error"):
                 failed[r] = BackendError("verifier", answer.error.code, answer.error.message)
@@ -793,6 +769,19 @@ def _by_backend(rows: list[_Request], component: str) -> dict[int, list[_Request
     for r in rows:
         groups.setdefault(id(getattr(r, component)), []).append(r)
     return groups
+
+
+@dataclass
+class _CallTimes(StepTimes):
+    """A served step's `StepTimes`, gathered from the answers of its calls (a row's work in its
+    Propose and its Verify adds up), and the seconds of its calls' transport."""
+
+    transport: float = 0.0
+
+    def join(self, call: StepTimes) -> None:
+        self.forwards += call.forwards
+        for key, seconds in call.work.items():
+            self.work[key] = self.work.get(key, 0.0) + seconds
 
 
 def _settle(future: asyncio.Future | None, result) -> None:

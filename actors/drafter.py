@@ -31,6 +31,7 @@ from viasd.actors.rpc import (
     cores_lock,
     costs_to_proto,
     encode_probs,
+    forwards_to_proto,
     free_row,
     internal_tls,
     outcome_from_proto,
@@ -40,7 +41,7 @@ from viasd.actors.rpc import (
     start_server,
 )
 from viasd.config import MAX_GAMMA, EngineConfig, Mode, Proposer
-from viasd.costs import CostModel, profile_tiers
+from viasd.costs import CostModel, StepTimes, profile_tiers
 from viasd.engine import DraftSession
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
@@ -138,8 +139,9 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
             work[i] = (session, previous, row.k, proposer)
         for other in self.sessions.values():  # drafting ahead (overlap) yields the thread to any Propose
             other.stop.set()
+        times = StepTimes()  # what the coordinator's cost model learns from (viasd.costs)
         if work:
-            done = await self._work.submit(self._propose, {i: (rows[i].request_id, *w) for i, w in work.items()})
+            done = await self._work.submit(self._propose, {i: (rows[i].request_id, *w) for i, w in work.items()}, times)
             for i, answer in done.items():
                 answers[i] = answer
             ahead = {i: w[0] for i, w in work.items() if w[0].drafts_ahead() and answers[i].draft}
@@ -147,12 +149,14 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                 # (beside the Verify, outside the cores lock: drafting ahead is overlap's point)
                 self._work.submit(self._draft_ahead, ahead, exclusive=False).add_done_callback(_log_failure)
         response = ipb.ProposeResponse(rows=answers) if batched else answers[0]
+        response.forwards.extend(forwards_to_proto(times))
         response.seconds = time.perf_counter() - t0
         return response
 
-    def _propose(self, work: dict) -> dict[int, ipb.ProposeResponse]:
+    def _propose(self, work: dict, times: StepTimes) -> dict[int, ipb.ProposeResponse]:
         """On the worker thread: commit, catch lazy drafters up (`auto`: one batched prefill
-        forward), draft (one batched drafter forward per round), serialise (p can be megabytes)."""
+        forward), draft (one batched drafter forward per round), serialise (p can be megabytes).
+        `times` gets the forwards and each row's work between them."""
         for _, session, previous, _, _ in work.values():
             if previous is not None:
                 session.commit(previous)
@@ -160,8 +164,12 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
             f for _, session, _, _, proposer in work.values() if proposer is None for f in session.catch_up_steps()
         ]
         if catch_up:
-            execute(catch_up, prefill=True)
-        proposals = drive({i: session.propose_steps(k, proposer) for i, (_, session, _, k, proposer) in work.items()})
+            execute(catch_up, prefill=True, observe=times.observe)
+        proposals = drive(
+            {i: session.propose_steps(k, proposer) for i, (_, session, _, k, proposer) in work.items()},
+            observe=times.observe,
+            timing=times.work,
+        )
         out = {}
         for i, (request_id, session, *_) in work.items():
             draft, p = proposals[i]  # [k], [k, V] or None
@@ -170,6 +178,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                 draft=draft,
                 probs=encode_probs(p, self.probs_dtype),
                 stats=stats_to_proto(session.stats),
+                work_seconds=times.work.get(i, 0.0),
             )
         return out
 

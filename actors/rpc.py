@@ -40,7 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from viasd import model_thread
-from viasd.costs import CostModel
+from viasd.costs import CostModel, StepTimes
 from viasd.engine import Outcome
 from viasd.errors import InvalidParameterError
 from viasd.v1 import internal_pb2 as ipb
@@ -284,6 +284,19 @@ def costs_to_proto(model: CostModel) -> ipb.CostsResponse:
         ],
         key_json=json.dumps(model.key, sort_keys=True),
         profile_seconds=model.profile_seconds,
+    )
+
+
+def forwards_to_proto(times: StepTimes) -> list[ipb.Forward]:
+    return [ipb.Forward(tier=t, rows=b, tokens=n, seconds=sec) for t, b, n, sec in times.forwards]
+
+
+def times_from_proto(response, keys: list) -> StepTimes:
+    """A batched Propose's or Verify's `StepTimes`: its forwards, and each row's work under the
+    caller's key for that row (`keys`, in the rows' order)."""
+    return StepTimes(
+        [(f.tier, f.rows, f.tokens, f.seconds) for f in response.forwards],
+        {key: row.work_seconds for key, row in zip(keys, response.rows)},
     )
 
 

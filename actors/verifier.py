@@ -43,6 +43,7 @@ from viasd.actors.rpc import (
     cores_lock,
     costs_to_proto,
     decode_probs,
+    forwards_to_proto,
     free_row,
     internal_tls,
     outcome_to_proto,
@@ -52,7 +53,7 @@ from viasd.actors.rpc import (
     start_server,
 )
 from viasd.config import CachePolicy, EngineConfig, GenerationParams, Mode, Proposer
-from viasd.costs import CostModel, profile_tiers, verifier_tiers
+from viasd.costs import CostModel, StepTimes, profile_tiers, verifier_tiers
 from viasd.engine import VerifySession
 from viasd.errors import InvalidParameterError
 from viasd.gates import Gates
@@ -147,11 +148,17 @@ class VerifierCore:
             self.lm, self.mask, self.cache_policy, prompt, params, seed, stats, full_cache=full, slim_cache=slim
         )
 
-    def verify(self, rows: list[tuple[str, list[int], bytes | None, str]], with_stats: bool = False) -> list:
+    def verify(
+        self,
+        rows: list[tuple[str, list[int], bytes | None, str]],
+        with_stats: bool = False,
+        times: StepTimes | None = None,
+    ) -> list:
         """One step: check every row's draft block (decode one token where the draft is empty),
         all rows together (`viasd.sessions.drive`: one slim forward over the `via` rows, one full
         forward over the rest and the escalated rows), and commit each outcome. A row's plan
         (`auto`: "sd", "ngram" or "via"; empty: its own mode) says how its block is checked.
+        `times` (rank 0) gets the forwards and each row's work between them, by row index.
 
         Returns per row (outcome, the session's stats message or None), or RowFailed."""
         out: list = [None] * len(rows)
@@ -162,7 +169,7 @@ class VerifierCore:
                 steps[i] = self._steps(sessions[i], draft, probs, plan)
             except (SessionNotFound, InvalidParameterError) as exc:
                 out[i] = RowFailed(exc)
-        outcomes = drive(steps)
+        outcomes = drive(steps, observe=times.observe if times else None, timing=times.work if times else None)
         for i, outcome in outcomes.items():
             session = sessions[i]
             session.commit(outcome)
@@ -320,8 +327,8 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
             (r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None, r.plan)
             for r in rows
         ]
-        answers = []
-        for row, result in zip(rows, await self._lockstep("verify", args, local_args=(True,))):
+        answers, times = [], StepTimes()  # `times`: what the coordinator's cost model learns from (viasd.costs)
+        for i, (row, result) in enumerate(zip(rows, await self._lockstep("verify", args, local_args=(True, times)))):
             if isinstance(result, RowFailed):
                 if not batched:
                     raise result.error
@@ -334,9 +341,11 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
                         outcome=outcome_to_proto(outcome),
                         stats=stats,
                         logprobs=logprobs_to_proto(outcome.logprobs),
+                        work_seconds=times.work.get(i, 0.0),
                     )
                 )
         response = ipb.VerifyResponse(rows=answers) if batched else answers[0]
+        response.forwards.extend(forwards_to_proto(times))
         response.seconds = time.perf_counter() - t0
         return response
 

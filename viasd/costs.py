@@ -34,14 +34,18 @@ A logit row is one position whose distribution the step samples or judges (a dra
 per row; a verified block of k: k + 1; `ar`: 1, viasd.planner.logit_rows). The work around the
 forwards (softmax and sampling over the vocabulary, the acceptance rules, the session code)
 grows with them and differs by plan: a verified block costs more per position than one `ar`
-token. The engine times each row's work between its forwards (`sessions.drive(timing=...)`)
-and shares the rest of the step (planning, commits) equally; a kind never observed takes the
-mean of those that were.
+token. The engine times each batched forward and each row's work between its forwards
+(`sessions.drive(observe=..., timing=...)`: a `StepTimes`) and shares the rest of the step
+(planning, commits) equally (`CostModel.observe_step`); a kind never observed takes the mean of
+those that were.
 
-A served step makes one Verify call, and one Propose call when a row drafts; each costs its
-round trip less the seconds the service reports it spent (serialisation, the network, gRPC),
-whatever the call's rows: `transport`, learnt apart from the forwards, so that speculation pays
-for the Propose it adds and a fixed cost is not read as a slower forward.
+A served step makes one Verify call, and one Propose call when a row drafts. Each service sends
+its own `StepTimes` with its answer (`Forward`s, each row's `work_seconds`), so the coordinator
+learns from the same figures as the in-process scheduler, its step's seconds less the calls'
+transport. A call's transport is its round trip less the seconds the service reports it spent
+(serialisation, the network, gRPC), whatever the call's rows: `transport`, learnt apart from the
+forwards, so that speculation pays for the Propose it adds and a fixed cost is not read as a
+slower forward.
 
 g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
 uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
@@ -98,6 +102,24 @@ def _clamped(points: Sequence[tuple[float, float]], x: float) -> float:
 
 
 @dataclass
+class StepTimes:
+    """What `viasd.sessions.drive` measured of one step: each batched forward (tier, rows, padded
+    tokens per row, seconds; `observe` is drive's observer) and each row's work between its
+    forwards (key -> seconds; drive's `timing`). In process the scheduler's cost model learns
+    from it; served, each service sends its own with its answer (`Forward`, `work_seconds`)."""
+
+    forwards: list[tuple[str, int, int, float]] = field(default_factory=list)
+    work: dict = field(default_factory=dict)
+
+    def observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
+        self.forwards.append((tier, rows, tokens, seconds))
+
+    @property
+    def forward_seconds(self) -> float:
+        return sum(f[3] for f in self.forwards)
+
+
+@dataclass
 class CostModel:
     """Seconds of one forward of each tier ("drafter", "slim", "full") against its rows and
     tokens per row (module docstring)."""
@@ -144,34 +166,36 @@ class CostModel:
         return base * r[self._bucket(tier, rows, tokens)] if r else base
 
     def observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
-        """One forward of `tier` over `rows` rows padded to `tokens` tokens took `seconds` (online only)."""
-        self.observe_call([(tier, rows, tokens)], seconds)
-
-    def observe_call(self, forwards: Sequence[tuple[str, float, float]], seconds: float) -> None:
-        """A call that ran `forwards` [(tier, rows, tokens per row)] took `seconds` in all
-        (online only): each forward is credited its predicted share, so every tier of the call
-        moves by the same ratio observed / predicted. (A served step reports each Propose and
-        Verify by the seconds its service spent on it; the rest of the round trip is
-        `observe_transport`'s.)"""
-        forwards = [(t, b, n) for t, b, n in forwards if b >= 1 and n > 0 and t in self.grid]
-        predicted = [self.seconds(*f) for f in forwards]
-        if not self.online or not forwards or sum(predicted) <= 0:
+        """One forward of `tier` over `rows` rows padded to `tokens` tokens took `seconds` (online
+        only): the pace g moves by observed / predicted, the size's residual r by what g does not
+        explain, then the observed sizes' common factor moves into g (module docstring)."""
+        predicted = self.seconds(tier, rows, tokens)
+        if not self.online or tier not in self.grid or rows < 1 or tokens <= 0 or predicted <= 0:
             return
-        ratio, d = seconds / sum(predicted), self.DECAY
-        for tier in {t for t, _, _ in forwards}:
-            self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * ratio)
-        for (tier, rows, tokens), share in zip(forwards, predicted):
-            r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
-            w = self.evidence.setdefault(tier, [0.0] * len(self.grid[tier]))
-            i = self._bucket(tier, rows, tokens)
-            residual = share * ratio / (self._profiled(tier, rows, tokens) * self.scale[tier])
-            r[i], w[i] = running_mean(r[i], w[i], residual, self.SHAPE_DECAY)
-            self.observed += 1
-        for tier in {t for t, _, _ in forwards}:  # what the observed sizes share is the pace
-            r, w = self.correction[tier], self.evidence[tier]
-            common = math.exp(sum(wj * math.log(rj) for rj, wj in zip(r, w)) / sum(w))
-            self.correction[tier] = [rj / common if wj > 0 else rj for rj, wj in zip(r, w)]
-            self.scale[tier] *= common
+        d = self.DECAY
+        self.scale[tier] = self.scale.get(tier, 1.0) * (d + (1 - d) * seconds / predicted)
+        r = self.correction.setdefault(tier, [1.0] * len(self.grid[tier]))
+        w = self.evidence.setdefault(tier, [0.0] * len(self.grid[tier]))
+        i = self._bucket(tier, rows, tokens)
+        residual = seconds / (self._profiled(tier, rows, tokens) * self.scale[tier])
+        r[i], w[i] = running_mean(r[i], w[i], residual, self.SHAPE_DECAY)
+        self.observed += 1
+        common = math.exp(sum(wj * math.log(rj) for rj, wj in zip(r, w)) / sum(w))  # (what the sizes share: the pace)
+        self.correction[tier] = [rj / common if wj > 0 else rj for rj, wj in zip(r, w)]
+        self.scale[tier] *= common
+
+    def observe_step(self, times: StepTimes, kinds: dict, seconds: float) -> None:
+        """A step took `seconds` (its calls' transport left out: `observe_transport`'s), of which
+        `times` measured the batched forwards and each row's work between them; `kinds` maps each
+        row's key to (plan kind, logit rows). Every forward is observed; each row's overhead is its
+        own work plus an equal share of the rest of the step (planning, commits, serialisation)."""
+        for forward in times.forwards:
+            self.observe(*forward)
+        if not kinds:
+            return
+        shared = max(0.0, seconds - times.forward_seconds - sum(times.work.values())) / len(kinds)
+        for key, (kind, logit_rows) in kinds.items():
+            self.observe_overhead(kind, times.work.get(key, 0.0) + shared, logit_rows)
 
     def observe_overhead(self, kind: str, seconds: float, logit_rows: float) -> None:
         """A row running a plan of `kind` spent `seconds` of a step outside the forwards, over

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from viasd import model_thread
 from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
-from viasd.costs import CostModel
+from viasd.costs import CostModel, StepTimes
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.planner import (
@@ -284,7 +284,6 @@ class Scheduler:
         self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
-        self._step_forwards = 0.0  # this step's forward seconds (the overhead estimate)
 
     # ---------------------------------------------------------------- requests
 
@@ -480,7 +479,7 @@ class Scheduler:
         rows = [r for r in self._running if r.prefilled]
         if not rows:
             return []
-        t0, self._step_forwards, timing = time.perf_counter(), 0.0, {}
+        t0, times = time.perf_counter(), StepTimes()  # the step's forwards and each row's work (the cost model's)
         plans = dict(zip(rows, self._plans(rows)))
         drafting = [r for r in rows if plans[r].kind != "ar"]
         for r in rows:
@@ -488,11 +487,11 @@ class Scheduler:
                 r.draft.skip()
         catch_up = [f for r in drafting if plans[r].kind in ("sd", "via") for f in r.draft.catch_up_steps()]
         if catch_up:  # lazy drafters of `auto` rows: the context they have not seen, before drafting
-            execute(catch_up, prefill=True, observe=self._observe)
+            execute(catch_up, prefill=True, observe=times.observe)
         proposals = drive(
             {r: r.draft.propose_steps(plans[r].k, plans[r].proposer) for r in drafting},
-            observe=self._observe,
-            timing=timing,
+            observe=times.observe,
+            timing=times.work,
         )
         ahead = [r for r in drafting if r.draft.drafts_ahead()]
         running_ahead = None
@@ -506,8 +505,8 @@ class Scheduler:
                     else r.verify.decode_one_steps()
                     for r in rows
                 },
-                observe=self._observe,
-                timing=timing,
+                observe=times.observe,
+                timing=times.work,
             )
         finally:
             if running_ahead is not None:
@@ -523,19 +522,10 @@ class Scheduler:
             escalated[r] = self._learn(r, plans[r], proposals.get(r), outcome)
             out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
         self.planner.settle(time.perf_counter() - t0, sum(len(chunk.token_ids) for _, chunk in out))
-        if isinstance(self._costs, CostModel):  # each row's work around the forwards, by plan kind
-            shared = time.perf_counter() - t0 - self._step_forwards - sum(timing.values())
-            for r in rows:
-                seconds = timing.get(r, 0.0) + max(0.0, shared) / len(rows)
-                self._costs.observe_overhead(plans[r].kind, seconds, logit_rows(plans[r], float(escalated[r])))
+        if isinstance(self._costs, CostModel):  # (a model not profiled yet: no `auto` row has run)
+            kinds = {r: (plans[r].kind, logit_rows(plans[r], float(escalated[r]))) for r in rows}
+            self._costs.observe_step(times, kinds, time.perf_counter() - t0)
         return out
-
-    def _observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
-        """A batched forward of this step ran over `rows` rows padded to `tokens` tokens: the
-        cost model learns from it (viasd.costs)."""
-        self._step_forwards += seconds
-        if isinstance(self._costs, CostModel):
-            self._costs.observe(tier, rows, tokens, seconds)
 
     def _state(self, r: _Running) -> RowState:
         """What the planner knows of a row: its own mode's plan, or an `auto` row's estimates."""

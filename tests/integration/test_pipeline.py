@@ -437,6 +437,46 @@ def test_a_request_opened_into_an_empty_batch_steps_with_the_opens_in_flight(aio
     assert "late-slow" not in joined  # it stepped before the slow Open ended
 
 
+def test_a_batched_propose_reports_its_forwards_and_each_rows_work(aio, llm):
+    """A Propose reports every batched forward it ran (tier, rows, padded tokens, seconds: a lazy
+    `auto` drafter's catch-up, then one per drafting round, rows leaving as their blocks end) and
+    each row's work between them, so that the coordinator's cost model learns from the drafter's
+    own figures as the in-process scheduler does (`viasd.costs.StepTimes`)."""
+    from viasd.actors.drafter import DrafterServicer
+    from viasd.actors.rpc import start_server
+    from viasd.v1 import internal_pb2 as ipb
+    from viasd.v1 import internal_pb2_grpc
+
+    async def run():
+        servicer = DrafterServicer(llm.drafter)
+        server, port = await start_server(lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s))
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                stub = internal_pb2_grpc.DrafterServiceStub(ch)
+                for rid, mode, prompt in (("fed", "sd", PROMPTS[0]), ("lazy", "auto", PROMPTS[1])):
+                    params = params_to_proto(parse_params(mode=mode))
+                    await stub.Open(ipb.OpenRequest(request_id=rid, prompt_token_ids=prompt, params=params, seed=1))
+                rows = [ipb.ProposeRequest(request_id="fed", k=3), ipb.ProposeRequest(request_id="lazy", k=2)]
+                batch = await stub.Propose(ipb.ProposeRequest(rows=rows), timeout=30)
+                for rid in ("fed", "lazy"):
+                    await stub.Close(ipb.CloseRequest(request_id=rid))
+                return batch
+        finally:
+            await server.stop(None)
+
+    batch = aio.run(run())
+    assert [len(r.draft) for r in batch.rows] == [3, 2]
+    # the lazy row's catch-up (its prompt but the last token), then rounds of 2, 2 and 1 rows
+    assert [(f.tier, f.rows, f.tokens) for f in batch.forwards] == [
+        ("drafter", 1, len(PROMPTS[1]) - 1),
+        ("drafter", 2, 1),
+        ("drafter", 2, 1),
+        ("drafter", 1, 1),
+    ]
+    assert all(f.seconds > 0 for f in batch.forwards) and all(r.work_seconds > 0 for r in batch.rows)
+    assert batch.seconds >= sum(f.seconds for f in batch.forwards) + sum(r.work_seconds for r in batch.rows)
+
+
 def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     """A Verify batch with one unknown request and one out-of-vocabulary draft: those rows carry
     NOT_FOUND / INVALID_ARGUMENT, the good rows are verified in the same call (the batched
@@ -498,6 +538,9 @@ def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     assert err.code() == grpc.StatusCode.NOT_FOUND
     assert rows_left == 0  # closed sessions gave their cache rows back
     assert sizes == [2]  # the `ar` row and the `sd` block: one batched full forward
+    # ... which the answer reports, with each good row's work around it (the coordinator's cost model)
+    assert [(f.tier, f.rows, f.tokens) for f in batch.forwards] == [("full", 2, 3)] and batch.forwards[0].seconds > 0
+    assert [r.work_seconds > 0 for r in batch.rows] == [True, False, False, True]
 
 
 @pytest.mark.parametrize("prefill_tokens", [512, 1], ids=["together", "alone"])
@@ -1087,6 +1130,11 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
         total(parse_exposition(metrics.exposition()[0].decode()), "viasd_planner_forecast", quantity="steps") == steps
     )
     assert state["acceptance"]["model"] and 0 <= state["via"]["escalation_rate"] <= 1
+    # the services report each forward and each row's work: the coordinator learns as in-process,
+    # per tier and per plan kind (`CostModel.observe_step`)
+    kinds = {label.split(":")[0] for label in ar[-1].stats.plans}
+    assert set(costs["overhead_seconds"]) == kinds and all(o > 0 for o in costs["overhead_seconds"].values())
+    assert ("drafter" in costs["scale"]) == bool(kinds & {"sd", "via"}) and costs["observed"] >= steps
     plans = lossless[-1].stats.plans, lossy[-1].stats.plans
     assert not any(k.startswith("via") for k in plans[0]) and lossless[-1].stats.forwards["slim"] == 0
     assert any(k.startswith("via") for k in plans[1]) and lossy[-1].stats.forwards["slim"] > 0

@@ -18,7 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from viasd.config import parse_params
-from viasd.costs import Acceptance, CostModel, monotone, profile
+from viasd.costs import Acceptance, CostModel, StepTimes, monotone, profile
 from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
@@ -429,6 +429,24 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
     assert shape.seconds("full", 1, 1) == pytest.approx(1.0, rel=0.05)
     assert shape.seconds("full", 1, 16) == pytest.approx(6.0, rel=0.05)
     assert slow.overhead["sd"] == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
+
+
+def test_a_step_teaches_each_forward_and_each_rows_work_around_them():
+    # what `drive` measured of a step (in process; served, what the services sent back): two
+    # forwards, and each row's own work; the rest of the step (0.02 s: planning, commits) is shared
+    grid = {"full": [(1, 1.0), (64, 8.0)], "drafter": [(1, 0.1), (64, 1.0)]}
+    costs = CostModel(dict(grid), online=True)
+    times = StepTimes(work={"a": 0.01, "b": 0.07})
+    drive_observer = times.observe  # (drive's `observe`)
+    drive_observer("drafter", 2, 2, 0.3)
+    drive_observer("full", 2, 4, 2.0)
+    costs.observe_step(times, {"a": ("ar", 1.0), "b": ("sd", 7.0)}, seconds=2.4)
+    assert times.forward_seconds == pytest.approx(2.3) and costs.observed == 2
+    assert costs.scale["drafter"] > 1.0 and costs.scale["full"] > 1.0  # both forwards ran slower than profiled
+    assert costs.overhead["ar"] == pytest.approx(0.01 + 0.01) and costs.overhead["sd"] == pytest.approx(0.08 / 7)
+    offline = CostModel(dict(grid))  # a model that does not learn keeps its prices
+    offline.observe_step(times, {"a": ("ar", 1.0)}, seconds=2.4)
+    assert offline.observed == 0 and offline.overhead == {} and offline.scale == {}
 
 
 # q nearly flat from 1 to 2 tokens, the drafter cheap: a k = 1 block at acceptance 0.5 is

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from viasd.v1 import generation_pb2 as viasd_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17viasd/v1/internal.proto\x12\x08viasd.v1\x1a\x19viasd/v1/generation.proto\"\xa1\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.viasd.v1.GenerationParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0cprefill_from\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x65\x65\x64_drafter\x18\x06 \x01(\x08\"z\n\x0cOpenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x16.viasd.v1.TokenLogprob\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.viasd.v1.RequestStats\"5\n\x07Outcome\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1a\n\x12num_draft_accepted\x18\x02 \x01(\r\"\x8e\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08previous\x18\x02 \x01(\x0b\x32\x11.viasd.v1.Outcome\x12\t\n\x01k\x18\x03 \x01(\r\x12\x10\n\x08proposer\x18\x05 \x01(\t\x12&\n\x04rows\x18\x04 \x03(\x0b\x32\x18.viasd.v1.ProposeRequest\")\n\x08RowError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"m\n\nDraftProbs\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\x12\x0f\n\x07row_nnz\x18\x06 \x03(\r\"\xdd\x01\n\x0fProposeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x03(\r\x12#\n\x05probs\x18\x03 \x01(\x0b\x32\x14.viasd.v1.DraftProbs\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.viasd.v1.RequestStats\x12\'\n\x04rows\x18\x05 \x03(\x0b\x32\x19.viasd.v1.ProposeResponse\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.viasd.v1.RowError\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\"\x8c\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x03(\r\x12#\n\x05probs\x18\x03 \x01(\x0b\x32\x14.viasd.v1.DraftProbs\x12%\n\x04rows\x18\x04 \x03(\x0b\x32\x17.viasd.v1.VerifyRequest\x12\x0c\n\x04plan\x18\x05 \x01(\t\"\xf5\x01\n\x0eVerifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07outcome\x18\x02 \x01(\x0b\x32\x11.viasd.v1.Outcome\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.viasd.v1.RequestStats\x12&\n\x04rows\x18\x04 \x03(\x0b\x32\x18.viasd.v1.VerifyResponse\x12!\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.viasd.v1.RowError\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.viasd.v1.TokenLogprob\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\"\x0e\n\x0c\x43ostsRequest\"H\n\tCostCurve\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\x12\x0c\n\x04rows\x18\x04 \x03(\r\"_\n\rCostsResponse\x12#\n\x06\x63urves\x18\x01 \x03(\x0b\x32\x13.viasd.v1.CostCurve\x12\x10\n\x08key_json\x18\x02 \x01(\t\x12\x17\n\x0fprofile_seconds\x18\x03 \x01(\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rCloseResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfb\x01\n\x0e\x44rafterService\x12\x35\n\x04Open\x12\x15.viasd.v1.OpenRequest\x1a\x16.viasd.v1.OpenResponse\x12>\n\x07Propose\x12\x18.viasd.v1.ProposeRequest\x1a\x19.viasd.v1.ProposeResponse\x12\x38\n\x05\x43lose\x12\x16.viasd.v1.CloseRequest\x1a\x17.viasd.v1.CloseResponse\x12\x38\n\x05\x43osts\x12\x16.viasd.v1.CostsRequest\x1a\x17.viasd.v1.CostsResponse2\xf9\x01\n\x0fVerifierService\x12\x35\n\x04Open\x12\x15.viasd.v1.OpenRequest\x1a\x16.viasd.v1.OpenResponse\x12;\n\x06Verify\x12\x17.viasd.v1.VerifyRequest\x1a\x18.viasd.v1.VerifyResponse\x12\x38\n\x05\x43lose\x12\x16.viasd.v1.CloseRequest\x1a\x17.viasd.v1.CloseResponse\x12\x38\n\x05\x43osts\x12\x16.viasd.v1.CostsRequest\x1a\x17.viasd.v1.CostsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17viasd/v1/internal.proto\x12\x08viasd.v1\x1a\x19viasd/v1/generation.proto\"\xa1\x01\n\x0bOpenRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12*\n\x06params\x18\x03 \x01(\x0b\x32\x1a.viasd.v1.GenerationParams\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0cprefill_from\x18\x05 \x01(\t\x12\x14\n\x0c\x66\x65\x65\x64_drafter\x18\x06 \x01(\x08\"z\n\x0cOpenResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12/\n\x0fprompt_logprobs\x18\x02 \x03(\x0b\x32\x16.viasd.v1.TokenLogprob\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.viasd.v1.RequestStats\"5\n\x07Outcome\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\x1a\n\x12num_draft_accepted\x18\x02 \x01(\r\"\x8e\x01\n\x0eProposeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12#\n\x08previous\x18\x02 \x01(\x0b\x32\x11.viasd.v1.Outcome\x12\t\n\x01k\x18\x03 \x01(\r\x12\x10\n\x08proposer\x18\x05 \x01(\t\x12&\n\x04rows\x18\x04 \x03(\x0b\x32\x18.viasd.v1.ProposeRequest\")\n\x08RowError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"m\n\nDraftProbs\x12\x0c\n\x04rows\x18\x01 \x01(\r\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0f\n\x07indices\x18\x05 \x01(\x0c\x12\x0f\n\x07row_nnz\x18\x06 \x03(\r\"F\n\x07\x46orward\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x01(\r\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\x98\x02\n\x0fProposeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x03(\r\x12#\n\x05probs\x18\x03 \x01(\x0b\x32\x14.viasd.v1.DraftProbs\x12%\n\x05stats\x18\x04 \x01(\x0b\x32\x16.viasd.v1.RequestStats\x12\'\n\x04rows\x18\x05 \x03(\x0b\x32\x19.viasd.v1.ProposeResponse\x12!\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.viasd.v1.RowError\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12#\n\x08\x66orwards\x18\x08 \x03(\x0b\x32\x11.viasd.v1.Forward\x12\x14\n\x0cwork_seconds\x18\t \x01(\x01\"\x8c\x01\n\rVerifyRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x64raft\x18\x02 \x03(\r\x12#\n\x05probs\x18\x03 \x01(\x0b\x32\x14.viasd.v1.DraftProbs\x12%\n\x04rows\x18\x04 \x03(\x0b\x32\x17.viasd.v1.VerifyRequest\x12\x0c\n\x04plan\x18\x05 \x01(\t\"\xb0\x02\n\x0eVerifyResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\"\n\x07outcome\x18\x02 \x01(\x0b\x32\x11.viasd.v1.Outcome\x12%\n\x05stats\x18\x03 \x01(\x0b\x32\x16.viasd.v1.RequestStats\x12&\n\x04rows\x18\x04 \x03(\x0b\x32\x18.viasd.v1.VerifyResponse\x12!\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x12.viasd.v1.RowError\x12(\n\x08logprobs\x18\x06 \x03(\x0b\x32\x16.viasd.v1.TokenLogprob\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12#\n\x08\x66orwards\x18\x08 \x03(\x0b\x32\x11.viasd.v1.Forward\x12\x14\n\x0cwork_seconds\x18\t \x01(\x01\"\x0e\n\x0c\x43ostsRequest\"H\n\tCostCurve\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07seconds\x18\x03 \x03(\x01\x12\x0c\n\x04rows\x18\x04 \x03(\r\"_\n\rCostsResponse\x12#\n\x06\x63urves\x18\x01 \x03(\x0b\x32\x13.viasd.v1.CostCurve\x12\x10\n\x08key_json\x18\x02 \x01(\t\x12\x17\n\x0fprofile_seconds\x18\x03 \x01(\x01\"\"\n\x0c\x43loseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\" \n\rCloseResponse\x12\x0f\n\x07\x65xisted\x18\x01 \x01(\x08\x32\xfb\x01\n\x0e\x44rafterService\x12\x35\n\x04Open\x12\x15.viasd.v1.OpenRequest\x1a\x16.viasd.v1.OpenResponse\x12>\n\x07Propose\x12\x18.viasd.v1.ProposeRequest\x1a\x19.viasd.v1.ProposeResponse\x12\x38\n\x05\x43lose\x12\x16.viasd.v1.CloseRequest\x1a\x17.viasd.v1.CloseResponse\x12\x38\n\x05\x43osts\x12\x16.viasd.v1.CostsRequest\x1a\x17.viasd.v1.CostsResponse2\xf9\x01\n\x0fVerifierService\x12\x35\n\x04Open\x12\x15.viasd.v1.OpenRequest\x1a\x16.viasd.v1.OpenResponse\x12;\n\x06Verify\x12\x17.viasd.v1.VerifyRequest\x1a\x18.viasd.v1.VerifyResponse\x12\x38\n\x05\x43lose\x12\x16.viasd.v1.CloseRequest\x1a\x17.viasd.v1.CloseResponse\x12\x38\n\x05\x43osts\x12\x16.viasd.v1.CostsRequest\x1a\x17.viasd.v1.CostsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,24 +44,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ROWERROR']._serialized_end=593
   _globals['_DRAFTPROBS']._serialized_start=595
   _globals['_DRAFTPROBS']._serialized_end=704
-  _globals['_PROPOSERESPONSE']._serialized_start=707
-  _globals['_PROPOSERESPONSE']._serialized_end=928
-  _globals['_VERIFYREQUEST']._serialized_start=931
-  _globals['_VERIFYREQUEST']._serialized_end=1071
-  _globals['_VERIFYRESPONSE']._serialized_start=1074
-  _globals['_VERIFYRESPONSE']._serialized_end=1319
-  _globals['_COSTSREQUEST']._serialized_start=1321
-  _globals['_COSTSREQUEST']._serialized_end=1335
-  _globals['_COSTCURVE']._serialized_start=1337
-  _globals['_COSTCURVE']._serialized_end=1409
-  _globals['_COSTSRESPONSE']._serialized_start=1411
-  _globals['_COSTSRESPONSE']._serialized_end=1506
-  _globals['_CLOSEREQUEST']._serialized_start=1508
-  _globals['_CLOSEREQUEST']._serialized_end=1542
-  _globals['_CLOSERESPONSE']._serialized_start=1544
-  _globals['_CLOSERESPONSE']._serialized_end=1576
-  _globals['_DRAFTERSERVICE']._serialized_start=1579
-  _globals['_DRAFTERSERVICE']._serialized_end=1830
-  _globals['_VERIFIERSERVICE']._serialized_start=1833
-  _globals['_VERIFIERSERVICE']._serialized_end=2082
+  _globals['_FORWARD']._serialized_start=706
+  _globals['_FORWARD']._serialized_end=776
+  _globals['_PROPOSERESPONSE']._serialized_start=779
+  _globals['_PROPOSERESPONSE']._serialized_end=1059
+  _globals['_VERIFYREQUEST']._serialized_start=1062
+  _globals['_VERIFYREQUEST']._serialized_end=1202
+  _globals['_VERIFYRESPONSE']._serialized_start=1205
+  _globals['_VERIFYRESPONSE']._serialized_end=1509
+  _globals['_COSTSREQUEST']._serialized_start=1511
+  _globals['_COSTSREQUEST']._serialized_end=1525
+  _globals['_COSTCURVE']._serialized_start=1527
+  _globals['_COSTCURVE']._serialized_end=1599
+  _globals['_COSTSRESPONSE']._serialized_start=1601
+  _globals['_COSTSRESPONSE']._serialized_end=1696
+  _globals['_CLOSEREQUEST']._serialized_start=1698
+  _globals['_CLOSEREQUEST']._serialized_end=1732
+  _globals['_CLOSERESPONSE']._serialized_start=1734
+  _globals['_CLOSERESPONSE']._serialized_end=1766
+  _globals['_DRAFTERSERVICE']._serialized_start=1769
+  _globals['_DRAFTERSERVICE']._serialized_end=2020
+  _globals['_VERIFIERSERVICE']._serialized_start=2023
+  _globals['_VERIFIERSERVICE']._serialized_end=2272
 # @@protoc_insertion_point(module_scope)

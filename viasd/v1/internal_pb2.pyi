@@ -79,8 +79,20 @@ class DraftProbs(_message.Message):
     row_nnz: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class Forward(_message.Message):
+    __slots__ = ("tier", "rows", "tokens", "seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    rows: int
+    tokens: int
+    seconds: float
+    def __init__(self, tier: _Optional[str] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error", "seconds")
+    __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error", "seconds", "forwards", "work_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +100,8 @@ class ProposeResponse(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
@@ -95,7 +109,9 @@ class ProposeResponse(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
     error: RowError
     seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    forwards: _containers.RepeatedCompositeFieldContainer[Forward]
+    work_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., seconds: _Optional[float] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., work_seconds: _Optional[float] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("request_id", "draft", "probs", "rows", "plan")
@@ -112,7 +128,7 @@ class VerifyRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., plan: _Optional[str] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs", "seconds")
+    __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs", "seconds", "forwards", "work_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +136,8 @@ class VerifyResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: Outcome
     stats: _generation_pb2.RequestStats
@@ -127,7 +145,9 @@ class VerifyResponse(_message.Message):
     error: RowError
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., seconds: _Optional[float] = ...) -> None: ...
+    forwards: _containers.RepeatedCompositeFieldContainer[Forward]
+    work_seconds: float
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., seconds: _Optional[float] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., work_seconds: _Optional[float] = ...) -> None: ...
 
 class CostsRequest(_message.Message):
     __slots__ = ()
