@@ -150,6 +150,13 @@ SPECS = (
         _M,
     ),
     Spec(
+        "planner_exploration_steps",
+        "gauge",
+        "Mode auto's exploration steps so far: `sd` steps run instead of `ar` while the drafter's acceptance "
+        "rested on the prior, to measure it.",
+        _M,
+    ),
+    Spec(
         "planner_forecast",
         "gauge",
         "Mode auto's steps so far, apart for `steps` that speculated and `ar` ones, and what the planner "
@@ -324,6 +331,7 @@ class ServingMetrics:
                 ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
                 ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
                 ("planner_probe_steps", state["probes"]),
+                ("planner_exploration_steps", state["explorations"]),
             )
         ]
         for steps, forecast in state["forecasts"].items():

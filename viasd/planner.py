@@ -42,6 +42,16 @@ chosen plans'. A probe costs at most (1 - PROBE_MARGIN) / PROBE_EVERY of the goo
 expected to give (1.25%); without it a block the profile underpriced kept `ar`'s price up with
 its own (the tier's pace g), and `auto` speculated where `ar` was best.
 
+Acceptance is learnt only from blocks that run, so a planner that never speculates never learns
+that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) a bf16 pair on an
+AVX-512 CPU, whose drafter costs 0.38 of the verifier a token, ran `ar` on every step at one
+request while fixed `sd` made twice its tokens/s. So while an `auto` row's drafter acceptance
+rests on less than EXPLORE_EVIDENCE observations (the prior counts one), an all-`ar` step runs
+the best uniform `sd` plan instead (an exploration), at most once every PROBE_EVERY steps and only
+when it is expected within PROBE_MARGIN of `ar`'s goodput: the probe's bound, mirrored (at most
+1.25% of the goodput expected, until the engine-wide estimates, which every request starts from,
+hold the evidence).
+
 `Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
 those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What
 `auto` expected of its steps").
@@ -63,6 +73,9 @@ PAYBACK_CYCLES = 16
 # How often and how close: a probe `ar` step (module docstring)
 PROBE_EVERY = 16
 PROBE_MARGIN = 0.8
+# Observations of the drafter's acceptance (position 0's running weight; the prior counts
+# Acceptance.PRIOR_WEIGHT) below which `auto` explores speculation (module docstring)
+EXPLORE_EVIDENCE = 2.0
 # How much a speculating batch must be expected to beat `ar` by to be chosen (module docstring)
 SPECULATE_MARGIN = 1.1
 # A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
@@ -327,9 +340,12 @@ def drafts_from_the_start(costs: CostModel, batch: Sequence[RowState], new: RowS
     return _drafts(choose(costs, [*batch, new])[-1])
 
 
-def _best_uniform(costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
-    """The best assignment that gives every auto row the same plan (or `ar` where it lacks it)."""
-    options = {p for r in rows if r.fixed is None for p in r.candidates()} | {Plan("ar")}
+def _best_uniform(costs: CostModel, rows: Sequence[RowState], kinds: Sequence[str] | None = None) -> list[Plan]:
+    """The best assignment that gives every auto row the same plan (or `ar` where it lacks it),
+    among the plans of `kinds` (default: all, `ar` among them; none of them: every row on `ar`)."""
+    options = {p for r in rows if r.fixed is None for p in r.candidates() if kinds is None or p.kind in kinds}
+    if kinds is None or not options:
+        options.add(Plan("ar"))
     best, best_value = None, -1.0
     for option in sorted(options, key=lambda p: (p.kind, p.k)):
         plans = [r.fixed if r.fixed is not None else (option if option in r.candidates() else Plan("ar")) for r in rows]
@@ -373,6 +389,8 @@ class Planner:
     def __init__(self):
         self.since_ar = 0  # steps since every row last ran `ar`
         self.probes = 0  # probe steps run
+        self.since_explored = PROBE_EVERY  # all-`ar` steps since the last exploration (the first may explore)
+        self.explorations = 0  # exploration steps run
         self.forecasts = {"speculating": Forecast(), "ar": Forecast()}
         self._pending: tuple[str, float, float] | None = None  # the planned step's (kind, seconds, tokens)
 
@@ -399,14 +417,18 @@ class Planner:
         f.tokens += tokens
 
     def to_dict(self) -> dict:
-        """What the stats and /metrics report: the probes run and the forecasts."""
-        return {"probes": self.probes, "forecasts": {kind: f.to_dict() for kind, f in self.forecasts.items()}}
+        """What the stats and /metrics report: the probes and explorations run, and the forecasts."""
+        return {
+            "probes": self.probes,
+            "explorations": self.explorations,
+            "forecasts": {kind: f.to_dict() for kind, f in self.forecasts.items()},
+        }
 
     def _plans(self, costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
         plans = choose(costs, rows)
         if all(p.kind == "ar" for p in plans):
             self.since_ar = 0
-            return plans
+            return self._explore(costs, rows, plans)
         self.since_ar += 1
         if not costs.online or self.since_ar < PROBE_EVERY:  # (a model that does not learn needs no probe)
             return plans
@@ -417,3 +439,18 @@ class Planner:
             return plans
         self.since_ar, self.probes = 0, self.probes + 1
         return ar
+
+    def _explore(self, costs: CostModel, rows: Sequence[RowState], ar: list[Plan]) -> list[Plan]:
+        """An all-`ar` step (`ar`), or the best uniform `sd` plan while an `auto` row's drafter
+        acceptance lacks the evidence (module docstring)."""
+        self.since_explored += 1
+        unsure = any(
+            r.fixed is None and r.has_drafter and r.acceptance.weights["model"][0] < EXPLORE_EVIDENCE for r in rows
+        )
+        if not unsure or self.since_explored < PROBE_EVERY:
+            return ar
+        plans = _best_uniform(costs, rows, kinds=("sd",))
+        if plans == ar or goodput(costs, rows, plans) < PROBE_MARGIN * goodput(costs, rows, ar):
+            return ar
+        self.since_explored, self.explorations = 0, self.explorations + 1
+        return plans

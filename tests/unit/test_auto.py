@@ -23,6 +23,7 @@ from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.planner import (
+    EXPLORE_EVIDENCE,
     PAYBACK_CYCLES,
     PROBE_EVERY,
     Estimates,
@@ -159,9 +160,11 @@ def test_auto_refuses_overlap_and_adaptive_gamma():
 # ------------------------------------------------------------------ the planner
 
 
-def _row(rate: float, gamma: int = 5, **kw) -> RowState:
+def _row(rate: float, gamma: int = 5, evidence: float = 5.0, **kw) -> RowState:
+    """An `auto` row whose drafter acceptance is `rate` a position, on `evidence` observations
+    (running_mean's weight; 5 is its steady state, the prior counts 1)."""
     acc = Acceptance()
-    acc.rates["model"] = [rate] * 8
+    acc.rates["model"], acc.weights["model"] = [rate] * 8, [evidence] * 8
     return RowState(fixed=None, gamma=gamma, acceptance=acc, **kw)
 
 
@@ -470,6 +473,30 @@ def test_a_mispriced_size_moves_its_own_price_not_ar_s():
     assert ran == ["sd"] * (PROBE_EVERY - 1) + ["ar"] * (64 - PROBE_EVERY + 1) and planner.probes == 1
     assert costs.seconds("full", 1, 1) == pytest.approx(1.0, rel=0.01)
     assert costs.seconds("full", 1, 2) == pytest.approx(1.6, rel=0.1)
+
+
+def test_auto_explores_speculation_while_its_drafter_acceptance_is_the_prior():
+    # at acceptance 0.3 a k = 1 block is expected to tie `ar` (1.3 tokens in 1.3 s): `choose` stays on
+    # `ar`, whose steps never measure the acceptance. While it rests on the prior, an all-`ar` step
+    # drafts instead, once every PROBE_EVERY steps; each block it runs is evidence (here rejected)
+    costs = CostModel(dict(MARGINAL))
+    row, planner, ran = _row(0.3, gamma=1, evidence=Acceptance.PRIOR_WEIGHT), Planner(), []
+    for _ in range(3 * PROBE_EVERY):
+        assert choose(costs, [row]) == [Plan("ar")]
+        (plan,) = planner.plans(costs, [row])
+        ran.append(plan.label)
+        if plan.kind == "sd":
+            row.acceptance.update("model", drafted=1, accepted=0)
+    ar = ["ar"] * (PROBE_EVERY - 1)
+    assert ran == ["sd:k=1", *ar, "sd:k=1", *ar, "ar", *ar] and planner.to_dict()["explorations"] == 2
+    assert row.acceptance.weights["model"][0] >= EXPLORE_EVIDENCE  # two blocks on the prior: evidence enough
+    # a drafter known to be this poor, or expected far below `ar`, or no drafter: nothing to explore
+    for rows in (
+        [_row(0.3, gamma=1)],
+        [_row(0.0, gamma=1, evidence=1.0)],
+        [_row(0.3, evidence=1.0, has_drafter=False)],
+    ):
+        assert Planner().plans(costs, rows) == [Plan("ar")]
 
 
 def test_a_new_auto_row_feeds_its_drafter_at_once_only_when_it_plans_to_draft():
