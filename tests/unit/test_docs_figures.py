@@ -532,6 +532,59 @@ def test_auto_forecasts_table_equals_its_raw_file():
         assert (min(values), max(values)) == pytest.approx((low, high), abs=0.006), (system, kind, q)
 
 
+def test_steptimes_table_equals_its_raw_files():
+    """SERVING.md, "What the services measured": every row of the A/B table against the four
+    committed runs (each made by the command the page shows, the old variant's files dirty, the
+    new ones' clean), and the ranges and token counts the page states."""
+    folder = DOCS / "benchmarks" / "serve-steptimes"
+    page = (DOCS / "SERVING.md").read_text()
+    flat = commands_joined(page)
+    rows = iter(table("SERVING.md", "| served cost model learns from |"))
+    ratios, priced, mismatched = {"old": [], "new": []}, {"old": [], "new": []}, 0
+    for variant in ("old", "new"):
+        for i in (0, 1):
+            raw = load(folder / f"{variant}-{i}.json")
+            args = shlex.split(raw["command"])
+            assert " ".join(args[1:-2]) + " --out <run>.json" in flat and args[-1].endswith(f"{variant}-{i}.json")
+            env = raw["environment"]
+            assert env["git_commit"].startswith("a741060") and env["git_dirty"] == (variant == "old")
+            assert env["cpu_capability"] and raw["in_process"]["runtime"]["dtype"] == "bfloat16"
+            mismatched += raw["tokens"]["streams_mismatched"]
+            by = {(r["system"], r["concurrency"]): r for r in raw["runs"]}
+            for c in (1, 4, 8):
+                row, a, s = next(rows), by[("in_process", c)], by[("served", c)]
+                assert row[0] == (
+                    "the services' own timings" if variant == "new" else "a call's seconds split by predicted share"
+                )
+                assert (row[1], row[2]) == (str(i), str(c))
+                ratio = s["aggregate_tokens_per_s"] / a["aggregate_tokens_per_s"]
+                check_cell(row[3], [a["aggregate_tokens_per_s"]], "in-process")
+                check_cell(row[4], [s["aggregate_tokens_per_s"]], "served")
+                check_cell(row[5], [ratio], "ratio")
+                spec, ar = s["forecasts"].get("speculating", {}), s["forecasts"].get("ar", {})
+                assert row[6] == f"{int(spec.get('steps', 0))} / {int(ar.get('steps', 0))}"
+                check_cell(row[7], [spec["measured_over_predicted"]], "priced")
+                ratios[variant].append(round(ratio, 2))
+                priced[variant].append(spec["measured_over_predicted"])
+    assert next(rows, None) is None
+    assert (min(ratios["old"]), max(ratios["old"])) == (0.68, 1.43) and (min(ratios["new"]), max(ratios["new"])) == (
+        0.77,
+        1.19,
+    )
+    assert (min(priced["new"]), max(priced["new"])) == pytest.approx((0.94, 1.10), abs=0.005)
+    assert (min(priced["old"]), max(priced["old"])) == pytest.approx((0.97, 1.17), abs=0.005)
+    assert mismatched == 7 and "7 of the 104 streams" in page
+    share_ar = {}  # (variant, run, system, streams) -> share of the cycles planned `ar`
+    for variant in ("old", "new"):
+        for i in (0, 1):
+            for r in load(folder / f"{variant}-{i}.json")["runs"]:
+                share_ar[variant, i, r["system"], r["concurrency"]] = r["plans"].get("ar", 0) / sum(r["plans"].values())
+    loaded = sorted(v for (_, _, system, c), v in share_ar.items() if system == "in_process" and c > 1)
+    assert loaded[0] < 0.05 and min(loaded[1:]) >= 0.925  # "93-100% ... in seven of the eight levels"
+    assert sum(v < 0.5 for (_, _, system, c), v in share_ar.items() if system == "served" and c == 8) == 3
+    assert sum(v > 0.7 for (_, _, system, c), v in share_ar.items() if system == "in_process" and c == 1) == 3
+
+
 def test_verify_service_table_equals_its_raw_files():
     """SERVING.md's verify service without Ray, alone and beside a busy neighbour, per OpenMP
     wait policy, against the two committed runs (each made by the command the page shows)."""
