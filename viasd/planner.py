@@ -43,9 +43,9 @@ expected to give (1.25%); without it a block the profile underpriced kept `ar`'s
 its own (the tier's pace g), and `auto` speculated where `ar` was best.
 
 Acceptance is learnt only from blocks that run, so a planner that never speculates never learns
-that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) a bf16 pair on an
-AVX-512 CPU, whose drafter costs 0.38 of the verifier a token, ran `ar` on every step at one
-request while fixed `sd` made twice its tokens/s. So while an `auto` row's drafter acceptance
+that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) in-process `auto`
+ran `ar` on every step at one request on a bf16 pair (docs/SERVING.md, "Exploring
+speculation"). So while an `auto` row's drafter acceptance
 rests on less than EXPLORE_EVIDENCE observations (the prior counts one), an all-`ar` step runs
 the best uniform `sd` plan instead (an exploration), at most once every PROBE_EVERY steps and only
 when it is expected within PROBE_MARGIN of `ar`'s goodput: the probe's bound, mirrored (at most

@@ -585,6 +585,25 @@ def test_steptimes_table_equals_its_raw_files():
     assert sum(v > 0.7 for (_, _, system, c), v in share_ar.items() if system == "in_process" and c == 1) == 3
 
 
+def test_explore_table_equals_its_raw_files():
+    """SERVING.md, "Exploring speculation": each row against its committed run (in-process `auto`
+    at one stream), the runs with exploration on a clean tree, those without it dirty."""
+    folder = DOCS / "benchmarks" / "serve-explore"
+    rows = iter(table("SERVING.md", "| in-process `auto`, one stream |"))
+    for variant, label in (("before", "without exploration"), ("after", "with exploration")):
+        for i in (0, 1):
+            raw = load(folder / f"{variant}-{i}.json")
+            env = raw["environment"]
+            assert env["git_commit"].startswith("4f2fc1b") and env["git_dirty"] == (variant == "before")
+            assert env["cpu_capability"] and raw["command"].endswith(f"--out /tmp/exp/explore-{variant}-{i}.json")
+            run = next(r for r in raw["runs"] if r["system"] == "in_process" and r["concurrency"] == 1)
+            row = next(rows)
+            assert row[:2] == [label, str(i)]
+            check_cell(row[2], [run["aggregate_tokens_per_s"]], f"{variant}-{i}")
+            assert row[3] == f"{run['plans'].get('ar', 0)} of {sum(run['plans'].values())}"
+    assert next(rows, None) is None
+
+
 def test_verify_service_table_equals_its_raw_files():
     """SERVING.md's verify service without Ray, alone and beside a busy neighbour, per OpenMP
     wait policy, against the two committed runs (each made by the command the page shows)."""
