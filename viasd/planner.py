@@ -44,13 +44,12 @@ its own (the tier's pace g), and `auto` speculated where `ar` was best.
 
 Acceptance is learnt only from blocks that run, so a planner that never speculates never learns
 that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) in-process `auto`
-ran `ar` on every step at one request on a bf16 pair (docs/SERVING.md, "Exploring
-speculation"). So while an `auto` row's drafter acceptance
-rests on less than EXPLORE_EVIDENCE observations (the prior counts one), an all-`ar` step runs
-the best uniform `sd` plan instead (an exploration), at most once every PROBE_EVERY steps and only
-when it is expected within PROBE_MARGIN of `ar`'s goodput: the probe's bound, mirrored (at most
-1.25% of the goodput expected, until the engine-wide estimates, which every request starts from,
-hold the evidence).
+ran `ar` on every step at one request on a bf16 pair (docs/SERVING.md, "Exploring speculation").
+So while an `auto` row's drafter acceptance rests on less than EXPLORE_EVIDENCE observations (the
+prior counts one), an all-`ar` step runs the best uniform `sd` plan instead (an exploration), at
+most once every PROBE_EVERY steps and only when it is expected within PROBE_MARGIN of `ar`'s
+goodput: the probe's bound, mirrored (at most 1.25% of the goodput expected, until the
+engine-wide estimates, which every request starts from, hold the evidence).
 
 `Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
 those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What
