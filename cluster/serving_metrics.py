@@ -152,8 +152,8 @@ SPECS = (
     Spec(
         "planner_exploration_steps",
         "gauge",
-        "Mode auto's exploration steps so far: `sd` steps run instead of `ar` while the drafter's acceptance "
-        "rested on the prior, to measure it.",
+        "Mode auto's exploration steps so far: `sd` steps run instead of `ar`, after 16 `ar` steps in a row "
+        "and when expected within 0.8x of `ar`, to measure the drafter's acceptance.",
         _M,
     ),
     Spec(

@@ -18,7 +18,8 @@ duplicated or reordered token is a mismatch (exit status 1). Each level also rec
 each kind of process kept busy (`cores_busy`: CPU seconds over wall seconds, by
 `PROCESS_CLASSES`: the actors, Serve's replica, proxy and controller, Ray's own daemons, this
 client, and every other process of the machine), and an `auto` level what its steps cost and
-committed beside what the planner expected of them (`forecasts`: viasd.planner.Forecast).
+committed beside what the planner expected of them (`forecasts`: viasd.planner.Forecast), its
+probe and exploration steps, and the running acceptance of model drafts it started from.
 
     flock /tmp/viasd-heavy.lock python scripts/serve_throughput.py --config cluster/serve.yaml \
         --concurrency 1,4,8,16 --max-tokens 32 --modes ar,sd,via --in-process --dtype float32 \
@@ -256,15 +257,34 @@ def coordinator_totals(base: str) -> dict:
     }
 
 
-def served_forecasts(base: str) -> dict:
-    """Mode auto's forecasts so far (`viasd.planner.Forecast`, by steps that speculated and `ar`
-    steps) from /metrics (`viasd_planner_forecast{steps,quantity}`; published as each request ends)."""
-    out: dict[str, dict] = {}
+def served_planner(base: str) -> dict:
+    """Mode auto's planner so far, from /metrics (published as each request ends): its forecasts
+    (`viasd.planner.Forecast`, by steps that speculated and `ar` steps:
+    `viasd_planner_forecast{steps,quantity}`), probe and exploration steps, and the running
+    acceptance of model drafts per position (`viasd_planner_acceptance`)."""
+    out: dict = {"forecasts": {}, "probes": 0, "explorations": 0, "acceptance": {}}
     for (name, labels), value in metrics_samples(base).items():
+        lab = dict(labels)
         if name == "viasd_planner_forecast":
-            lab = dict(labels)
-            out.setdefault(lab["steps"], {})[lab["quantity"]] = value
+            out["forecasts"].setdefault(lab["steps"], {})[lab["quantity"]] = value
+        elif name in ("viasd_planner_probe_steps", "viasd_planner_exploration_steps"):
+            out["probes" if "probe" in name else "explorations"] = int(value)
+        elif name == "viasd_planner_acceptance":
+            out["acceptance"].setdefault(lab["kind"], {})[int(lab["position"])] = value
+    out["acceptance"] = {kind: [rates[j] for j in sorted(rates)] for kind, rates in out["acceptance"].items()}
     return out
+
+
+def planner_delta(before: dict, after: dict) -> dict:
+    """What one `auto` level did to the planner (`served_planner`'s or `Engine.planner_state`'s
+    keys): the forecasts it added (`forecast_delta`), its probe and exploration steps, and the
+    running acceptance of model drafts it started from (positions 0-4)."""
+    return {
+        "forecasts": forecast_delta(before["forecasts"], after["forecasts"]),
+        "probes": after["probes"] - before["probes"],
+        "explorations": after["explorations"] - before["explorations"],
+        "acceptance_at_start": [round(a, 3) for a in before["acceptance"].get("model", [])[:5]],
+    }
 
 
 def forecast_delta(before: dict, after: dict) -> dict:
@@ -488,19 +508,19 @@ def main(argv: list[str] | None = None) -> int:
     results["ray_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")}
     expected: dict[int, list[int]] = {}
 
-    def measure(target, system: str, mode_list: list[str], p: int, steps=None, forecasts=None) -> None:
+    def measure(target, system: str, mode_list: list[str], p: int, steps=None, planner=None) -> None:
         for mode in mode_list:
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
                 before, cpu = (steps() if steps else None), cpu_by_process()
-                planned = forecasts() if forecasts and mode.startswith("auto") else None
+                planned = planner() if planner and mode.startswith("auto") else None
                 r = {**run_level(target, mode, c, args.max_tokens, system), "pass": p}
                 r["cores_busy"] = cpu_used(cpu, cpu_by_process(), r["wall_s"])
                 r["niceness"] = niceness_by_class()
                 if steps:
                     r["coordinator"] = step_phases(before, steps(), r["tokens"])
                 if planned is not None:
-                    r["forecasts"] = forecast_delta(planned, forecasts())
+                    r.update(planner_delta(planned, planner()))
                 results["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), flush=True)
 
@@ -517,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
                 "in_process",
                 modes,
                 p,
-                forecasts=lambda: llm.engine.planner_state()["forecasts"],
+                planner=llm.engine.planner_state,
             )
         finally:
             llm.engine.close()  # (the models leave memory with this frame: gc.collect below)
@@ -551,7 +571,7 @@ def main(argv: list[str] | None = None) -> int:
                 modes,
                 p,
                 steps=(lambda: coordinator_totals(base)) if raw["backend"] == "actors" else None,
-                forecasts=lambda: served_forecasts(base),
+                planner=lambda: served_planner(base),
             )
             if args.guidellm and p == 0:
                 import tempfile

@@ -44,12 +44,13 @@ its own (the tier's pace g), and `auto` speculated where `ar` was best.
 
 Acceptance is learnt only from blocks that run, so a planner that never speculates never learns
 that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) in-process `auto`
-ran `ar` on every step at one request on a bf16 pair (docs/SERVING.md, "Exploring speculation").
-So while an `auto` row's drafter acceptance rests on less than EXPLORE_EVIDENCE observations (the
-prior counts one), an all-`ar` step runs the best uniform `sd` plan instead (an exploration), at
-most once every PROBE_EVERY steps and only when it is expected within PROBE_MARGIN of `ar`'s
-goodput: the probe's bound, mirrored (at most 1.25% of the goodput expected, until the
-engine-wide estimates, which every request starts from, hold the evidence).
+ran `ar` on every step at one request on a bf16 pair, and from an estimate one rejected block had
+pulled down (position 0 at 0.59 after four blocks) it ran `ar` for the rest of a request where
+fixed `sd` ran faster (docs/SERVING.md, "Exploring speculation"). So `ar` steps explore, the
+probe mirrored: after PROBE_EVERY all-`ar` steps in a row, an all-`ar` step runs the best uniform `sd` plan
+instead (an exploration) when that is expected within PROBE_MARGIN of `ar`'s goodput, whatever
+evidence the estimates rest on: at most 1.25% of the goodput expected, spent only near the
+fence, where the estimates decide the plan; a drafter expected far below `ar` is never run.
 
 `Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
 those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What
@@ -69,12 +70,9 @@ from viasd.costs import Acceptance, CostModel, running_mean
 # request has left): under load the batch changes every few cycles, and with it the best plan, so
 # a catch-up spread over a long request's every cycle is a bet the planner rarely wins.
 PAYBACK_CYCLES = 16
-# How often and how close: a probe `ar` step (module docstring)
+# How often and how close: a probe `ar` step, and an exploration (module docstring)
 PROBE_EVERY = 16
 PROBE_MARGIN = 0.8
-# Observations of the drafter's acceptance (position 0's running weight; the prior counts
-# Acceptance.PRIOR_WEIGHT) below which `auto` explores speculation (module docstring)
-EXPLORE_EVIDENCE = 2.0
 # How much a speculating batch must be expected to beat `ar` by to be chosen (module docstring)
 SPECULATE_MARGIN = 1.1
 # A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
@@ -388,7 +386,7 @@ class Planner:
     def __init__(self):
         self.since_ar = 0  # steps since every row last ran `ar`
         self.probes = 0  # probe steps run
-        self.since_explored = PROBE_EVERY  # all-`ar` steps since the last exploration (the first may explore)
+        self.since_explored = PROBE_EVERY  # all-`ar` steps since a row last drafted (the first may explore)
         self.explorations = 0  # exploration steps run
         self.forecasts = {"speculating": Forecast(), "ar": Forecast()}
         self._pending: tuple[str, float, float] | None = None  # the planned step's (kind, seconds, tokens)
@@ -428,7 +426,7 @@ class Planner:
         if all(p.kind == "ar" for p in plans):
             self.since_ar = 0
             return self._explore(costs, rows, plans)
-        self.since_ar += 1
+        self.since_ar, self.since_explored = self.since_ar + 1, 0
         if not costs.online or self.since_ar < PROBE_EVERY:  # (a model that does not learn needs no probe)
             return plans
         ar = _all_ar(rows)
@@ -440,13 +438,9 @@ class Planner:
         return ar
 
     def _explore(self, costs: CostModel, rows: Sequence[RowState], ar: list[Plan]) -> list[Plan]:
-        """An all-`ar` step (`ar`), or the best uniform `sd` plan while an `auto` row's drafter
-        acceptance lacks the evidence (module docstring)."""
+        """An all-`ar` step (`ar`), or the best uniform `sd` plan: an exploration (module docstring)."""
         self.since_explored += 1
-        unsure = any(
-            r.fixed is None and r.has_drafter and r.acceptance.weights["model"][0] < EXPLORE_EVIDENCE for r in rows
-        )
-        if not unsure or self.since_explored < PROBE_EVERY:
+        if self.since_explored < PROBE_EVERY or not any(r.fixed is None and r.has_drafter for r in rows):
             return ar
         plans = _best_uniform(costs, rows, kinds=("sd",))
         if plans == ar or goodput(costs, rows, plans) < PROBE_MARGIN * goodput(costs, rows, ar):
