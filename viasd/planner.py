@@ -45,12 +45,12 @@ its own (the tier's pace g), and `auto` speculated where `ar` was best.
 Acceptance is learnt only from blocks that run, so a planner that never speculates never learns
 that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) in-process `auto`
 ran `ar` on every step at one request on a bf16 pair, and from an estimate one rejected block had
-pulled down (position 0 at 0.59 after four blocks) it ran `ar` for the rest of a request where
-fixed `sd` ran faster (docs/SERVING.md, "Exploring speculation"). So `ar` steps explore, the
-probe mirrored: after PROBE_EVERY all-`ar` steps in a row, an all-`ar` step runs the best uniform `sd` plan
-instead (an exploration) when that is expected within PROBE_MARGIN of `ar`'s goodput, whatever
-evidence the estimates rest on: at most 1.25% of the goodput expected, spent only near the
-fence, where the estimates decide the plan; a drafter expected far below `ar` is never run.
+pulled down it ran `ar` for the rest of a request (docs/SERVING.md, "Exploring speculation"). So
+`ar` steps explore, the probe mirrored: after PROBE_EVERY all-`ar` steps in a row, an all-`ar`
+step runs the best uniform `sd` plan instead (an exploration) when that is expected within
+PROBE_MARGIN of `ar`'s goodput, whatever evidence the estimates rest on: at most 1.25% of the
+goodput expected, spent only near the fence, where the estimates decide the plan; a drafter
+expected far below `ar` is never run.
 
 `Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
 those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What

@@ -604,6 +604,47 @@ def test_explore_table_equals_its_raw_files():
     assert next(rows, None) is None
 
 
+def test_explore_fence_table_equals_its_raw_files():
+    """SERVING.md, "Exploring near the fence": every cell (tokens/s, cycles `ar`, explorations,
+    position 0's estimate at the start) against its committed run, and the bullets' counts."""
+    folder = DOCS / "benchmarks" / "serve-explore-fence"
+    runs = {v: load(folder / f"{v}.json") for v in ("old-0", "old-1", "new-0", "new-1")}
+    for v, raw in runs.items():
+        env = raw["environment"]
+        assert env["git_commit"].startswith("a1974bd") and env["git_dirty"] == v.startswith("old")
+        assert env["cpu_capability"] and raw["command"].endswith(
+            f"--max-tokens 64 --modes auto --in-process --out /tmp/exp/explore2-{v}.json"
+        )
+    rows = iter(table("SERVING.md", "| system | streams | without exploring near the fence, run 0 |"))
+    ratios, explored = [], []
+    for system in ("in_process", "served"):
+        for c in (1, 4, 8):
+            row = next(rows)
+            assert row[:2] == [system.replace("_", "-"), str(c)]
+            level = {
+                v: next(r for r in raw["runs"] if (r["system"], r["concurrency"]) == (system, c))
+                for v, raw in runs.items()
+            }
+            for cell, r in zip(row[2:], level.values()):
+                tps, ar, explorations, start = cell.split(", ")
+                check_cell(tps, [r["aggregate_tokens_per_s"]], f"{system} {c}")
+                assert (
+                    ar == f"{r['plans'].get('ar', 0)} of {sum(r['plans'].values())}"
+                    and int(explorations) == r["explorations"]
+                )
+                check_cell(start, [r["acceptance_at_start"][0]], f"{system} {c} start")
+            ratios += [
+                level[f"new-{i}"]["aggregate_tokens_per_s"] / level[f"old-{i}"]["aggregate_tokens_per_s"]
+                for i in (0, 1)
+            ]
+            explored += [(v, system, c) for v, r in level.items() if r["explorations"]]
+    assert next(rows, None) is None
+    assert (round(min(ratios), 2), round(max(ratios), 2)) == (0.81, 1.27)
+    assert sorted(explored) == [("new-0", "served", 1), ("new-1", "in_process", 4), ("new-1", "served", 1)]
+    mismatched = sum(raw["tokens"]["streams_mismatched"] for raw in runs.values())
+    assert mismatched == 21 and sum(raw["tokens"]["streams_checked"] for raw in runs.values()) == 104
+
+
 def test_verify_service_table_equals_its_raw_files():
     """SERVING.md's verify service without Ray, alone and beside a busy neighbour, per OpenMP
     wait policy, against the two committed runs (each made by the command the page shows)."""
