@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -265,7 +266,11 @@ def test_continuous_batching_table_equals_its_results_json():
 
 @pytest.mark.parametrize(
     "header, folder",
-    [("| dtype | C | `ar` |", "load-auto"), ("| dtype (rows x tokens) | C | `ar` |", "load-auto-grid")],
+    [
+        ("| dtype | C | `ar` |", "load-auto"),
+        ("| dtype (rows x tokens) | C | `ar` |", "load-auto-grid"),
+        ("| dtype (exploring) | C | `ar` |", "load-auto-explore"),
+    ],
 )
 def test_auto_load_table_equals_its_results_json(header, folder):
     """BENCHMARKS.md, "Never slower": `auto` beside every fixed mode, aggregate tok/s per dtype and
@@ -289,6 +294,38 @@ def test_auto_load_table_equals_its_results_json(header, folder):
         check_cell(cells[7].replace("*", ""), [tps[("auto", c)] / tps[("ar", c)]], f"{dtype} auto / ar C={c}")
         seen.add((dtype, c))
     assert seen == {(d, c) for d in ("bfloat16", "float32") for c in (1, 4, 8, 16)}
+
+
+def test_auto_explore_load_bullets_equal_their_results_json():
+    """BENCHMARKS.md, "After exploration and the services' timings": the per-pass figures the
+    bullets quote (`auto` / `ar`, the share of `auto`'s steps on `ar`), from the runs."""
+    per_pass = {}  # (dtype, C) -> [(auto / ar, share of steps `ar`) per pass]
+    for dtype in ("bfloat16", "float32"):
+        results = load(DOCS / "benchmarks" / "cpu" / "load-auto-explore" / dtype / "results.json")
+        assert results["meta"]["environment"]["git_commit"].startswith("bbd6afd")
+        assert not results["meta"]["environment"]["git_dirty"]
+        by = {(r["method"], r["concurrency"], r["pass"]): r for r in results["runs"] if r["arrival"] == "all"}
+        for c in (1, 4, 8, 16):
+            for p in range(3):
+                plans = Counter()
+                for q in by["auto", c, p]["requests"]:
+                    plans.update(q["stats"]["plans"])
+                ratio = by["auto", c, p]["aggregate_tokens_per_second"] / by["ar", c, p]["aggregate_tokens_per_second"]
+                per_pass.setdefault((dtype, c), []).append(
+                    (round(ratio, 2), round(100 * plans["ar"] / sum(plans.values())))
+                )
+    assert [r for r, _ in per_pass["bfloat16", 1]] == [1.75, 1.69, 1.76] and [
+        a for _, a in per_pass["bfloat16", 1]
+    ] == [7, 11, 7]
+    assert sorted(r for r, _ in per_pass["float32", 1]) == [1.29, 1.76, 1.90]
+    assert per_pass["float32", 4] == [(0.81, 8), (0.89, 62), (0.95, 84)]
+    loaded = [x for (d, c), xs in per_pass.items() if c > 1 and (d, c) != ("float32", 4) for x in xs]
+    assert min(a for _, a in loaded) == 82
+    all_ar = [r for r, a in loaded if a == 100]
+    assert (min(all_ar), max(all_ar)) == (0.93, 1.08)
+    assert [a for _, a in per_pass["bfloat16", 8]] == [96, 94, 87] and sorted(
+        r for r, _ in per_pass["bfloat16", 8]
+    ) == [0.83, 0.89, 0.93]
 
 
 def test_calibrated_gates_table_equals_the_shipped_045_artifact():
