@@ -137,6 +137,7 @@ class CostModel:
 
     DECAY = 0.8  # weight of the past in each online update of g: the machine's pace moves fast ...
     SHAPE_DECAY = 0.95  # ... and of r, once observed: the shape only where g cannot explain it
+    MEMO_SIZE = 4096  # prices memoised between two observed forwards, at most
 
     def __post_init__(self):
         self.grid = {
@@ -153,14 +154,30 @@ class CostModel:
             rho = [[(t, sec / _line(one, b * t)) for b2, t, sec in points if b2 == b] for b in batches]
             logs = [(math.log(b * t), math.log(b)) for b, t, _ in points]
             self._shape[tier] = (one, batches, rho, logs)
+        self._memo: dict[tuple, tuple[int, float]] = {}  # (tier, rows, tokens) -> (observed, seconds)
 
     def seconds(self, tier: str, rows: float, tokens: float) -> float:
         """Forward seconds of `tier` over `rows` rows padded to `tokens` tokens each (no rows or
-        tokens: 0 s): the grid, interpolated, times the online corrections (module docstring)."""
+        tokens: 0 s): the grid, interpolated, times the online corrections (module docstring).
+
+        Memoised until the next observed forward (the planner prices the same few sizes hundreds
+        of times a step); a price is kept with the count of forwards observed when it was read, so
+        one computed while another thread observes is never served after."""
+        key, observed = (tier, rows, tokens), self.observed
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] == observed:
+            return hit[1]
+        if len(self._memo) >= self.MEMO_SIZE:  # (via rows price fractional sizes: keep it bounded)
+            self._memo.clear()
+        value = self._seconds(tier, rows, tokens)
+        self._memo[key] = (observed, value)
+        return value
+
+    def _seconds(self, tier: str, rows: float, tokens: float) -> float:
         if rows <= 0 or tokens <= 0:
             return 0.0
         if rows < 1:  # a row that runs with probability `rows`
-            return rows * self.seconds(tier, 1, tokens)
+            return rows * self._seconds(tier, 1, tokens)
         base = self._profiled(tier, rows, tokens) * self.scale.get(tier, 1.0)
         r = self.correction.get(tier)
         return base * r[self._bucket(tier, rows, tokens)] if r else base
@@ -179,10 +196,10 @@ class CostModel:
         i = self._bucket(tier, rows, tokens)
         residual = seconds / (self._profiled(tier, rows, tokens) * self.scale[tier])
         r[i], w[i] = running_mean(r[i], w[i], residual, self.SHAPE_DECAY)
-        self.observed += 1
         common = math.exp(sum(wj * math.log(rj) for rj, wj in zip(r, w)) / sum(w))  # (what the sizes share: the pace)
         self.correction[tier] = [rj / common if wj > 0 else rj for rj, wj in zip(r, w)]
         self.scale[tier] *= common
+        self.observed += 1  # (last: the prices memoised before it are stale from here on)
 
     def observe_step(self, times: StepTimes, kinds: dict, seconds: float) -> None:
         """A step took `seconds` (its calls' transport left out: `observe_transport`'s), of which

@@ -243,18 +243,23 @@ class _Step:
         self.full_rows = 0.0  # expected rows of q's forward
         self.overhead = 0.0  # seconds of the work around the forwards
         self.tokens = 0.0  # expected committed tokens
+        self._expected: dict[tuple, tuple[float, float]] = {}  # (id(row), kind, k) -> (E[tokens], 1 / cycles left)
         for row, plan in zip(rows, plans):
             self.add(row, plan)
 
     def add(self, row: RowState, plan: Plan, sign: int = 1) -> None:
         """Count row running `plan` in the step (sign -1: take it out again)."""
+        key = (id(row), plan.kind, plan.k)
+        if key not in self._expected:  # (the planner moves each row through its candidates many times)
+            self._expected[key] = (expected_tokens(row, plan), 1 / _cycles_left(row, plan))
+        tokens, inverse_cycles = self._expected[key]
         self.rows += sign
         self.proposing += sign * (plan.kind != "ar")
         if _drafts(plan):
             self.drafting[plan.k] += sign
             if row.draft_lag > 0:
                 self.lags[row.draft_lag] += sign
-                self.inverse_cycles += sign / _cycles_left(row, plan)
+                self.inverse_cycles += sign * inverse_cycles
         if plan.kind == "via":
             self.slim[plan.k + 1] += sign
         weight = row.via_escalation if plan.kind == "via" else 1.0
@@ -262,7 +267,7 @@ class _Step:
             self.full[1 if plan.kind == "ar" else plan.k + 1] += sign
             self.full_rows += sign * weight
         self.overhead += sign * self.costs.overhead_of(plan.kind) * logit_rows(plan, row.via_escalation)
-        self.tokens += sign * expected_tokens(row, plan)
+        self.tokens += sign * tokens
 
     def seconds(self) -> float:
         """E[step seconds] (module docstring)."""
@@ -306,20 +311,25 @@ def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[
     """Every row's plan for this step (module docstring)."""
     plans = _best_uniform(costs, rows)
     step = _Step(costs, rows, plans)
+    candidates = [row.candidates() for row in rows]
     for _ in range(passes):
+        moved = False
         for i, row in enumerate(rows):
             if row.fixed is not None:
                 continue
             step.add(row, plans[i], -1)
             best, best_value = plans[i], -1.0
-            for plan in row.candidates():
+            for plan in candidates[i]:
                 step.add(row, plan)
                 value = step.goodput()
                 step.add(row, plan, -1)
                 if value > best_value + 1e-12:
                     best, best_value = plan, value
+            moved |= best != plans[i]
             plans[i] = best
             step.add(row, best)
+        if not moved:  # a pass that moved no row leaves the next one where it started
+            break
     ar = _all_ar(rows)
     if plans != ar and step.goodput() < SPECULATE_MARGIN * goodput(costs, rows, ar):
         return ar
@@ -340,12 +350,16 @@ def drafts_from_the_start(costs: CostModel, batch: Sequence[RowState], new: RowS
 def _best_uniform(costs: CostModel, rows: Sequence[RowState], kinds: Sequence[str] | None = None) -> list[Plan]:
     """The best assignment that gives every auto row the same plan (or `ar` where it lacks it),
     among the plans of `kinds` (default: all, `ar` among them; none of them: every row on `ar`)."""
-    options = {p for r in rows if r.fixed is None for p in r.candidates() if kinds is None or p.kind in kinds}
+    candidates = [set(r.candidates()) for r in rows]
+    options = {p for r, c in zip(rows, candidates) if r.fixed is None for p in c if kinds is None or p.kind in kinds}
     if kinds is None or not options:
         options.add(Plan("ar"))
     best, best_value = None, -1.0
     for option in sorted(options, key=lambda p: (p.kind, p.k)):
-        plans = [r.fixed if r.fixed is not None else (option if option in r.candidates() else Plan("ar")) for r in rows]
+        plans = [
+            r.fixed if r.fixed is not None else (option if option in c else Plan("ar"))
+            for r, c in zip(rows, candidates)
+        ]
         value = goodput(costs, rows, plans)
         if value > best_value:
             best, best_value = plans, value

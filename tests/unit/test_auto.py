@@ -433,6 +433,33 @@ def test_online_cost_model_learns_from_the_forwards_it_sees():
     assert slow.overhead["sd"] == pytest.approx(0.05, rel=0.01) and slow.summary()["observed"] == 400
 
 
+def test_a_price_is_memoised_until_the_next_observed_forward(monkeypatch):
+    # the planner prices the same sizes hundreds of times a step: computed once, until a forward is observed
+    costs, computed = CostModel({"full": [(1, 1.0), (16, 2.0)]}, online=True), []
+    profiled = costs._seconds
+    monkeypatch.setattr(costs, "_seconds", lambda *size: computed.append(size) or profiled(*size))
+    assert costs.seconds("full", 2, 3) == costs.seconds("full", 2, 3) and len(computed) == 1
+    costs.observe("full", 2, 3, 5.0)
+    assert costs.seconds("full", 2, 3) > 1.0 and computed == [("full", 2, 3)] * 2
+    # a price read while another thread observes a forward is never served after that forward
+    racing = CostModel({"full": [(1, 1.0), (16, 2.0)]}, online=True)
+    profiled = racing._seconds
+
+    def observed_meanwhile(*size):
+        price = profiled(*size)
+        if size == ("full", 1, 8) and racing.observed == 0:
+            racing.observe("full", 1, 1, 4.0)
+        return price
+
+    monkeypatch.setattr(racing, "_seconds", observed_meanwhile)
+    stale = racing.seconds("full", 1, 8)
+    assert racing.seconds("full", 1, 8) > stale  # the forward observed since: a fresh, dearer price
+    monkeypatch.setattr(CostModel, "MEMO_SIZE", 4)
+    for tokens in range(1, 10):
+        costs.seconds("full", 1, tokens)
+    assert len(costs._memo) <= 4
+
+
 def test_a_step_teaches_each_forward_and_each_rows_work_around_them():
     # what `drive` measured of a step (in process; served, what the services sent back): two
     # forwards, and each row's own work; the rest of the step (0.02 s: planning, commits) is shared
