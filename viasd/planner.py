@@ -50,7 +50,13 @@ pulled down it ran `ar` for the rest of a request (docs/SERVING.md, "Exploring s
 step runs the best uniform `sd` plan instead (an exploration) when that is expected within
 PROBE_MARGIN of `ar`'s goodput, whatever evidence the estimates rest on: at most 1.25% of the
 goodput expected, spent only near the fence, where the estimates decide the plan; a drafter
-expected far below `ar` is never run.
+expected far below `ar` is never run. An exploration is one step, so it pays its rows' drafter
+catch-up in full, not spread over cycles that the return to `ar` never runs (the goodput above
+spreads it): it explores only when that one batched catch-up costs at most
+EXPLORE_CATCH_UP_SHARE of the time the lagging rows have left at `ar`'s pace (mean tokens left x
+an all-`ar` step). Under load the catch-up is every prompt: at 8 requests of 64 tokens with
+~110-token prompts in bf16 one feed of ~900 drafter tokens, about 1 s, in a run of about 8 s at
+`ar` (docs/BENCHMARKS.md, "Load with exploration"); at one such request about 2%.
 
 `Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
 those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What
@@ -73,6 +79,8 @@ PAYBACK_CYCLES = 16
 # How often and how close: a probe `ar` step, and an exploration (module docstring)
 PROBE_EVERY = 16
 PROBE_MARGIN = 0.8
+# The most an exploration's drafter catch-up may cost, as a share of the rows' time left (module docstring)
+EXPLORE_CATCH_UP_SHARE = 0.05
 # How much a speculating batch must be expected to beat `ar` by to be chosen (module docstring)
 SPECULATE_MARGIN = 1.1
 # A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
@@ -459,5 +467,11 @@ class Planner:
         plans = _best_uniform(costs, rows, kinds=("sd",))
         if plans == ar or goodput(costs, rows, plans) < PROBE_MARGIN * goodput(costs, rows, ar):
             return ar
+        lagging = [r for r, p in zip(rows, plans) if _drafts(p) and r.draft_lag > 0]
+        if lagging:  # one batched feed of every lagging drafter, against the time the rows have left
+            catch_up = costs.seconds("drafter", len(lagging), max(r.draft_lag for r in lagging))
+            left = step_seconds(costs, rows, ar) * sum(r.remaining for r in lagging) / len(lagging)
+            if catch_up > EXPLORE_CATCH_UP_SHARE * left:
+                return ar
         self.since_explored, self.explorations = 0, self.explorations + 1
         return plans

@@ -533,6 +533,18 @@ def test_auto_explores_speculation_near_ar_whatever_its_evidence():
         assert Planner().plans(costs, rows) == [Plan("ar")]
 
 
+def test_an_exploration_feeds_a_lagging_drafter_only_with_a_long_way_left():
+    # an exploration is one step: it feeds a drafter lagging 40 tokens in full (4 s on MARGINAL),
+    # where the goodput spreads that over 16 cycles (0.84x `ar`: near the fence, so it explores
+    # whatever the rows have left). Paid only when within 5% of the time left at `ar`'s pace
+    for remaining, explores in ((1000, True), (60, False)):
+        row = _row(0.3, gamma=1, draft_lag=40, remaining=remaining)
+        assert choose(CostModel(dict(MARGINAL)), [row]) == [Plan("ar")]
+        ran, planner = _explored(row, PROBE_EVERY, accepts=False)
+        assert ran == ["sd:k=1" if explores else "ar"] + ["ar"] * (PROBE_EVERY - 1)
+        assert planner.explorations == int(explores)
+
+
 def test_a_new_auto_row_feeds_its_drafter_at_once_only_when_it_plans_to_draft():
     speculating = _row(0.9, draft_lag=30, remaining=40)
     assert drafts_from_the_start(SPECULATE, [], speculating)
