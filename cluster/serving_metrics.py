@@ -153,7 +153,8 @@ SPECS = (
         "planner_exploration_steps",
         "gauge",
         "Mode auto's exploration steps so far: `sd` steps run instead of `ar`, after 16 `ar` steps in a row "
-        "and when expected within 0.8x of `ar`, to measure the drafter's acceptance.",
+        "when expected within 0.8x of `ar` and its drafters' catch-up costs at most 5% of the rows' time left, "
+        "to measure the drafter's acceptance.",
         _M,
     ),
     Spec(

@@ -54,9 +54,10 @@ expected far below `ar` is never run. An exploration is one step, so it pays its
 catch-up in full, not spread over cycles that the return to `ar` never runs (the goodput above
 spreads it): it explores only when that one batched catch-up costs at most
 EXPLORE_CATCH_UP_SHARE of the time the lagging rows have left at `ar`'s pace (mean tokens left x
-an all-`ar` step). Under load the catch-up is every prompt: at 8 requests of 64 tokens with
-~110-token prompts in bf16 one feed of ~900 drafter tokens, about 1 s, in a run of about 8 s at
-`ar` (docs/BENCHMARKS.md, "Load with exploration"); at one such request about 2%.
+an all-`ar` step). Under load the catch-up is every prompt: on the bf16 profile of an AVX-512 BF16
+CPU, 8 requests with 110-token prompts and 64 tokens left feed 880 drafter tokens, 17% of their
+`ar` time left; one such request 2% (docs/BENCHMARKS.md, "The planner's own time and the
+exploration's catch-up").
 
 `Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
 those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -839,6 +840,7 @@ def test_dtype_at_the_batch_capacity_load_table_equals_its_raw_files():
     ("machine", "label", "capability"),
     [
         ("AVX2", "avx2", "AVX2"),
+        ("AVX2, at `e244efd`", "avx2-e244efd", "AVX2"),
         ("AVX-512, no bf16, probes in sequence", "avx512-no-bf16-first", "AVX512"),
         ("AVX-512, no bf16", "avx512-no-bf16", "AVX512"),
     ],
@@ -860,3 +862,55 @@ def test_quick_start_tables_equal_their_raw_files(machine, label, capability):
         check_cell(row[2], [r["tokens_per_second"] for r in runs], name)
         check_cell(row[3], [median[name]], name)
         check_cell(row[4], [median[name] / median["before"]], name)
+
+
+def test_planner_cost_table_equals_its_raw_files():
+    """BENCHMARKS.md, "What the planner costs a step": the median and p90 milliseconds of one
+    `Planner.plans` call per row count, for each tree the header names by commit, against
+    docs/benchmarks/cpu/planner/<name>-avx2.json (scripts/measure_planner.py)."""
+    raws = [load(DOCS / "benchmarks" / "cpu" / "planner" / f"{n}-avx2.json") for n in ("before", "memo", "after")]
+    header = next(
+        line for line in (DOCS / "BENCHMARKS.md").read_text().splitlines() if line.startswith("| planner: rows")
+    )
+    for raw, cell in zip(raws, header.strip("|").split("|")[1:]):
+        assert f"`{raw['environment']['git_commit'][:7]}`" in cell and raw["command"].startswith(
+            "scripts/measure_planner.py"
+        )
+        assert raw["environment"]["cpu_capability"] == "AVX2"
+    rows = table("BENCHMARKS.md", "| planner: rows")
+    assert [int(r[0]) for r in rows] == [r["rows"] for r in raws[0]["results"]] == [1, 4, 8, 16]
+    for i, cells in enumerate(rows):
+        for raw, cell in zip(raws, cells[1:]):
+            check_cell(cell, [raw["results"][i]["median_ms"], raw["results"][i]["p90_ms"]], f"{cells[0]} rows")
+
+
+def test_avx2_load_table_equals_its_results_json():
+    """BENCHMARKS.md, "The planner's own time and the exploration's catch-up": per concurrency and
+    pass, `ar` / `sd` / `auto` tok/s, `auto` / `ar`, `auto`'s row-steps on `ar` and the mean
+    seconds per verifier forward of `ar` and `auto`, against docs/benchmarks/cpu/load-auto-avx2."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "load-auto-avx2" / "results.json")
+    assert raw["meta"]["cpu_capability"] == "AVX2" and raw["meta"]["runtime"]["dtype"] == "float32"
+    assert (
+        raw["meta"]["environment"]["git_commit"].startswith("e244efd") and not raw["meta"]["environment"]["git_dirty"]
+    )
+    by = {(r["method"], r["concurrency"], r["pass"]): r for r in raw["runs"]}
+
+    def ms_a_forward(run):
+        return 1e3 * statistics.mean(
+            q["stats"]["seconds"]["full"] / q["stats"]["forwards"]["full"] for q in run["requests"]
+        )
+
+    rows = table("BENCHMARKS.md", "| AVX2 load (`float32`), C |")
+    assert [(int(r[0]), int(r[1])) for r in rows] == [(c, p) for c in (4, 8, 16) for p in (0, 1)]
+    for cells in rows:
+        c, p = int(cells[0]), int(cells[1])
+        tps = {m: by[m, c, p]["aggregate_tokens_per_second"] for m in ("ar", "sd", "auto")}
+        plans = Counter()
+        for q in by["auto", c, p]["requests"]:
+            plans.update(q["stats"]["plans"])
+        check_cell(cells[2], [tps["ar"]], "ar")
+        check_cell(cells[3], [tps["sd"]], "sd")
+        check_cell(cells[4], [tps["auto"]], "auto")
+        check_cell(cells[5], [tps["auto"] / tps["ar"]], "auto / ar")
+        check_cell(cells[6], [plans["ar"], sum(plans.values())], "ar row-steps")
+        check_cell(cells[7], [ms_a_forward(by["ar", c, p]), ms_a_forward(by["auto", c, p])], "ms a forward")
