@@ -17,12 +17,14 @@ says why, as a :class:`DtypeChoice`:
   run, so ``auto`` probes the products of a decoding step at the engine's batch capacity ``rows``
   (``EngineConfig.max_batch``, :func:`engine_dtype`; :func:`decode_shapes`: a ``rows``-row step
   and a block of ``rows * (REFERENCE_K + 1)`` rows) in each dtype, each with the kernel the engine
-  runs (:func:`probe_matmuls`, ``packed``, interleaved), and picks the dtype whose faster plan is
-  faster at that load (:func:`decode_speed`: `ar`, one ``rows``-row step for ``rows`` tokens, or a
-  reference `sd` cycle): bf16 when its steps win by more than float32's cheap blocks buy back
-  (reason ``no-native-bf16-decode``), else float32 (``no-native-bf16``). One request at a time
-  (``rows=1``) is where bf16 can win; a batch of a few rows already costs bf16 a multiple of
-  float32's step (docs/BENCHMARKS.md, "The dtype at the batch capacity").
+  runs (:func:`probe_matmuls`, ``packed``, interleaved), and picks the dtype that serves a
+  request faster at that load (:func:`request_speed`: its prompt, REFERENCE_PROMPT_TOKENS a
+  generated token, priced as block rows, then the faster plan, :func:`decode_speed`: `ar`, one
+  ``rows``-row step for ``rows`` tokens, or a reference `sd` cycle): bf16 when its steps win by
+  more than float32's cheap blocks and prefill buy back (reason ``no-native-bf16-decode``), else
+  float32 (``no-native-bf16``). One request at a time (``rows=1``) is where bf16 can win; a batch
+  of a few rows already costs bf16 a multiple of float32's step (docs/BENCHMARKS.md, "The dtype
+  at the batch capacity").
 
 The CPU check and the probe run once per process and ``rows`` (cached); :func:`resolve_dtype` is
 cheap to call again, so a caller can resolve once, load every tier with ``choice.dtype`` and
@@ -54,6 +56,7 @@ __all__ = [
     "decode_shapes",
     "decode_speed",
     "engine_dtype",
+    "request_speed",
     "native_bf16",
     "optimize_linears",
     "probe_matmul",
@@ -79,6 +82,13 @@ DECODE_PROJECTION = (1536, 8960)
 REFERENCE_K = 5
 REFERENCE_TOKENS = 3.6
 REFERENCE_DRAFTER = 0.3
+#: Prompt tokens a request prefills per token it generates, in request_speed: a prompt is a
+#: many-row product, priced at the block's cost a row, which bf16 without native arithmetic loses
+#: as it loses blocks (on a real AVX2 CPU a 118-token prompt prefilled in 15.1 s in bf16, where
+#: bf16's one-row steps had won the decode-only choice: docs/BENCHMARKS.md, "One request on the
+#: AVX2 CPU: the prompt decides the dtype"). One prompt token a generated one: HumanEval's ~110
+#: against 64-128 generated, a chat's turn.
+REFERENCE_PROMPT_TOKENS = 1.0
 #: CPU flags (``/proc/cpuinfo`` spelling) that mean native bf16 dot products.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 
@@ -256,6 +266,15 @@ def decode_speed(step: float, block: float, rows: int = 1) -> float:
     return max(rows / step, rows * REFERENCE_TOKENS / (REFERENCE_K * REFERENCE_DRAFTER * step + block))
 
 
+def request_speed(step: float, block: float, rows: int = 1, prompt: float = REFERENCE_PROMPT_TOKENS) -> float:
+    """Generated tokens per second (relative) of requests that prefill ``prompt`` tokens per token
+    they generate and decode at :func:`decode_speed`, a prompt token priced at a row of the block
+    product (``block`` seconds for ``rows * (REFERENCE_K + 1)`` rows):
+
+        1 / (1 / decode_speed(step, block, rows) + prompt * block / (rows * (REFERENCE_K + 1)))"""
+    return 1 / (1 / decode_speed(step, block, rows) + prompt * block / (rows * (REFERENCE_K + 1)))
+
+
 def decode_probe_seconds(rows: int = 1, repeats: int = 2 * PROBE_REPEATS) -> dict[str, float]:
     """What ``auto`` decides with on a CPU without native bf16: the best seconds of the
     :func:`decode_shapes` products at ``rows`` in each dtype with the engine's kernels, by
@@ -275,7 +294,7 @@ def _cpu_auto(rows: int = 1) -> DtypeChoice:
     seconds = decode_probe_seconds(rows)
     (step, _, _), (block, _, _) = decode_shapes(rows)
     speed = {
-        name: decode_speed(seconds[f"{name}@{step}"], seconds[f"{name}@{block}"], rows)
+        name: request_speed(seconds[f"{name}@{step}"], seconds[f"{name}@{block}"], rows)
         for name in ("bfloat16", "float32")
     }
     if speed["bfloat16"] > speed["float32"]:

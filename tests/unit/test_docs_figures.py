@@ -914,3 +914,23 @@ def test_avx2_load_table_equals_its_results_json():
         check_cell(cells[5], [tps["auto"] / tps["ar"]], "auto / ar")
         check_cell(cells[6], [plans["ar"], sum(plans.values())], "ar row-steps")
         check_cell(cells[7], [ms_a_forward(by["ar", c, p]), ms_a_forward(by["auto", c, p])], "ms a forward")
+
+
+def test_one_request_avx2_dtype_table_equals_its_results_json():
+    """BENCHMARKS.md, "One request on the AVX2 CPU: the prompt decides the dtype": per run and
+    method, aggregate and decode tok/s and TTFT p50, against docs/benchmarks/cpu/load-c1-avx2."""
+    rows = table("BENCHMARKS.md", "| one request (AVX2), run |")
+    shown = []
+    for run, requested in (("auto", "auto"), ("float32", "float32")):
+        raw = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
+        meta = raw["meta"]
+        assert meta["cpu_capability"] == "AVX2" and f"--dtype {requested}" in meta["command"]
+        assert meta["environment"]["git_commit"].startswith("e94040b") and not meta["environment"]["git_dirty"]
+        shown += [(f"`--dtype {requested}`", meta["runtime"]["dtype"], s) for s in raw["summary"]]
+    assert len(rows) == len(shown) == 8
+    for cells, (run, dtype, s) in zip(rows, shown):
+        assert cells[0].startswith(run) and cells[1:3] == [f"`{dtype}`", f"`{s['method']}`"]
+        check_cell(cells[3], [s["aggregate_tokens_per_second"]], "tok/s")
+        check_cell(cells[4], [s["decode_tokens_per_second"]], "decode")
+        check_cell(cells[5], [s["ttft_p50"]], "ttft")
+    assert shown[0][1] == "bfloat16"  # what `auto` chose there, before it priced the prompt

@@ -83,6 +83,33 @@ def test_without_native_bf16_auto_picks_the_dtype_that_decodes_faster(fresh, kw,
     assert P.decode_speed(0.267, 0.987) == pytest.approx(1 / 0.267)
 
 
+# a second real AVX2 CPU (docs/benchmarks/cpu/load-c1-avx2/auto, the probe of its `--dtype auto`
+# run): bf16's one-row step wins the decode alone, but its prompts prefill at 8.6 ms a 6-row product
+# where float32's take 3.2, and a request prefills about as many tokens as it generates
+AVX2_PROMPTS = {
+    ("bfloat16", 1): 0.001634,
+    ("bfloat16", 6): 0.008567,
+    ("float32", 1): 0.002316,
+    ("float32", 6): 0.003179,
+}
+
+
+def test_without_native_bf16_auto_prices_the_prompt_too(fresh):
+    speed = {d: (AVX2_PROMPTS[d, 1], AVX2_PROMPTS[d, 6]) for d in ("bfloat16", "float32")}
+    assert P.decode_speed(*speed["bfloat16"]) > P.decode_speed(*speed["float32"])  # the old choice: bf16
+    assert P.request_speed(*speed["bfloat16"]) < P.request_speed(*speed["float32"])
+    # 1 / (1 / decode + a prompt token a generated one, each at a sixth of the block)
+    assert P.request_speed(0.002316, 0.003179) == pytest.approx(
+        1 / (1 / P.decode_speed(0.002316, 0.003179) + 0.003179 / 6)
+    )
+    assert P.request_speed(0.002316, 0.003179, prompt=0) == pytest.approx(P.decode_speed(0.002316, 0.003179))
+    _cpu(fresh, flags=set(), capability="AVX2", rows=AVX2_PROMPTS)
+    assert (P.resolve_dtype("auto", "cpu").dtype, P.resolve_dtype("auto", "cpu").reason) == (
+        "float32",
+        "no-native-bf16",
+    )
+
+
 # the emulated AVX2 CPU of docs/BENCHMARKS.md ("The dtype at the batch capacity"): the probe
 # products at one and at eight requests a step, best seconds by (dtype, M)
 EMULATED_AVX2 = {
