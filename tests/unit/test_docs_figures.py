@@ -921,16 +921,23 @@ def test_one_request_avx2_dtype_table_equals_its_results_json():
     method, aggregate and decode tok/s and TTFT p50, against docs/benchmarks/cpu/load-c1-avx2."""
     rows = table("BENCHMARKS.md", "| one request (AVX2), run |")
     shown = []
-    for run, requested in (("auto", "auto"), ("float32", "float32")):
+    for run, requested, commit in (
+        ("auto", "auto", "e94040b"),
+        ("float32", "float32", "e94040b"),
+        ("auto-prompt", "auto", "92bc042"),
+    ):
         raw = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
         meta = raw["meta"]
         assert meta["cpu_capability"] == "AVX2" and f"--dtype {requested}" in meta["command"]
-        assert meta["environment"]["git_commit"].startswith("e94040b") and not meta["environment"]["git_dirty"]
+        assert meta["environment"]["git_commit"].startswith(commit) and not meta["environment"]["git_dirty"]
         shown += [(f"`--dtype {requested}`", meta["runtime"]["dtype"], s) for s in raw["summary"]]
-    assert len(rows) == len(shown) == 8
+    assert len(rows) == len(shown) == 12
     for cells, (run, dtype, s) in zip(rows, shown):
         assert cells[0].startswith(run) and cells[1:3] == [f"`{dtype}`", f"`{s['method']}`"]
         check_cell(cells[3], [s["aggregate_tokens_per_second"]], "tok/s")
         check_cell(cells[4], [s["decode_tokens_per_second"]], "decode")
         check_cell(cells[5], [s["ttft_p50"]], "ttft")
-    assert shown[0][1] == "bfloat16"  # what `auto` chose there, before it priced the prompt
+    assert (shown[0][1], shown[8][1]) == (
+        "bfloat16",
+        "float32",
+    )  # `auto`'s choice before and after it priced the prompt
