@@ -10,8 +10,9 @@ interleaved.
 Configurations: `before` = the old quick start (`--mode via`, bf16, plain `F.linear`, the paper's gates); `after` =
 today's (`--mode auto`, `dtype auto`, prepacked linears); `after-float32` = the same in float32 (what
 `dtype auto` chose without native bf16 before its decode probe); `ar` = plain decoding with today's
-precision choice. tokens/s = generated tokens / request seconds (model loading excluded; one
-untimed 8-token request first). Writes ``docs/benchmarks/cpu/quickstart/quickstart-<label>.json`` (viasd.bench.machine_label).
+precision choice; `ar-float32` = plain decoding in float32. tokens/s = generated tokens / request seconds (model loading excluded; one
+untimed 8-token request first). Writes ``docs/benchmarks/cpu/quickstart/<stem>-<label>.json`` (``--stem``,
+default ``quickstart``; viasd.bench.machine_label).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ CONFIGS = {
     "after": ({"dtype": "auto", "packed_linears": True}, {"mode": "auto"}),
     "after-float32": ({"dtype": "float32", "packed_linears": True}, {"mode": "auto"}),
     "ar": ({"dtype": "auto", "packed_linears": True}, {"mode": "ar"}),
+    "ar-float32": ({"dtype": "float32", "packed_linears": True}, {"mode": "ar"}),
 }
 
 
@@ -64,6 +66,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--stem", default="quickstart", help="raw file name: <stem>-<machine label>.json")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -102,7 +105,7 @@ def main() -> None:
         "after_over_before": median["after"] / median["before"],
         "after_over_ar": median["after"] / median["ar"],
     }
-    path = write_raw(OUT, "quickstart", record)
+    path = write_raw(OUT, args.stem, record)
     print(json.dumps({k: record[k] for k in ("median_tokens_per_second", "after_over_before", "after_over_ar")}))
     print(f"wrote {path.relative_to(ROOT)}", file=sys.stderr)
 

@@ -405,7 +405,8 @@ class EngineConfig(BaseModel):
     packed_linears: bool = Field(
         True,
         description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."
-        "optimize_linears): faster small-batch matmuls for one more copy of the weights in memory.",
+        "optimize_linears): faster small-batch matmuls for one more copy of the weights in memory. bf16 on a "
+        "CPU without native bf16 gets mixed kernels: a float32 copy runs the products of a few rows or more.",
     )
     prefill_chunk: int = Field(
         512,

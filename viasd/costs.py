@@ -358,18 +358,23 @@ def _profile_tier(lm: MaskedLM, mask: LayerMask | None, grid: Sequence[tuple[int
 
 
 def profile_key(tiers: dict[str, tuple[MaskedLM, LayerMask | None]], grid: Sequence[tuple[int, int]], **extra) -> dict:
-    """What a cost profile depends on: each tier's model (fingerprint) and mask, the device,
+    """What a cost profile depends on: each tier's model (fingerprint), mask and linear kernels
+    (viasd.precision.linear_kernels: packed, mixed or plain), the device,
     dtype, threads, CPU capability and whether it computes bf16 natively (AVX-512 CPUs report
     the same capability with and without it, and a bf16 forward costs several times more
     without: a profile cache shared by nodes of both kinds must not mix them), grid and how it
     is measured (`extra`: more, e.g. the tensor-parallel ranks)."""
     from viasd.models.loader import model_fingerprint
-    from viasd.precision import native_bf16
+    from viasd.precision import linear_kernels, native_bf16
 
     lm = next(iter(tiers.values()))[0]
     return {
         "tiers": {
-            name: {"model": model_fingerprint(m.model)[:16], "skipped": list(mask.skipped) if mask else []}
+            name: {
+                "model": model_fingerprint(m.model)[:16],
+                "skipped": list(mask.skipped) if mask else [],
+                "linears": linear_kernels(m.model),
+            }
             for name, (m, mask) in tiers.items()
         },
         "device": str(lm.device),

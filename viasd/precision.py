@@ -10,21 +10,28 @@ says why, as a :class:`DtypeChoice`:
   BF16, see :func:`native_bf16`) *and* a short measured probe (a ``[6, 1536] x [1536, 4096]``
   ``F.linear``, best of a few, a few ms in all, :func:`probe_matmuls`) is not slower in bf16
   than in float32; else ``float32``.
-* Without native bf16, ATen widens every bf16 tile to float32 on the fly: a one-row step gains
-  from reading half the bytes, multi-token blocks, batched steps and prefill lose (on a real AVX2
-  CPU a one-token forward of the 1.5B verifier cost 267 ms in bf16 and 502 ms in float32, a
-  6-token block 987 and 654 ms: docs/BENCHMARKS.md). Which wins depends on what decoding will
-  run, so ``auto`` probes the products of a decoding step at the engine's batch capacity ``rows``
-  (``EngineConfig.max_batch``, :func:`engine_dtype`; :func:`decode_shapes`: a ``rows``-row step
-  and a block of ``rows * (REFERENCE_K + 1)`` rows) in each dtype, each with the kernel the engine
-  runs (:func:`probe_matmuls`, ``packed``, interleaved), and picks the dtype that serves a
-  request faster at that load (:func:`request_speed`: its prompt, REFERENCE_PROMPT_TOKENS a
-  generated token, priced as block rows, then the faster plan, :func:`decode_speed`: `ar`, one
-  ``rows``-row step for ``rows`` tokens, or a reference `sd` cycle): bf16 when its steps win by
-  more than float32's cheap blocks and prefill buy back (reason ``no-native-bf16-decode``), else
-  float32 (``no-native-bf16``). One request at a time (``rows=1``) is where bf16 can win; a batch
-  of a few rows already costs bf16 a multiple of float32's step (docs/BENCHMARKS.md, "The dtype
-  at the batch capacity").
+* Without native bf16, ATen widens every bf16 tile to float32 on the fly: a one-row product,
+  which reads the weights once, gains from reading half the bytes; a product of a few rows is
+  compute and loses several times (on a real AVX2 CPU a one-token forward of the 1.5B verifier
+  cost 267 ms in bf16 and 502 ms in float32, a 6-token block 987 and 654 ms: docs/BENCHMARKS.md).
+  So bf16 there runs **mixed kernels** (:func:`optimize_linears`, method ``mixed``): each linear
+  keeps a packed float32 copy and runs a product of ``from_rows`` rows or more in float32 on the
+  widened input, fewer in plain bf16 (:func:`mixed_from_rows`: the fewest rows from which the
+  mixed kernel is faster in a short probe, :func:`mixed_probe_seconds`, ~1 s). Every product then
+  runs the faster kernel at its rows: one-row steps read half the bytes, blocks, batched steps and
+  prompts run float32's arithmetic, for less memory than float32 with its packed copies (2 + 4
+  bytes a weight against 4 + 4). ``auto`` takes bf16 with them (reason ``no-native-bf16-mixed``)
+  unless the float32 kernel wins a one-row product too (``from_rows`` 1: ``no-native-bf16``).
+* Without mixed kernels (no oneDNN, or ``packed_linears`` off) ``auto`` probes the products of a
+  decoding step at the engine's batch capacity ``rows`` (``EngineConfig.max_batch``,
+  :func:`engine_dtype`; :func:`decode_shapes`: a ``rows``-row step and a block of
+  ``rows * (REFERENCE_K + 1)`` rows) in each dtype, each with the kernel the engine runs
+  (:func:`probe_matmuls`, interleaved), and picks the dtype that serves a request faster at that
+  load (:func:`request_speed`: its prompt, REFERENCE_PROMPT_TOKENS a generated token, priced as
+  block rows, then the faster plan, :func:`decode_speed`: `ar`, one ``rows``-row step for
+  ``rows`` tokens, or a reference `sd` cycle): bf16 when its steps win by more than float32's
+  cheap blocks and prefill buy back (reason ``no-native-bf16-decode``), else float32
+  (``no-native-bf16``).
 
 The CPU check and the probe run once per process and ``rows`` (cached); :func:`resolve_dtype` is
 cheap to call again, so a caller can resolve once, load every tier with ``choice.dtype`` and
@@ -37,6 +44,7 @@ import dataclasses
 import functools
 import platform
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -100,13 +108,15 @@ class DtypeChoice:
     ``dtype``: the concrete dtype name (``bfloat16`` / ``float16`` / ``float32`` / ``float64``).
     ``requested``: what the configuration asked for (``auto`` or a dtype name).
     ``reason``: ``requested``, ``cuda``, ``cuda-no-bf16``, ``native-bf16``,
-    ``native-bf16-probe-slower``, ``no-native-bf16``, ``no-native-bf16-decode`` or ``device``.
+    ``native-bf16-probe-slower``, ``no-native-bf16``, ``no-native-bf16-mixed``,
+    ``no-native-bf16-decode`` or ``device``.
     ``rows``: the rows a decoding step carries that the choice was made for (the engine's batch
     capacity, ``EngineConfig.max_batch``; only the CPU without native bf16 decides by it).
     ``cpu_capability``: ``torch.backends.cpu.get_cpu_capability()`` (``AVX2``, ``AVX512``, ...)
     on CPU, else None. ``native_bf16``: the CPU check of :func:`native_bf16` (None where it did
     not run). ``probe_seconds``: best time of the probe product per dtype name, or per
-    ``dtype@rows`` without native bf16 (empty where no probe ran).
+    ``dtype@rows`` without native bf16, or the mixed probe's ``bf16@rows`` / ``mixed@rows``
+    (empty where no probe ran).
     """
 
     dtype: str
@@ -211,6 +221,9 @@ def _probe_runner(dtype_name: str, shape: tuple[int, int, int], packed: bool) ->
     if packed and torch.backends.mkldnn.is_available() and (dt == torch.float32 or _onednn_bf16_enabled()):
         packed_linear = packed_linear_class()(linear)
         return lambda: packed_linear(x)
+    if packed and dt == torch.bfloat16 and mixed_from_rows() is not None:  # (the mixed kernel: M decides)
+        mixed = packed_linear_class()(linear, torch.float32, mixed_from_rows())
+        return lambda: mixed(x)
     return lambda: F.linear(x, linear.weight)
 
 
@@ -275,23 +288,32 @@ def request_speed(step: float, block: float, rows: int = 1, prompt: float = REFE
     return 1 / (1 / decode_speed(step, block, rows) + prompt * block / (rows * (REFERENCE_K + 1)))
 
 
-def decode_probe_seconds(rows: int = 1, repeats: int = 2 * PROBE_REPEATS) -> dict[str, float]:
-    """What ``auto`` decides with on a CPU without native bf16: the best seconds of the
-    :func:`decode_shapes` products at ``rows`` in each dtype with the engine's kernels, by
-    ``dtype@M`` (best of twice the usual repeats: each a few ms, and the choice is their margin)."""
+def decode_probe_seconds(rows: int = 1, repeats: int = 2 * PROBE_REPEATS, packed: bool = True) -> dict[str, float]:
+    """What ``auto`` decides with on a CPU without native bf16 or mixed kernels: the best seconds
+    of the :func:`decode_shapes` products at ``rows`` in each dtype with the engine's kernels
+    (``packed``: its packed linears), by ``dtype@M`` (best of twice the usual repeats: each a few
+    ms, and the choice is their margin)."""
     shapes = decode_shapes(rows)
-    probes = probe_matmuls([(d, shape) for d in ("bfloat16", "float32") for shape in shapes], repeats, True)
+    probes = probe_matmuls([(d, shape) for d in ("bfloat16", "float32") for shape in shapes], repeats, packed)
     return {f"{d}@{shape[0]}": t for (d, shape), t in probes.items()}
 
 
 @functools.cache
-def _cpu_auto(rows: int = 1) -> DtypeChoice:
+def _cpu_auto(rows: int = 1, packed: bool = True) -> DtypeChoice:
     """What ``auto`` means on this process's CPU for a step of ``rows`` rows (computed once per
-    row count; with native bf16 once in all: that choice does not depend on the rows)."""
+    row count; with native bf16 once in all: that choice does not depend on the rows).
+    ``packed``: the engine packs its linears (``EngineConfig.packed_linears``), so bf16 may run
+    mixed kernels."""
     if native_bf16():
         return dataclasses.replace(_native_cpu_auto(), rows=rows)
     cap = cpu_capability()
-    seconds = decode_probe_seconds(rows)
+    from_rows = mixed_from_rows() if packed else None
+    if from_rows is not None:  # every product runs the faster kernel at its rows
+        seconds = dict(mixed_probe_seconds_cached())
+        if from_rows > 1:
+            return DtypeChoice("bfloat16", AUTO, "cpu", "no-native-bf16-mixed", rows, cap, False, seconds)
+        return DtypeChoice("float32", AUTO, "cpu", "no-native-bf16", rows, cap, False, seconds)
+    seconds = decode_probe_seconds(rows, packed=packed)
     (step, _, _), (block, _, _) = decode_shapes(rows)
     speed = {
         name: request_speed(seconds[f"{name}@{step}"], seconds[f"{name}@{block}"], rows)
@@ -323,7 +345,7 @@ def _cuda_auto(device: str) -> DtypeChoice:
     return DtypeChoice("bfloat16" if ok else "float16", AUTO, device, "cuda" if ok else "cuda-no-bf16")
 
 
-def resolve_dtype(requested: str | torch.dtype, device: str = "cpu", rows: int = 1) -> DtypeChoice:
+def resolve_dtype(requested: str | torch.dtype, device: str = "cpu", rows: int = 1, packed: bool = True) -> DtypeChoice:
     """The concrete dtype for ``requested`` (``auto`` or a dtype name / alias / torch dtype) on
     ``device`` (``cpu``, ``cuda``, ``cuda:N``) for decoding steps of up to ``rows`` rows, see the
     module docstring. Raises :class:`~viasd.errors.ModelLoadError` for an unknown dtype name."""
@@ -334,7 +356,7 @@ def resolve_dtype(requested: str | torch.dtype, device: str = "cpu", rows: int =
     if name != AUTO:
         return DtypeChoice(name, name, device, "requested", rows, cap)
     if kind == "cpu":
-        return _cpu_auto(rows)
+        return _cpu_auto(rows, packed)
     if kind == "cuda":
         return dataclasses.replace(_cuda_auto(device), rows=rows)
     return DtypeChoice("float32", AUTO, device, "device", rows, cap)
@@ -345,13 +367,14 @@ def engine_dtype(config, device: str | None = None) -> DtypeChoice:
     in on ``device`` (default: ``config.device``): :func:`resolve_dtype` of ``config.dtype`` at its
     batch capacity, ``config.max_batch`` rows. Every process that loads a tier of one pipeline
     (the in-process engine, the drafter and verifier actors) calls this, so they agree."""
-    return resolve_dtype(config.dtype, device or config.device, rows=config.max_batch)
+    return resolve_dtype(config.dtype, device or config.device, rows=config.max_batch, packed=config.packed_linears)
 
 
 def _reset_cache() -> None:
     """Forget the cached CPU decision (tests)."""
     _cpu_auto.cache_clear()
     _native_cpu_auto.cache_clear()
+    mixed_probe_seconds_cached.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -367,26 +390,108 @@ def _packed_linear_class():
         (``torch.ops.mkldnn._reorder_linear_weight``), run by ``torch.ops.mkldnn._linear_pointwise``:
         the kernel inductor's freezing pass emits for CPU linears. ``weight`` and ``bias`` stay the
         original parameters (shared, tied and fingerprinted as before); the packed copy is a
-        non-persistent buffer (extra memory: one more copy of the weight)."""
+        non-persistent buffer (extra memory: one more copy of the weight, in ``compute``).
 
-        def __init__(self, linear: nn.Linear):
+        Mixed (``compute`` float32 for a bf16 weight, on a CPU without native bf16): a product of
+        at least ``from_rows`` rows runs the packed float32 copy on the input widened to float32
+        and rounds its output to bf16; fewer rows run plain bf16 ``F.linear``. Both sum exact
+        products of the same bf16 values in float32 and round once to bf16, so they differ only
+        in the order of the sum, as any two GEMM blockings do. Without native bf16, ATen widens
+        every bf16 tile on the fly: a one-row product, which reads the weight once, is faster in
+        bf16 (half the bytes), a product of a few rows is compute and several times faster in
+        packed float32 (docs/BENCHMARKS.md, "Mixed kernels")."""
+
+        def __init__(self, linear: nn.Linear, compute: torch.dtype | None = None, from_rows: int = 1):
             super().__init__()
             self.in_features, self.out_features = linear.in_features, linear.out_features
             self.weight = linear.weight
             self.bias = linear.bias
-            self.register_buffer(
-                "packed_weight", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None), persistent=False
-            )
+            self.from_rows = from_rows
+            compute = linear.weight.dtype if compute is None else compute
+            w = linear.weight.detach().to(compute)  # [N, K]
+            self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(w, None), persistent=False)
+            b = None if linear.bias is None or compute == linear.weight.dtype else linear.bias.detach().to(compute)
+            self.register_buffer("packed_bias", b, persistent=False)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if x.dtype != self.weight.dtype or x.device.type != "cpu" or torch.is_grad_enabled() and x.requires_grad:
                 return nn.functional.linear(x, self.weight, self.bias)
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            if self.packed_weight.dtype == x.dtype:
+                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            if x.numel() < self.from_rows * self.in_features:  # [M, K] with M < from_rows: plain
+                return nn.functional.linear(x, self.weight, self.bias)
+            wide = x.to(self.packed_weight.dtype)  # [..., K]
+            out = torch.ops.mkldnn._linear_pointwise(wide, self.packed_weight, self.packed_bias, "none", [], "")
+            return out.to(x.dtype)  # [..., N]
 
         def extra_repr(self) -> str:
-            return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            mixed = f", compute={self.packed_weight.dtype}, from_rows={self.from_rows}"
+            return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}" + (
+                mixed if self.packed_weight.dtype != self.weight.dtype else ""
+            )
 
     return _PackedLinear
+
+
+#: Rows the mixed-kernel probe times (mixed_from_rows), ascending.
+MIXED_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
+
+
+def mixed_probe_seconds(repeats: int = PROBE_REPEATS) -> dict[str, float]:
+    """Best seconds of a ``[M, K] x [K, N]`` bf16 product (:data:`DECODE_PROJECTION`) at each of
+    :data:`MIXED_PROBE_ROWS`, plain (``bf16@M``) and mixed (``mixed@M``: packed float32 on the
+    widened input, the output rounded to bf16), interleaved as in :func:`probe_matmuls`."""
+    import torch
+
+    k, n = DECODE_PROJECTION
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)  # [N, K]
+    mixed = packed_linear_class()(linear, torch.float32, 1)
+    runners = {}
+    for m in MIXED_PROBE_ROWS:
+        x = torch.randn(m, k, generator=g).to(torch.bfloat16)  # [M, K]
+        runners[f"bf16@{m}"] = functools.partial(torch.nn.functional.linear, x, linear.weight)
+        runners[f"mixed@{m}"] = functools.partial(mixed, x)
+    best = dict.fromkeys(runners, float("inf"))
+    with torch.inference_mode():
+        for run in runners.values():
+            run()
+        for _ in range(repeats):
+            for name, run in runners.items():
+                t0 = time.perf_counter()
+                run()
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def from_rows_of(seconds: dict[str, float]) -> int | None:
+    """The fewest rows from which the mixed kernel is faster than plain bf16 at every probed row
+    count (``seconds``: :func:`mixed_probe_seconds`'s), or None where it is not at the most rows."""
+    from_rows = None
+    for m in reversed(MIXED_PROBE_ROWS):
+        if seconds[f"mixed@{m}"] >= seconds[f"bf16@{m}"]:
+            break
+        from_rows = m
+    return from_rows
+
+
+@functools.cache
+def mixed_probe_seconds_cached() -> dict[str, float]:
+    """:func:`mixed_probe_seconds`, once per process (empty where torch has no oneDNN)."""
+    import torch
+
+    return mixed_probe_seconds() if torch.backends.mkldnn.is_available() else {}
+
+
+def mixed_from_rows() -> int | None:
+    """:func:`from_rows_of` this CPU's probe (None where torch has no oneDNN, or oneDNN has native
+    bf16 kernels: bf16 then packs its own)."""
+    if _onednn_bf16_enabled():
+        return None
+    seconds = mixed_probe_seconds_cached()
+    return from_rows_of(seconds) if seconds else None
 
 
 @functools.cache
@@ -404,6 +509,7 @@ class LinearReport:
     swapped: list[str] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
     extra_bytes: int = 0
+    from_rows: int | None = None  # mixed: the rows from which a product runs in packed float32
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -411,6 +517,7 @@ class LinearReport:
             "linears_swapped": len(self.swapped),
             "linears_skipped": dict(self.skipped),
             "linear_extra_bytes": self.extra_bytes,
+            "linear_mixed_from_rows": self.from_rows,
         }
 
 
@@ -422,6 +529,21 @@ def kernels(reports: list[LinearReport]) -> dict[str, Any]:
         "linears_swapped": sum(len(r.swapped) for r in reports),
         "linear_extra_bytes": sum(r.extra_bytes for r in reports),
     }
+
+
+def linear_kernels(model) -> dict[str, int]:
+    """How many linears of ``model`` run each kernel: ``plain`` (``nn.Linear``), ``packed`` (a
+    packed copy in the weight's dtype) or ``mixed@<from_rows>`` (what a cost profile depends on)."""
+    from torch import nn
+
+    cls, counts = packed_linear_class(), Counter()
+    for mod in model.modules():
+        if type(mod) is nn.Linear:
+            counts["plain"] += 1
+        elif type(mod) is cls:
+            mixed = mod.packed_weight.dtype != mod.weight.dtype
+            counts[f"mixed@{mod.from_rows}" if mixed else "packed"] += 1
+    return dict(sorted(counts.items()))
 
 
 #: Packing stops before it would leave less than this share of the machine's memory available:
@@ -454,6 +576,7 @@ def optimize_linears(
     *,
     include_lm_head: bool = True,
     keep_free_bytes: int | None = None,
+    mixed_from: int | None = None,
 ) -> LinearReport:
     """Swap the ``nn.Linear`` modules of a loaded model for oneDNN-prepacked ones (see
     ``_PackedLinear``), in place, on CPU; a no-op report elsewhere (method ``none``).
@@ -464,6 +587,11 @@ def optimize_linears(
     leave less than ``keep_free_bytes`` free (default: PACK_KEEP_FREE_FRACTION of the machine's
     memory) stays plain, with the reason in ``skipped``: a model that fits only once keeps its
     memory for the KV cache instead of failing later with a tiny context.
+
+    bf16 where oneDNN has no bf16 kernels (no AVX-512): mixed kernels (method ``mixed``), a
+    float32 packed copy (twice the bf16 weight's bytes) that runs products of ``mixed_from`` rows
+    or more (default: :func:`mixed_from_rows`, this CPU's probe; plain linears where it finds
+    none).
     """
     import torch
     from torch import nn
@@ -473,7 +601,11 @@ def optimize_linears(
         report.method = "none"
         return report
     dt = getattr(torch, _canonical(dtype)) if dtype is not None else next(model.parameters()).dtype
-    if dt not in (torch.float32, torch.bfloat16) or (dt == torch.bfloat16 and not _onednn_bf16_enabled()):
+    compute, from_rows = dt, 1
+    if dt == torch.bfloat16 and not _onednn_bf16_enabled():
+        compute, from_rows = torch.float32, mixed_from_rows() if mixed_from is None else mixed_from
+        report.method, report.from_rows = "mixed", from_rows
+    if dt not in (torch.float32, torch.bfloat16) or from_rows is None:
         report.method = "none"
         report.skipped["*"] = f"oneDNN packed linear not used for {dt} on this CPU"
         return report
@@ -488,7 +620,7 @@ def optimize_linears(
         if mod.weight.dtype != dt or mod.weight.device.type != "cpu":
             report.skipped[name] = f"weight is {mod.weight.dtype} on {mod.weight.device}"
             continue
-        size = mod.weight.numel() * mod.weight.element_size()
+        size = mod.weight.numel() * compute.itemsize
         if free - report.extra_bytes - size < keep:
             report.skipped[name] = (
                 f"memory: a packed copy ({size / 2**20:.0f} MiB) would leave less than {keep / 2**30:.1f} GiB free"
@@ -497,7 +629,7 @@ def optimize_linears(
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
-            packed = cls(mod)
+            packed = cls(mod, compute, from_rows)
         setattr(parent, attr, packed)
         report.swapped.append(name)
         report.extra_bytes += size

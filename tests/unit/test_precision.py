@@ -17,15 +17,18 @@ def fresh(monkeypatch):
     """A clean per-process cache, restored afterwards."""
     P._reset_cache()
     yield monkeypatch
+    monkeypatch.undo()  # (before the reset: it clears the real caches)
     P._reset_cache()
 
 
-def _cpu(monkeypatch, *, flags, onednn=True, capability="AVX512", bf16_s=0.001, f32_s=0.002, rows=None):
-    """A CPU with these flags whose probe products take bf16_s / f32_s seconds, or rows[(dtype, M)]."""
+def _cpu(monkeypatch, *, flags, onednn=True, capability="AVX512", bf16_s=0.001, f32_s=0.002, rows=None, mixed=None):
+    """A CPU with these flags whose probe products take bf16_s / f32_s seconds, or rows[(dtype, M)];
+    `mixed`: its mixed-kernel probe (mixed_probe_seconds; default none: a torch without oneDNN)."""
     calls = []
     monkeypatch.setattr(P, "cpu_bf16_flags", lambda: set(flags))
     monkeypatch.setattr(P, "_onednn_bf16_enabled", lambda: onednn)
     monkeypatch.setattr(P, "cpu_capability", lambda: capability)
+    monkeypatch.setattr(P, "mixed_probe_seconds_cached", lambda: dict(mixed or {}))
 
     def probes(specs, *a, **k):
         calls.extend(name for name, _ in specs)
@@ -141,6 +144,48 @@ def test_without_native_bf16_auto_decides_at_the_engines_batch_capacity(fresh):
     assert P.decode_shapes(8) == ((8, 1536, 8960), (48, 1536, 8960)) and P.decode_shapes() == P.DECODE_SHAPES
 
 
+# this real AVX2 CPU's mixed-kernel probe (AMD EPYC, 2 cores; ms, [M, 1536] x [1536, 8960]):
+# plain bf16 grows with every row (ATen widens each tile), the packed float32 kernel on widened
+# inputs reads twice the bytes at one row and is compute-cheap after
+AVX2_MIXED = {
+    f"{kind}@{m}": ms / 1e3
+    for kind, row in {
+        "bf16": (1.71, 3.23, 4.59, 6.03, 9.01, 11.88),
+        "mixed": (2.68, 2.84, 3.09, 3.35, 3.70, 4.28),
+    }.items()
+    for m, ms in zip(P.MIXED_PROBE_ROWS, row)
+}
+
+
+def test_mixed_kernels_start_where_they_stay_faster():
+    assert P.from_rows_of(AVX2_MIXED) == 2
+    slower_at_3 = {**AVX2_MIXED, "mixed@3": 0.005}  # not faster at 3: from 4 on, where it stays faster
+    assert P.from_rows_of(slower_at_3) == 4
+    assert P.from_rows_of({**AVX2_MIXED, "mixed@8": 0.02}) is None  # loses at the most rows: never
+    assert P.from_rows_of({**AVX2_MIXED, "mixed@1": 0.001}) == 1  # faster even at one row
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+def test_without_native_bf16_auto_takes_bf16_with_mixed_kernels_at_any_batch(fresh, max_batch):
+    """With mixed kernels bf16 runs float32's kernel on products of from_rows rows or more and
+    its own, half the bytes, on fewer: it is the faster dtype at every batch size, and the
+    decode probe (dtype against dtype) does not run."""
+    probes = {**EMULATED_AVX2, **AVX2_PROMPTS}
+    calls = _cpu(fresh, flags=set(), onednn=False, capability="AVX2", rows=probes, mixed=AVX2_MIXED)
+    choice = P.engine_dtype(EngineConfig(max_batch=max_batch))
+    assert (choice.dtype, choice.reason, choice.rows) == ("bfloat16", "no-native-bf16-mixed", max_batch)
+    assert choice.probe_seconds == AVX2_MIXED and calls == []
+    # without packed linears the engine would run plain bf16: the decode probe decides (float32 here)
+    plain = P.engine_dtype(EngineConfig(max_batch=max_batch, packed_linears=False))
+    assert (plain.dtype, plain.reason) == ("float32", "no-native-bf16") and len(calls) == 4
+
+
+def test_without_native_bf16_auto_stays_float32_where_its_kernel_wins_one_row_too(fresh):
+    _cpu(fresh, flags=set(), onednn=False, capability="AVX2", mixed={**AVX2_MIXED, "mixed@1": 0.0015})
+    choice = P.resolve_dtype("auto", "cpu")
+    assert (choice.dtype, choice.reason) == ("float32", "no-native-bf16")
+
+
 def test_native_bf16_and_explicit_dtypes_do_not_depend_on_the_rows(fresh):
     _cpu(fresh, flags={"avx512_bf16"}, bf16_s=0.001, f32_s=0.002)
     for rows in (1, 8):
@@ -222,7 +267,8 @@ def test_auto_loads_a_tiny_model_in_the_concrete_dtype(fresh, tmp_path):
 
     save_tiny_pair(tmp_path)
     for native, want in ((False, torch.float32), (True, torch.bfloat16)):
-        P._reset_cache()
+        P._cpu_auto.cache_clear()
+        P._native_cpu_auto.cache_clear()
         _cpu(fresh, flags={"avx512_bf16"} if native else set(), rows=None if native else NARROW)
         model, tok = load_causal_lm(str(tmp_path / "verifier"), dtype="auto")
         assert tok is None and next(model.parameters()).dtype is want
@@ -300,3 +346,81 @@ def test_optimize_linears_leaves_memory_free_for_the_kv_cache():
     assert all(r.startswith("memory:") for r in report.skipped.values())
     assert any(type(m) is torch.nn.Linear for m in model.modules())
     assert P.optimize_linears(model, torch.float32, "cpu", keep_free_bytes=0).swapped  # room: packed
+
+
+def _ops(fn) -> set[str]:
+    """The aten / mkldnn operators `fn()` dispatches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: set[str] = set()
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        fn()
+    return seen
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_mixed_linear_runs_float32_from_its_rows_and_plain_bf16_below(bias):
+    """Fewer than from_rows rows: plain bf16 F.linear, the very same output; from_rows rows or
+    more: the packed float32 kernel on the widened input, rounded once to bf16, which is the exact
+    products of the bf16 values summed in float32 (within one bf16 rounding of the float64 sum)."""
+    g = torch.Generator().manual_seed(0)
+    lin = torch.nn.Linear(64, 48, bias=bias, dtype=torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(48, 64, generator=g))
+    mixed = P.packed_linear_class()(lin, torch.float32, 3)
+    assert mixed.weight is lin.weight and mixed.packed_weight.dtype == torch.float32
+    for rows in (1, 2, 3, 7):
+        x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)  # [M, K]
+        with torch.inference_mode():
+            out = mixed(x)  # [M, N]
+            ops = _ops(lambda: mixed(x))
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 48)
+        exact = x.double() @ lin.weight.double().T + (lin.bias.double() if bias else 0)  # [M, N]
+        if rows < 3:
+            assert torch.equal(out, torch.nn.functional.linear(x, lin.weight, lin.bias))
+            assert "mkldnn._linear_pointwise" not in ops
+        else:
+            assert "mkldnn._linear_pointwise" in ops and "aten.linear" not in ops
+            assert torch.allclose(out.double(), exact, rtol=2**-8, atol=1e-6)
+    x3 = torch.randn(2, 5, 64, generator=g).to(torch.bfloat16)  # [B, T, K]: rows = B * T
+    with torch.inference_mode():
+        assert "mkldnn._linear_pointwise" in _ops(lambda: mixed(x3)) and mixed(x3).shape == (2, 5, 48)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_optimize_linears_mixes_kernels_for_bf16_without_onednn_bf16(monkeypatch):
+    """A bf16 model where oneDNN has no bf16 kernels gets mixed linears: the parameters stay the
+    bf16 ones, each packed copy is float32 (twice their bytes), and the model's outputs stay the
+    bf16 model's within bf16 rounding, for a prompt (rows >= from_rows) and cached one-token steps."""
+    from viasd.runtime import MaskedLM
+
+    monkeypatch.setattr(P, "_onednn_bf16_enabled", lambda: False)
+    model = tiny_model("qwen2", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, model.config.vocab_size, (7,), generator=torch.Generator().manual_seed(1))
+    plain = MaskedLM(model).forward(ids, 0)
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    linears = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    report = P.optimize_linears(model, torch.bfloat16, "cpu", mixed_from=2)
+    assert (report.method, report.from_rows, sorted(report.swapped)) == ("mixed", 2, sorted(linears))
+    assert report.as_dict()["linear_mixed_from_rows"] == 2
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params
+    assert report.extra_bytes == sum(model.get_submodule(n).weight.numel() * 4 for n in linears)
+    lm = MaskedLM(model)
+    fast = lm.forward(ids, 0)
+    assert fast.dtype == plain.dtype and torch.allclose(fast, plain, atol=3e-2 * plain.abs().max().item(), rtol=0)
+    cache = lm.new_cache()
+    lm.forward(ids[:6], 0, cache)
+    step = lm.forward(ids[6:], 6, cache)  # one row: plain bf16 linears
+    assert torch.allclose(step, plain[6:], atol=3e-2 * plain.abs().max().item(), rtol=0)
+    # no row count where the probe finds them faster: plain linears, and why
+    model2 = tiny_model("qwen2", dtype=torch.bfloat16)
+    monkeypatch.setattr(P, "mixed_from_rows", lambda: None)
+    none = P.optimize_linears(model2, torch.bfloat16, "cpu")
+    assert none.method == "none" and none.swapped == [] and "*" in none.skipped
