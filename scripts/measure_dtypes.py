@@ -1,12 +1,14 @@
 #!/usr/bin/env python
 """What each weight dtype costs a decoding step on this CPU: one forward of 1, 2 and 6 tokens
 (after 128 cached positions, best of 5) of each embedded model, in bf16 and float32, each with
-the kernels the engine runs (oneDNN-prepacked linears where `optimize_linears` packs), beside
-the probe products `dtype: auto` decides with (viasd.precision). With ``--rows 1,8``, also at
-8 requests a step: forwards of 8 rows of 1 and 6 tokens (best of 3), the probes at each row
-count and what ``auto`` chose there.
+the kernels the engine runs (oneDNN-prepacked linears where `optimize_linears` packs; bf16
+without native bf16: mixed kernels), beside the probe products `dtype: auto` decides with
+(viasd.precision). With ``--rows 1,8``, also at 8 requests a step: forwards of 8 rows of 1 and 6
+tokens (best of 3), the probes at each row count and what ``auto`` chose there. With
+``--plain-bf16``, bf16 also with plain ``F.linear`` (variant ``bfloat16-plain``); with
+``--prompt N``, also a prompt of N tokens (best of 2).
 
-    flock /tmp/viasd-heavy.lock python scripts/measure_dtypes.py [--rows 1,8] [--stem dtypes]
+    flock /tmp/viasd-heavy.lock python scripts/measure_dtypes.py [--rows 1,8] [--plain-bf16] [--prompt 118] [--stem dtypes]
 
 Writes ``docs/benchmarks/cpu/dtypes/dtypes-<label>.json`` (viasd.bench.machine_label).
 """
@@ -31,6 +33,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1", help="requests a step, comma-separated (1 is always measured)")
     ap.add_argument("--stem", default="dtypes", help="raw file name: <stem>-<machine label>.json")
+    ap.add_argument("--plain-bf16", action="store_true", help="also bf16 with plain F.linear")
+    ap.add_argument("--prompt", type=int, default=0, help="also a prompt of this many tokens (0: none)")
     args = ap.parse_args()
     batches = sorted({1, *(int(r) for r in args.rows.split(",") if r.strip())})
     import torch
@@ -38,7 +42,15 @@ def main() -> None:
     from viasd.bench import provenance, write_raw
     from viasd.costs import _time_forwards
     from viasd.models.loader import load_causal_lm
-    from viasd.precision import decode_probe_seconds, decode_shapes, decode_speed, optimize_linears, resolve_dtype
+    from viasd.precision import (
+        LinearReport,
+        decode_probe_seconds,
+        decode_shapes,
+        decode_speed,
+        mixed_probe_seconds_cached,
+        optimize_linears,
+        resolve_dtype,
+    )
     from viasd.runtime import MaskedLM
 
     torch.set_num_threads(args.threads)
@@ -58,18 +70,23 @@ def main() -> None:
             "reason": choice.reason,
             "probe_seconds": choice.probe_seconds,
         }
+    record["mixed_probe_seconds"] = mixed_probe_seconds_cached()
+    variants = [(d, False) for d in DTYPES] + ([("bfloat16", True)] if args.plain_bf16 else [])
     for name in MODELS:
-        for dtype in DTYPES:
+        for dtype, plain in variants:
             model = load_causal_lm(name, dtype=dtype, device="cpu")[0]
-            report = optimize_linears(model, dtype, "cpu")
+            report = optimize_linears(model, dtype, "cpu") if not plain else LinearReport("plain")
             lm = MaskedLM(model)
             _time_forwards(lm, None, 1, [1], 1)  # (first-call allocations stay out of the figures)
             for rows in batches:
                 tokens, repeats = (TOKENS, 5) if rows == 1 else (BATCH_TOKENS, 3)
                 seconds = _time_forwards(lm, None, rows, list(tokens), repeats)
+                if rows == 1 and args.prompt:
+                    tokens, seconds = (*tokens, args.prompt), [*seconds, *_time_forwards(lm, None, 1, [args.prompt], 2)]
                 row = {
                     "model": name,
                     "dtype": dtype,
+                    "variant": f"{dtype}-plain" if plain else dtype,
                     **report.as_dict(),
                     "seconds": dict(zip(map(str, tokens), seconds)),
                 }

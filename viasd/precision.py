@@ -523,11 +523,12 @@ class LinearReport:
 
 def kernels(reports: list[LinearReport]) -> dict[str, Any]:
     """The linears of several models, as ``/v1/models`` and the stats report them: the method of
-    the first (the verifier's), and what was packed in all."""
+    the first (the verifier's) and its mixed kernels' ``from_rows``, and what was packed in all."""
     return {
         "linear_method": reports[0].method if reports else "off",
         "linears_swapped": sum(len(r.swapped) for r in reports),
         "linear_extra_bytes": sum(r.extra_bytes for r in reports),
+        "linear_mixed_from_rows": reports[0].from_rows if reports else None,
     }
 
 

@@ -724,7 +724,7 @@ def test_the_actors_pack_the_linears_the_in_process_engine_packs(pipeline, llm):
     """Each actor loads and packs on its model thread; /v1/models reports what both packed (packing
     stops where memory runs short), as the in-process engine reports its own."""
     runtime, local = pipeline.info()["runtime"], llm.runtime_info()
-    fields = ("linear_method", "linears_swapped", "linear_extra_bytes")
+    fields = ("linear_method", "linears_swapped", "linear_extra_bytes", "linear_mixed_from_rows")
     assert {f: runtime[f] for f in fields} == {f: local[f] for f in fields}
 
 
