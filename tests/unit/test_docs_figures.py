@@ -841,6 +841,7 @@ def test_dtype_at_the_batch_capacity_load_table_equals_its_raw_files():
     [
         ("AVX2", "avx2", "AVX2"),
         ("AVX2, at `e244efd`", "avx2-e244efd", "AVX2"),
+        ("AVX2, mixed kernels", "mixed-avx2", "AVX2"),
         ("AVX-512, no bf16, probes in sequence", "avx512-no-bf16-first", "AVX512"),
         ("AVX-512, no bf16", "avx512-no-bf16", "AVX512"),
     ],
@@ -862,6 +863,56 @@ def test_quick_start_tables_equal_their_raw_files(machine, label, capability):
         check_cell(row[2], [r["tokens_per_second"] for r in runs], name)
         check_cell(row[3], [median[name]], name)
         check_cell(row[4], [median[name] / median["before"]], name)
+
+
+def test_mixed_kernel_tables_equal_their_raw_file():
+    """BENCHMARKS.md, "Mixed kernels": the probe's milliseconds per rows and kernel, and each
+    model's forwards per dtype and kernels, against docs/benchmarks/cpu/dtypes/dtypes-mixed-avx2.json
+    (scripts/measure_dtypes.py, a clean tree)."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "dtypes" / "dtypes-mixed-avx2.json")
+    env = raw["environment"]
+    assert env["cpu_capability"] == "AVX2" and env["git_commit"].startswith("c9b425d") and not env["git_dirty"]
+    assert "--plain-bf16 --prompt 118" in raw["command"]
+    assert {r["reason"] for r in raw["auto"].values()} == {"no-native-bf16-mixed"}
+    probe = raw["mixed_probe_seconds"]
+    rows = table("BENCHMARKS.md", "| `[M, 1536] x [1536, 8960]` (AVX2) |")
+    assert len(rows) == 2
+    for cells, kind in zip(rows, ("bf16", "mixed")):
+        for cell, m in zip(cells[1:], (1, 2, 3, 4, 6, 8), strict=True):
+            check_cell(cell, [probe[f"{kind}@{m}"] * 1e3], f"{kind}@{m}")
+    forwards = {(f["model"], f["variant"], f.get("rows", 1)): f for f in raw["forwards"]}
+    variants = {"`bfloat16`, plain": "bfloat16-plain", "`float32`, packed": "float32", "`bfloat16`, mixed": "bfloat16"}
+    rows = table("BENCHMARKS.md", "| model (AVX2, mixed) |")
+    assert len(rows) == 6
+    for cells in rows:
+        model, variant = cells[0].strip("`"), variants[cells[1]]
+        one, eight = forwards[model, variant, 1]["seconds"], forwards[model, variant, 8]["seconds"]
+        for cell, s in zip(cells[2:], (one["1"], one["2"], one["6"], one["118"], eight["1"], eight["6"]), strict=True):
+            check_cell(cell, [s * 1e3], f"{model} {variant}")
+        method = forwards[model, variant, 1]["linear_method"]
+        assert method == {"bfloat16-plain": "plain", "float32": "mkldnn_packed", "bfloat16": "mixed"}[variant]
+
+
+def test_one_request_mixed_kernels_table_equals_its_results_json():
+    """BENCHMARKS.md, "Mixed kernels": one request per method and run, against
+    docs/benchmarks/cpu/load-c1-avx2/{mixed,mixed-order}."""
+    rows = table("BENCHMARKS.md", "| one request (AVX2, mixed kernels), run |")
+    shown = []
+    for run in ("mixed", "mixed-order"):
+        raw = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
+        meta = raw["meta"]
+        assert meta["cpu_capability"] == "AVX2" and meta["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
+        assert meta["environment"]["git_commit"].startswith("c9b425d") and not meta["environment"]["git_dirty"]
+        for s in raw["summary"]:
+            per_pass = [r["aggregate_tokens_per_second"] for r in raw["runs"] if r["method"] == s["method"]]
+            shown.append((run, s, per_pass))
+    assert len(rows) == len(shown) == 7
+    for cells, (run, s, per_pass) in zip(rows, shown):
+        assert cells[:2] == [f"`{run}`", f"`{s['method']}`"]
+        check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
+        check_cell(cells[3], [s["decode_tokens_per_second"]], "decode")
+        check_cell(cells[4], [s["ttft_p50"]], "ttft")
+        check_cell(cells[5], per_pass, "per pass")
 
 
 def test_planner_cost_table_equals_its_raw_files():
