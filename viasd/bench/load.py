@@ -42,7 +42,10 @@ Figures, per run (method, arrival, C, pass):
 * KV bytes per request: `RequestStats.kv_bytes` (every tier's valid keys/values at finish), the
   mean; the roofline's is one row's; None for `generate_batch` (its paged cache reports no
   per-request figure);
-* peak RSS: psutil, sampled every 10 ms during the run (`RSSSampler`).
+* peak RSS: psutil, sampled every 10 ms during the run (`RSSSampler`);
+* `auto` runs: what the planner did in the run (`planner_record`: its probe and exploration
+  steps, its forecasts of the steps it planned, the engine-wide acceptance it ended with), beside
+  each request's plans in its stats.
 
 A summary row (arrival, method, C) holds the median of each figure over passes, its ratio to the
 roofline and to `generate_batch` at the same arrival and C, and the share of requests whose tokens
@@ -235,6 +238,23 @@ def _median(xs: Sequence[float | None]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def planner_record(before: dict, after: dict) -> dict:
+    """What `auto`'s planner did in one run: `Engine.planner_state()` after it less before (the
+    probe and exploration steps it ran, its forecasts of the steps it planned: viasd.planner),
+    and the engine-wide running acceptance it ended with (model / n-gram drafts per position,
+    `via` tokens per cycle and escalation)."""
+    return {
+        "probes": after["probes"] - before["probes"],
+        "explorations": after["explorations"] - before["explorations"],
+        "forecasts": {
+            kind: {key: round(value - before["forecasts"][kind][key], 4) for key, value in forecast.items()}
+            for kind, forecast in after["forecasts"].items()
+        },
+        "acceptance": after["acceptance"],
+        "via": after["via"],
+    }
+
+
 def _finish_run(run: dict) -> dict:
     """Fill the run-level figures of a run record from its per-request records (module docstring)."""
     reqs = run["requests"]
@@ -336,13 +356,17 @@ class LoadBench:
             gc.collect()
         with RSSSampler() as rss:
             if lm.kind == "engine":
+                engine = self.engine(lm)
+                before = engine.planner_state()
                 reqs = self._engine_run(
-                    self.engine(lm),
+                    engine,
                     requests,
                     arrivals,
                     lm.method.params.model_copy(update={"max_tokens": params.max_tokens, "ignore_eos": True}),
                 )
-                extra = {}
+                extra = (
+                    {"planner": planner_record(before, engine.planner_state())} if lm.method.mode == Mode.AUTO else {}
+                )
             elif lm.kind == "hf_cb":  # (on the model thread, as the engine's forwards: viasd.model_thread)
                 reqs, extra = model_thread.run(self._hf_run, requests, arrivals, params)
             else:
