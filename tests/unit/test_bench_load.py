@@ -98,6 +98,7 @@ def test_auto_runs_record_what_the_planner_did(results):
         assert steps > 0 and 0 < tokens <= r["generated_tokens"], p
         assert p["probes"] >= 0 and p["explorations"] >= 0 and len(p["acceptance"]["model"]) == 8
         assert set(p["forecasts"]) == {"speculating", "ar"} and set(p["via"]) == {"tokens_per_cycle", "escalation_rate"}
+        assert {"full", "drafter"} <= set(p["prices"]) and all(x["seconds"] > 0 for x in p["prices"]["full"])
 
 
 def test_every_request_generates_exactly_max_tokens(results):

@@ -895,24 +895,36 @@ def test_mixed_kernel_tables_equal_their_raw_file():
 
 def test_one_request_mixed_kernels_table_equals_its_results_json():
     """BENCHMARKS.md, "Mixed kernels": one request per method and run, against
-    docs/benchmarks/cpu/load-c1-avx2/{mixed,mixed-order}."""
+    docs/benchmarks/cpu/load-c1-avx2/{mixed,mixed-order,mixed-planner}; the third run's planner
+    record as the text gives it (no exploration, no probe, the acceptance it planned with)."""
     rows = table("BENCHMARKS.md", "| one request (AVX2, mixed kernels), run |")
     shown = []
-    for run in ("mixed", "mixed-order"):
+    for run, commit in (("mixed", "c9b425d"), ("mixed-order", "c9b425d"), ("mixed-planner", "3f9a70e")):
         raw = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
         meta = raw["meta"]
         assert meta["cpu_capability"] == "AVX2" and meta["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
-        assert meta["environment"]["git_commit"].startswith("c9b425d") and not meta["environment"]["git_dirty"]
+        assert meta["environment"]["git_commit"].startswith(commit) and not meta["environment"]["git_dirty"]
         for s in raw["summary"]:
             per_pass = [r["aggregate_tokens_per_second"] for r in raw["runs"] if r["method"] == s["method"]]
             shown.append((run, s, per_pass))
-    assert len(rows) == len(shown) == 7
+    assert len(rows) == len(shown) == 10
     for cells, (run, s, per_pass) in zip(rows, shown):
         assert cells[:2] == [f"`{run}`", f"`{s['method']}`"]
         check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
         check_cell(cells[3], [s["decode_tokens_per_second"]], "decode")
         check_cell(cells[4], [s["ttft_p50"]], "ttft")
         check_cell(cells[5], per_pass, "per pass")
+    planner = [r for r in raw["runs"] if r["method"] == "auto"]  # (the last run: mixed-planner)
+    assert len(planner) == 3 and all(r["planner"]["explorations"] == r["planner"]["probes"] == 0 for r in planner)
+    assert [round(a, 2) for a in planner[0]["planner"]["acceptance"]["model"][:5]] == [0.78, 0.99, 0.86, 0.78, 0.99]
+    expected = []  # E[tokens] of a k = 5 cycle at each run's acceptance: 1 + sum_i prod_{j<=i} a_j
+    for r in planner:
+        total, reach = 1.0, 1.0
+        for a in r["planner"]["acceptance"]["model"][:5]:
+            reach *= a
+            total += reach
+        expected.append(round(total, 2))
+    assert expected == [4.25, 4.26, 4.26]
 
 
 def test_planner_cost_table_equals_its_raw_files():

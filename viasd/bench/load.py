@@ -242,8 +242,11 @@ def planner_record(before: dict, after: dict) -> dict:
     """What `auto`'s planner did in one run: `Engine.planner_state()` after it less before (the
     probe and exploration steps it ran, its forecasts of the steps it planned: viasd.planner),
     and the engine-wide running acceptance it ended with (model / n-gram drafts per position,
-    `via` tokens per cycle and escalation)."""
+    `via` tokens per cycle and escalation) and the prices it ended with (each tier's predicted
+    seconds at its grid's points, `CostModel.summary`)."""
+    costs = after.get("costs") or {}
     return {
+        "prices": costs.get("seconds"),
         "probes": after["probes"] - before["probes"],
         "explorations": after["explorations"] - before["explorations"],
         "forecasts": {
