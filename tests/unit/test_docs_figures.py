@@ -899,7 +899,7 @@ def test_one_request_mixed_kernels_table_equals_its_results_json():
     record as the text gives it (no exploration, no probe, the acceptance it planned with)."""
     rows = table("BENCHMARKS.md", "| one request (AVX2, mixed kernels), run |")
     shown = []
-    for run, commit in (("mixed", "c9b425d"), ("mixed-order", "c9b425d"), ("mixed-planner", "3f9a70e")):
+    for run, commit in (("mixed", "c9b425d"), ("mixed-order", "c9b425d"), ("mixed-planner", "711c6ba")):
         raw = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
         meta = raw["meta"]
         assert meta["cpu_capability"] == "AVX2" and meta["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
@@ -925,6 +925,13 @@ def test_one_request_mixed_kernels_table_equals_its_results_json():
             total += reach
         expected.append(round(total, 2))
     assert expected == [4.25, 4.26, 4.26]
+    prices = {
+        (t, x["rows"], x["tokens"]): x["seconds"] for t, xs in planner[0]["planner"]["prices"].items() for x in xs
+    }
+    shown = [prices[k] for k in (("drafter", 1, 2), ("drafter", 1, 1), ("full", 1, 4), ("full", 1, 8), ("full", 1, 1))]
+    assert [round(x, 3) for x in shown] == [0.114, 0.083, 0.366, 0.464, 0.222]  # the first pass's, as the text
+    sd = next(r for r in raw["runs"] if r["method"] == "sd" and r["pass"] == 0)["requests"][0]["stats"]
+    assert round((sd["seconds"]["drafter"] + sd["seconds"]["full"]) / sd["num_drafts"], 3) == 0.815
 
 
 def test_planner_cost_table_equals_its_raw_files():
