@@ -235,18 +235,23 @@ def probe_matmuls(
     pause of the machine (another process, the hypervisor) slows every probe it overlaps, not the
     whole of one dtype's: the choice rests on their ratios (a run where the one-row bf16 probe
     alone read 15x its usual time once flipped ``auto``)."""
+    return _best_interleaved({probe: _probe_runner(*probe, packed) for probe in probes}, repeats)
+
+
+def _best_interleaved(runners: dict[Any, Callable[[], Any]], repeats: int) -> dict[Any, float]:
+    """Best wall seconds of each runner over ``repeats`` rounds after one warm-up call each, one
+    call of every runner per round (:func:`probe_matmuls` says why)."""
     import torch
 
-    runners = {probe: _probe_runner(*probe, packed) for probe in probes}
     best = dict.fromkeys(runners, float("inf"))
     with torch.inference_mode():
         for run in runners.values():
             run()
         for _ in range(repeats):
-            for probe, run in runners.items():
+            for key, run in runners.items():
                 t0 = time.perf_counter()
                 run()
-                best[probe] = min(best[probe], time.perf_counter() - t0)
+                best[key] = min(best[key], time.perf_counter() - t0)
     return best
 
 
@@ -440,7 +445,7 @@ MIXED_PROBE_ROWS = (1, 2, 3, 4, 6, 8)
 def mixed_probe_seconds(repeats: int = PROBE_REPEATS) -> dict[str, float]:
     """Best seconds of a ``[M, K] x [K, N]`` bf16 product (:data:`DECODE_PROJECTION`) at each of
     :data:`MIXED_PROBE_ROWS`, plain (``bf16@M``) and mixed (``mixed@M``: packed float32 on the
-    widened input, the output rounded to bf16), interleaved as in :func:`probe_matmuls`."""
+    widened input, the output rounded to bf16), interleaved (:func:`_best_interleaved`)."""
     import torch
 
     k, n = DECODE_PROJECTION
@@ -454,16 +459,7 @@ def mixed_probe_seconds(repeats: int = PROBE_REPEATS) -> dict[str, float]:
         x = torch.randn(m, k, generator=g).to(torch.bfloat16)  # [M, K]
         runners[f"bf16@{m}"] = functools.partial(torch.nn.functional.linear, x, linear.weight)
         runners[f"mixed@{m}"] = functools.partial(mixed, x)
-    best = dict.fromkeys(runners, float("inf"))
-    with torch.inference_mode():
-        for run in runners.values():
-            run()
-        for _ in range(repeats):
-            for name, run in runners.items():
-                t0 = time.perf_counter()
-                run()
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+    return _best_interleaved(runners, repeats)
 
 
 def from_rows_of(seconds: dict[str, float]) -> int | None:
