@@ -350,8 +350,8 @@ class EngineConfig(BaseModel):
     dtype: str = Field(
         "auto",
         description="Weight dtype: auto (per device, what runs fastest: bfloat16 on CUDA and on CPUs with "
-        "native bf16; without it the dtype that serves a request faster at max_batch rows a step, prompt and "
-        "decode, measured at load; see "
+        "native bf16; without it bfloat16 with mixed kernels where oneDNN can pack them (see packed_linears), else "
+        "the dtype that serves a request faster at max_batch rows a step, prompt and decode, measured at load; see "
         "viasd.precision), bfloat16, float16, float32 or float64.",
     )
     mask: tuple[int, ...] | str | None = Field(

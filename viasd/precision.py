@@ -221,8 +221,9 @@ def _probe_runner(dtype_name: str, shape: tuple[int, int, int], packed: bool) ->
     if packed and torch.backends.mkldnn.is_available() and (dt == torch.float32 or _onednn_bf16_enabled()):
         packed_linear = packed_linear_class()(linear)
         return lambda: packed_linear(x)
-    if packed and dt == torch.bfloat16 and mixed_from_rows() is not None:  # (the mixed kernel: M decides)
-        mixed = packed_linear_class()(linear, torch.float32, mixed_from_rows())
+    from_rows = mixed_from_rows() if packed and dt == torch.bfloat16 else None
+    if from_rows is not None:  # (the mixed kernel: M decides)
+        mixed = packed_linear_class()(linear, torch.float32, from_rows)
         return lambda: mixed(x)
     return lambda: F.linear(x, linear.weight)
 

@@ -359,17 +359,15 @@ class LoadBench:
             gc.collect()
         with RSSSampler() as rss:
             if lm.kind == "engine":
-                engine = self.engine(lm)
-                before = engine.planner_state()
+                engine, auto = self.engine(lm), lm.method.mode == Mode.AUTO
+                before = engine.planner_state() if auto else None
                 reqs = self._engine_run(
                     engine,
                     requests,
                     arrivals,
                     lm.method.params.model_copy(update={"max_tokens": params.max_tokens, "ignore_eos": True}),
                 )
-                extra = (
-                    {"planner": planner_record(before, engine.planner_state())} if lm.method.mode == Mode.AUTO else {}
-                )
+                extra = {"planner": planner_record(before, engine.planner_state())} if auto else {}
             elif lm.kind == "hf_cb":  # (on the model thread, as the engine's forwards: viasd.model_thread)
                 reqs, extra = model_thread.run(self._hf_run, requests, arrivals, params)
             else:
