@@ -285,6 +285,32 @@ def test_a_cost_profile_is_not_shared_by_cpus_with_and_without_native_bf16(tiny_
     assert len(list(tmp_path.glob("costs-*.json"))) == 2  # the third read the first's file
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
+def test_a_cost_profile_is_not_shared_by_models_with_other_linear_kernels(tmp_path):
+    """The same weights with packed linears cost other seconds than with plain ones (and mixed
+    bf16 ones other again): the profile's key names each tier's kernels, so a profile measured
+    with one set is not read for another."""
+    import copy
+
+    from conftest import tiny_model
+
+    from viasd.precision import linear_kernels, optimize_linears
+    from viasd.runtime import MaskedLM
+
+    plain = tiny_model("llama", dtype=torch.float32).eval()
+    packed = copy.deepcopy(plain)
+    optimize_linears(packed, torch.float32, "cpu")
+    mask = LayerMask.from_skipped((1,), plain.config.num_hidden_layers)
+    grid = ((1, 1), (1, 2))
+    keys = []
+    for model in (plain, packed, plain):
+        prof = profile(MaskedLM(model), None, mask, grid=grid, repeats=1, cache_dir=tmp_path)
+        keys.append(prof.key["tiers"]["full"]["linears"])
+    assert keys[0] == {"plain": len([m for m in plain.modules() if type(m) is torch.nn.Linear])} == keys[2]
+    assert keys[1] == linear_kernels(packed) and set(keys[1]) == {"packed"}
+    assert len(list(tmp_path.glob("costs-*.json"))) == 2  # the third read the first's file
+
+
 def test_cost_grid_prices_rows_beyond_their_tokens():
     """grid(B, T) = one(B * T) * rho(B, T) (viasd.costs): rows cost more than their tokens in one
     row where the profile says so (the bf16 profile in docs/BENCHMARKS.md: four 1-token rows 1.33x
