@@ -66,7 +66,6 @@ from viasd.planner import (
     Plan,
     Planner,
     RowState,
-    drafts_from_the_start,
     fixed_plan,
     learn_cycle,
     logit_rows,
@@ -198,7 +197,9 @@ class Coordinator:
         self.batch_wait_s = batch_wait_s  # how long a step waits for the last step's rows to ask again
         self.gates = gates  # `via` requests that choose no gate get these, as in-process (Engine.submit)
         self.costs = costs  # `auto`: both services' cost curves, fetched (`Costs`) for the first auto request
-        self.estimates = Estimates()  # running estimates over every request: the prior of new `auto` ones
+        self.estimates = Estimates(
+            population=True
+        )  # running estimates over every request: the prior of new `auto` ones
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs_lock: asyncio.Lock | None = None
         self.totals = RpcTotals()
@@ -587,7 +588,7 @@ class Coordinator:
         if not new.drafted or new.params.proposer == Proposer.NGRAM:
             return False
         batch = [self._state(r) for r in self._rows] + self._joining(new)
-        return drafts_from_the_start(self.costs, batch, self._state(new))
+        return self.planner.drafts_from_the_start(self.costs, batch, self._state(new))
 
     def _learn(self, r: _Request, plan: Plan, sent: ipb.VerifyRequest | None, result, escalated: bool) -> None:
         """Update the running estimates the planner reads (the request's, and those over every

@@ -150,6 +150,13 @@ SPECS = (
         _M,
     ),
     Spec(
+        "planner_speculate_margin",
+        "gauge",
+        "Mode auto's margin: how much a speculating batch must be expected to beat every auto row on `ar` by, "
+        "from the planner's measured forecast error (1.1 before any step).",
+        _M,
+    ),
+    Spec(
         "planner_exploration_steps",
         "gauge",
         "Mode auto's exploration steps so far: `sd` steps run instead of `ar`, after 16 `ar` steps in a row "
@@ -332,6 +339,7 @@ class ServingMetrics:
                 ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
                 ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
                 ("planner_probe_steps", state["probes"]),
+                ("planner_speculate_margin", state["margin"]),
                 ("planner_exploration_steps", state["explorations"]),
             )
         ]

@@ -465,18 +465,33 @@ class Acceptance:
 
     A position no block has reached yet takes the estimate of the deepest one reached (before
     any evidence: the prior). Otherwise a plan that starts short would never learn what longer
-    blocks buy: a k = 1 block says nothing about position 2, whose prior would keep k at 1."""
+    blocks buy: a k = 1 block says nothing about position 2, whose prior would keep k at 1.
 
-    DECAY = 0.8  # weight of the past in each update (steady state: the last ~5 blocks)
+    Two memories. A request's own estimate (DECAY) follows its last ~5 blocks. The engine-wide
+    one (`decay` POPULATION_DECAY), which every new request starts from, counted as a request's
+    steady-state evidence (1 / (1 - DECAY) blocks), is the mean over the last ~50 blocks of
+    every request. With both at 0.8 the engine-wide estimate was the last ~5 blocks of whichever
+    request ran last: at k = 5 on blocks accepted with probability [0.86, 0.92, 0.91, 0.90, 1.0]
+    a position (E[tokens] 4.64), it read 4.6 +- 0.66 after 8 requests, against 4.6 +- 0.23 now
+    (`scripts/simulate_planner.py`), and after a real `sd` request with those rates it read 4.24
+    and kept the next `auto` request on `ar` (docs/BENCHMARKS.md, "Mixed kernels")."""
+
+    DECAY = 0.8  # a request's own: weight of the past in each update (steady state: the last ~5 blocks)
+    POPULATION_DECAY = 0.98  # the engine-wide estimate's (the last ~50 blocks of every request)
     PRIOR = {"model": 0.6, "ngram": 0.5}
     PRIOR_WEIGHT = 1.0  # observations the prior counts as
 
-    def __init__(self, prior: Acceptance | None = None, positions: int = 8):
+    def __init__(self, prior: Acceptance | None = None, positions: int = 8, decay: float | None = None):
+        """The engine-wide estimate (`decay` POPULATION_DECAY), starting from PRIOR, or a request's
+        (default DECAY) starting from the engine-wide `prior` (None: from PRIOR)."""
+        self.decay = self.DECAY if decay is None else decay
+        start = 1 / (1 - self.DECAY)  # a request's steady-state evidence
         self.rates = {  # kind -> [positions]
             kind: list(prior.rates[kind]) if prior else [a] * positions for kind, a in self.PRIOR.items()
         }
         self.weights = {  # kind -> [positions]: the evidence behind each rate (running_mean)
-            kind: list(prior.weights[kind]) if prior else [self.PRIOR_WEIGHT] * positions for kind in self.PRIOR
+            kind: [min(w, start) for w in prior.weights[kind]] if prior else [self.PRIOR_WEIGHT] * positions
+            for kind in self.PRIOR
         }
         self.depth = dict(prior.depth) if prior else dict.fromkeys(self.PRIOR, 0)  # positions ever reached
 
@@ -486,7 +501,7 @@ class Acceptance:
         rates, weights = self.rates[kind], self.weights[kind]
         reached = min(drafted, accepted + 1, len(rates))
         for j in range(reached):
-            rates[j], weights[j] = running_mean(rates[j], weights[j], 1.0 if j < accepted else 0.0)
+            rates[j], weights[j] = running_mean(rates[j], weights[j], 1.0 if j < accepted else 0.0, self.decay)
         depth = self.depth[kind] = max(self.depth[kind], reached)
         for j in range(depth, len(rates)):  # never reached: as the deepest position reached
             rates[j], weights[j] = rates[depth - 1], weights[depth - 1]

@@ -31,9 +31,23 @@ The plans are chosen by coordinate ascent from the best uniform assignment (ever
 the same plan, where it has it: a drafting round costs about the same for one row as for all,
 so single-row moves alone would never leave `ar`); each row in turn takes the plan that
 maximises the batch's goodput given the others; two passes. The batch speculates only when
-that beats every auto row on `ar` by SPECULATE_MARGIN: `ar` is the plan `auto` must never lose
-to, and a gain smaller than the cost model's error is a bet on noise (at 8 rows in bf16 on an
-AVX-512 CPU the planner expected `sd` 7% above `ar` and its steps measured 4% below).
+that beats every auto row on `ar` by a margin: `ar` is the plan `auto` must never lose to, and
+a gain smaller than the planner's error is a bet on noise (at 8 rows in bf16 on an AVX-512 CPU
+the planner expected `sd` 7% above `ar` and its steps measured 4% below). The margin is that
+error as measured (`Planner.margin`):
+
+    margin = max(MARGIN_FLOOR, 1 + e_ar + e_speculating)
+    e_kind = (MARGIN_PRIOR_STEPS * (SPECULATE_MARGIN - 1) / 2 + n * max(0, s_kind log(G_measured / G_forecast)))
+             / (MARGIN_PRIOR_STEPS + n)
+
+over the recent steps of each kind (sums decayed by MARGIN_DECAY a step; n: their decayed
+count), G = sum tokens / sum seconds, s_ar = +1, s_speculating = -1: the errors that favoured
+speculation wrongly, `ar` faster than forecast or speculating steps slower (a plan that beat its
+forecast is no reason for caution). Before any evidence the margin is SPECULATE_MARGIN; steps
+whose forecasts hold shrink it toward MARGIN_FLOOR, steps that miss theirs against speculation
+raise it. With 1.1 fixed, `auto` kept one request on `ar` on a real AVX2 CPU where the cost
+model's forecasts of `ar`'s steps were within 1% and `sd` made 1.10-1.21x `ar`
+(docs/BENCHMARKS.md, "Mixed kernels").
 
 The cost model learns a size's price only from forwards of that size (viasd.costs), and `ar` is
 the plan every other must beat: while `auto` speculates, `Planner` runs one `ar` step (a probe)
@@ -66,6 +80,7 @@ those measured, which say whether the plans were chosen on true prices (docs/SER
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,8 +97,13 @@ PROBE_EVERY = 16
 PROBE_MARGIN = 0.8
 # The most an exploration's drafter catch-up may cost, as a share of the rows' time left (module docstring)
 EXPLORE_CATCH_UP_SHARE = 0.05
-# How much a speculating batch must be expected to beat `ar` by to be chosen (module docstring)
+# How much a speculating batch must be expected to beat `ar` by to be chosen: before any forecast
+# was measured, the least once they hold, the steps the prior counts as and the decay of the
+# measured steps' weight a step (module docstring)
 SPECULATE_MARGIN = 1.1
+MARGIN_FLOOR = 1.02
+MARGIN_PRIOR_STEPS = 16
+MARGIN_DECAY = 0.98
 # A drafter's first round feeds what its last block left unfed: the cycle's last token, and the
 # last draft token too when the block was accepted whole (drafted k, fed k - 1): 2 tokens a row
 # in most steps of a batch (it is right-padded to its longest row).
@@ -120,14 +140,16 @@ def fixed_plan(mode: Mode, k: int) -> Plan:
 class Estimates:
     """Running estimates of what each plan buys one request: the acceptance per draft position of
     model and n-gram drafts (`Acceptance`), and the tokens a `via` cycle commits and how often it
-    escalates to q (`running_mean`s). A request's estimates start from the engine-wide ones,
-    which learn from every request."""
+    escalates to q (`running_mean`s). A request's estimates start from the engine-wide ones
+    (`population`), which learn from every request with a longer memory (`Acceptance`)."""
 
-    def __init__(self, prior: Estimates | None = None):
-        self.acceptance = Acceptance(prior.acceptance if prior else None)
+    def __init__(self, prior: Estimates | None = None, population: bool = False):
+        self.decay = Acceptance.POPULATION_DECAY if population else Acceptance.DECAY
+        self.acceptance = Acceptance(prior.acceptance if prior else None, decay=self.decay)
         self.via_tokens = prior.via_tokens if prior else 2.0
         self.via_escalation = prior.via_escalation if prior else 0.5
-        self.via_weight = prior.via_weight if prior else Acceptance.PRIOR_WEIGHT  # (running_mean)
+        start = 1 / (1 - Acceptance.DECAY)  # (as Acceptance: a request's steady-state evidence)
+        self.via_weight = min(prior.via_weight, start) if prior else Acceptance.PRIOR_WEIGHT  # (running_mean)
 
     def learn(self, plan: Plan, drafted: int, accepted: int, committed: int, escalated: bool) -> None:
         """A cycle of `plan` drafted `drafted` tokens, `accepted` of them were accepted, it
@@ -138,8 +160,10 @@ class Estimates:
         if plan.kind in ("sd", "ngram"):
             self.acceptance.update("ngram" if plan.kind == "ngram" else "model", drafted, accepted)
         elif plan.kind == "via":
-            self.via_tokens, _ = running_mean(self.via_tokens, self.via_weight, committed)
-            self.via_escalation, self.via_weight = running_mean(self.via_escalation, self.via_weight, escalated)
+            self.via_tokens, _ = running_mean(self.via_tokens, self.via_weight, committed, self.decay)
+            self.via_escalation, self.via_weight = running_mean(
+                self.via_escalation, self.via_weight, escalated, self.decay
+            )
 
     def row(self, **state) -> RowState:
         """The planner's view of an `auto` row with these estimates (`state`: RowState's other fields)."""
@@ -316,8 +340,9 @@ def goodput(costs: CostModel, rows: Sequence[RowState], plans: Sequence[Plan]) -
     return _Step(costs, rows, plans).goodput()
 
 
-def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[Plan]:
-    """Every row's plan for this step (module docstring)."""
+def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2, margin: float = SPECULATE_MARGIN) -> list[Plan]:
+    """Every row's plan for this step; the batch speculates only when that beats every auto row on
+    `ar` by `margin` (module docstring)."""
     plans = _best_uniform(costs, rows)
     step = _Step(costs, rows, plans)
     candidates = [row.candidates() for row in rows]
@@ -340,7 +365,7 @@ def choose(costs: CostModel, rows: Sequence[RowState], passes: int = 2) -> list[
         if not moved:  # a pass that moved no row leaves the next one where it started
             break
     ar = _all_ar(rows)
-    if plans != ar and step.goodput() < SPECULATE_MARGIN * goodput(costs, rows, ar):
+    if plans != ar and step.goodput() < margin * goodput(costs, rows, ar):
         return ar
     return plans
 
@@ -350,10 +375,12 @@ def _all_ar(rows: Sequence[RowState]) -> list[Plan]:
     return [row.fixed if row.fixed is not None else Plan("ar") for row in rows]
 
 
-def drafts_from_the_start(costs: CostModel, batch: Sequence[RowState], new: RowState) -> bool:
+def drafts_from_the_start(
+    costs: CostModel, batch: Sequence[RowState], new: RowState, margin: float = SPECULATE_MARGIN
+) -> bool:
     """Whether a new `auto` row (`new`: its drafter lagging the whole prompt) should prefill its
     drafter at admission: its plan in `batch` + [new] drafts (module docstring)."""
-    return _drafts(choose(costs, [*batch, new])[-1])
+    return _drafts(choose(costs, [*batch, new], margin=margin)[-1])
 
 
 def _best_uniform(costs: CostModel, rows: Sequence[RowState], kinds: Sequence[str] | None = None) -> list[Plan]:
@@ -373,6 +400,39 @@ def _best_uniform(costs: CostModel, rows: Sequence[RowState], kinds: Sequence[st
         if value > best_value:
             best, best_value = plans, value
     return best
+
+
+@dataclass
+class Recent:
+    """The sums of a `Forecast`, each step's weight decayed by MARGIN_DECAY a step: the planner's
+    recent error, which sets its margin (module docstring). `sign`: +1 for `ar` steps, -1 for
+    speculating ones (s_kind)."""
+
+    sign: int
+    steps: float = 0.0
+    predicted_seconds: float = 0.0
+    seconds: float = 0.0
+    expected_tokens: float = 0.0
+    tokens: float = 0.0
+
+    def add(self, predicted: float, seconds: float, expected: float, tokens: int) -> None:
+        d = MARGIN_DECAY
+        self.steps = d * self.steps + 1
+        self.predicted_seconds = d * self.predicted_seconds + predicted
+        self.seconds = d * self.seconds + seconds
+        self.expected_tokens = d * self.expected_tokens + expected
+        self.tokens = d * self.tokens + tokens
+
+    def error(self) -> float:
+        """e_kind (module docstring): max(0, s_kind log(G_measured / G_forecast)), shrunk toward
+        the prior's half of SPECULATE_MARGIN by the evidence (its decayed steps)."""
+        prior = (SPECULATE_MARGIN - 1) / 2
+        sums = (self.predicted_seconds, self.seconds, self.expected_tokens, self.tokens)
+        if self.steps == 0 or min(sums) <= 0:  # (no step yet, or one that committed nothing: no ratio)
+            return prior
+        measured = math.log(self.tokens * self.predicted_seconds / (self.seconds * self.expected_tokens))
+        observed = max(0.0, self.sign * measured)
+        return (MARGIN_PRIOR_STEPS * prior + self.steps * observed) / (MARGIN_PRIOR_STEPS + self.steps)
 
 
 @dataclass
@@ -412,6 +472,7 @@ class Planner:
         self.since_explored = PROBE_EVERY  # all-`ar` steps since a row last drafted (the first may explore)
         self.explorations = 0  # exploration steps run
         self.forecasts = {"speculating": Forecast(), "ar": Forecast()}
+        self.recent = {"speculating": Recent(sign=-1), "ar": Recent(sign=1)}
         self._pending: tuple[str, float, float] | None = None  # the planned step's (kind, seconds, tokens)
 
     def plans(self, costs: CostModel, rows: Sequence[RowState], stepping: int | None = None) -> list[Plan]:
@@ -435,17 +496,31 @@ class Planner:
         f.seconds += seconds
         f.expected_tokens += expected
         f.tokens += tokens
+        self.recent[kind].add(predicted, seconds, expected, tokens)
+
+    def margin(self, costs: CostModel | None = None) -> float:
+        """How much a speculating batch must be expected to beat `ar` by: the planner's measured
+        error (module docstring). Priced by a model that does not learn (`costs` not online: a
+        fixed table, not this machine's seconds), SPECULATE_MARGIN."""
+        if costs is not None and not costs.online:
+            return SPECULATE_MARGIN
+        return max(MARGIN_FLOOR, 1 + sum(r.error() for r in self.recent.values()))
+
+    def drafts_from_the_start(self, costs: CostModel, batch: Sequence[RowState], new: RowState) -> bool:
+        """`drafts_from_the_start` at this planner's margin."""
+        return drafts_from_the_start(costs, batch, new, self.margin(costs))
 
     def to_dict(self) -> dict:
-        """What the stats and /metrics report: the probes and explorations run, and the forecasts."""
+        """What the stats and /metrics report: the probes and explorations run, the margin, and the forecasts."""
         return {
             "probes": self.probes,
             "explorations": self.explorations,
+            "margin": round(self.margin(), 4),
             "forecasts": {kind: f.to_dict() for kind, f in self.forecasts.items()},
         }
 
     def _plans(self, costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:
-        plans = choose(costs, rows)
+        plans = choose(costs, rows, margin=self.margin(costs))
         if all(p.kind == "ar" for p in plans):
             self.since_ar = 0
             return self._explore(costs, rows, plans)

@@ -42,7 +42,6 @@ from viasd.planner import (
     Plan,
     Planner,
     RowState,
-    drafts_from_the_start,
     fixed_plan,
     learn_cycle,
     logit_rows,
@@ -281,7 +280,7 @@ class Scheduler:
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Running] = []
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time on the model thread
-        self.estimates = Estimates()  # engine-wide running estimates: the prior of new `auto` requests
+        self.estimates = Estimates(population=True)  # engine-wide running estimates: the prior of new `auto` requests
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
 
@@ -557,7 +556,7 @@ class Scheduler:
     def _drafts_at_once(self, new: _Running) -> bool:
         """Whether a new `auto` request's drafter prefills with its prompt (viasd.planner.drafts_from_the_start)."""
         batch = [self._state(r) for r in self._running if r.prefilled and r is not new] + self._joining(new)
-        return drafts_from_the_start(self.costs(), batch, self._state(new))
+        return self.planner.drafts_from_the_start(self.costs(), batch, self._state(new))
 
     def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> bool:
         """Update the running estimates the planner reads (the request's, and the engine-wide ones

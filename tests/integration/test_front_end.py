@@ -19,6 +19,7 @@ import requests
 from conftest import served_http
 
 from viasd.config import parse_params
+from viasd.planner import MARGIN_FLOOR
 
 MAX_CONTEXT = 96
 PROMPT = "def fibonacci(n):"
@@ -558,6 +559,7 @@ def test_metrics_carry_vllm_stems_and_the_model_name_label(http, handler):
     assert 0 <= total(samples, "viasd_planner_via_escalation_rate", **name) <= 1
     assert ("viasd_planner_probe_steps", (("model_name", name["model_name"]),)) in samples
     assert ("viasd_planner_exploration_steps", (("model_name", name["model_name"]),)) in samples
+    assert total(samples, "viasd_planner_speculate_margin", **name) >= MARGIN_FLOOR
     assert total(samples, "viasd_planner_forecast", quantity="tokens", **name) == 4  # every auto step's forecast
     assert all(s.labels[0] == "model_name" for s in SPECS)
     assert not any(labels and dict(labels).get("model") for (_, labels) in samples)  # vLLM's label only

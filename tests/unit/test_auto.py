@@ -23,8 +23,12 @@ from viasd.engine import Engine
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats
 from viasd.planner import (
+    MARGIN_DECAY,
+    MARGIN_FLOOR,
+    MARGIN_PRIOR_STEPS,
     PAYBACK_CYCLES,
     PROBE_EVERY,
+    SPECULATE_MARGIN,
     Estimates,
     Plan,
     Planner,
@@ -337,20 +341,17 @@ def test_cost_grid_prices_rows_beyond_their_tokens():
         CostModel({"full": [(1, 1, 1.0), (4, 1, 2.0)]})
 
 
-def test_a_batch_speculates_only_for_a_gain_beyond_the_cost_models_error(monkeypatch):
+def test_a_batch_speculates_only_for_a_gain_beyond_the_cost_models_error():
     """SPECULATE_MARGIN: plans expected 7% above every row on `ar` are a bet on the cost model's
     error (at 8 rows in bf16 one was lost: `sd` measured 4% below `ar`), so the batch runs `ar`
     and a new row does not prefill its drafter; 27% above, it speculates."""
-    import viasd.planner as planner
-
     one = [(1, 1.0), (4, 1.06), (8, 1.25), (16, 1.6), (32, 2.4), (64, 4.0)]
     flat = CostModel({"full": one, "slim": one, "drafter": [(1, 0.25), (64, 1.0)]})
     thin, clear = [_row(0.6) for _ in range(4)], [_row(0.8) for _ in range(4)]
     ar = [Plan("ar")] * 4
     assert choose(flat, thin) == ar and not drafts_from_the_start(flat, thin[:3], thin[3])
     assert [p.label for p in choose(flat, clear)] == ["sd:k=2"] * 4 and drafts_from_the_start(flat, clear[:3], clear[3])
-    monkeypatch.setattr(planner, "SPECULATE_MARGIN", 1.0)  # without the margin: the thin bet
-    plans = choose(flat, thin)
+    plans = choose(flat, thin, margin=1.0)  # without the margin: the thin bet
     assert [p.label for p in plans] == ["sd:k=1"] * 4
     assert 1.0 < goodput(flat, thin, plans) / goodput(flat, thin, ar) < 1.1
 
@@ -622,6 +623,51 @@ def test_the_planner_forecasts_the_rows_that_step_and_settles_each_step_once():
         "expected_tokens": 1.0,
         "tokens": 1,
     }
+
+
+def test_the_margin_is_the_planners_measured_error():
+    """Planner.margin: SPECULATE_MARGIN before any step; `ar` steps whose forecasts hold take off
+    their side's half, speculating steps that hold theirs, down to MARGIN_FLOOR; speculating
+    steps that measure 20% slower than forecast raise it above SPECULATE_MARGIN. A step forecast
+    by a model that does not learn (a fixed table, not this machine's seconds) changes nothing."""
+    one = [(1, 1.0), (4, 1.06), (8, 1.25), (16, 1.6), (32, 2.4), (64, 4.0)]
+    flat = CostModel({"full": one, "slim": one, "drafter": [(1, 0.25), (64, 1.0)]}, online=True)
+    thin = [_row(0.6) for _ in range(4)]  # `sd` expected 1.0-1.1x every row on `ar`
+    gain = goodput(flat, thin, choose(flat, thin, margin=1.0)) / goodput(flat, thin, [Plan("ar")] * 4)
+    assert 1.03 < gain < SPECULATE_MARGIN
+
+    def settle(planner, rows, steps, slower=1.0):
+        for _ in range(steps):
+            plans = planner.plans(flat, rows)
+            n = len(rows)
+            planner.settle(
+                step_seconds(flat, rows, plans) * slower, round(sum(expected_tokens(r, p) for r, p in zip(rows, plans)))
+            )
+            assert planner._pending is None and len(plans) == n
+
+    planner = Planner()
+    assert planner.margin(flat) == planner.margin() == SPECULATE_MARGIN
+    assert choose(flat, thin, margin=planner.margin(flat)) == [Plan("ar")] * 4
+    settle(planner, [_row(0.0)] * 4, 200)  # `ar` steps (nothing is ever accepted), each as forecast
+    assert planner.recent["ar"].steps == pytest.approx(1 / (1 - MARGIN_DECAY), rel=0.05)
+    half = (SPECULATE_MARGIN - 1) / 2
+    assert planner.margin(flat) == pytest.approx(
+        1 + half + half * MARGIN_PRIOR_STEPS / (MARGIN_PRIOR_STEPS + 1 / (1 - MARGIN_DECAY)), rel=1e-3
+    )
+    assert planner.plans(flat, thin)[0].kind == "sd"  # the thin gain now beats the margin ...
+    planner.settle(step_seconds(flat, thin, choose(flat, thin, margin=1.0)), 6)
+    settle(planner, [_row(0.95)] * 4, 200)  # ... and speculating steps as forecast take it to the floor
+    assert planner.margin(flat) == pytest.approx(
+        max(MARGIN_FLOOR, 1 + 2 * half * MARGIN_PRIOR_STEPS / (MARGIN_PRIOR_STEPS + 50)), abs=0.01
+    )
+    settle(planner, [_row(0.95)] * 4, 200, slower=1.2)  # speculation 20% dearer than forecast: a bet lost
+    assert (
+        planner.margin(flat) > SPECULATE_MARGIN and choose(flat, thin, margin=planner.margin(flat)) == [Plan("ar")] * 4
+    )
+    assert planner.to_dict()["margin"] == round(planner.margin(), 4)
+    fixed = Planner()
+    fixed.recent = planner.recent
+    assert fixed.margin(CostModel(dict(flat.grid))) == SPECULATE_MARGIN  # priced by a fixed table
 
 
 def test_auto_plans_for_the_batch_that_is_still_filling(tiny_pair):

@@ -29,6 +29,7 @@ from viasd.bench.load import (
 from viasd.cli import build_parser
 from viasd.config import parse_params
 from viasd.errors import InvalidParameterError
+from viasd.planner import MARGIN_FLOOR
 from viasd.runtime import MaskedLM
 
 PROMPTS = [[5, 17, 3, 88, 41], [1, 2, 3], [9, 8, 7, 6, 5, 4, 3]]
@@ -97,6 +98,7 @@ def test_auto_runs_record_what_the_planner_did(results):
         tokens = sum(f["tokens"] for f in p["forecasts"].values())
         assert steps > 0 and 0 < tokens <= r["generated_tokens"], p
         assert p["probes"] >= 0 and p["explorations"] >= 0 and len(p["acceptance"]["model"]) == 8
+        assert all(MARGIN_FLOOR <= m for m in p["margin"].values()), p["margin"]
         assert set(p["forecasts"]) == {"speculating", "ar"} and set(p["via"]) == {"tokens_per_cycle", "escalation_rate"}
         assert {"full", "drafter"} <= set(p["prices"]) and all(x["seconds"] > 0 for x in p["prices"]["full"])
 

@@ -241,9 +241,10 @@ def _median(xs: Sequence[float | None]) -> float | None:
 def planner_record(before: dict, after: dict) -> dict:
     """What `auto`'s planner did in one run: `Engine.planner_state()` after it less before (the
     probe and exploration steps it ran, its forecasts of the steps it planned: viasd.planner),
-    and the engine-wide running acceptance it ended with (model / n-gram drafts per position,
-    `via` tokens per cycle and escalation) and the prices it ended with (each tier's predicted
-    seconds at its grid's points, `CostModel.summary`)."""
+    and the engine-wide running acceptance, margins and prices it started and ended with (model /
+    n-gram drafts per position, `via` tokens per cycle and escalation; how much speculation had to
+    be expected to beat `ar` by; each tier's predicted seconds at its grid's points,
+    `CostModel.summary`)."""
     costs = after.get("costs") or {}
     return {
         "prices": costs.get("seconds"),
@@ -255,6 +256,7 @@ def planner_record(before: dict, after: dict) -> dict:
         },
         "acceptance": after["acceptance"],
         "via": after["via"],
+        "margin": {"start": before["margin"], "end": after["margin"]},
     }
 
 
