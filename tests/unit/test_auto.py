@@ -670,6 +670,33 @@ def test_the_margin_is_the_planners_measured_error():
     assert fixed.margin(CostModel(dict(flat.grid))) == SPECULATE_MARGIN  # priced by a fixed table
 
 
+def test_a_new_request_starts_from_the_mean_of_many_blocks_not_the_last_request_s_end():
+    """The engine-wide estimate (population) remembers ~50 blocks of every request; a request's
+    own follows its last ~5 and starts from the engine-wide one as its steady-state evidence.
+    Replayed: HumanEval/0's `sd` blocks on a real AVX2 CPU (accepted at positions 1-5 in 12, 11,
+    10, 9, 9 of 14 blocks; E[tokens] at k = 5: 4.64), its rejections last. With one memory for
+    both, the engine-wide estimate is the request's end."""
+    blocks = [5] * 9 + [3, 2, 1, 0, 0]
+    engine, one_memory = Estimates(population=True), Estimates()
+    for _ in range(2):  # two such requests
+        for accepted in blocks:
+            for e in (engine, one_memory):
+                e.learn(Plan("sd", 5), drafted=5, accepted=accepted, committed=accepted + 1, escalated=False)
+    truth = 1 + sum(n / 14 for n in (12, 11, 10, 9, 9))
+    assert truth == pytest.approx(4.64, abs=0.01)
+    assert one_memory.acceptance.expected_tokens("model", 5) < 0.7 * truth
+    assert engine.acceptance.expected_tokens("model", 5) == pytest.approx(truth, rel=0.06)
+    request = Estimates(engine)
+    assert request.decay == Acceptance.DECAY < engine.decay == Acceptance.POPULATION_DECAY
+    assert request.acceptance.rates == engine.acceptance.rates
+    steady = 1 / (1 - Acceptance.DECAY)
+    assert max(request.acceptance.weights["model"]) == pytest.approx(steady)
+    assert steady < max(engine.acceptance.weights["model"])
+    for e in (engine, request):  # a request's own blocks move it faster than the engine's
+        e.learn(Plan("sd", 5), drafted=5, accepted=0, committed=1, escalated=False)
+    assert request.acceptance.rates["model"][0] < engine.acceptance.rates["model"][0] - 0.1
+
+
 def test_auto_plans_for_the_batch_that_is_still_filling(tiny_pair):
     # speculation pays for one row, not for eight (q flat up to 4 tokens, then linear): the first
     # request to decode, while seven others still prefill (one prompt chunk per step), plans for
