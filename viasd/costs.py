@@ -472,9 +472,9 @@ class Acceptance:
     steady-state evidence (1 / (1 - DECAY) blocks), is the mean over the last ~50 blocks of
     every request. With both at 0.8 the engine-wide estimate was the last ~5 blocks of whichever
     request ran last: at k = 5 on blocks accepted with probability [0.86, 0.92, 0.91, 0.90, 1.0]
-    a position (E[tokens] 4.64), it read 4.6 +- 0.66 after 8 requests, against 4.6 +- 0.23 now
-    (`scripts/simulate_planner.py`), and after a real `sd` request with those rates it read 4.24
-    and kept the next `auto` request on `ar` (docs/BENCHMARKS.md, "Mixed kernels")."""
+    a position (E[tokens] 4.64), it read 4.53 +- 0.71 after 8 requests, against 4.55 +- 0.23 now
+    (`scripts/simulate_planner.py`; docs/BENCHMARKS.md, "After the measured margin"), and after
+    a real `sd` request with those rates it read 4.24 and kept the next `auto` request on `ar`."""
 
     DECAY = 0.8  # a request's own: weight of the past in each update (steady state: the last ~5 blocks)
     POPULATION_DECAY = 0.98  # the engine-wide estimate's (the last ~50 blocks of every request)

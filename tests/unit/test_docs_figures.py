@@ -934,6 +934,58 @@ def test_one_request_mixed_kernels_table_equals_its_results_json():
     assert round((sd["seconds"]["drafter"] + sd["seconds"]["full"]) / sd["num_drafts"], 3) == 0.815
 
 
+def test_one_request_after_the_margin_table_equals_its_results_json():
+    """BENCHMARKS.md, "After the measured margin and the engine-wide memory": one request per
+    method and run, against docs/benchmarks/cpu/load-c1-avx2/{margin,margin-order}; what the
+    text says `auto` ran (its plans, explorations, margins, forecasts and acceptance) against
+    each run's planner record."""
+    rows = table("BENCHMARKS.md", "| one request after the margin (AVX2, mixed kernels), run |")
+    shown, raws = [], {}
+    for run in ("margin", "margin-order"):
+        raw = raws[run] = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
+        meta = raw["meta"]
+        assert meta["cpu_capability"] == "AVX2" and meta["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
+        assert meta["environment"]["git_commit"].startswith("5d62f6f") and not meta["environment"]["git_dirty"]
+        for s in raw["summary"]:
+            per_pass = [r["aggregate_tokens_per_second"] for r in raw["runs"] if r["method"] == s["method"]]
+            shown.append((run, s, per_pass))
+    assert len(rows) == len(shown) == 6
+    for cells, (run, s, per_pass) in zip(rows, shown):
+        assert cells[:2] == [f"`{run}`", f"`{s['method']}`"]
+        check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
+        check_cell(cells[3], [s["decode_tokens_per_second"]], "decode")
+        check_cell(cells[4], [s["ttft_p50"]], "ttft")
+        check_cell(cells[5], per_pass, "per pass")
+    for run, vs_sd, vs_ar in (("margin", 1.03, 1.08), ("margin-order", 1.03, 1.16)):
+        targets = {t["target"]: t for t in raws[run]["targets"]}
+        assert round(targets["auto >= 0.97x best fixed mode at C=1 (all arrivals)"]["value"], 2) == vs_sd
+        assert round(targets["auto >= 1.0x ar at C=1 (all arrivals)"]["value"], 2) == vs_ar
+    autos = {run: [r for r in raw["runs"] if r["method"] == "auto"] for run, raw in raws.items()}
+    sds = {run: [r for r in raw["runs"] if r["method"] == "sd"] for run, raw in raws.items()}
+    ratios = [
+        round(a["aggregate_tokens_per_second"] / s["aggregate_tokens_per_second"], 2)
+        for run in raws
+        for a, s in zip(autos[run], sds[run])
+    ]
+    assert ratios == [0.96, 1.01, 1.12, 1.0, 1.02, 1.07]
+    plans = [r["requests"][0]["stats"]["plans"] for run in raws for r in autos[run]]
+    assert plans[:3] == [{"ar": 17, "sd:k=5": 9}, {"sd:k=5": 12, "ar": 2}, {"sd:k=5": 12, "ar": 2}]
+    assert [sum(v for k, v in p.items() if k != "ar") for p in plans[3:]] == [9, 11, 12]
+    assert [r["planner"]["explorations"] for r in autos["margin-order"]] == [2, 0, 0]
+    assert round(autos["margin"][0]["planner"]["margin"]["start"], 3) == 1.096
+    assert [round(autos[run][-1]["planner"]["margin"]["end"], 3) for run in raws] == [1.051, 1.052]
+    spec = [r["planner"]["forecasts"]["speculating"] for r in autos["margin"]]
+    assert [round(f["predicted_seconds"], 2) for f in spec] == [8.71, 12.56, 11.87]
+    assert [round(f["seconds"], 2) for f in spec] == [9.31, 12.35, 11.76]
+    rates = autos["margin"][-1]["planner"]["acceptance"]["model"][:5]
+    assert [round(a, 2) for a in rates] == [0.9, 1.0, 0.9, 0.87, 0.99]
+    total, reach = 1.0, 1.0
+    for a in rates:
+        reach *= a
+        total += reach
+    assert round(total, 2) == 5.0
+
+
 def test_planner_cost_table_equals_its_raw_files():
     """BENCHMARKS.md, "What the planner costs a step": the median and p90 milliseconds of one
     `Planner.plans` call per row count, for each tree the header names by commit, against
