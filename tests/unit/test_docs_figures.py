@@ -986,6 +986,32 @@ def test_one_request_after_the_margin_table_equals_its_results_json():
     assert round(total, 2) == 5.0
 
 
+def test_planner_replay_table_equals_its_raw_files():
+    """BENCHMARKS.md, "Replayed offline": the engine-wide estimate's E[tokens] after 1 / 3 / 8
+    `sd` requests and the replayed ratios, before and after, against
+    docs/benchmarks/cpu/planner/simulate-{before,after}-avx2.json (scripts/simulate_planner.py)."""
+    rows = table("BENCHMARKS.md", "| replay (AVX2 prices) |")
+    assert [r[0] for r in rows] == ["before", "after"]
+    for cells in rows:
+        raw = load(DOCS / "benchmarks" / "cpu" / "planner" / f"simulate-{cells[0]}-avx2.json")
+        env = raw["environment"]
+        assert env["git_commit"].startswith("fa5ff40") and not env["git_dirty"] and env["cpu_capability"] == "AVX2"
+        assert raw["command"].startswith("scripts/simulate_planner.py") and ("--before" in raw["command"]) == (
+            cells[0] == "before"
+        )
+        assert raw["record"] == "docs/benchmarks/cpu/load-c1-avx2/mixed-planner/results.json" and raw["truth"] == 4.643
+        for cell, e in zip(cells[1:4], raw["estimate"]):
+            mean, sd = (float(x) for x in cell.split(" +- "))
+            assert abs(mean - e["mean"]) <= 0.0051 and abs(sd - e["sd"]) <= 0.0051, (cell, e)
+        r = raw["requests"]
+        assert [float(c) for c in cells[4:]] == [
+            round(r["auto_ar"], 2),
+            round(r["auto_sd"], 2),
+            round(r["sd_ar"], 2),
+            round(r["speculated_steps_per_request"], 1),
+        ]
+
+
 def test_planner_cost_table_equals_its_raw_files():
     """BENCHMARKS.md, "What the planner costs a step": the median and p90 milliseconds of one
     `Planner.plans` call per row count, for each tree the header names by commit, against
