@@ -197,9 +197,8 @@ class Coordinator:
         self.batch_wait_s = batch_wait_s  # how long a step waits for the last step's rows to ask again
         self.gates = gates  # `via` requests that choose no gate get these, as in-process (Engine.submit)
         self.costs = costs  # `auto`: both services' cost curves, fetched (`Costs`) for the first auto request
-        self.estimates = Estimates(
-            population=True
-        )  # running estimates over every request: the prior of new `auto` ones
+        # running estimates over every request: the prior of new `auto` ones
+        self.estimates = Estimates(population=True)
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs_lock: asyncio.Lock | None = None
         self.totals = RpcTotals()

@@ -280,7 +280,8 @@ class Scheduler:
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Running] = []
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time on the model thread
-        self.estimates = Estimates(population=True)  # engine-wide running estimates: the prior of new `auto` requests
+        # engine-wide running estimates: the prior of new `auto` requests
+        self.estimates = Estimates(population=True)
         self.planner = Planner()  # `auto`'s plans, step after step
         self._costs = costs  # the profiled cost curves, or a function that profiles them on first use
 
