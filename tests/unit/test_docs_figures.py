@@ -986,6 +986,36 @@ def test_one_request_after_the_margin_table_equals_its_results_json():
     assert round(total, 2) == 5.0
 
 
+def test_under_load_after_the_margin_table_equals_its_results_json():
+    """BENCHMARKS.md, "Under load" after the margin: every cell against
+    docs/benchmarks/cpu/load-c48-avx2/margin, and what the text says `auto` ran: `ar` on every
+    step, no exploration or probe, margins within 1.08-1.11."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "load-c48-avx2" / "margin" / "results.json")
+    env = raw["meta"]["environment"]
+    assert env["git_commit"].startswith("1cc218f") and env["cpu_capability"] == "AVX2"
+    assert raw["meta"]["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
+    rows = table("BENCHMARKS.md", "| under load after the margin (AVX2, mixed kernels), C |")
+    assert len(rows) == len(raw["summary"]) == 6
+    for cells, s in zip(rows, raw["summary"]):
+        assert cells[:2] == [str(s["concurrency"]), f"`{s['method']}`"]
+        per_pass = [
+            r["aggregate_tokens_per_second"]
+            for r in raw["runs"]
+            if r["method"] == s["method"] and r["concurrency"] == s["concurrency"]
+        ]
+        check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
+        check_cell(cells[3], [s["decode_tokens_per_second"]], "decode")
+        check_cell(cells[4], [s["ttft_p50"]], "ttft")
+        check_cell(cells[5], per_pass, "per pass")
+    autos = [r for r in raw["runs"] if r["method"] == "auto"]
+    assert len(autos) == 4
+    for r in autos:
+        steps = sum(q["stats"]["plans"].get("ar", 0) for q in r["requests"])
+        assert all(set(q["stats"]["plans"]) == {"ar"} for q in r["requests"]) and steps == 64 * r["concurrency"]
+        assert r["planner"]["explorations"] == r["planner"]["probes"] == 0
+        assert all(1.08 <= round(m, 2) <= 1.11 for m in r["planner"]["margin"].values())
+
+
 def test_planner_replay_table_equals_its_raw_files():
     """BENCHMARKS.md, "Replayed offline": the engine-wide estimate's E[tokens] after 1 / 3 / 8
     `sd` requests and the replayed ratios, before and after, against
