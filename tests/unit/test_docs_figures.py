@@ -842,6 +842,7 @@ def test_dtype_at_the_batch_capacity_load_table_equals_its_raw_files():
         ("AVX2", "avx2", "AVX2"),
         ("AVX2, at `e244efd`", "avx2-e244efd", "AVX2"),
         ("AVX2, mixed kernels", "mixed-avx2", "AVX2"),
+        ("AVX2, after the margin", "margin-avx2", "AVX2"),
         ("AVX-512, no bf16, probes in sequence", "avx512-no-bf16-first", "AVX512"),
         ("AVX-512, no bf16", "avx512-no-bf16", "AVX512"),
     ],
