@@ -894,38 +894,48 @@ def test_mixed_kernel_tables_equal_their_raw_file():
         assert method == {"bfloat16-plain": "plain", "float32": "mkldnn_packed", "bfloat16": "mixed"}[variant]
 
 
-def test_one_request_mixed_kernels_table_equals_its_results_json():
-    """BENCHMARKS.md, "Mixed kernels": one request per method and run, against
-    docs/benchmarks/cpu/load-c1-avx2/{mixed,mixed-order,mixed-planner}; the third run's planner
-    record as the text gives it (no exploration, no probe, the acceptance it planned with)."""
-    rows = table("BENCHMARKS.md", "| one request (AVX2, mixed kernels), run |")
-    shown = []
-    for run, commit in (("mixed", "c9b425d"), ("mixed-order", "c9b425d"), ("mixed-planner", "711c6ba")):
-        raw = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
+def _one_request_runs(header: str, runs: tuple[tuple[str, str], ...]) -> dict[str, dict]:
+    """The one-request table under `header` against docs/benchmarks/cpu/load-c1-avx2/<run> for
+    each (run, commit): mixed bf16 on AVX2, a clean tree at that commit, one row per method and
+    run (tokens/s, decode tokens/s, TTFT p50, tokens/s per pass). Returns the raw files by run."""
+    rows, shown, raws = table("BENCHMARKS.md", header), [], {}
+    for run, commit in runs:
+        raw = raws[run] = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
         meta = raw["meta"]
         assert meta["cpu_capability"] == "AVX2" and meta["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
         assert meta["environment"]["git_commit"].startswith(commit) and not meta["environment"]["git_dirty"]
         for s in raw["summary"]:
             per_pass = [r["aggregate_tokens_per_second"] for r in raw["runs"] if r["method"] == s["method"]]
             shown.append((run, s, per_pass))
-    assert len(rows) == len(shown) == 10
+    assert len(rows) == len(shown)
     for cells, (run, s, per_pass) in zip(rows, shown):
         assert cells[:2] == [f"`{run}`", f"`{s['method']}`"]
         check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
         check_cell(cells[3], [s["decode_tokens_per_second"]], "decode")
         check_cell(cells[4], [s["ttft_p50"]], "ttft")
         check_cell(cells[5], per_pass, "per pass")
-    planner = [r for r in raw["runs"] if r["method"] == "auto"]  # (the last run: mixed-planner)
+    return raws
+
+
+def _block_of_five(rates: list[float]) -> float:
+    """E[tokens] of a k = 5 cycle at per-position acceptance `rates`: 1 + sum_i prod_{j<=i} a_j, to 2 places."""
+    total, reach = 1.0, 1.0
+    for a in rates[:5]:
+        reach *= a
+        total += reach
+    return round(total, 2)
+
+
+def test_one_request_mixed_kernels_table_equals_its_results_json():
+    """BENCHMARKS.md, "Mixed kernels": one request per method and run, against
+    docs/benchmarks/cpu/load-c1-avx2/{mixed,mixed-order,mixed-planner}; the third run's planner
+    record as the text gives it (no exploration, no probe, the acceptance it planned with)."""
+    runs = (("mixed", "c9b425d"), ("mixed-order", "c9b425d"), ("mixed-planner", "711c6ba"))
+    raw = _one_request_runs("| one request (AVX2, mixed kernels), run |", runs)["mixed-planner"]
+    planner = [r for r in raw["runs"] if r["method"] == "auto"]
     assert len(planner) == 3 and all(r["planner"]["explorations"] == r["planner"]["probes"] == 0 for r in planner)
     assert [round(a, 2) for a in planner[0]["planner"]["acceptance"]["model"][:5]] == [0.78, 0.99, 0.86, 0.78, 0.99]
-    expected = []  # E[tokens] of a k = 5 cycle at each run's acceptance: 1 + sum_i prod_{j<=i} a_j
-    for r in planner:
-        total, reach = 1.0, 1.0
-        for a in r["planner"]["acceptance"]["model"][:5]:
-            reach *= a
-            total += reach
-        expected.append(round(total, 2))
-    assert expected == [4.25, 4.26, 4.26]
+    assert [_block_of_five(r["planner"]["acceptance"]["model"]) for r in planner] == [4.25, 4.26, 4.26]
     prices = {
         (t, x["rows"], x["tokens"]): x["seconds"] for t, xs in planner[0]["planner"]["prices"].items() for x in xs
     }
@@ -940,23 +950,8 @@ def test_one_request_after_the_margin_table_equals_its_results_json():
     method and run, against docs/benchmarks/cpu/load-c1-avx2/{margin,margin-order}; what the
     text says `auto` ran (its plans, explorations, margins, forecasts and acceptance) against
     each run's planner record."""
-    rows = table("BENCHMARKS.md", "| one request after the margin (AVX2, mixed kernels), run |")
-    shown, raws = [], {}
-    for run in ("margin", "margin-order"):
-        raw = raws[run] = load(DOCS / "benchmarks" / "cpu" / "load-c1-avx2" / run / "results.json")
-        meta = raw["meta"]
-        assert meta["cpu_capability"] == "AVX2" and meta["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
-        assert meta["environment"]["git_commit"].startswith("5d62f6f") and not meta["environment"]["git_dirty"]
-        for s in raw["summary"]:
-            per_pass = [r["aggregate_tokens_per_second"] for r in raw["runs"] if r["method"] == s["method"]]
-            shown.append((run, s, per_pass))
-    assert len(rows) == len(shown) == 6
-    for cells, (run, s, per_pass) in zip(rows, shown):
-        assert cells[:2] == [f"`{run}`", f"`{s['method']}`"]
-        check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
-        check_cell(cells[3], [s["decode_tokens_per_second"]], "decode")
-        check_cell(cells[4], [s["ttft_p50"]], "ttft")
-        check_cell(cells[5], per_pass, "per pass")
+    header = "| one request after the margin (AVX2, mixed kernels), run |"
+    raws = _one_request_runs(header, (("margin", "5d62f6f"), ("margin-order", "5d62f6f")))
     for run, vs_sd, vs_ar in (("margin", 1.03, 1.08), ("margin-order", 1.03, 1.16)):
         targets = {t["target"]: t for t in raws[run]["targets"]}
         assert round(targets["auto >= 0.97x best fixed mode at C=1 (all arrivals)"]["value"], 2) == vs_sd
@@ -978,13 +973,8 @@ def test_one_request_after_the_margin_table_equals_its_results_json():
     spec = [r["planner"]["forecasts"]["speculating"] for r in autos["margin"]]
     assert [round(f["predicted_seconds"], 2) for f in spec] == [8.71, 12.56, 11.87]
     assert [round(f["seconds"], 2) for f in spec] == [9.31, 12.35, 11.76]
-    rates = autos["margin"][-1]["planner"]["acceptance"]["model"][:5]
-    assert [round(a, 2) for a in rates] == [0.9, 1.0, 0.9, 0.87, 0.99]
-    total, reach = 1.0, 1.0
-    for a in rates:
-        reach *= a
-        total += reach
-    assert round(total, 2) == 5.0
+    rates = autos["margin"][-1]["planner"]["acceptance"]["model"]
+    assert [round(a, 2) for a in rates[:5]] == [0.9, 1.0, 0.9, 0.87, 0.99] and _block_of_five(rates) == 5.0
 
 
 def test_under_load_after_the_margin_table_equals_its_results_json():
