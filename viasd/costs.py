@@ -485,7 +485,7 @@ class Acceptance:
         """The engine-wide estimate (`decay` POPULATION_DECAY), starting from PRIOR, or a request's
         (default DECAY) starting from the engine-wide `prior` (None: from PRIOR)."""
         self.decay = self.DECAY if decay is None else decay
-        start = 1 / (1 - self.DECAY)  # a request's steady-state evidence
+        start = self.steady_weight()
         self.rates = {  # kind -> [positions]
             kind: list(prior.rates[kind]) if prior else [a] * positions for kind, a in self.PRIOR.items()
         }
@@ -494,6 +494,12 @@ class Acceptance:
             for kind in self.PRIOR
         }
         self.depth = dict(prior.depth) if prior else dict.fromkeys(self.PRIOR, 0)  # positions ever reached
+
+    @classmethod
+    def steady_weight(cls) -> float:
+        """A request's evidence in steady state, 1 / (1 - DECAY) blocks (running_mean's weight):
+        what a request counts the engine-wide estimate it starts from as."""
+        return 1 / (1 - cls.DECAY)
 
     def update(self, kind: str, drafted: int, accepted: int) -> None:
         """A block of `drafted` tokens of which the first `accepted` were accepted: positions

@@ -148,7 +148,7 @@ class Estimates:
         self.acceptance = Acceptance(prior.acceptance if prior else None, decay=self.decay)
         self.via_tokens = prior.via_tokens if prior else 2.0
         self.via_escalation = prior.via_escalation if prior else 0.5
-        start = 1 / (1 - Acceptance.DECAY)  # (as Acceptance: a request's steady-state evidence)
+        start = Acceptance.steady_weight()  # (as Acceptance: a request starts from `prior` as this much evidence)
         self.via_weight = min(prior.via_weight, start) if prior else Acceptance.PRIOR_WEIGHT  # (running_mean)
 
     def learn(self, plan: Plan, drafted: int, accepted: int, committed: int, escalated: bool) -> None:
@@ -403,39 +403,6 @@ def _best_uniform(costs: CostModel, rows: Sequence[RowState], kinds: Sequence[st
 
 
 @dataclass
-class Recent:
-    """The sums of a `Forecast`, each step's weight decayed by MARGIN_DECAY a step: the planner's
-    recent error, which sets its margin (module docstring). `sign`: +1 for `ar` steps, -1 for
-    speculating ones (s_kind)."""
-
-    sign: int
-    steps: float = 0.0
-    predicted_seconds: float = 0.0
-    seconds: float = 0.0
-    expected_tokens: float = 0.0
-    tokens: float = 0.0
-
-    def add(self, predicted: float, seconds: float, expected: float, tokens: int) -> None:
-        d = MARGIN_DECAY
-        self.steps = d * self.steps + 1
-        self.predicted_seconds = d * self.predicted_seconds + predicted
-        self.seconds = d * self.seconds + seconds
-        self.expected_tokens = d * self.expected_tokens + expected
-        self.tokens = d * self.tokens + tokens
-
-    def error(self) -> float:
-        """e_kind (module docstring): max(0, s_kind log(G_measured / G_forecast)), shrunk toward
-        the prior's half of SPECULATE_MARGIN by the evidence (its decayed steps)."""
-        prior = (SPECULATE_MARGIN - 1) / 2
-        sums = (self.predicted_seconds, self.seconds, self.expected_tokens, self.tokens)
-        if self.steps == 0 or min(sums) <= 0:  # (no step yet, or one that committed nothing: no ratio)
-            return prior
-        measured = math.log(self.tokens * self.predicted_seconds / (self.seconds * self.expected_tokens))
-        observed = max(0.0, self.sign * measured)
-        return (MARGIN_PRIOR_STEPS * prior + self.steps * observed) / (MARGIN_PRIOR_STEPS + self.steps)
-
-
-@dataclass
 class Forecast:
     """What the planner expected of the steps it planned, beside what they did: a step's
     predicted seconds (`step_seconds` at planning time) and expected committed tokens
@@ -451,6 +418,18 @@ class Forecast:
     expected_tokens: float = 0.0
     tokens: int = 0
 
+    def add(self, predicted: float, seconds: float, expected: float, tokens: int, decay: float = 1.0) -> None:
+        """One step more, the past's weight times `decay` (1: plain sums)."""
+        if decay != 1.0:
+            self.steps, self.predicted_seconds, self.seconds, self.expected_tokens, self.tokens = (
+                decay * x for x in (self.steps, self.predicted_seconds, self.seconds, self.expected_tokens, self.tokens)
+            )
+        self.steps += 1
+        self.predicted_seconds += predicted
+        self.seconds += seconds
+        self.expected_tokens += expected
+        self.tokens += tokens
+
     def to_dict(self) -> dict:
         return {
             "steps": self.steps,
@@ -459,6 +438,26 @@ class Forecast:
             "expected_tokens": round(self.expected_tokens, 3),
             "tokens": self.tokens,
         }
+
+
+@dataclass
+class Recent(Forecast):
+    """A `Forecast` whose steps' weight decays by MARGIN_DECAY a step (`add(..., MARGIN_DECAY)`):
+    the planner's recent error, which sets its margin (module docstring). `sign`: +1 for `ar`
+    steps, -1 for speculating ones (s_kind)."""
+
+    sign: int = 1
+
+    def error(self) -> float:
+        """e_kind (module docstring): max(0, s_kind log(G_measured / G_forecast)), shrunk toward
+        the prior's half of SPECULATE_MARGIN by the evidence (its decayed steps)."""
+        prior = (SPECULATE_MARGIN - 1) / 2
+        sums = (self.predicted_seconds, self.seconds, self.expected_tokens, self.tokens)
+        if self.steps == 0 or min(sums) <= 0:  # (no step yet, or one that committed nothing: no ratio)
+            return prior
+        measured = math.log(self.tokens * self.predicted_seconds / (self.seconds * self.expected_tokens))
+        observed = max(0.0, self.sign * measured)
+        return (MARGIN_PRIOR_STEPS * prior + self.steps * observed) / (MARGIN_PRIOR_STEPS + self.steps)
 
 
 class Planner:
@@ -490,13 +489,9 @@ class Planner:
         if self._pending is None:
             return
         kind, predicted, expected = self._pending
-        f, self._pending = self.forecasts[kind], None
-        f.steps += 1
-        f.predicted_seconds += predicted
-        f.seconds += seconds
-        f.expected_tokens += expected
-        f.tokens += tokens
-        self.recent[kind].add(predicted, seconds, expected, tokens)
+        self._pending = None
+        self.forecasts[kind].add(predicted, seconds, expected, tokens)
+        self.recent[kind].add(predicted, seconds, expected, tokens, MARGIN_DECAY)
 
     def margin(self, costs: CostModel | None = None) -> float:
         """How much a speculating batch must be expected to beat `ar` by: the planner's measured
