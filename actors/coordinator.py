@@ -554,10 +554,12 @@ class Coordinator:
     def _plans(self, rows: list[_Request]) -> dict[_Request, Plan]:
         """This step's plan of every row: its own mode's, or the planner's for `auto` rows
         (viasd.planner, as in-process: `Scheduler._plans`)."""
+        started = time.perf_counter()
         states = [self._state(r) for r in rows]
         if all(s.fixed is not None for s in states):
             return {r: s.fixed for r, s in zip(rows, states)}
-        return dict(zip(rows, self.planner.plans(self.costs, states + self._joining(), len(states))))
+        prepared = time.perf_counter() - started
+        return dict(zip(rows, self.planner.plans(self.costs, states + self._joining(), len(states), prepared)))
 
     def _state(self, r: _Request) -> RowState:
         """What the planner knows of a row: its own mode's plan, or an `auto` row's estimates."""

@@ -157,6 +157,13 @@ SPECS = (
         _M,
     ),
     Spec(
+        "planner_planning",
+        "gauge",
+        "Mode auto's planning so far (`quantity`): the steps it planned and the seconds planning them took "
+        "(each row's state and the plan search): what `auto` costs beside the forwards.",
+        ("model_name", "quantity"),
+    ),
+    Spec(
         "planner_exploration_steps",
         "gauge",
         "Mode auto's exploration steps so far: `sd` steps run instead of `ar`, after 16 `ar` steps in a row "
@@ -343,6 +350,7 @@ class ServingMetrics:
                 ("planner_exploration_steps", state["explorations"]),
             )
         ]
+        gauges += [("planner_planning", v, {"quantity": q}) for q, v in state["planning"].items()]
         for steps, forecast in state["forecasts"].items():
             gauges += [("planner_forecast", v, {"steps": steps, "quantity": q}) for q, v in forecast.items()]
         for kind, rates in state["acceptance"].items():

@@ -81,6 +81,7 @@ those measured, which say whether the plans were chosen on true prices (docs/SER
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -473,15 +474,24 @@ class Planner:
         self.forecasts = {"speculating": Forecast(), "ar": Forecast()}
         self.recent = {"speculating": Recent(sign=-1), "ar": Recent(sign=1)}
         self._pending: tuple[str, float, float] | None = None  # the planned step's (kind, seconds, tokens)
+        self.planned_steps = 0  # steps planned ...
+        self.planning_seconds = 0.0  # ... and the wall time planning took (steps and admissions): `auto`'s own cost
 
-    def plans(self, costs: CostModel, rows: Sequence[RowState], stepping: int | None = None) -> list[Plan]:
+    def plans(
+        self, costs: CostModel, rows: Sequence[RowState], stepping: int | None = None, prepared: float = 0.0
+    ) -> list[Plan]:
         """Every row's plan for this step: `choose`'s, or a probe's. The first `stepping` rows
-        (default all; the rest join later) run it: its forecast waits for `settle`."""
+        (default all; the rest join later) run it: its forecast waits for `settle`. `prepared`:
+        the seconds the caller took to build `rows` (each row's state: its estimates and n-gram
+        lookup), counted with the search as the step's planning time."""
+        started = time.perf_counter()
         plans = self._plans(costs, rows)
         n = len(rows) if stepping is None else stepping
         kind = "ar" if all(p.kind == "ar" for p in plans[:n]) else "speculating"
         tokens = sum(expected_tokens(r, p) for r, p in zip(rows[:n], plans[:n]))
         self._pending = (kind, step_seconds(costs, rows[:n], plans[:n]), tokens)
+        self.planned_steps += 1
+        self.planning_seconds += prepared + time.perf_counter() - started
         return plans
 
     def settle(self, seconds: float, tokens: int) -> None:
@@ -502,16 +512,21 @@ class Planner:
         return max(MARGIN_FLOOR, 1 + sum(r.error() for r in self.recent.values()))
 
     def drafts_from_the_start(self, costs: CostModel, batch: Sequence[RowState], new: RowState) -> bool:
-        """`drafts_from_the_start` at this planner's margin."""
-        return drafts_from_the_start(costs, batch, new, self.margin(costs))
+        """`drafts_from_the_start` at this planner's margin (its search counted as planning time)."""
+        started = time.perf_counter()
+        drafts = drafts_from_the_start(costs, batch, new, self.margin(costs))
+        self.planning_seconds += time.perf_counter() - started
+        return drafts
 
     def to_dict(self) -> dict:
-        """What the stats and /metrics report: the probes and explorations run, the margin, and the forecasts."""
+        """What the stats and /metrics report: the probes and explorations run, the margin, the
+        forecasts, and the steps planned with the seconds planning them took."""
         return {
             "probes": self.probes,
             "explorations": self.explorations,
             "margin": round(self.margin(), 4),
             "forecasts": {kind: f.to_dict() for kind, f in self.forecasts.items()},
+            "planning": {"steps": self.planned_steps, "seconds": round(self.planning_seconds, 6)},
         }
 
     def _plans(self, costs: CostModel, rows: Sequence[RowState]) -> list[Plan]:

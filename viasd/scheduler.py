@@ -549,10 +549,12 @@ class Scheduler:
 
     def _plans(self, rows: list[_Running]) -> list[Plan]:
         """This step's plan of every row: its own mode's, or the planner's for `auto` rows."""
+        started = time.perf_counter()
         states = [self._state(r) for r in rows]
         if all(s.fixed is not None for s in states):
             return [s.fixed for s in states]
-        return self.planner.plans(self.costs(), states + self._joining(), len(states))[: len(states)]
+        prepared = time.perf_counter() - started  # (before `costs()`: the first `auto` row's profile is no planning)
+        return self.planner.plans(self.costs(), states + self._joining(), len(states), prepared)[: len(states)]
 
     def _drafts_at_once(self, new: _Running) -> bool:
         """Whether a new `auto` request's drafter prefills with its prompt (viasd.planner.drafts_from_the_start)."""

@@ -561,6 +561,10 @@ def test_metrics_carry_vllm_stems_and_the_model_name_label(http, handler):
     assert ("viasd_planner_exploration_steps", (("model_name", name["model_name"]),)) in samples
     assert total(samples, "viasd_planner_speculate_margin", **name) >= MARGIN_FLOOR
     assert total(samples, "viasd_planner_forecast", quantity="tokens", **name) == 4  # every auto step's forecast
+    assert total(samples, "viasd_planner_planning", quantity="steps", **name) == total(
+        samples, "viasd_planner_forecast", quantity="steps", **name
+    )
+    assert total(samples, "viasd_planner_planning", quantity="seconds", **name) > 0
     assert all(s.labels[0] == "model_name" for s in SPECS)
     assert not any(labels and dict(labels).get("model") for (_, labels) in samples)  # vLLM's label only
 

@@ -716,6 +716,8 @@ def test_auto_plans_for_the_batch_that_is_still_filling(tiny_pair):
 
 def test_planner_state_reports_costs_and_acceptance(tiny_pair):
     engine = _engine(tiny_pair, CostModel(dict(SPECULATE.grid), online=True))
+    engine.complete(PROMPTS[0], parse_params(mode="sd", max_tokens=12))
+    assert engine.planner_state()["planning"] == {"steps": 0, "seconds": 0.0}  # a fixed mode's steps: none planned
     before = engine.planner_state()
     engine.complete(PROMPTS[0], parse_params(mode="auto", max_tokens=12))
     after = engine.planner_state()
@@ -724,6 +726,8 @@ def test_planner_state_reports_costs_and_acceptance(tiny_pair):
     forecasts = after["forecasts"]  # every step of the request, planned and settled once
     assert sum(f["tokens"] for f in forecasts.values()) == 12 and forecasts["speculating"]["steps"] > 0
     assert all(f["seconds"] > 0 and f["predicted_seconds"] > 0 for f in forecasts.values() if f["steps"])
+    steps = sum(f["steps"] for f in forecasts.values())
+    assert after["planning"]["steps"] == steps and after["planning"]["seconds"] > 0  # what auto's plans cost
     ran = {label.split(":")[0] for label in engine.complete(PROMPTS[1], parse_params(mode="auto")).stats.plans}
     assert ran <= set(engine.planner_state()["costs"]["overhead_seconds"])  # each kind's work around the forwards
 

@@ -97,6 +97,7 @@ def test_auto_runs_record_what_the_planner_did(results):
         steps = sum(f["steps"] for f in p["forecasts"].values())
         tokens = sum(f["tokens"] for f in p["forecasts"].values())
         assert steps > 0 and 0 < tokens <= r["generated_tokens"], p
+        assert p["planning"]["steps"] == steps and 0 < p["planning"]["seconds"] < r["wall_seconds"], p["planning"]
         assert p["probes"] >= 0 and p["explorations"] >= 0 and len(p["acceptance"]["model"]) == 8
         assert all(MARGIN_FLOOR <= m for m in p["margin"].values()), p["margin"]
         assert set(p["forecasts"]) == {"speculating", "ar"} and set(p["via"]) == {"tokens_per_cycle", "escalation_rate"}

@@ -244,7 +244,7 @@ def planner_record(before: dict, after: dict) -> dict:
     and the engine-wide running acceptance, margins and prices it started and ended with (model /
     n-gram drafts per position, `via` tokens per cycle and escalation; how much speculation had to
     be expected to beat `ar` by; each tier's predicted seconds at its grid's points,
-    `CostModel.summary`)."""
+    `CostModel.summary`), and the steps it planned with the seconds planning them took."""
     costs = after.get("costs") or {}
     return {
         "prices": costs.get("seconds"),
@@ -257,6 +257,7 @@ def planner_record(before: dict, after: dict) -> dict:
         "acceptance": after["acceptance"],
         "via": after["via"],
         "margin": {"start": before["margin"], "end": after["margin"]},
+        "planning": {key: round(value - before["planning"][key], 6) for key, value in after["planning"].items()},
     }
 
 
