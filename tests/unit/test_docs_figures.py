@@ -1007,6 +1007,54 @@ def test_under_load_after_the_margin_table_equals_its_results_json():
         assert all(1.08 <= round(m, 2) <= 1.11 for m in r["planner"]["margin"].values())
 
 
+def test_beside_an_identical_ar_tables_equal_their_results_json():
+    """BENCHMARKS.md, "Beside an identical `ar`": every cell of both tables against
+    docs/benchmarks/cpu/load-c48-avx2/aa (the A/A pair `ar` / `ar:gamma=4` beside `auto`), and
+    what the text says: the pair's tokens equal, `auto` on `ar` every step, its planning's share."""
+    raw = load(DOCS / "benchmarks" / "cpu" / "load-c48-avx2" / "aa" / "results.json")
+    env, passes = raw["meta"]["environment"], raw["meta"]["passes"]
+    assert env["git_commit"].startswith("94caed0") and not env["git_dirty"] and env["cpu_capability"] == "AVX2"
+    assert raw["meta"]["runtime"]["dtype_reason"] == "no-native-bf16-mixed" and passes == 4
+    run = {(r["method"], r["concurrency"], r["pass"]): r for r in raw["runs"]}
+    rows = table("BENCHMARKS.md", "| beside an identical `ar` (AVX2, mixed kernels), C |")
+    assert len(rows) == len(raw["summary"]) == 6
+    for cells, s in zip(rows, raw["summary"]):
+        method, c = s["method"], s["concurrency"]
+        assert cells[:2] == [str(c), f"`{method}`"] and s["agree_with_ar"] == 1.0
+        runs = [run[(method, c, p)] for p in range(passes)]
+        check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
+        check_cell(cells[3], [r["aggregate_tokens_per_second"] for r in runs], "per pass")
+        ar = [run[("ar", c, p)]["aggregate_tokens_per_second"] for p in range(passes)]
+        check_cell(cells[4], [r["aggregate_tokens_per_second"] / a for r, a in zip(runs, ar)], "/ ar")
+        forward = [sum(q["stats"]["seconds"]["full"] for q in r["requests"]) / len(r["requests"]) / 64 for r in runs]
+        check_cell(cells[5], forward, "forward s a step")
+    medians = {  # the text's medians of the per-pass ratios (A/A, auto / ar, auto / the A/A twin)
+        (a, b, c): round(
+            statistics.median(
+                run[(a, c, p)]["aggregate_tokens_per_second"] / run[(b, c, p)]["aggregate_tokens_per_second"]
+                for p in range(passes)
+            ),
+            2,
+        )
+        for a, b in (("ar:gamma=4", "ar"), ("auto", "ar"), ("auto", "ar:gamma=4"))
+        for c in (4, 8)
+    }
+    assert list(medians.values()) == [1.0, 0.88, 0.92, 0.95, 0.91, 1.08]
+    rows = table("BENCHMARKS.md", "| `auto`'s planning (AVX2), C |")
+    assert len(rows) == 2 * passes
+    for cells in rows:
+        r = run[("auto", int(cells[0]), int(cells[1]))]
+        planning, steps = r["planner"]["planning"], r["planner"]["forecasts"]
+        measured = sum(f["seconds"] for f in steps.values())
+        assert int(cells[2]) == planning["steps"] == sum(f["steps"] for f in steps.values())
+        check_cell(cells[3], [planning["seconds"]], "planning")
+        check_cell(cells[4], [measured], "steps measured")
+        check_cell(cells[5], [100 * planning["seconds"] / measured], "share")
+        assert all(set(q["stats"]["plans"]) == {"ar"} for q in r["requests"])
+        assert r["planner"]["explorations"] == r["planner"]["probes"] == 0
+        assert all(1.085 <= round(m, 3) <= 1.113 for m in r["planner"]["margin"].values())
+
+
 def test_planner_replay_table_equals_its_raw_files():
     """BENCHMARKS.md, "Replayed offline": the engine-wide estimate's E[tokens] after 1 / 3 / 8
     `sd` requests and the replayed ratios, before and after, against
