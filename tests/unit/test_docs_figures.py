@@ -1055,6 +1055,52 @@ def test_beside_an_identical_ar_tables_equal_their_results_json():
         assert all(1.085 <= round(m, 3) <= 1.113 for m in r["planner"]["margin"].values())
 
 
+def test_two_methods_balanced_table_equals_its_results_json():
+    """BENCHMARKS.md, "Two methods, balanced": every cell against
+    docs/benchmarks/cpu/load-c48-avx2/{aa-balanced,ar-auto} (each pair alone, each method first in
+    half the passes), and what the text says of `auto`'s runs: `ar` on every step, its margins and
+    its planning's share."""
+    root = DOCS / "benchmarks" / "cpu" / "load-c48-avx2"
+    raws = {m: load(root / d / "results.json") for m, d in (("ar:gamma=4", "aa-balanced"), ("auto", "ar-auto"))}
+    runs = {}
+    for method, raw in raws.items():
+        env = raw["meta"]["environment"]
+        assert env["git_commit"].startswith("817f570") and not env["git_dirty"] and env["cpu_capability"] == "AVX2"
+        assert raw["meta"]["runtime"]["dtype_reason"] == "no-native-bf16-mixed"
+        assert [m["label"] for m in raw["methods"]] == ["ar", method]
+        assert all(r["ok"] for r in raw["runs"]) and all(s["agree_with_ar"] == 1.0 for s in raw["summary"])
+        runs[method] = {(r["method"], r["concurrency"], r["pass"]): r for r in raw["runs"]}
+    assert (raws["ar:gamma=4"]["meta"]["passes"], raws["auto"]["meta"]["passes"]) == (4, 6)
+    rows = table("BENCHMARKS.md", "| two methods, balanced (AVX2, mixed kernels), C |")
+    assert [(r[0], r[1]) for r in rows] == [("8", "`ar:gamma=4`"), ("4", "`auto`"), ("8", "`auto`")]
+    for cells in rows:
+        method, c = cells[1].strip("`"), int(cells[0])
+        raw, run = raws[method], runs[method]
+        passes = range(raw["meta"]["passes"])
+        (s,) = (s for s in raw["summary"] if (s["method"], s["concurrency"]) == (method, c))
+        tps = [run[(method, c, p)]["aggregate_tokens_per_second"] for p in passes]
+        ratios = [t / run[("ar", c, p)]["aggregate_tokens_per_second"] for t, p in zip(tps, passes)]
+        check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
+        check_cell(cells[3], tps, "per pass")
+        check_cell(cells[4], ratios, "/ ar")
+        check_cell(cells[5], [statistics.median(ratios)], "median")
+    autos = [r for r in raws["auto"]["runs"] if r["method"] == "auto"]
+    assert len(autos) == 12 and all(set(q["stats"]["plans"]) == {"ar"} for r in autos for q in r["requests"])
+    assert all(r["planner"]["explorations"] == r["planner"]["probes"] == 0 for r in autos)
+    assert all(1.084 <= round(m, 3) <= 1.114 for r in autos for m in r["planner"]["margin"].values())
+    share = {c: [] for c in (4, 8)}
+    for r in autos:
+        measured = sum(f["seconds"] for f in r["planner"]["forecasts"].values())
+        share[r["concurrency"]].append(round(100 * r["planner"]["planning"]["seconds"] / measured, 2))
+    assert (min(share[4]), max(share[4]), min(share[8]), max(share[8])) == (0.32, 0.39, 0.44, 0.66)
+    wins = sum(
+        r["aggregate_tokens_per_second"]
+        > runs["auto"][("ar", r["concurrency"], r["pass"])]["aggregate_tokens_per_second"]
+        for r in autos
+    )
+    assert wins == 7
+
+
 def test_planner_replay_table_equals_its_raw_files():
     """BENCHMARKS.md, "Replayed offline": the engine-wide estimate's E[tokens] after 1 / 3 / 8
     `sd` requests and the replayed ratios, before and after, against
