@@ -977,6 +977,21 @@ def test_one_request_after_the_margin_table_equals_its_results_json():
     assert [round(a, 2) for a in rates[:5]] == [0.9, 1.0, 0.9, 0.87, 0.99] and _block_of_five(rates) == 5.0
 
 
+def _per_pass(run: dict, method: str, c: int, passes: int) -> tuple[list[float], list[float]]:
+    """A load sweep's tokens/s of `method` at `c` requests, pass by pass, and each over `ar`'s in
+    the same pass (`run`: the sweep's runs by (method, concurrency, pass))."""
+    tps = [run[(method, c, p)]["aggregate_tokens_per_second"] for p in range(passes)]
+    return tps, [t / run[("ar", c, p)]["aggregate_tokens_per_second"] for p, t in enumerate(tps)]
+
+
+def _ran_ar_throughout(r: dict, margins: tuple[float, float], decimals: int = 3) -> None:
+    """An `auto` load run ran `ar` on every step of every request, never explored nor probed,
+    and kept its margins within `margins` (at the docs' precision)."""
+    assert all(set(q["stats"]["plans"]) == {"ar"} for q in r["requests"])
+    assert r["planner"]["explorations"] == r["planner"]["probes"] == 0
+    assert all(margins[0] <= round(m, decimals) <= margins[1] for m in r["planner"]["margin"].values())
+
+
 def test_under_load_after_the_margin_table_equals_its_results_json():
     """BENCHMARKS.md, "Under load" after the margin: every cell against
     docs/benchmarks/cpu/load-c48-avx2/margin, and what the text says `auto` ran: `ar` on every
@@ -1002,9 +1017,8 @@ def test_under_load_after_the_margin_table_equals_its_results_json():
     assert len(autos) == 4
     for r in autos:
         steps = sum(q["stats"]["plans"].get("ar", 0) for q in r["requests"])
-        assert all(set(q["stats"]["plans"]) == {"ar"} for q in r["requests"]) and steps == 64 * r["concurrency"]
-        assert r["planner"]["explorations"] == r["planner"]["probes"] == 0
-        assert all(1.08 <= round(m, 2) <= 1.11 for m in r["planner"]["margin"].values())
+        assert steps == 64 * r["concurrency"]
+        _ran_ar_throughout(r, (1.08, 1.11), decimals=2)
 
 
 def test_beside_an_identical_ar_tables_equal_their_results_json():
@@ -1022,10 +1036,10 @@ def test_beside_an_identical_ar_tables_equal_their_results_json():
         method, c = s["method"], s["concurrency"]
         assert cells[:2] == [str(c), f"`{method}`"] and s["agree_with_ar"] == 1.0
         runs = [run[(method, c, p)] for p in range(passes)]
+        tps, ratios = _per_pass(run, method, c, passes)
         check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
-        check_cell(cells[3], [r["aggregate_tokens_per_second"] for r in runs], "per pass")
-        ar = [run[("ar", c, p)]["aggregate_tokens_per_second"] for p in range(passes)]
-        check_cell(cells[4], [r["aggregate_tokens_per_second"] / a for r, a in zip(runs, ar)], "/ ar")
+        check_cell(cells[3], tps, "per pass")
+        check_cell(cells[4], ratios, "/ ar")
         forward = [sum(q["stats"]["seconds"]["full"] for q in r["requests"]) / len(r["requests"]) / 64 for r in runs]
         check_cell(cells[5], forward, "forward s a step")
     medians = {  # the text's medians of the per-pass ratios (A/A, auto / ar, auto / the A/A twin)
@@ -1050,9 +1064,7 @@ def test_beside_an_identical_ar_tables_equal_their_results_json():
         check_cell(cells[3], [planning["seconds"]], "planning")
         check_cell(cells[4], [measured], "steps measured")
         check_cell(cells[5], [100 * planning["seconds"] / measured], "share")
-        assert all(set(q["stats"]["plans"]) == {"ar"} for q in r["requests"])
-        assert r["planner"]["explorations"] == r["planner"]["probes"] == 0
-        assert all(1.085 <= round(m, 3) <= 1.113 for m in r["planner"]["margin"].values())
+        _ran_ar_throughout(r, (1.085, 1.113))
 
 
 def test_two_methods_balanced_table_equals_its_results_json():
@@ -1076,20 +1088,17 @@ def test_two_methods_balanced_table_equals_its_results_json():
     for cells in rows:
         method, c = cells[1].strip("`"), int(cells[0])
         raw, run = raws[method], runs[method]
-        passes = range(raw["meta"]["passes"])
         (s,) = (s for s in raw["summary"] if (s["method"], s["concurrency"]) == (method, c))
-        tps = [run[(method, c, p)]["aggregate_tokens_per_second"] for p in passes]
-        ratios = [t / run[("ar", c, p)]["aggregate_tokens_per_second"] for t, p in zip(tps, passes)]
+        tps, ratios = _per_pass(run, method, c, raw["meta"]["passes"])
         check_cell(cells[2], [s["aggregate_tokens_per_second"]], "tok/s")
         check_cell(cells[3], tps, "per pass")
         check_cell(cells[4], ratios, "/ ar")
         check_cell(cells[5], [statistics.median(ratios)], "median")
     autos = [r for r in raws["auto"]["runs"] if r["method"] == "auto"]
-    assert len(autos) == 12 and all(set(q["stats"]["plans"]) == {"ar"} for r in autos for q in r["requests"])
-    assert all(r["planner"]["explorations"] == r["planner"]["probes"] == 0 for r in autos)
-    assert all(1.084 <= round(m, 3) <= 1.114 for r in autos for m in r["planner"]["margin"].values())
+    assert len(autos) == 12
     share = {c: [] for c in (4, 8)}
     for r in autos:
+        _ran_ar_throughout(r, (1.084, 1.114))
         measured = sum(f["seconds"] for f in r["planner"]["forecasts"].values())
         share[r["concurrency"]].append(round(100 * r["planner"]["planning"]["seconds"] / measured, 2))
     assert (min(share[4]), max(share[4]), min(share[8]), max(share[8])) == (0.32, 0.39, 0.44, 0.66)
