@@ -1,14 +1,14 @@
 """The drafter p as a gRPC service (viasd.v1.DrafterService) and the Ray actor that hosts it.
 
-`DrafterServicer` holds one `viasd.engine.DraftSession` (a row of the drafter's cache + random
-stream + its copy of the sequence) per request id. A step is one `Propose` for every drafting
-row of the coordinator's batch: commit each row's previous outcome, then draft every block
-together with `viasd.sessions.drive` (one batched drafter forward per round; a row leaves when
-its block ends). Rows with `overlap` whose blocks are likely accepted whole
-(`DraftSession.drafts_ahead`) then draft their next blocks together, on the same
-thread, until the next Propose arrives. Forwards run on one worker thread, so the event loop
-keeps answering Open / Close (and calls queue in arrival order); the servicer is usable in
-any process with a running event loop, the actor only adds model loading and a port.
+`DrafterServicer` is the drafter's half of every request of one engine
+(`viasd.executor.DraftWorker`: a `DraftSession` per request, on rows of one cache store of the
+engine's capacity) behind one RPC per phase of an engine step: `Prefill` (open, feed prompt
+chunks, copy samples' rows), `Propose` (commit each row's outcomes, catch lagging drafters up,
+draft every block together: one batched drafter forward per round), `Release`. Rows with
+`overlap` whose blocks are likely accepted whole (`DraftSession.drafts_ahead`) then draft their
+next blocks, on the same thread, until the next call arrives. Forwards run on the process's
+model thread in arrival order (`InOrder`), so the event loop keeps answering; the servicer is
+usable in any process with a running event loop, the actor only adds model loading and a port.
 """
 
 from __future__ import annotations
@@ -24,187 +24,135 @@ import ray
 
 from viasd import model_thread
 from viasd.actors.rpc import (
-    Batched,
     InOrder,
-    SessionNotFound,
     advertised_host,
     cores_lock,
     costs_to_proto,
     encode_probs,
-    forwards_to_proto,
-    free_row,
     internal_tls,
     outcome_from_proto,
+    prefill_from_proto,
+    prefill_reply,
+    release_reply,
     row_error,
-    rows_of,
     rpc,
     start_server,
+    times_to_proto,
 )
-from viasd.config import MAX_GAMMA, EngineConfig, Mode, Proposer
+from viasd.config import MAX_GAMMA, EngineConfig, Proposer
 from viasd.costs import CostModel, StepTimes, profile_tiers
-from viasd.engine import DraftSession
 from viasd.errors import InvalidParameterError
-from viasd.metrics import RequestStats
+from viasd.executor import Capacity, DraftWorker, prefill
 from viasd.precision import LinearReport, engine_dtype, optimize_linears
 from viasd.runtime import MaskedLM
-from viasd.sessions import drive, execute, prefill_together
+from viasd.sessions import drive
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
-from viasd.v1.convert import params_from_proto, stats_to_proto
 
 log = logging.getLogger("viasd.actors.drafter")
 
 
 class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
-    """Draft sessions by request id, on rows of one drafter cache (`max_rows` rows, so that a
-    step's rows run as one batched forward); p leaves only when the rules need it (sampling)."""
+    """The drafter's half of an engine's requests, one RPC per phase (module docstring); p leaves
+    only when the rules need it (sampling)."""
 
     def __init__(
         self,
         lm: MaskedLM,
+        capacity: Capacity,
         *,
         probs_dtype: str = "auto",
-        max_rows: int = 64,
         cost_cache_dir: str | None = None,
-        prefill_tokens: int = 512,
         cores: filelock.FileLock | None = None,
     ):
-        self.lm = lm
+        self.worker = DraftWorker(lm, capacity)
         self.probs_dtype = probs_dtype
-        self.store = lm.new_store(max_rows=max_rows)
-        self.sessions: dict[str, DraftSession] = {}
         self._work = InOrder("drafter", cores)  # (cores: the node's cores lock, `cores_lock`)
-        self._opens = Batched(lambda items: self._work.submit(self._prefill, items))
-        self.prefill_tokens = prefill_tokens  # padded tokens per batched prefill forward (engine.prefill_chunk)
+        self._ahead: list[str] = []  # rows drafting ahead since the last Propose
         self.cost_cache_dir = cost_cache_dir  # where `Costs` caches the profile (None: measured each start)
         self.costs: CostModel | None = None
 
-    def _session(self, request_id: str) -> DraftSession:
-        try:
-            return self.sessions[request_id]
-        except KeyError:
-            raise SessionNotFound(f"drafter has no session {request_id!r}") from None
+    @property
+    def sessions(self) -> dict:
+        return self.worker.sessions
+
+    def _stop_ahead(self) -> None:
+        """Drafting ahead yields the thread to any call (the blocks it drafted so far are kept)."""
+        self.worker.stop(self._ahead)
+        self._ahead = []
 
     @rpc
-    async def Open(self, request: ipb.OpenRequest, context) -> ipb.OpenResponse:
-        if request.request_id in self.sessions:
-            raise InvalidParameterError("request_id", f"{request.request_id!r} is already open on the drafter")
-        params = params_from_proto(request.params)
-        prompt = list(request.prompt_token_ids)
-        stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
-        row = None
-        if params.proposer != Proposer.NGRAM:  # a row of the shared cache; a private one when all are taken
-            row = free_row(self.store) or self.lm.new_cache()
-        session = DraftSession(self.lm, prompt, params, request.seed, stats, cache=row)
-        # a sample of an n > 1 request copies sample 0's prefill; `auto` is fed when a plan drafts
-        # unless the coordinator planned it to draft at once (as in-process); the others prefill
-        # the prompt but its last token, together with the Opens that arrive while earlier ones run
-        leader = self._session(request.prefill_from) if request.prefill_from else None
-        if leader is not None or params.mode != Mode.AUTO or request.feed_drafter:
-            try:
-                await self._opens.submit((session, leader))
-            except BaseException:
-                session.release()
-                raise
-        self.sessions[request.request_id] = session
-        return ipb.OpenResponse(request_id=request.request_id, stats=stats_to_proto(stats))
-
-    def _prefill(self, items: list[tuple[DraftSession, DraftSession | None]]) -> list[None]:
-        """On the worker thread: the Opens' prefills, those without a leader together."""
-        prefill_together([session for session, leader in items if leader is None], self.prefill_tokens)
-        for session, leader in items:
-            if leader is not None:
-                session.copy_prefill(leader)
-        return [None] * len(items)
-
-    @rpc
-    async def Propose(self, request: ipb.ProposeRequest, context) -> ipb.ProposeResponse:
-        """Commit each row's previous outcome, then draft every row's block together."""
+    async def Prefill(self, request: ipb.PrefillBatch, context) -> ipb.PrefillReply:
         t0 = time.perf_counter()
-        rows, batched = rows_of(request)
-        answers: list[ipb.ProposeResponse | None] = [None] * len(rows)
-        work = {}  # row index -> (session, previous outcome, k, proposer)
-        for i, row in enumerate(rows):
+        self._stop_ahead()
+        results = await self._work.submit(prefill, [self.worker], prefill_from_proto(request, drafter=True))
+        return prefill_reply(results, time.perf_counter() - t0, fed=lambda key, _: self.worker.fed(key))
+
+    @rpc
+    async def Propose(self, request: ipb.ProposeBatch, context) -> ipb.ProposeReply:
+        """Commit each row's outcomes, then draft every row's block together; a row that is not
+        open here, named twice or asks for a bad k or proposer fails alone."""
+        t0 = time.perf_counter()
+        answers: list[ipb.Proposal | None] = [None] * len(request.rows)
+        work = []  # (row index, (key, k, proposer, previous outcome))
+        for i, row in enumerate(request.rows):
             try:
-                session = self._session(row.request_id)
+                self.worker.session(row.request_id)
+                if any(w[1][0] == row.request_id for w in work):
+                    raise InvalidParameterError("request_id", f"{row.request_id!r} appears twice in one batch")
                 if not 1 <= row.k <= MAX_GAMMA:
                     raise InvalidParameterError("k", f"must be in 1..{MAX_GAMMA}, got {row.k}")
                 proposer = _proposer(row.proposer)
-            except (SessionNotFound, InvalidParameterError) as exc:
-                if not batched:
-                    raise
-                answers[i] = ipb.ProposeResponse(request_id=row.request_id, error=row_error(exc))
+            except InvalidParameterError as exc:
+                answers[i] = ipb.Proposal(request_id=row.request_id, error=row_error(exc))
                 continue
             previous = outcome_from_proto(row.previous) if row.HasField("previous") else None
-            work[i] = (session, previous, row.k, proposer)
-        for other in self.sessions.values():  # drafting ahead (overlap) yields the thread to any Propose
-            other.stop.set()
-        times = StepTimes()  # what the coordinator's cost model learns from (viasd.costs)
+            work.append((i, (row.request_id, row.k, proposer, previous)))
+        self._stop_ahead()
+        times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
         if work:
-            done = await self._work.submit(self._propose, {i: (rows[i].request_id, *w) for i, w in work.items()}, times)
-            for i, answer in done.items():
+            for i, answer in await self._work.submit(self._propose, work, times):
                 answers[i] = answer
-            ahead = {i: w[0] for i, w in work.items() if w[0].drafts_ahead() and answers[i].draft}
+            ahead = self.worker.ahead([key for i, (key, *_) in work if answers[i].draft])
             if ahead:  # draft the next blocks while the verifier checks these ones (rows likely accepted whole)
                 # (beside the Verify, outside the cores lock: drafting ahead is overlap's point)
-                self._work.submit(self._draft_ahead, ahead, exclusive=False).add_done_callback(_log_failure)
-        response = ipb.ProposeResponse(rows=answers) if batched else answers[0]
-        response.forwards.extend(forwards_to_proto(times))
-        response.seconds = time.perf_counter() - t0
-        return response
+                self._ahead = list(ahead)
+                self._work.submit(drive, ahead, exclusive=False).add_done_callback(_log_failure)
+        return ipb.ProposeReply(rows=answers, times=times_to_proto(times, time.perf_counter() - t0))
 
-    def _propose(self, work: dict, times: StepTimes) -> dict[int, ipb.ProposeResponse]:
-        """On the worker thread: commit, catch lazy drafters up (`auto`: one batched prefill
-        forward), draft (one batched drafter forward per round), serialise (p can be megabytes).
-        `times` gets the forwards and each row's work between them."""
-        for _, session, previous, _, _ in work.values():
-            if previous is not None:
-                session.commit(previous)
-        catch_up = [
-            f for _, session, _, _, proposer in work.values() if proposer is None for f in session.catch_up_steps()
-        ]
-        if catch_up:
-            execute(catch_up, prefill=True, observe=times.observe)
-        proposals = drive(
-            {i: session.propose_steps(k, proposer) for i, (_, session, _, k, proposer) in work.items()},
-            observe=times.observe,
-            timing=times.work,
-        )
-        out = {}
-        for i, (request_id, session, *_) in work.items():
-            draft, p = proposals[i]  # [k], [k, V] or None
-            out[i] = ipb.ProposeResponse(
-                request_id=request_id,
-                draft=draft,
-                probs=encode_probs(p, self.probs_dtype),
-                stats=stats_to_proto(session.stats),
-                work_seconds=times.work.get(i, 0.0),
+    def _propose(self, work: list, times: StepTimes) -> list[tuple[int, ipb.Proposal]]:
+        """On the model thread: the worker's propose phase, serialised (p can be megabytes)."""
+        proposals = self.worker.propose([w for _, w in work], times)
+        return [
+            (
+                i,
+                ipb.Proposal(
+                    request_id=key,
+                    draft=draft,
+                    probs=encode_probs(p, self.probs_dtype),
+                    work_seconds=times.work.get(key, 0.0),
+                    fed=self.worker.fed(key),
+                ),
             )
-        return out
+            for (i, (key, *_)), (draft, p) in zip(work, proposals)
+        ]
+
+    @rpc
+    async def Release(self, request: ipb.ReleaseBatch, context) -> ipb.ReleaseReply:
+        keys = list(request.request_ids)
+        self.worker.stop(keys)  # (a block being drafted ahead stops after its next token)
+        return release_reply(keys, await self._work.submit(lambda: [self.worker.release(key) for key in keys]))
 
     @rpc
     async def Costs(self, request: ipb.CostsRequest, context) -> ipb.CostsResponse:
         """The drafter tier's cost curve (viasd.costs), profiled on the worker thread on first call."""
         if self.costs is None:
-            tiers = {"drafter": (self.lm, None)}
+            tiers = {"drafter": (self.worker.lm, None)}
             self.costs = await self._work.submit(lambda: profile_tiers(tiers, cache_dir=self.cost_cache_dir))
         return costs_to_proto(self.costs)
 
-    @staticmethod
-    def _draft_ahead(sessions: dict) -> None:
-        drive({i: s.draft_ahead_steps() for i, s in sessions.items()})
-
-    @rpc
-    async def Close(self, request: ipb.CloseRequest, context) -> ipb.CloseResponse:
-        # a Propose still running keeps its own reference; the cache row goes when it finishes
-        session = self.sessions.pop(request.request_id, None)
-        if session is not None:
-            session.stop.set()  # (a block being drafted ahead stops after its next token)
-            self._work.submit(session.release)  # after every forward already queued with the row
-        return ipb.CloseResponse(existed=session is not None)
-
     def shutdown(self) -> None:
-        self.sessions.clear()
+        self._stop_ahead()
         self._work.shutdown()
 
 
@@ -267,7 +215,7 @@ class DrafterActor:
     ) -> dict:
         """Load the model, start the server (mutual TLS with `tls`, an InternalTLS); return its
         address and the model's facts."""
-        from viasd.engine import cost_cache_dir
+        from viasd.engine import cost_cache_dir, engine_capacity
         from viasd.models.loader import load_causal_lm
 
         config = EngineConfig.model_validate(engine)
@@ -284,11 +232,13 @@ class DrafterActor:
             return MaskedLM(model), threads, packed
 
         lm, threads, packed = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
+        positions = getattr(lm.config, "max_position_embeddings", None)
+        capacity, context_name = engine_capacity(config, lm.kv_bytes_per_token(), lm.device, [positions])
         self.servicer = DrafterServicer(
             lm,
+            capacity,
             probs_dtype=probs_dtype,
             cost_cache_dir=str(cost_cache_dir()),
-            prefill_tokens=config.prefill_chunk,
             cores=cores_lock(device, threads, ranks=1),
         )
         self.server, port = await start_server(
@@ -302,7 +252,9 @@ class DrafterActor:
             "address": address,
             "vocab_size": lm.vocab_size,
             "num_layers": lm.num_layers,
-            "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
+            "max_position_embeddings": positions,
+            "max_seq_len": capacity.max_seq_len,  # what its caches hold per row (engine_capacity)
+            "context_name": context_name,
             "pid": os.getpid(),
             "threads": threads,
             "linears": packed,  # (viasd.precision.LinearReport)

@@ -1,5 +1,6 @@
-"""What the pipeline's gRPC servers share: server/channel options, status mapping, the wire
-format of draft probabilities and outcomes, and in-order execution of blocking model calls.
+"""What the pipeline's gRPC servers and their client share: server/channel options, status
+mapping, the wire format of draft probabilities, outcomes and costs, and in-order execution of
+blocking model calls.
 
 Draft probabilities (``DraftProbs``) travel as raw little-endian bytes, row-major [rows, V]:
 
@@ -29,7 +30,7 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from viasd import model_thread
 from viasd.costs import CostModel, StepTimes
-from viasd.engine import Outcome
-from viasd.errors import InvalidParameterError
+from viasd.errors import CapacityError, InvalidParameterError
+from viasd.executor import Copy, Open, PrefillBatch, PrefillChunk, SessionNotFound
+from viasd.sessions import Outcome
 from viasd.v1 import internal_pb2 as ipb
+from viasd.v1.convert import params_from_proto, stats_to_proto
 
 log = logging.getLogger("viasd.actors")
 
@@ -56,10 +59,6 @@ GRPC_OPTIONS = [
 ]
 PROBS_DTYPES = ("auto", "bfloat16")
 _WIRE = {"float32": ("<f4", torch.float32), "float64": ("<f8", torch.float64), "bfloat16": ("<i2", torch.bfloat16)}
-
-
-class SessionNotFound(KeyError):
-    """No session with this request id (never opened, already closed, or the actor restarted)."""
 
 
 class PeerUnavailable(RuntimeError):
@@ -102,14 +101,14 @@ class InternalTLS(BaseModel):
             require_client_auth=True,
         )
 
-    def channel(self, address: str) -> grpc.aio.Channel:
+    def channel(self, address: str, aio: bool = True) -> grpc.aio.Channel | grpc.Channel:
         credentials = grpc.ssl_channel_credentials(
             root_certificates=self._read("ca_file"),
             private_key=self._read("key_file"),
             certificate_chain=self._read("cert_file"),
         )
         options = [*GRPC_OPTIONS, ("grpc.ssl_target_name_override", self.server_name)]
-        return grpc.aio.secure_channel(address, credentials, options=options)
+        return (grpc.aio if aio else grpc).secure_channel(address, credentials, options=options)
 
 
 def internal_tls(value: InternalTLS | dict | None) -> InternalTLS | None:
@@ -119,9 +118,12 @@ def internal_tls(value: InternalTLS | dict | None) -> InternalTLS | None:
     return InternalTLS.model_validate(value)
 
 
-def open_channel(address: str, tls: InternalTLS | None = None) -> grpc.aio.Channel:
-    """A channel to an internal service: plaintext, or mutual TLS with `tls`."""
-    return tls.channel(address) if tls is not None else grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+def open_channel(address: str, tls: InternalTLS | None = None, aio: bool = True) -> grpc.aio.Channel | grpc.Channel:
+    """A channel to an internal service (asyncio, or blocking with `aio` False): plaintext, or
+    mutual TLS with `tls`."""
+    if tls is not None:
+        return tls.channel(address, aio)
+    return (grpc.aio if aio else grpc).insecure_channel(address, options=GRPC_OPTIONS)
 
 
 async def start_server(
@@ -148,43 +150,40 @@ def advertised_host(bind_host: str) -> str:
     return bind_host
 
 
-def free_row(store):
-    """A free row of a shared cache (a RowCache), or None when every row is taken."""
-    return store.row(store.alloc()) if store.rows_in_use < store.max_rows else None
-
-
-def rows_of(request) -> tuple[list, bool]:
-    """The rows of a Propose / Verify request and whether it is a batch (`rows` set); a request
-    without rows is a batch of itself."""
-    return (list(request.rows), True) if request.rows else ([request], False)
-
-
 def row_error(exc: Exception) -> ipb.RowError:
     """The error of one row of a batch (the status the row would get alone)."""
+    return ipb.RowError(code=status_of(exc).name, message=str(exc))
+
+
+def status_of(exc: Exception) -> grpc.StatusCode:
+    """The gRPC status of an error a service raised: a session it does not hold, a full cache, a
+    bad field, a dead peer rank, or a bug."""
     if isinstance(exc, SessionNotFound):
-        return ipb.RowError(code="NOT_FOUND", message=str(exc.args[0] if exc.args else exc))
-    return ipb.RowError(code="INVALID_ARGUMENT", message=str(exc))
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, InvalidParameterError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, PeerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
 
 
 def rpc(method):
-    """Map a servicer method's exceptions to gRPC status codes (NOT_FOUND, INVALID_ARGUMENT,
-    UNAVAILABLE, INTERNAL)."""
+    """Map a servicer method's exceptions to gRPC status codes (`status_of`)."""
 
     @functools.wraps(method)
     async def wrapper(self, request, context):
         try:
             return await method(self, request, context)
-        except SessionNotFound as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc.args[0] if exc.args else exc))
-        except InvalidParameterError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except PeerUnavailable as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
-        except Exception as exc:  # a bug or a broken model: the caller sees INTERNAL with the cause
-            log.exception("%s failed", method.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            code = status_of(exc)
+            if code == grpc.StatusCode.INTERNAL:  # a bug or a broken model: the caller sees the cause
+                log.exception("%s failed", method.__name__)
+                await context.abort(code, f"{type(exc).__name__}: {exc}")
+            await context.abort(code, str(exc))
 
     return wrapper
 
@@ -254,6 +253,39 @@ def decode_probs(msg: ipb.DraftProbs | None) -> torch.Tensor | None:
     return p
 
 
+def prefill_from_proto(request: ipb.PrefillBatch, drafter: bool) -> PrefillBatch:
+    """A Prefill call as the executor's batch, for the drafter's side or the verifier's."""
+    return PrefillBatch(
+        [
+            Open(o.request_id, list(o.prompt_token_ids), params_from_proto(o.params), o.seed, drafter)
+            for o in request.opens
+        ],
+        [PrefillChunk(c.request_id, c.upto, drafter) for c in request.chunks],
+        [Copy(c.request_id, c.leader) for c in request.copies],
+    )
+
+
+def prefill_reply(results: dict, seconds: float, **fields) -> ipb.PrefillReply:
+    """The answer to a Prefill: each row's error, or `fields` (key, its result -> a value) set."""
+    rows = [
+        ipb.Prefilled(request_id=key, error=row_error(result))
+        if isinstance(result, Exception)
+        else ipb.Prefilled(request_id=key, **{name: value(key, result) for name, value in fields.items()})
+        for key, result in results.items()
+    ]
+    return ipb.PrefillReply(rows=rows, times=ipb.CallTimes(seconds=seconds))
+
+
+def release_reply(keys: list[str], released: list) -> ipb.ReleaseReply:
+    """The answer to a Release: whether each session existed, and its counters (they travel once, here)."""
+    return ipb.ReleaseReply(
+        rows=[
+            ipb.Released(request_id=key, existed=stats is not None, stats=stats and stats_to_proto(stats))
+            for key, stats in zip(keys, released)
+        ]
+    )
+
+
 def outcome_to_proto(outcome: Outcome) -> ipb.Outcome:
     return ipb.Outcome(tokens=outcome.tokens, num_draft_accepted=outcome.num_draft_accepted)
 
@@ -287,16 +319,19 @@ def costs_to_proto(model: CostModel) -> ipb.CostsResponse:
     )
 
 
-def forwards_to_proto(times: StepTimes) -> list[ipb.Forward]:
-    return [ipb.Forward(tier=t, rows=b, tokens=n, seconds=sec) for t, b, n, sec in times.forwards]
+def times_to_proto(times: StepTimes, seconds: float) -> ipb.CallTimes:
+    return ipb.CallTimes(
+        seconds=seconds,
+        forwards=[ipb.Forward(tier=t, rows=b, tokens=n, seconds=sec) for t, b, n, sec in times.forwards],
+    )
 
 
-def times_from_proto(response, keys: list) -> StepTimes:
+def times_from_proto(reply, keys: list) -> StepTimes:
     """A batched Propose's or Verify's `StepTimes`: its forwards, and each row's work under the
     caller's key for that row (`keys`, in the rows' order)."""
     return StepTimes(
-        [(f.tier, f.rows, f.tokens, f.seconds) for f in response.forwards],
-        {key: row.work_seconds for key, row in zip(keys, response.rows)},
+        [(f.tier, f.rows, f.tokens, f.seconds) for f in reply.times.forwards],
+        {key: row.work_seconds for key, row in zip(keys, reply.rows)},
     )
 
 
@@ -306,44 +341,6 @@ def costs_from_proto(msg: ipb.CostsResponse) -> CostModel:
 
 
 # ------------------------------------------------------------------ blocking model calls
-
-
-class Batched:
-    """Group commit for calls that run best together (the Opens' prefills): a call that arrives
-    while a batch runs waits for it and goes in the next one, with every call that arrived
-    meanwhile; a call to an idle batcher starts a batch at once (no waiting for company).
-
-    `run(items)` returns one result per item (an exception instance fails that item's call);
-    if it raises, every call of the batch fails with its exception."""
-
-    def __init__(self, run: Callable[[list], Awaitable[list]]):
-        self._run = run
-        self._waiting: list[tuple[Any, asyncio.Future]] = []
-        self._draining: asyncio.Future | None = None
-
-    async def submit(self, item: Any) -> Any:
-        result = asyncio.get_running_loop().create_future()
-        self._waiting.append((item, result))
-        if self._draining is None:
-            self._draining = asyncio.ensure_future(self._drain())
-        return await result
-
-    async def _drain(self) -> None:
-        try:
-            while self._waiting:
-                batch, self._waiting = self._waiting, []
-                try:
-                    results = await self._run([item for item, _ in batch])
-                except Exception as exc:  # noqa: BLE001 - every call of the batch fails with it
-                    results = [exc] * len(batch)
-                for (_, future), r in zip(batch, results):
-                    if not future.done():  # (a caller that gave up: its item still ran)
-                        if isinstance(r, BaseException):
-                            future.set_exception(r)
-                        else:
-                            future.set_result(r)
-        finally:
-            self._draining = None
 
 
 def cores_lock(device: str, threads: int, ranks: int) -> filelock.FileLock | None:

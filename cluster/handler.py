@@ -26,13 +26,12 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from viasd.actors.coordinator import BackendError
 from viasd.cluster.guard import MAX_REQUEST_ID_CHARS, SHUTTING_DOWN, Aborted, Calls, until_aborted
 from viasd.cluster.pipeline import PipelineConfig
 from viasd.cluster.serving_metrics import ServingMetrics
 from viasd.config import GenerationParams, parse_params
-from viasd.engine import Chunk
-from viasd.errors import InvalidParameterError
+from viasd.engine import AsyncEngine, Chunk
+from viasd.errors import BackendError, InvalidParameterError
 from viasd.llm import IncrementalDetokenizer, StopStrings, encode_prompt
 from viasd.metrics import RequestStats, TokenLogprob
 
@@ -101,34 +100,12 @@ def error_of(exc: BaseException) -> RequestError:
 # ------------------------------------------------------------------------------- the backends
 
 
-class Coordinates(Protocol):
-    """Runs requests through a pipeline's models (`actors.coordinator.Coordinator`, `local.LocalCoordinator`)."""
-
-    def generate(self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams) -> AsyncIterator[Chunk]:
-        """The request's chunks; closing the iterator aborts the request and frees its caches."""
-        ...
-
-    def stop_sample(self, request_id: str, index: int) -> None:
-        """End one sample of a running n > 1 request early (a stop string in its text): no more
-        chunks of it; the request's other samples go on."""
-        ...
-
-    def active_requests(self) -> int:
-        """Requests in flight."""
-        ...
-
-    def planner_state(self) -> dict:
-        """What mode `auto` plans with now: the cost curves (None until profiled) and the running
-        acceptance (`viasd.engine.Engine.planner_state`), for /metrics."""
-        ...
-
-
 class Backend(Protocol):
     """A running pipeline, as the handler and the deployments use it (`pipeline.Pipeline`, `local.LocalPipeline`)."""
 
     config: PipelineConfig
     tokenizer: Any  # a transformers tokenizer, or None for tokenizer-less (test) models
-    coordinator: Coordinates
+    coordinator: AsyncEngine  # the pipeline's engine as asyncio streams
 
     def info(self) -> dict:
         """What ListModels and /v1/models report (the ModelInfo fields)."""
@@ -338,7 +315,7 @@ class Job:
             self._timer.finish([s.request_stats for s in self.samples], self.finish_reason)
             coordinator = self.handler.backend.coordinator
             self.handler.metrics.set_planner(coordinator.planner_state())
-            totals = getattr(coordinator, "totals", None)  # (the served step driver's; in-process has none)
+            totals = getattr(coordinator.engine.executor, "totals", None)  # (the served executor's calls)
             if totals is not None:
                 self.handler.metrics.set_steps(totals.steps, totals.phases())
         return Piece("", [], reason, stats, request_stats, index=index)

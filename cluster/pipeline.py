@@ -7,9 +7,12 @@
 `Pipeline.start` reserves one placement group (bundle 0: the drafter; bundles 1..N: verifier
 ranks 0..N-1; STRICT_PACK by default, so the drafter and every rank share a node and the gRPC
 hops stay on it), starts the actors, lets every verifier rank load and shard the model at once
-(they rendezvous on rank 0's node), starts the gRPC services and connects a `Coordinator` to
-them in the calling event loop. Ray must already be initialised (`ray.init`, or inside a Serve
-replica). Autoscaling adds pipelines; each is independent.
+(they rendezvous on rank 0's node) and starts the gRPC services. Each actor sizes its caches from
+the engine config (`max_batch` rows, `kv_cache_gib` its own budget); the coordinator is the
+engine's step loop over them (`Engine.over(ServedExecutor)`, `AsyncEngine`), whose capacity is
+what every actor holds: past `max_batch` requests, requests wait in its queue, as in process.
+Ray must already be initialised (`ray.init`, or inside a Serve replica). Autoscaling adds
+pipelines; each is independent.
 
 Faults: `probe()` asks every actor for its session count under a deadline; `heal()` replaces a
 dead drafter (a new actor in bundle 0) or, when any verifier rank died, the whole verifier group
@@ -31,12 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from viasd.actors.coordinator import Coordinator
+from viasd.actors.coordinator import ServedExecutor
 from viasd.actors.drafter import DrafterActor
 from viasd.actors.rpc import InternalTLS
 from viasd.actors.verifier import VerifierWorker
 from viasd.config import EngineConfig, Mode, validate_named
-from viasd.engine import context_limit
+from viasd.engine import AsyncEngine, Capacity, Engine
 from viasd.gates import Gates
 from viasd.precision import LinearReport, kernels
 
@@ -88,7 +91,7 @@ class PipelineConfig(BaseModel):
         "None: plaintext, for loopback or a trusted pod network.",
     )
     rpc_timeout_s: float = Field(
-        60.0, gt=0.0, description="Deadline of every internal RPC (Open, Propose, Verify, Close)."
+        60.0, gt=0.0, description="Deadline of every internal RPC (Prefill, Propose, Verify, Release)."
     )
     start_timeout_s: float = Field(900.0, gt=0.0, description="Time allowed for placement, model loading and sharding.")
     default_mode: Mode | None = Field(
@@ -217,14 +220,44 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
     return ranks, info, address, tokenizer
 
 
+def _engine(config: PipelineConfig, verifier_address: str, verifier: dict, drafter: dict | None) -> Engine:
+    """The engine's step loop over the started actors: its capacity is what every actor's caches
+    hold (each sized its own from the engine config: `engine_capacity`), its context the least
+    of theirs."""
+    if drafter and drafter["vocab_size"] != verifier["vocab_size"]:
+        raise ValueError(
+            f"drafter vocabulary ({drafter['vocab_size']}) differs from the verifier's "
+            f"({verifier['vocab_size']}); the pair must share a tokenizer"
+        )
+    sides = [i for i in (verifier, drafter) if i is not None and i["max_seq_len"] is not None]
+    least = min(sides, key=lambda i: i["max_seq_len"], default=None)
+    e = config.engine
+    executor = ServedExecutor(
+        verifier_address,
+        drafter["address"] if drafter else None,
+        vocab_size=verifier["vocab_size"],
+        rpc_timeout_s=config.rpc_timeout_s,
+        tls=config.internal_tls,
+    )
+    return Engine.over(
+        executor,
+        Capacity(e.max_batch, least and least["max_seq_len"], e.prefill_chunk),
+        eos_token_ids=verifier["eos_token_ids"],
+        context_name=least["context_name"] if least else "max_context",
+        gates=Gates(**verifier["gates"]) if verifier.get("gates") else None,
+        drafter_fallback=config.drafter_fallback,
+    )
+
+
 class Pipeline:
-    """A running pipeline: its actors, their placement group, its coordinator and tokenizer."""
+    """A running pipeline: its actors, their placement group, its coordinator (the engine over the
+    actors, as asyncio streams) and tokenizer."""
 
     def __init__(
         self,
         config: PipelineConfig,
         *,
-        coordinator: Coordinator,
+        coordinator: AsyncEngine,
         tokenizer,
         drafter,
         ranks: list,
@@ -234,6 +267,7 @@ class Pipeline:
     ):
         self.config = config
         self.coordinator = coordinator
+        self.executor: ServedExecutor = coordinator.engine.executor
         self.tokenizer = tokenizer  # None for tokenizer-less (test) models: requests carry token ids
         self.drafter = drafter  # Ray handle of DrafterActor, or None (`ar` only)
         self.ranks = ranks  # Ray handles of VerifierWorker, rank 0 first
@@ -265,27 +299,7 @@ class Pipeline:
                 results[0],
                 (results[1] if has_drafter else (None, None)),
             )
-            if drafter_info and drafter_info["vocab_size"] != verifier_info["vocab_size"]:
-                raise ValueError(
-                    f"drafter vocabulary ({drafter_info['vocab_size']}) differs from the verifier's "
-                    f"({verifier_info['vocab_size']}); the pair must share a tokenizer"
-                )
-            max_context = context_limit(
-                verifier_info["max_position_embeddings"],
-                drafter_info["max_position_embeddings"] if drafter_info else None,
-                config.engine.max_context,
-            )
-            coordinator = Coordinator(
-                address,
-                drafter_info["address"] if drafter_info else None,
-                vocab_size=verifier_info["vocab_size"],
-                max_context=max_context,
-                eos_token_ids=verifier_info["eos_token_ids"],
-                rpc_timeout_s=config.rpc_timeout_s,
-                drafter_fallback=config.drafter_fallback,
-                tls=config.internal_tls,
-                gates=Gates(**verifier_info["gates"]) if verifier_info.get("gates") else None,
-            )
+            coordinator = AsyncEngine(_engine(config, address, verifier_info, drafter_info))
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
@@ -309,7 +323,8 @@ class Pipeline:
             drafter_info=drafter_info,
             verifier_info=verifier_info,
         )
-        coordinator.on_unavailable = pipeline._backend_down
+        loop = asyncio.get_running_loop()  # (the engine's calls run on its step thread)
+        pipeline.executor.on_unavailable = lambda component: loop.call_soon_threadsafe(pipeline._wake.set)
         return pipeline
 
     def info(self) -> dict:
@@ -322,7 +337,7 @@ class Pipeline:
             "num_layers": self.verifier_info["num_layers"],
             "skipped_layers": list(self.verifier_info["skipped_layers"]),
             "tensor_parallel_size": self.config.tp_size,
-            "max_context": self.coordinator.max_context or 0,
+            "max_context": self.coordinator.engine.max_context or 0,
             "default_mode": self.config.mode.value,
             # the verifier's dtype choice and CPU capability, and the linears both models packed
             "runtime": {**self.verifier_info["runtime"], **kernels(self._linears())},
@@ -334,20 +349,17 @@ class Pipeline:
         return [info["linears"] for info in infos if "linears" in info]
 
     def status(self) -> dict:
-        """For operators: the actors' processes, what `heal` rebuilt, requests the coordinator took."""
+        """For operators: the actors' processes, what `heal` rebuilt, requests the coordinator opened."""
         pids = {"verifier": self.verifier_info.get("rank_pids", [])}
         if self.drafter_info is not None:
             pids["drafter"] = self.drafter_info["pid"]
-        return {"pids": pids, "rebuilds": dict(self.rebuilds), "requests": self.coordinator.totals.requests}
+        return {"pids": pids, "rebuilds": dict(self.rebuilds), "requests": self.executor.totals.requests}
 
     async def session_counts(self) -> dict:
         """Open sessions on each actor: {"drafter": n, "verifier": [n per rank]} (0 when idle)."""
         ranks = await asyncio.gather(*(r.num_sessions.remote() for r in self.ranks))
         drafter = await self.drafter.num_sessions.remote() if self.drafter is not None else 0
         return {"drafter": drafter, "verifier": list(ranks)}
-
-    def _backend_down(self, component: str) -> None:
-        self._wake.set()
 
     def wake(self) -> None:
         """Make `supervise` probe (and rebuild what is down) now instead of at its next period."""
@@ -392,7 +404,7 @@ class Pipeline:
                     ray.kill(rank)
                 ranks, info, address, _ = await self._start_in_place(_start_verifier)
                 self.ranks, self.verifier_info = ranks, info
-                await self.coordinator.set_backends(verifier_address=address)
+                self.executor.set_backends(verifier_address=address)
                 self.rebuilds["verifier"] += 1
                 rebuilt.append("verifier")
             if probe["drafter"] and self.drafter is not None:
@@ -400,7 +412,7 @@ class Pipeline:
                 ray.kill(self.drafter)
                 drafter, info = await self._start_in_place(_start_drafter)
                 self.drafter, self.drafter_info = drafter, info
-                await self.coordinator.set_backends(drafter_address=info["address"])
+                self.executor.set_backends(drafter_address=info["address"])
                 self.rebuilds["drafter"] += 1
                 rebuilt.append("drafter")
             return rebuilt
@@ -436,7 +448,7 @@ class Pipeline:
         """Stop the servers, leave the process group, kill the actors, free the placement group."""
         self._stopping = True
         self._wake.set()
-        await self.coordinator.close()
+        self.coordinator.close()
         actors = ([self.drafter] if self.drafter is not None else []) + self.ranks
         try:
             await asyncio.wait_for(

@@ -185,15 +185,16 @@ SPECS = (
         "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).",
         ("model_name", "plan"),
     ),
-    # the served step driver (actors.coordinator): where its time goes
-    Spec("coordinator_steps", "counter", "Engine steps the coordinator drove (one Verify per backend each).", _M),
+    # the served executor (actors.coordinator.ServedExecutor): where its calls' time goes
+    Spec(
+        "coordinator_steps", "counter", "Engine steps that decoded over the actors (one Verify per backend each).", _M
+    ),
     Spec(
         "coordinator_seconds",
         "counter",
-        "The coordinator's time by `phase`: drafter and verifier (what each service spent on its calls), "
-        "propose_transport and verify_transport (the rest of each round trip), coordinator (its own work "
-        "in a step), wait_consumers (waiting, requests open, for any to ask for its next chunk) and "
-        "wait_batch (from the first request asking to the step's start).",
+        "The served executor's call time by `phase`: prefill and release (their calls' wall time), drafter and "
+        "verifier (what each service spent on its Propose and Verify calls), propose_transport and "
+        "verify_transport (the rest of each round trip).",
         ("model_name", "phase"),
     ),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
@@ -338,7 +339,7 @@ class ServingMetrics:
             sink.gauge("kv_cache_usage_perc", fraction, self._labels)
 
     def set_planner(self, state: dict) -> None:
-        """Mode auto's planner state (`Engine.planner_state` / `Coordinator.planner_state`): the
+        """Mode auto's planner state (`Engine.planner_state`): the
         cost curves (once profiled), the running acceptance and the via estimates."""
         gauges = [
             (name, value, {})
@@ -371,8 +372,8 @@ class ServingMetrics:
                 sink.gauge(name, value, {**self._labels, **labels})
 
     def set_steps(self, steps: int, phases: dict[str, float]) -> None:
-        """The step driver's running totals (`RpcTotals.steps` and `.phases()`): the counters move
-        by what changed since the last call."""
+        """The served executor's running totals (`RpcTotals.steps` and `.phases()`): the counters
+        move by what changed since the last call."""
         done, seen = self._steps
         self._counter("coordinator_steps", max(0, steps - done))
         for phase, seconds in phases.items():

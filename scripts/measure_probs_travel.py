@@ -11,7 +11,7 @@ lossy), `sparse` (the nonzero values + their columns: exact; small only where to
 min-p leave p exactly 0). p comes from the real drafter on HumanEval-style prompts (the logits
 of every prompt position), cut into blocks of k rows and passed through the request's sampler.
 Per block: bytes, encode + serialise + parse + decode seconds, and the wall time of one loopback
-gRPC hop carrying it (a unary echo of a VerifyRequest with that p: serialisation, transport,
+gRPC hop carrying it (a unary echo of a VerifyBatch with that p: serialisation, transport,
 parsing; the median of --repeats).
 
     flock /tmp/viasd-heavy.lock .venv/bin/python scripts/measure_probs_travel.py \
@@ -50,7 +50,7 @@ async def hop_seconds(messages: list, repeats: int) -> float:
 
     class Echo(internal_pb2_grpc.VerifierServiceServicer):
         async def Verify(self, request, context):
-            return ipb.VerifyResponse(request_id=request.request_id)
+            return ipb.VerifyReply(rows=[ipb.Verdict(request_id=r.request_id) for r in request.rows])
 
     server, port = await start_server(lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(Echo(), s))
     try:
@@ -60,7 +60,9 @@ async def hop_seconds(messages: list, repeats: int) -> float:
             for _ in range(repeats):
                 for msg in messages:
                     t0 = time.perf_counter()
-                    await stub.Verify(ipb.VerifyRequest(request_id="r", draft=[1] * msg.rows, probs=msg))
+                    await stub.Verify(
+                        ipb.VerifyBatch(rows=[ipb.VerifyRow(request_id="r", draft=[1] * msg.rows, probs=msg)])
+                    )
                     times.append(time.perf_counter() - t0)
             return statistics.median(times)
     finally:

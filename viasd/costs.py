@@ -105,14 +105,22 @@ def _clamped(points: Sequence[tuple[float, float]], x: float) -> float:
 class StepTimes:
     """What `viasd.sessions.drive` measured of one step: each batched forward (tier, rows, padded
     tokens per row, seconds; `observe` is drive's observer) and each row's work between its
-    forwards (key -> seconds; drive's `timing`). In process the scheduler's cost model learns
-    from it; served, each service sends its own with its answer (`Forward`, `work_seconds`)."""
+    forwards (request key -> seconds; drive's `timing`). The scheduler's cost model learns from
+    it; served, each service sends its own with its answer (`Forward`, `work_seconds`), and each
+    call's round trip beyond the seconds its service spent is `transport`."""
 
     forwards: list[tuple[str, int, int, float]] = field(default_factory=list)
     work: dict = field(default_factory=dict)
+    transport: dict[str, float] = field(default_factory=dict)  # served: call -> seconds outside its service
 
     def observe(self, tier: str, rows: int, tokens: int, seconds: float) -> None:
         self.forwards.append((tier, rows, tokens, seconds))
+
+    def join(self, other: StepTimes) -> None:
+        """Add another part's figures (served: each call's answer): its forwards and rows' work."""
+        self.forwards += other.forwards
+        for key, seconds in other.work.items():
+            self.work[key] = self.work.get(key, 0.0) + seconds
 
     @property
     def forward_seconds(self) -> float:

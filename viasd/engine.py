@@ -1,9 +1,12 @@
 """One engine, three modes: `ar` (q alone), `sd` (p -> q, two-tier), `via` (p -> q' -> q, VIA-SD).
 
-`Engine` holds the models, the slim verifier's mask and the continuous-batching scheduler
-(viasd.scheduler); every request, in-process or through `LLM`, decodes through its steps, so
-there is one decode path. The cycle itself (draft, slim verify, gate, escalate, roll back) is
-in viasd.sessions, the acceptance rules in viasd.rules, the proposers in viasd.proposers.
+`Engine` holds the continuous-batching scheduler (viasd.scheduler), the one step loop, over an
+executor (viasd.executor): the models in this process (`Engine(verifier, drafter, ...)`), or
+the served drafter and verifier actors (`Engine.over(ServedExecutor(...), ...)`). Every
+request, in-process, through `LLM` or served, decodes through its steps. The cycle itself
+(draft, slim verify, gate, escalate, roll back) is in viasd.sessions, the acceptance rules in
+viasd.rules, the proposers in viasd.proposers. `AsyncEngine` streams an engine's requests to
+asyncio callers (the request handler's backends).
 
     engine = Engine(verifier, drafter, mask=mask)
     engine.complete(prompt_ids, parse_params(mode="via"))        # one request, to the end
@@ -14,21 +17,22 @@ in viasd.sessions, the acceptance rules in viasd.rules, the proposers in viasd.p
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
 from viasd import model_thread
-from viasd.config import CachePolicy, GenerationParams
-from viasd.costs import CostModel, profile
+from viasd.config import CachePolicy, EngineConfig, GenerationParams
+from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
+from viasd.executor import Capacity, Executor, LocalExecutor
 from viasd.gates import Gates
 from viasd.models.embedded import cache_root
 from viasd.precision import cpu_memory
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.scheduler import (
-    Capacity,
     Chunk,
     GenerationResult,
     RequestHandle,
@@ -43,6 +47,7 @@ from viasd.sessions import DraftSession, Outcome, VerifySession, request_seeds
 
 __all__ = [
     "Engine",
+    "AsyncEngine",
     "Chunk",
     "GenerationResult",
     "RequestHandle",
@@ -52,6 +57,8 @@ __all__ = [
     "context_limit",
     "draft_length",
     "resolve_seed",
+    "kv_capacity",
+    "engine_capacity",
     "DraftSession",
     "VerifySession",
     "Outcome",
@@ -76,14 +83,82 @@ def available_memory(device: torch.device) -> int:
     return cpu_memory()[0]
 
 
+def kv_bytes_per_token(
+    verifier: MaskedLM | None, drafter: MaskedLM | None, mask: LayerMask, policy: CachePolicy
+) -> int:
+    """KV bytes one position costs in every tier a `via` request holds on these models (served:
+    each actor counts its own; a tensor-parallel rank, its shard)."""
+    total = 0
+    if verifier is not None:
+        total += verifier.kv_bytes_per_token()
+        if policy == CachePolicy.SEPARATE:
+            total += verifier.kv_bytes_per_token(mask)
+    if drafter is not None:
+        total += drafter.kv_bytes_per_token()
+    return total
+
+
+def kv_capacity(
+    per_token: int,
+    device: torch.device,
+    *,
+    max_batch: int,
+    max_seq_len: int | None,
+    kv_cache_gib: float | None,
+    model_context: int | None,
+    max_context: int | None,
+) -> tuple[int | None, str]:
+    """Positions per cache row, and the name of the limit that sets them (for the error a too
+    long prompt gets). Without `max_seq_len`, what `kv_cache_gib` (default: a quarter of the
+    memory available on `device` now) holds for `max_batch` rows of `per_token` bytes a
+    position, capped by the models' context (`model_context`, with the configured
+    `max_context` in it)."""
+    if max_seq_len is None:
+        budget = kv_cache_gib * 2**30 if kv_cache_gib else DEFAULT_KV_MEMORY_FRACTION * available_memory(device)
+        max_seq_len = int(budget // (max_batch * per_token))
+        name = f"KV cache budget of {budget / 2**30:.2f} GiB for max_batch={max_batch} (kv_cache_gib)"
+        if not kv_cache_gib and max_seq_len < min(model_context or MIN_DEFAULT_POSITIONS, MIN_DEFAULT_POSITIONS):
+            raise ModelLoadError(
+                f"only {budget / DEFAULT_KV_MEMORY_FRACTION / 2**30:.2f} GiB of memory is free after loading the "
+                f"models: the default {name} holds {max_seq_len} positions per request; set "
+                "kv_cache_gib or max_seq_len, lower max_batch, or turn packed_linears off"
+            )
+    else:
+        name = "max_seq_len"
+    limit = context_limit(model_context, max_seq_len)
+    if model_context is not None and limit == model_context:
+        name = "max_context" if max_context == model_context else "the models' max_position_embeddings"
+    if limit is not None and limit < 2:
+        raise ModelLoadError(f"{name} leaves {limit} positions per request; raise it")
+    return limit, name
+
+
+def engine_capacity(
+    config: EngineConfig, per_token: int, device: torch.device | str, positions: Sequence[int | None]
+) -> tuple[Capacity, str]:
+    """The capacity an engine's config gives a process holding tiers of `per_token` KV bytes a
+    position on `device`, whose models take `positions` (`kv_capacity`); served, each actor sizes
+    its own caches this way (`kv_cache_gib`: its own budget), and the engine takes the least."""
+    context, name = kv_capacity(
+        per_token,
+        torch.device(device),
+        max_batch=config.max_batch,
+        max_seq_len=config.max_seq_len,
+        kv_cache_gib=config.kv_cache_gib,
+        model_context=context_limit(*positions, config.max_context),
+        max_context=config.max_context,
+    )
+    return Capacity(config.max_batch, context, config.prefill_chunk), name
+
+
 class Engine:
     """Decodes requests with a verifier q, an optional drafter p and the slim verifier q' = q masked by z.
 
     Capacity: `max_batch` requests decode together (cache rows per tier); each row holds up to
     `max_seq_len` positions. Without `max_seq_len`, it is what `kv_cache_gib` (default: a quarter
     of the memory available at start) holds for max_batch rows of every tier, capped by the
-    models' context. Storage grows to what is used, up to that bound; requests past max_batch
-    wait in the queue.
+    models' context (`kv_capacity`). Storage grows to what is used, up to that bound; requests
+    past max_batch wait in the queue.
     """
 
     def __init__(
@@ -104,66 +179,80 @@ class Engine:
         cost_cache_dir: str | Path | None = None,
         gates: Gates | None = None,
     ):
-        self.verifier = verifier
-        self.drafter = drafter
         if drafter is not None and drafter.vocab_size != verifier.vocab_size:
             raise ModelLoadError(
                 f"drafter vocabulary ({drafter.vocab_size}) differs from the verifier's ({verifier.vocab_size}); "
                 "the pair must share a tokenizer"
             )
-        self.mask = mask if mask is not None else LayerMask.evenly_spaced(skip_ratio, verifier.num_layers)
-        if self.mask.num_layers != verifier.num_layers:
-            raise MaskError(
-                f"mask has {self.mask.num_layers} entries but the verifier has {verifier.num_layers} layers"
-            )
-        self.cache_policy = CachePolicy(cache_policy)
+        mask = mask if mask is not None else LayerMask.evenly_spaced(skip_ratio, verifier.num_layers)
+        if mask.num_layers != verifier.num_layers:
+            raise MaskError(f"mask has {mask.num_layers} entries but the verifier has {verifier.num_layers} layers")
+        cache_policy = CachePolicy(cache_policy)
+        self.kv_bytes_per_token = kv_bytes_per_token(verifier, drafter, mask, cache_policy)
+        limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
+        context, context_name = kv_capacity(
+            self.kv_bytes_per_token,
+            verifier.device,
+            max_batch=max_batch,
+            max_seq_len=max_seq_len,
+            kv_cache_gib=kv_cache_gib,
+            model_context=context_limit(*limits, max_context),
+            max_context=max_context,
+        )
+        capacity = Capacity(max_batch=max_batch, max_seq_len=context, prefill_chunk=prefill_chunk)
+        executor = LocalExecutor(verifier, drafter, mask, cache_policy, capacity, cost_cache_dir=cost_cache_dir)
+        self._start(executor, capacity, eos_token_ids, context_name, costs, gates, thread=model_thread.MODELS)
+        self.verifier, self.drafter, self.mask, self.cache_policy = verifier, drafter, mask, cache_policy
+
+    @classmethod
+    def over(
+        cls,
+        executor: Executor,
+        capacity: Capacity,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        context_name: str = "max_context",
+        costs: CostModel | None = None,
+        gates: Gates | None = None,
+        drafter_fallback: bool = False,
+    ) -> Engine:
+        """An engine on any executor (served: viasd.actors.coordinator.ServedExecutor), whose
+        sides hold `capacity` each; `drafter_fallback`: a row whose drafter fails goes on as `ar`.
+        Its steps run on a thread of its own (they wait on the executor, not on models here)."""
+        engine = cls.__new__(cls)
+        thread = model_thread.Worker("viasd-engine")
+        engine._start(executor, capacity, eos_token_ids, context_name, costs, gates, drafter_fallback, thread)
+        engine.verifier = engine.drafter = engine.mask = engine.cache_policy = None
+        engine.kv_bytes_per_token = None
+        return engine
+
+    def _start(
+        self, executor, capacity, eos_token_ids, context_name, costs, gates, drafter_fallback=False, thread=None
+    ) -> None:
+        self.executor = executor
+        self.thread = thread  # where its steps run, one after the other (viasd.model_thread)
+        self.capacity = capacity
+        self.max_context = capacity.max_seq_len
         self.gates = gates  # `via` requests that choose no gate get these (calibrated for the mask; viasd.gates)
         self.eos_token_ids = tuple(eos_token_ids)
-        limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
-        model_context = context_limit(*limits, max_context)
-        self.kv_bytes_per_token = self._kv_bytes_per_token()
-        if max_seq_len is None:
-            budget = (
-                kv_cache_gib * 2**30 if kv_cache_gib else DEFAULT_KV_MEMORY_FRACTION * available_memory(verifier.device)
-            )
-            max_seq_len = int(budget // (max_batch * self.kv_bytes_per_token))
-            context_name = f"KV cache budget of {budget / 2**30:.2f} GiB for max_batch={max_batch} (kv_cache_gib)"
-            if not kv_cache_gib and max_seq_len < min(model_context or MIN_DEFAULT_POSITIONS, MIN_DEFAULT_POSITIONS):
-                raise ModelLoadError(
-                    f"only {budget / DEFAULT_KV_MEMORY_FRACTION / 2**30:.2f} GiB of memory is free after loading the "
-                    f"models: the default {context_name} holds {max_seq_len} positions per request; set "
-                    "kv_cache_gib or max_seq_len, lower max_batch, or turn packed_linears off"
-                )
-        else:
-            context_name = "max_seq_len"
-        self.max_context = context_limit(model_context, max_seq_len)
-        if model_context is not None and self.max_context == model_context:
-            context_name = "max_context" if max_context == model_context else "the models' max_position_embeddings"
-        if self.max_context is not None and self.max_context < 2:
-            raise ModelLoadError(f"{context_name} leaves {self.max_context} positions per request; raise it")
-        self.capacity = Capacity(max_batch=max_batch, max_seq_len=self.max_context, prefill_chunk=prefill_chunk)
-        self.costs = costs  # `auto`: profiled on first use (a few seconds, cached in cost_cache_dir)
-        self._cost_cache_dir = cost_cache_dir
         self.scheduler = Scheduler(
-            verifier,
-            drafter,
-            self.mask,
-            self.cache_policy,
-            self.eos_token_ids,
-            self.max_context,
-            self.capacity,
+            executor,
+            capacity,
+            eos_token_ids=self.eos_token_ids,
+            max_context=self.max_context,
             context_name=context_name,
-            costs=costs if costs is not None else self.cost_model,
+            costs=costs if costs is not None else executor.costs,  # `auto`: profiled on first use
+            drafter_fallback=drafter_fallback,
         )
 
+    @property
+    def costs(self) -> CostModel | None:
+        """The cost curves `auto` plans with (viasd.costs), None until an `auto` request needed them."""
+        return self.scheduler.cost_model
+
     def cost_model(self) -> CostModel:
-        """The forward cost curves of every tier on this device and dtype (viasd.costs; measured on
-        the model thread)."""
-        if self.costs is None:
-            self.costs = model_thread.run(
-                profile, self.verifier, self.drafter, self.mask, cache_dir=self._cost_cache_dir
-            )
-        return self.costs
+        """The forward cost curves of every tier (viasd.costs; profiled on first use where the tiers run)."""
+        return self.scheduler.costs()
 
     def planner_state(self) -> dict:
         """What `auto` plans with now: the cost model (None until profiled) and the engine-wide
@@ -175,15 +264,6 @@ class Engine:
             **self.scheduler.planner.to_dict(),
         }
 
-    def _kv_bytes_per_token(self) -> int:
-        """KV bytes one position costs in every tier a `via` request holds."""
-        total = self.verifier.kv_bytes_per_token()
-        if self.cache_policy == CachePolicy.SEPARATE:
-            total += self.verifier.kv_bytes_per_token(self.mask)
-        if self.drafter is not None:
-            total += self.drafter.kv_bytes_per_token()
-        return total
-
     # ---------------------------------------------------------------- driving steps
 
     def submit(self, prompt_ids: Sequence[int], params: GenerationParams) -> RequestHandle:
@@ -194,13 +274,13 @@ class Engine:
         return self.scheduler.submit(prompt_ids, params)
 
     def step(self) -> list[tuple[RequestHandle, Chunk]]:
-        """Run one engine step (viasd.scheduler) for every request, on the model thread
-        (viasd.model_thread: every step of the process runs there, one after the other); the chunks
-        it committed."""
-        return model_thread.run(self.scheduler.step)
+        """Run one engine step (viasd.scheduler) for every request, on the engine's step thread (in
+        process the model thread, viasd.model_thread: every step of the process runs there, one
+        after the other); the chunks it committed."""
+        return self.thread.run(self.scheduler.step)
 
     def _step_for(self, live: list[RequestHandle]) -> None:
-        """On the model thread, for a `follow`er: one step, unless a step that ran since it looked
+        """On the step thread, for a `follow`er: one step, unless a step that ran since it looked
         (another follower's) already gave one of its requests a chunk or an end."""
         if any(h.chunks for h in live) or all(h.finished for h in live):
             return
@@ -248,11 +328,13 @@ class Engine:
                     return
                 # (first come, first served: a thread that just stepped queues behind the others,
                 # so no caller's chunks pile up undelivered while another keeps stepping)
-                model_thread.run(self._step_for, live)
+                self.thread.run(self._step_for, live)
         finally:
-            for handle in samples:
-                if not handle.finished:
-                    self.cancel(handle)
+            unfinished = [h for h in samples if not h.finished]
+            for handle in unfinished:
+                self.cancel(handle)
+            if unfinished:  # their rows go now, not at the next step (there may be none)
+                self.thread.run(self.scheduler.reap)
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
         """Run a request to the end and return all of its tokens (n = 1; `complete_n` for n > 1)."""
@@ -278,4 +360,72 @@ class Engine:
         return results
 
     def close(self) -> None:
-        self.scheduler.close()
+        """Close the executor's connections (served); nothing to stop in process."""
+        close = getattr(self.executor, "close", None)
+        if close is not None:
+            close()
+
+
+class AsyncEngine:
+    """An engine's requests as asyncio streams: the backend the request handler drives
+    (viasd.cluster.handler), in process and served alike.
+
+    A request is validated and queued on the caller's loop (InvalidParameterError naming the
+    field); every `next()` of its stream runs on the engine's step thread (in process the model
+    thread, viasd.model_thread; served, a thread that makes the step's RPCs): one engine step for
+    every request in flight unless this stream already has a chunk waiting, so concurrent
+    streams decode together and the event loop never blocks.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._pool = engine.thread.executor()  # (where the engine's steps run, one after the other)
+        self._samples: dict[str, list[RequestHandle]] = {}  # a running request's sample handles, by its id
+
+    def active_requests(self) -> int:
+        return len(self._samples)
+
+    def planner_state(self) -> dict:
+        return self.engine.planner_state()
+
+    async def generate(
+        self, request_id: str, prompt_ids: Sequence[int], params: GenerationParams
+    ) -> AsyncIterator[Chunk]:
+        """The request's chunks (n > 1: every sample's, interleaved; `chunk.index` says whose),
+        until every sample has finished; closing the stream cancels what is unfinished."""
+        if not request_id:
+            raise InvalidParameterError("request_id", "must not be empty")
+        if request_id in self._samples:
+            raise InvalidParameterError("request_id", f"{request_id!r} is already running")
+        samples = self.engine.submit(list(prompt_ids), params).samples  # validated here (field named)
+        loop = asyncio.get_running_loop()
+        it = self.engine.follow(samples)
+        self._samples[request_id] = samples
+        try:
+            while True:
+                chunk = await loop.run_in_executor(self._pool, next, it, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self._samples.pop(request_id, None)
+            for handle in samples:  # (also when its first step never started: `it` holds nothing then)
+                if not handle.finished:
+                    self.engine.cancel(handle)
+            # its rows are released on the step thread before the stream ends
+            await asyncio.shield(asyncio.wrap_future(self._pool.submit(self._close, it)))
+
+    def _close(self, stream: Iterator[Chunk]) -> None:
+        stream.close()
+        self.engine.scheduler.reap()
+
+    def stop_sample(self, request_id: str, index: int) -> None:
+        """End one sample of a running request early (a stop string in its text): it leaves at the
+        next step boundary; the others go on."""
+        samples = self._samples.get(request_id, ())
+        if 0 <= index < len(samples):
+            self.engine.cancel(samples[index])
+
+    def close(self) -> None:
+        """Close the engine's executor (a stream still open closes its request on the model thread)."""
+        self._pool.submit(self.engine.close)

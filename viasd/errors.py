@@ -50,3 +50,20 @@ class CapacityError(InvalidParameterError):
 
     def __reduce__(self):
         return (CapacityError, (self.field, self.message))
+
+
+class BackendError(ViaSDError):
+    """A part of the engine that runs elsewhere failed for some rows (served: an RPC to the drafter
+    or a verifier rank). `component` is "drafter" or "verifier"; `code` a gRPC status name."""
+
+    def __init__(self, component: str, code: str, details: str):
+        self.component, self.code, self.details = component, code, details
+        super().__init__(f"{component} {code}: {details}")
+
+    def __reduce__(self):
+        return (BackendError, (self.component, self.code, self.details))
+
+    @property
+    def unavailable(self) -> bool:
+        """The backend is down or too slow (retry elsewhere), rather than broken."""
+        return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")

@@ -173,4 +173,5 @@ _SUMMED = (
     "full_accepted",
     "prefill_forwards",
     "prefill_seconds",
+    "kv_bytes",
 )

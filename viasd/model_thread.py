@@ -28,35 +28,54 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
-_lock = threading.Lock()
-_executor: ThreadPoolExecutor | None = None
-_ident: int | None = None  # the model thread's, once it has started
+
+class Worker:
+    """One thread that runs a kind of work one call after the other: `executor()` for asyncio
+    (`loop.run_in_executor(worker.executor(), fn)`), `run` blocking (in place when called on it).
+    Started on first use."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        self._ident: int | None = None  # its thread's, once started
+
+    def executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix=self.name, initializer=self._started)
+            return self._executor
+
+    def _started(self) -> None:
+        self._ident = threading.get_ident()
+
+    def on_thread(self) -> bool:
+        """Whether the caller is this worker's thread."""
+        return threading.get_ident() == self._ident
+
+    def run(self, fn: Callable[..., T], *args, **kwargs) -> T:
+        """fn(*args, **kwargs) on this worker's thread (in place when called there); its result or exception."""
+        if self.on_thread():
+            return fn(*args, **kwargs)
+        return self.executor().submit(fn, *args, **kwargs).result()
+
+
+MODELS = Worker("viasd-model")  # the process's model thread
 
 
 def executor() -> ThreadPoolExecutor:
     """The process's model thread as an executor (`loop.run_in_executor(executor(), fn)`)."""
-    global _executor
-    with _lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(1, thread_name_prefix="viasd-model", initializer=_started)
-        return _executor
-
-
-def _started() -> None:
-    global _ident
-    _ident = threading.get_ident()
+    return MODELS.executor()
 
 
 def on_model_thread() -> bool:
     """Whether the caller is the model thread."""
-    return threading.get_ident() == _ident
+    return MODELS.on_thread()
 
 
 def run(fn: Callable[..., T], *args, **kwargs) -> T:
     """fn(*args, **kwargs) on the model thread (in place when called there); its result or exception."""
-    if on_model_thread():
-        return fn(*args, **kwargs)
-    return executor().submit(fn, *args, **kwargs).result()
+    return MODELS.run(fn, *args, **kwargs)
 
 
 class Beside:

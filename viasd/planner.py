@@ -111,6 +111,9 @@ MARGIN_DECAY = 0.98
 FIRST_ROUND_TOKENS = 2
 
 
+PLANS = ("sd", "ngram", "via")  # the plan kinds that draft (`ar` aside): what a verify row may name
+
+
 @dataclass(frozen=True)
 class Plan:
     """What one row does this step."""

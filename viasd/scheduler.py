@@ -1,30 +1,33 @@
-"""Continuous batching: one engine step advances every running request by one cycle of its mode.
+"""Continuous batching: the one step loop. Each step advances every running request by one cycle
+of its mode, on an executor (viasd.executor: the models in this process, or the served actors).
 
     step():
       1. admit      waiting requests take free cache rows (FIFO; a full engine queues, never fails);
-      2. prefill    new requests' prompts go through every tier they use, at most `prefill_chunk`
-                    prompt tokens per step in all (chunked prefill), without logits (q's, with
-                    prompt_logprobs); the samples of an n > 1 request copy sample 0's rows;
-      3. draft      one batched drafter forward per round over the rows still drafting (a row
-                    leaves when its block ends: confidence stop, n-gram, adaptive gamma);
-      4. verify     one batched slim forward over the `via` rows, the gate per row, then one
-                    batched full forward over the `ar` rows, the `sd` blocks and the escalated
-                    `via` rows; the acceptance rules per row with the row's own random stream;
-                    (`overlap` rows likely accepted whole draft their next block on a second
-                    thread meanwhile: DraftSession.drafts_ahead)
-      5. commit     per row: append, roll back, stream the chunk; finished rows free their cache
-                    rows at once, and the next step can admit in their place.
+      2. prefill    admitted requests open their sessions; prompts go through every tier they use,
+                    at most `prefill_chunk` prompt tokens per step in all (chunked prefill); the
+                    samples of an n > 1 request copy sample 0's rows;
+      3. plan       every row's plan this step: its own mode's, or the planner's for `auto` rows;
+      4. propose    one propose phase over the drafting rows (one batched drafter forward per
+                    round; a row leaves when its block ends: confidence stop, n-gram, adaptive gamma);
+      5. verify     one verify phase over every row: one batched slim forward over the `via` rows,
+                    one batched full forward over the `ar` rows, the `sd` blocks and the escalated
+                    `via` rows; each row's rule with its own random stream;
+      6. commit     per row: learn, cut at stop tokens / max_tokens / the context, stream the
+                    chunk; rows that finished leave, and their cache rows are released at the
+                    end of the step, so the next step can admit in their place.
 
-`ar`, `sd` and `via` requests, each with its own parameters, share one batch. Every request owns
-its random generators and its cache rows, and a batched forward computes each row as it would
-alone (viasd.runtime), so batch composition never changes a request's tokens. The per-request
-logic lives in viasd.sessions; this module only decides what runs together. It imports neither
-Ray nor gRPC: the served coordinator drives the same sessions over RPC.
+`ar`, `sd`, `via` and `auto` requests, each with its own parameters, share one batch. Every
+request owns its random generators and its cache rows, and a batched forward computes each row as
+it would alone (viasd.runtime), so batch composition never changes a request's tokens. The
+per-request cycle lives in viasd.sessions; this module decides what runs together and when. It
+imports neither Ray nor gRPC: served, the same loop drives the actors through
+viasd.actors.coordinator.ServedExecutor.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import threading
 import time
@@ -32,32 +35,28 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from viasd import model_thread
-from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
+from viasd.config import GenerationParams, Mode, Proposer
 from viasd.costs import CostModel, StepTimes
-from viasd.errors import InvalidParameterError
+from viasd.errors import BackendError, InvalidParameterError
+from viasd.executor import (
+    Capacity,
+    Copy,
+    Executor,
+    Open,
+    PrefillBatch,
+    PrefillChunk,
+    Proposal,
+    ProposeRow,
+    VerifyRow,
+)
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.planner import (
-    Estimates,
-    Plan,
-    Planner,
-    RowState,
-    fixed_plan,
-    learn_cycle,
-    logit_rows,
-)
+from viasd.planner import Estimates, Plan, Planner, RowState, fixed_plan, learn_cycle, logit_rows
 from viasd.proposers import ngram_lookup
-from viasd.runtime import LayerMask, MaskedLM
-from viasd.sessions import (
-    DraftSession,
-    Outcome,
-    VerifySession,
-    drive,
-    execute,
-    request_seeds,
-    sample_seed,
-    uses_slim,
-)
+from viasd.sessions import Outcome, drafter_lag, sample_seed
+
+log = logging.getLogger("viasd.scheduler")
+
+__all__ = ["Capacity", "Chunk", "GenerationResult", "RequestHandle", "RequestLimits", "Scheduler"]
 
 
 @dataclass
@@ -90,13 +89,11 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------- request checks and limits
-# Shared by the scheduler and the distributed coordinator (viasd.actors.coordinator), so that a
-# served request is validated, drafted and cut exactly like an in-process one.
 
 
 def context_limit(*limits: int | None) -> int | None:
     """The context a request may fill: the smallest of the given limits (models' position
-    embeddings, a configured cap), None when none is known."""
+    embeddings, a configured cap, the cache rows' length), None when none is known."""
     known = [int(x) for x in limits if x]
     return min(known) if known else None
 
@@ -108,10 +105,13 @@ def check_request(
     vocab_size: int,
     max_context: int | None,
     has_drafter: bool,
+    proposes: bool = True,
     context_name: str = "max_context",
 ) -> list[int]:
     """Validate one request (InvalidParameterError naming the field); return the prompt as ints.
-    `context_name` names the limit that sets `max_context` in the error a too-long prompt gets."""
+    `has_drafter`: a drafter model is loaded; `proposes`: drafts can be proposed at all (the
+    n-gram lookup runs where the drafter does). `context_name` names the limit that sets
+    `max_context` in the error a too-long prompt gets."""
     if not isinstance(params, GenerationParams):
         raise InvalidParameterError("params", f"expected GenerationParams, got {type(params).__name__}")
     prompt = [int(t) for t in prompt_ids]
@@ -127,7 +127,9 @@ def check_request(
     bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
     if bad:
         raise InvalidParameterError("logit_bias", f"token ids {bad[:5]} outside the vocabulary (size {vocab_size})")
-    if params.mode not in (Mode.AR, Mode.AUTO) and not has_drafter and params.proposer != Proposer.NGRAM:
+    if params.mode not in (Mode.AR, Mode.AUTO) and not (
+        proposes and (has_drafter or params.proposer == Proposer.NGRAM)
+    ):
         raise InvalidParameterError(
             "mode", f"mode {params.mode.value!r} needs a drafter (or proposer 'ngram'); none is loaded"
         )
@@ -199,15 +201,6 @@ class RequestLimits:
 # ---------------------------------------------------------------- the scheduler
 
 
-@dataclass(frozen=True)
-class Capacity:
-    """How much the engine runs at once (docs/BATCHING.md, "Caches")."""
-
-    max_batch: int  # requests decoding together = cache rows per tier
-    max_seq_len: int | None  # positions per cache row (prompt + generated + one draft block); None: unbounded
-    prefill_chunk: int  # prompt tokens prefilled per step, over all new requests
-
-
 class RequestHandle:
     """One submitted request: its chunks as steps commit them, its state, its error if one."""
 
@@ -217,6 +210,7 @@ class RequestHandle:
         self, prompt: list[int], params: GenerationParams, limits: RequestLimits, stats: RequestStats, index: int = 0
     ):
         self.id = next(self._ids)
+        self.key = str(self.id)  # how the executor knows it
         self.index = index  # sample index of an n > 1 request
         self.samples: list[RequestHandle] = [self]  # n > 1: every sample's handle (this one first)
         self.prompt = prompt
@@ -226,7 +220,6 @@ class RequestHandle:
         self.chunks: deque[Chunk] = deque()
         self.finished = False  # the last chunk has been produced (or the request failed / was cancelled)
         self.cancelled = False
-        self.prompt_scored = False  # the prompt logprobs have been streamed (on the first chunk)
         self.error: BaseException | None = None
         self.submitted = time.perf_counter()
 
@@ -236,49 +229,56 @@ class RequestHandle:
 
 @dataclass(eq=False)
 class _Running:
-    """A request holding cache rows: its sessions and how far its prompt is prefilled."""
+    """A request holding cache rows: its committed sequence, how far its prompt is prefilled,
+    what the planner knows of it."""
 
     handle: RequestHandle
-    verify: VerifySession
-    draft: DraftSession | None
-    prefilled: bool = False
+    seq: list[int]  # the prompt and the committed tokens
+    drafts: bool  # it has a drafter side that works (every mode but `ar`, until a served drafter fails)
+    fed: int = 0  # prompt positions prefilled (the prompt but its last token: done)
+    opened: bool = False  # its sessions exist on the executor
     estimates: Estimates | None = None  # `auto`: what each plan buys this request (viasd.planner)
-    via_seen: int = 0  # escalations counted so far
     leader: _Running | None = None  # n > 1: the sample whose prefill this one copies
     feed_drafter: bool = True  # its drafter prefills with the prompt (`auto`: when planned to draft at once)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None], then one per scored prompt token
+    prompt_sent: bool = False  # the prompt logprobs went out (on the first chunk)
 
     @property
-    def sessions(self) -> list:
-        return [s for s in (self.draft, self.verify) if s is not None]
+    def key(self) -> str:
+        return self.handle.key
+
+    @property
+    def prefilled(self) -> bool:
+        return self.fed >= len(self.handle.prompt) - 1
 
 
 class Scheduler:
-    """Queues requests, admits them into cache rows, and runs engine steps (module docstring)."""
+    """Queues requests, admits them into cache rows, and runs engine steps on an executor (module docstring).
+
+    `drafter_fallback`: a row whose drafter failed (served: its actor is down) goes on as `ar`
+    (its verifier side is consistent) instead of failing.
+    """
 
     def __init__(
         self,
-        verifier: MaskedLM,
-        drafter: MaskedLM | None,
-        mask: LayerMask,
-        cache_policy: CachePolicy,
+        executor: Executor,
+        capacity: Capacity,
+        *,
         eos_token_ids: Sequence[int],
         max_context: int | None,
-        capacity: Capacity,
         context_name: str = "max_context",
         costs: CostModel | Callable[[], CostModel] | None = None,
+        drafter_fallback: bool = False,
     ):
-        self.verifier, self.drafter, self.mask = verifier, drafter, mask
-        self.cache_policy = CachePolicy(cache_policy)
+        self.executor = executor
+        self.capacity = capacity
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = max_context
         self.context_name = context_name
-        self.capacity = capacity
-        rows, length = capacity.max_batch, capacity.max_seq_len
-        self.full_store = verifier.new_store(max_rows=rows, max_len=length)
-        self.slim_store = verifier.new_store(mask, max_rows=rows, max_len=length)  # separate policy only
-        self.drafter_store = drafter.new_store(max_rows=rows, max_len=length) if drafter is not None else None
+        self.drafter_fallback = drafter_fallback
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Running] = []
+        self._left: list[_Running] = []  # left this step: their rows are released at its end
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time on the model thread
         # engine-wide running estimates: the prior of new `auto` requests
         self.estimates = Estimates(population=True)
@@ -297,9 +297,10 @@ class Scheduler:
         prompt = check_request(
             prompt_ids,
             params,
-            vocab_size=self.verifier.vocab_size,
+            vocab_size=self.executor.vocab_size,
             max_context=self.max_context,
-            has_drafter=self.drafter is not None,
+            has_drafter=self.executor.has_drafter,
+            proposes=self.executor.proposes,
             context_name=self.context_name,
         )
         samples = [params]
@@ -336,6 +337,11 @@ class Scheduler:
         with self._lock:
             return len(self._waiting)
 
+    @property
+    def cost_model(self) -> CostModel | None:
+        """The cost curves `auto` plans with, None until an `auto` request needed them."""
+        return self._costs if isinstance(self._costs, CostModel) else None
+
     def costs(self) -> CostModel:
         """The cost curves `auto` plans with (profiled on first use when given as a function)."""
         if callable(self._costs):
@@ -344,39 +350,42 @@ class Scheduler:
             raise InvalidParameterError("mode", "mode 'auto' needs the engine's cost model; none was given")
         return self._costs
 
-    def sessions(self, handle: RequestHandle) -> tuple[DraftSession | None, VerifySession] | None:
-        """The sessions of a request holding cache rows (None when it waits or has left)."""
-        r = next((r for r in self._running if r.handle is handle), None)
-        return None if r is None else (r.draft, r.verify)
-
     # ---------------------------------------------------------------- the step
 
     def step(self) -> list[tuple[RequestHandle, Chunk]]:
         """One engine step (module docstring); the chunks it committed, per request.
 
-        Not reentrant: one caller at a time (Engine serialises its callers). If a forward fails,
-        every request of the step gets the error on its handle, leaves, and the error propagates.
+        Not reentrant: one caller at a time (Engine serialises its callers). If the executor
+        raises, every request of the step gets the error on its handle, leaves, and the error
+        propagates; a row that failed alone (a `BackendError` in its place) leaves alone.
         """
         self._retire_cancelled()
-        self._admit()
-        batch = list(self._running)
+        self._release()  # (the cancelled ones' rows: free before admitting in their place)
+        batch = self._admit()
         try:
-            self._prefill()
+            self._prefill(batch)
             return self._finish_scored() + self._decode()
         except BaseException as exc:
-            for r in batch:
-                if r in self._running:
-                    r.handle.error = exc
-                    self._retire(r)
+            for r in list(self._running):
+                self._fail(r, exc)
             raise
+        finally:
+            self._release()
+
+    def reap(self) -> None:
+        """Release the rows of cancelled requests now, between steps (an idle engine takes no
+        next step to do it). On the model thread, as steps are."""
+        self._retire_cancelled()
+        self._release()
 
     def _retire_cancelled(self) -> None:
         with self._lock:
             self._waiting = deque(h for h in self._waiting if not h.cancelled)
         for r in [r for r in self._running if r.handle.cancelled]:
-            self._retire(r)
+            self._leave(r)
 
-    def _admit(self) -> None:
+    def _admit(self) -> PrefillBatch:
+        """Waiting requests into free rows; the prefill batch opens them."""
         admitted = []
         while len(self._running) < self.capacity.max_batch:
             with self._lock:
@@ -384,76 +393,81 @@ class Scheduler:
                     break
                 handle = self._waiting.popleft()
             handle.stats.queue_seconds = time.perf_counter() - handle.submitted
-            r = self._open(handle)
+            params = handle.params
+            r = _Running(
+                handle,
+                list(handle.prompt),
+                drafts=params.mode != Mode.AR and self.executor.proposes,
+                estimates=Estimates(self.estimates) if params.mode == Mode.AUTO else None,
+                prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            )
             if handle.index > 0:  # an n > 1 sample: prefilled from sample 0's rows while that one runs
                 r.leader = next((x for x in self._running if x.handle is handle.samples[0]), None)
             self._running.append(r)
             admitted.append(r)
         for r in admitted:  # `auto`: with the batch they join known (a sample: as its leader, whose prefill it copies)
             if r.handle.params.mode == Mode.AUTO:
-                has_model = r.draft is not None and r.draft.tier is not None
-                r.feed_drafter = r.leader.feed_drafter if r.leader else has_model and self._drafts_at_once(r)
+                model = self.executor.has_drafter and r.handle.params.proposer != Proposer.NGRAM
+                r.feed_drafter = r.leader.feed_drafter if r.leader else model and self._drafts_at_once(r)
+        opens = [
+            Open(r.key, r.handle.prompt, r.handle.params, resolve_seed(r.handle.params), r.drafts) for r in admitted
+        ]
+        return PrefillBatch(opens=opens)
 
-    def _open(self, handle: RequestHandle) -> _Running:
-        """The request's sessions, on fresh rows of the tiers it uses."""
-        params, prompt, stats = handle.params, handle.prompt, handle.stats
-        draft_seed, verify_seed = request_seeds(resolve_seed(params))
-        full = self.full_store.row(self.full_store.alloc())
-        slim = None
-        if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
-            slim = self.slim_store.row(self.slim_store.alloc())
-        verify = VerifySession(
-            self.verifier,
-            self.mask,
-            self.cache_policy,
-            prompt,
-            params,
-            verify_seed,
-            stats,
-            full_cache=full,
-            slim_cache=slim,
-        )
-        draft = None
-        if params.mode != Mode.AR:
-            use_model = self.drafter is not None and params.proposer != Proposer.NGRAM
-            row = self.drafter_store.row(self.drafter_store.alloc()) if use_model else None
-            draft = DraftSession(self.drafter if use_model else None, prompt, params, draft_seed, stats, cache=row)
-        estimates = Estimates(self.estimates) if params.mode == Mode.AUTO else None
-        return _Running(handle, verify, draft, prefilled=len(prompt) == 1, estimates=estimates)
-
-    def _retire(self, r: _Running) -> None:
-        """The request leaves: its KV figure is recorded and its rows are freed."""
-        r.handle.stats.kv_bytes = sum(s.kv_bytes() for s in r.sessions)
-        for s in r.sessions:
-            s.release()
+    def _leave(self, r: _Running) -> None:
+        """The request leaves the batch; its rows are released at the end of the step."""
         self._running.remove(r)
         r.handle.finished = True
+        if r.opened:
+            self._left.append(r)
 
-    def _prefill(self) -> None:
-        """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step."""
-        budget, forwards, owners = self.capacity.prefill_chunk, [], []
+    def _fail(self, r: _Running, exc: BaseException) -> None:
+        if r in self._running:
+            r.handle.error = exc
+            self._leave(r)
+
+    def _release(self) -> None:
+        """Free the rows of the requests that left this step; each side's counters join their stats."""
+        left, self._left = self._left, []
+        if not left:
+            return
+        counters = self.executor.release([r.key for r in left])
+        for r in left:
+            if r.key in counters:
+                r.handle.stats.add_counters(counters[r.key])
+
+    def _prefill(self, batch: PrefillBatch) -> None:
+        """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step;
+        n > 1 samples copy their leader's rows once it is prefilled."""
+        budget = self.capacity.prefill_chunk
         for r in self._running:
             if r.leader is not None and r.leader not in self._running:
                 r.leader = None  # sample 0 has left: this sample prefills itself
             if r.prefilled or r.leader is not None or budget <= 0:
                 continue
-            upto, done = len(r.handle.prompt) - 1, r.verify.full.pos
-            n = min(budget, upto - done)
+            upto = min(len(r.handle.prompt) - 1, r.fed + budget)
             # an `auto` request's drafter catches up when a plan drafts, unless planned to draft at once (viasd.planner)
-            for s in r.sessions if r.feed_drafter else [r.verify]:
-                steps = s.prefill_steps(done + n, n)
-                forwards += steps
-                owners += [s] * len(steps)
-            budget -= n
-            r.prefilled = done + n == upto
-        if forwards:
-            for s, f, logits in zip(owners, forwards, execute(forwards, prefill=True)):
-                s.prefilled(f, logits)
+            batch.chunks.append(PrefillChunk(r.key, upto, r.drafts and r.feed_drafter))
+            budget -= upto - r.fed
+            r.fed = upto
+        copies = [r for r in self._running if r.leader is not None and r.leader.prefilled and not r.prefilled]
+        batch.copies = [Copy(r.key, r.leader.key) for r in copies]
+        if not batch:
+            return
+        opening = {o.key for o in batch.opens}
         for r in self._running:
-            if r.leader is not None and r.leader.prefilled and not r.prefilled:
-                for s, lead in zip(r.sessions, r.leader.sessions):
-                    s.copy_prefill(lead)
-                r.prefilled, r.leader = True, None
+            r.opened = r.opened or r.key in opening
+        results = self.executor.prefill(batch)
+        for r in list(self._running):
+            result = results.get(r.key)
+            if isinstance(result, BaseException):
+                self._row_failed(r, result)
+            elif result and r.prompt_logprobs is not None:
+                r.prompt_logprobs += result
+        for r in copies:
+            if r.prompt_logprobs is not None:
+                r.prompt_logprobs = list(r.leader.prompt_logprobs)
+            r.fed, r.leader = len(r.handle.prompt) - 1, None
 
     def _finish_scored(self) -> list[tuple[RequestHandle, Chunk]]:
         """Prefilled requests with no tokens to generate (max_tokens 0: prompt logprobs only) end here."""
@@ -463,81 +477,82 @@ class Scheduler:
         return out
 
     def _deliver(self, r: _Running, chunk: Chunk) -> tuple[RequestHandle, Chunk]:
-        """Stream a chunk of a request (the first carries the prompt logprobs); retire it when finished."""
+        """Stream a chunk of a request (the first carries the prompt logprobs); it leaves when finished."""
         chunk.index = r.handle.index
-        if r.verify.prompt_logprobs is not None and not r.handle.prompt_scored:
-            chunk.prompt_logprobs, r.handle.prompt_scored = r.verify.prompt_logprobs, True
+        if r.prompt_logprobs is not None and not r.prompt_sent:
+            chunk.prompt_logprobs, r.prompt_sent = r.prompt_logprobs, True
         with self._lock:
             if not r.handle.cancelled:
                 r.handle.chunks.append(chunk)
         if chunk.finished:
-            self._retire(r)
+            self._leave(r)
         return r.handle, chunk
 
+    def _row_failed(self, r: _Running, exc: BaseException) -> None:
+        """A row that failed alone: its drafter (it goes on as `ar`, with `drafter_fallback`) or
+        its verifier (it fails)."""
+        drafter = isinstance(exc, BackendError) and exc.component == "drafter"
+        if drafter and self.drafter_fallback and r in self._running:
+            log.warning("request %s: drafter failed (%s); continuing as 'ar'", r.key, exc)
+            r.drafts = False
+            r.handle.stats.drafter_fallback = True
+            return
+        self._fail(r, exc)
+
     def _decode(self) -> list[tuple[RequestHandle, Chunk]]:
-        """Steps 3-5 over every prefilled request: plan (auto rows), draft, verify, commit."""
+        """Steps 3-6 over every prefilled request: plan (auto rows), propose, verify, commit."""
         rows = [r for r in self._running if r.prefilled]
         if not rows:
             return []
         t0, times = time.perf_counter(), StepTimes()  # the step's forwards and each row's work (the cost model's)
         plans = dict(zip(rows, self._plans(rows)))
         drafting = [r for r in rows if plans[r].kind != "ar"]
-        for r in rows:
-            if r.draft is not None and plans[r].kind == "ar":
-                r.draft.skip()
-        catch_up = [f for r in drafting if plans[r].kind in ("sd", "via") for f in r.draft.catch_up_steps()]
-        if catch_up:  # lazy drafters of `auto` rows: the context they have not seen, before drafting
-            execute(catch_up, prefill=True, observe=times.observe)
-        proposals = drive(
-            {r: r.draft.propose_steps(plans[r].k, plans[r].proposer) for r in drafting},
-            observe=times.observe,
-            timing=times.work,
-        )
-        ahead = [r for r in drafting if r.draft.drafts_ahead()]
-        running_ahead = None
-        if ahead:  # overlap: draft the next blocks from the optimistic prefixes while the verifier works
-            running_ahead = model_thread.Beside(drive, {r: r.draft.draft_ahead_steps() for r in ahead})
-        try:
-            outcomes: dict[_Running, Outcome] = drive(
-                {
-                    r: r.verify.check_steps(*proposals[r], plans[r].verify_mode)
-                    if r in proposals
-                    else r.verify.decode_one_steps()
-                    for r in rows
-                },
-                observe=times.observe,
-                timing=times.work,
-            )
-        finally:
-            if running_ahead is not None:
-                for r in ahead:
-                    r.draft.stop.set()
-                running_ahead.result()
-        out, escalated = [], {}
-        for r in rows:
-            outcome = outcomes[r]
-            if r.draft is not None:
-                r.draft.commit(outcome)
-            r.verify.commit(outcome)
-            escalated[r] = self._learn(r, plans[r], proposals.get(r), outcome)
+        proposals: dict[_Running, Proposal] = {}
+        if drafting:
+            results = self.executor.propose([ProposeRow(r.key, plans[r].k, plans[r].proposer) for r in drafting], times)
+            for r, result in zip(drafting, results):
+                if isinstance(result, BaseException):
+                    self._row_failed(r, result)
+                    plans[r] = Plan("ar")
+                else:
+                    proposals[r] = result
+        rows = [r for r in rows if r in self._running]
+        checks = [
+            VerifyRow(r.key, *proposals[r], plans[r].kind if r.estimates is not None else "")
+            if r in proposals
+            else VerifyRow(r.key, [], None, "")
+            for r in rows
+        ]
+        out, kinds = [], {}
+        for r, outcome in zip(rows, self.executor.verify(checks, times)):
+            if isinstance(outcome, BaseException):
+                self._row_failed(r, outcome)
+                continue
+            r.seq.extend(outcome.tokens)
+            self._learn(r, plans[r], proposals.get(r), outcome)
+            kinds[r.key] = (plans[r].kind, logit_rows(plans[r], float(outcome.escalated)))
             out.append(self._deliver(r, r.handle.limits.chunk(outcome.tokens, outcome.logprobs)))
-        self.planner.settle(time.perf_counter() - t0, sum(len(chunk.token_ids) for _, chunk in out))
-        if isinstance(self._costs, CostModel):  # (a model not profiled yet: no `auto` row has run)
-            kinds = {r: (plans[r].kind, logit_rows(plans[r], float(escalated[r]))) for r in rows}
-            self._costs.observe_step(times, kinds, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        self.planner.settle(seconds, sum(len(chunk.token_ids) for _, chunk in out))
+        model = self.cost_model
+        if model is not None:  # (a model not profiled yet: no `auto` row has run)
+            for call, transport in times.transport.items():
+                model.observe_transport(call, transport)
+            model.observe_step(times, kinds, seconds - sum(times.transport.values()))
         return out
 
     def _state(self, r: _Running) -> RowState:
         """What the planner knows of a row: its own mode's plan, or an `auto` row's estimates."""
-        params, gamma = r.handle.params, r.handle.limits.draft_length(len(r.verify.seq))
-        if params.mode != Mode.AUTO:
-            return RowState(fixed=fixed_plan(params.mode, gamma), gamma=gamma, acceptance=self.estimates.acceptance)
+        params, gamma = r.handle.params, r.handle.limits.draft_length(len(r.seq))
+        if params.mode != Mode.AUTO or not r.drafts:
+            plan = fixed_plan(params.mode if r.drafts else Mode.AR, gamma)
+            return RowState(fixed=plan, gamma=gamma, acceptance=self.estimates.acceptance)
         return r.estimates.row(
             gamma=gamma,
-            ngram_match=len(ngram_lookup(r.verify.seq, gamma, params.ngram_max)),
-            has_drafter=r.draft is not None and r.draft.tier is not None,
+            ngram_match=len(ngram_lookup(r.seq, gamma, params.ngram_max)),
+            has_drafter=self.executor.has_drafter and params.proposer != Proposer.NGRAM,
             lossy=params.auto_lossy,
-            draft_lag=r.draft.lag if r.draft is not None else 0,
+            draft_lag=self.executor.draft_lag(r.key) if r.opened else drafter_lag(len(r.seq), 0),
             remaining=r.handle.limits.remaining,
         )
 
@@ -561,22 +576,20 @@ class Scheduler:
         batch = [self._state(r) for r in self._running if r.prefilled and r is not new] + self._joining(new)
         return self.planner.drafts_from_the_start(self.costs(), batch, self._state(new))
 
-    def _learn(self, r: _Running, plan: Plan, proposal, outcome: Outcome) -> bool:
+    def _learn(self, r: _Running, plan: Plan, proposal: Proposal | None, outcome: Outcome) -> None:
         """Update the running estimates the planner reads (the request's, and the engine-wide ones
-        from every request), and count an `auto` request's plan in its stats. Returns whether the
-        cycle escalated to q."""
+        from every request); count the block drafted (the drafter's side may be lost: served, a
+        dead actor's counters go with it) and an `auto` request's plan in its stats."""
         stats = r.handle.stats
-        escalated, r.via_seen = stats.escalations > r.via_seen, stats.escalations
+        if proposal is not None and proposal.draft:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(proposal.draft)
         learn_cycle(
             (self.estimates, r.estimates),
             plan,
-            drafted=len(proposal[0]) if proposal is not None else 0,
+            drafted=len(proposal.draft) if proposal is not None else 0,
             accepted=outcome.num_draft_accepted,
             committed=len(outcome.tokens),
-            escalated=escalated,
+            escalated=outcome.escalated,
             plans=stats.plans if r.handle.params.mode == Mode.AUTO else None,
         )
-        return escalated
-
-    def close(self) -> None:
-        """Nothing to stop: a step's drafting ahead ends with the step."""

@@ -16,9 +16,9 @@ One cycle of VIA-SD, for a committed prefix x of length n:
 are written as *step generators*: where a model must run they ``yield`` a `Forward` (which tier,
 which tokens) and receive its logits. Whoever drives them decides how forwards are batched:
 `drive` runs many requests' generators together, one batched forward per tier and round
-(drafter rounds first, then slim, then full: viasd.scheduler), and `run_alone` one request by
-itself (the served actors). The rules (viasd.rules) and the sampling order are the same either
-way, so a request's tokens do not depend on what it was batched with.
+(drafter rounds first, then slim, then full: viasd.executor), and `run_alone` one request by
+itself. The rules (viasd.rules) and the sampling order are the same either way, so a request's
+tokens do not depend on what it was batched with.
 
 Request options (docs/REQUEST_OPTIONS.md): penalties and logit_bias (`sampling.Penalties`) process
 every tier's rows alike, row t of a block conditioned on the committed tokens + draft[:t], so the
@@ -208,19 +208,28 @@ class Outcome:
     tokens: list[int]  # committed: the accepted draft prefix, then the rewritten / recovered / bonus token(s)
     num_draft_accepted: int  # how many of `tokens` are draft tokens: caches stay valid up to n + this
     logprobs: list[TokenLogprob] | None = None  # one per token when the request asks for logprobs
+    escalated: bool = False  # the block went to q (a `via` cycle's region C, `staged`)
+
+
+def valid_after(pos: int, seq_len: int, outcome: Outcome) -> int:
+    """A tier's valid positions after a commit: it held `pos` of a sequence of `seq_len`
+    committed tokens; what it fed stays valid up to the accepted draft tokens, and never past
+    the new last token (the next forward must feed it to get the distribution after it)."""
+    return min(pos, seq_len + outcome.num_draft_accepted, seq_len + len(outcome.tokens) - 1)
+
+
+def drafter_lag(seq_len: int, fed: int) -> int:
+    """Context tokens a drafter that fed `fed` positions of `seq_len` has not fed beyond the one
+    its next round feeds, when more than CATCH_UP (else 0: they ride along in that round)."""
+    lag = seq_len - 1 - fed
+    return lag if lag > CATCH_UP else 0
 
 
 def _commit(seq: list[int], tiers: Sequence[_Tier], outcome: Outcome) -> None:
-    """Append committed tokens and roll every tier back to the positions that are still valid.
-
-    The last committed token is never counted as seen: the next forward must feed it to get
-    the distribution of the token after it.
-    """
-    valid = len(seq) + outcome.num_draft_accepted
-    seq.extend(outcome.tokens)
-    valid = min(valid, len(seq) - 1)
+    """Append committed tokens and roll every tier back to the positions that are still valid."""
     for tier in tiers:
-        tier.pos = min(tier.pos, valid)
+        tier.pos = valid_after(tier.pos, len(seq), outcome)
+    seq.extend(outcome.tokens)
 
 
 def block_generator(seed: int, block: int, device) -> torch.Generator:
@@ -242,12 +251,9 @@ class _Session:
         `budget` tokens each; [] when prefilled."""
         return [f for t in self.tiers if (f := t.prefill(self.seq, upto, budget, self.stats)) is not None]
 
-    def prefill(self) -> None:
-        """Prefill every tier with the prompt but its last token, alone."""
-        prefill_together([self], budget=len(self.seq))
-
-    def prefilled(self, forward: Forward, logits: Tensor) -> None:
-        """What a prefill forward of this side returned (logits [num_logits, V]); nothing by default."""
+    def prefilled(self, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
+        """What a prefill forward of this side scored (logits [num_logits, V]); nothing by default."""
+        return []
 
     def copy_prefill(self, leader: _Session) -> None:
         """Take the prefilled prompt of another request's session of this side (same prompt, same
@@ -383,9 +389,6 @@ class DraftSession(_Session):
         self, draft: list[int], p_rows: list[Tensor], from_model: bool = True
     ) -> tuple[list[int], Tensor | None]:
         self.last, self.last_p, self.last_from_model = draft, p_rows, from_model and bool(draft)
-        if draft:
-            self.stats.num_drafts += 1
-            self.stats.num_draft_tokens += len(draft)
         self.blocks += 1
         return draft, torch.cat(p_rows) if p_rows else None  # [k'], [k', V] (None: a point mass)
 
@@ -395,8 +398,7 @@ class DraftSession(_Session):
         than CATCH_UP (else 0): an `auto` request's drafter is fed only when a plan drafts, and
         a long lag is fed by one catch-up prefill forward (`catch_up_steps`) before drafting;
         fewer ride along in the first drafting round."""
-        lag = 0 if self.tier is None else len(self.seq) - 1 - self.tier.pos
-        return lag if lag > CATCH_UP else 0
+        return 0 if self.tier is None else drafter_lag(len(self.seq), self.tier.pos)
 
     def catch_up_steps(self) -> list[Forward]:
         """The catch-up prefill of a lagging drafter ([] when it does not lag)."""
@@ -503,9 +505,6 @@ class VerifySession(_Session):
         self.seq = list(prompt)
         self.sampler = Sampler.from_params(params)
         self.penalties = Penalties.for_request(params, prompt, lm.vocab_size, lm.device)
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per prompt token but the first
-        if params.prompt_logprobs is not None:
-            self.prompt_logprobs = [None]
         self.rule = rule_from_params(params)
         self.generator = torch.Generator(device=lm.device).manual_seed(seed)
         self.stats = stats
@@ -513,7 +512,7 @@ class VerifySession(_Session):
     def prefill_steps(self, upto: int, budget: int) -> list[Forward]:
         """Prefill q (and q' under the separate policy). Under the shared policy q' reads q's
         keys/values of the prompt for the layers it keeps: its position follows q's."""
-        scoring = self.prompt_logprobs is not None  # the full tier returns the logits of what it prefills
+        scoring = self.params.prompt_logprobs is not None  # the full tier returns the logits of what it prefills
         full = self.full.prefill(self.seq, upto, budget, self.stats, logits=scoring)
         slim = None
         if self.slim is not None and not self.shared:
@@ -522,16 +521,12 @@ class VerifySession(_Session):
             self.slim.pos = self.full.pos
         return [f for f in (slim, full) if f is not None]
 
-    def prefilled(self, forward: Forward, logits: Tensor) -> None:
+    def prefilled(self, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
         """Prompt logprobs: the logits of positions start..start+T-1 score prompt tokens start+1..start+T."""
-        if forward.num_logits and self.prompt_logprobs is not None:
-            scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
-            self.prompt_logprobs += token_logprobs(logits, scored, self.params.prompt_logprobs)
-
-    def copy_prefill(self, leader: VerifySession) -> None:
-        super().copy_prefill(leader)
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs = list(leader.prompt_logprobs)
+        if not forward.num_logits or self.params.prompt_logprobs is None:
+            return []
+        scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
+        return token_logprobs(logits, scored, self.params.prompt_logprobs)
 
     def _processed(self, logits: Tensor, block: Sequence[int] = ()) -> Tensor:
         """The logits the request samples from: penalised given self.seq + block[:t] for row t."""
@@ -620,6 +615,7 @@ class VerifySession(_Session):
         stats.escalated_tokens += k - i
         outcome = yield from self._full_verify_steps(draft, p, i)
         stats.full_accepted += outcome.num_draft_accepted - i
+        outcome.escalated = True
         return outcome
 
     def _check_staged_steps(self, draft: list[int], p: Tensor) -> Steps:
@@ -662,7 +658,7 @@ class VerifySession(_Session):
         stats.num_cycle_tokens += a + 1
         # the drafter and q' saw x~, q saw y: caches stay valid where the committed tokens are draft tokens
         tokens = block[:a] + [second.token]
-        return Outcome(tokens, min(a, j), self._logprobs(logits, tokens))
+        return Outcome(tokens, min(a, j), self._logprobs(logits, tokens), escalated=True)
 
     def _slim_outcome(self, outcome: Outcome, slim_logits: Tensor) -> Steps:
         """A cycle q' committed alone: its logprobs from q' ('slim', free) or from q recomputed
@@ -682,29 +678,6 @@ class VerifySession(_Session):
         rewrite the kept layers' slots from its own position on, so after it both tiers hold q's
         keys/values up to the same valid length."""
         _commit(self.seq, self.tiers, outcome)
-
-
-def prefill_together(sessions: Sequence[_Session], budget: int) -> None:
-    """Prefill every session's tiers with its prompt but the last token (the served actors' Opens:
-    those that arrived together). Shortest prompt first, as many rows go in one batched forward
-    per tier as keep rows x the longest prompt (its padded tokens) within `budget`; a prompt
-    longer than the budget goes alone, whole."""
-    group: list[_Session] = []
-    for session in sorted(sessions, key=lambda x: len(x.seq)):  # (sorted: a group's last is its longest)
-        if group and (len(group) + 1) * (len(session.seq) - 1) > budget:
-            _prefill_group(group)
-            group = []
-        group.append(session)
-    if group:
-        _prefill_group(group)
-
-
-def _prefill_group(sessions: Sequence[_Session]) -> None:
-    """One batched prefill forward per tier over the sessions' prompts (viasd.sessions.execute)."""
-    forwards = [(s, f) for s in sessions for f in s.prefill_steps(len(s.seq) - 1, len(s.seq))]
-    if forwards:
-        for (session, f), logits in zip(forwards, execute([f for _, f in forwards], prefill=True)):
-            session.prefilled(f, logits)
 
 
 def uses_slim(params: GenerationParams) -> bool:

@@ -77,14 +77,14 @@ def stub(aio, pipeline):
 
 
 async def _close_unknown_session(channel, service: str) -> grpc.StatusCode:
-    """Close a session nobody opened (Close is idempotent): OK proves the call got through the
+    """Release a session nobody opened (Release is idempotent): OK proves the call got through the
     handshake. `channel` is a callable making the channel in the running loop."""
     channel = channel()
     stub = (internal_pb2_grpc.DrafterServiceStub if service == "drafter" else internal_pb2_grpc.VerifierServiceStub)(
         channel
     )
     try:
-        await stub.Close(ipb.CloseRequest(request_id="nobody"), timeout=CALL_S)
+        await stub.Release(ipb.ReleaseBatch(request_ids=["nobody"]), timeout=CALL_S)
         return grpc.StatusCode.OK
     except grpc.aio.AioRpcError as exc:
         return exc.code()
@@ -93,7 +93,7 @@ async def _close_unknown_session(channel, service: str) -> grpc.StatusCode:
 
 
 def _addresses(pipeline) -> dict[str, str]:
-    return {"drafter": pipeline.coordinator.drafter_address, "verifier": pipeline.coordinator.verifier_address}
+    return {"drafter": pipeline.executor.drafter_address, "verifier": pipeline.executor.verifier_address}
 
 
 def test_served_tokens_equal_the_engine_over_mutual_tls(pipeline, aio, stub, llm):
@@ -156,7 +156,7 @@ def test_a_rebuilt_drafter_serves_mutual_tls_again(pipeline, aio, stub, llm):
     async def heal():
         for _ in range(3):
             await pipeline.heal()
-            if pipeline.coordinator.drafter_address != old:
+            if pipeline.executor.drafter_address != old:
                 return
             await asyncio.sleep(0.5)
 

@@ -19,6 +19,7 @@ loop thread runs every coroutine, with a timeout, so nothing can hang CI.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import grpc
@@ -56,6 +57,7 @@ CASES = {
     # overlap: the drafter actor drafts ahead while the verifier verifies; timing must not matter
     "sd-overlap-sampled": dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=15),
     "via-overlap-greedy": dict(VIA, overlap=True),
+    "via-staged-sampled": dict(VIA, rule="staged", temperature=1.0, seed=16),  # (the staged rule travels)
 }
 COUNTERS = (
     "generated_tokens",
@@ -151,7 +153,7 @@ async def collect(stub, req: pb.GenerateRequest):
 
 
 def reference(llm, prompt, **params):
-    return llm.complete(prompt, parse_params(max_tokens=24, **params))
+    return llm.complete(prompt, parse_params(**{"max_tokens": 24, **params}))
 
 
 # with overlap, how far the drafter got ahead before each outcome came in depends on timing: its
@@ -327,162 +329,190 @@ async def served_waves(coordinator, waves, prefix: str) -> list[list[int]]:
 def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
     """Mixed-mode requests joining and leaving one served batch: each request's tokens equal the
     in-process batched run's and its run alone, token for token (float32); the steps did run as
-    batches (one Verify carried rows of several modes) and every session is closed afterwards."""
-    coord = pipeline.coordinator
-    before = dict(coord.totals.to_dict())
+    batches (one Verify per step carried rows of several modes) and every session is closed afterwards."""
+    coord, totals = pipeline.coordinator, pipeline.executor.totals
+    before = totals.to_dict()
     served = aio.run(served_waves(coord, BATCH_WAVES, "wave"))
-    after = coord.totals.to_dict()
+    after = totals.to_dict()
     batched = in_process_batched(llm, BATCH_WAVES)
     alone = [llm.complete(PROMPTS[i], parse_params(**params)).token_ids for wave in BATCH_WAVES for i, params in wave]
     for j, (s, b, a) in enumerate(zip(served, batched, alone)):
         assert s == b == a, j
-    steps, verifies = after["steps"] - before["steps"], after["verify_calls"] - before["verify_calls"]
+    steps = after["steps"] - before["steps"]
+    verifies = after["calls"]["Verify"] - before["calls"].get("Verify", 0)
     rows = after["rows"] - before["rows"]
-    assert verifies == steps and rows == after["cycles"] - before["cycles"]  # one Verify per step, a row per cycle
+    assert verifies == steps  # one Verify per step
     assert rows > 2 * verifies  # batches, not one request at a time
-    assert coord.totals.max_rows >= 6  # > the 4 rows of any one mode: a mixed-mode Verify
-    assert after["propose_calls"] - before["propose_calls"] <= steps  # at most one Propose per step
+    assert totals.max_rows >= 6  # > the 4 rows of any one mode: a mixed-mode Verify
+    assert after["calls"]["Propose"] - before["calls"].get("Propose", 0) <= steps  # at most one Propose per step
     assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
     assert coord.active_requests() == 0
 
 
-def test_a_slow_consumer_holds_back_only_its_own_request_one_chunk_ahead(aio, pipeline, llm):
-    """The step driver makes a request's next chunk while its consumer is busy with the last one
-    (the transport's work overlaps the models'), and no more than that one: a slow consumer holds
-    back only its own request. The driver's time is in its phases (`RpcTotals.phases`,
-    `viasd_coordinator_seconds{phase}`), the consumer's turns in `wait_consumers`."""
+def test_the_executor_reports_its_calls_and_where_its_time_went(aio, pipeline, llm):
+    """The served executor counts each phase's calls and bytes, and splits its time into each
+    service's own seconds and the transport around them (`RpcTotals.phases`,
+    `viasd_coordinator_seconds{phase}`): a request alone makes one Prefill per side, one Propose
+    and one Verify per step, one Release per side."""
     from viasd.cluster.serving_metrics import ServingMetrics, parse_exposition, total
 
     coord = _coordinator(pipeline)
-    busy_s = 0.4
+    t = coord.engine.executor.totals
 
     async def run():
-        chunks, made = [], []  # made: the request's steps that ended while its consumer was busy
-        t0 = time.perf_counter()
         try:
-            async for chunk in coord.generate("slow", PROMPTS[0], parse_params(mode="ar", max_tokens=6)):
-                chunks.append(chunk)
-                before = coord.totals.cycles
-                await asyncio.sleep(busy_s)  # a slow consumer
-                made.append(coord.totals.cycles - before)
+            t0 = time.perf_counter()
+            chunks = await _run(coord, "phases", PROMPTS[0], mode="sd", gamma=3, max_tokens=12)
+            return chunks, time.perf_counter() - t0
         finally:
-            await coord.close()
-        return chunks, made, time.perf_counter() - t0
+            coord.close()
 
-    chunks, made, wall = aio.run(run())
-    assert [t for c in chunks for t in c.token_ids] == llm.complete(
-        PROMPTS[0], parse_params(mode="ar", max_tokens=6)
+    chunks, wall = aio.run(run())
+    assert [tok for c in chunks for tok in c.token_ids] == reference(
+        llm, PROMPTS[0], mode="sd", gamma=3, max_tokens=12
     ).token_ids
-    assert len(chunks) == 6 and made == [1] * 5 + [0]  # (nothing after the last chunk)
-    t = coord.totals
+    steps = len(chunks)
+    assert t.steps == steps and t.rows == steps and t.max_rows == 1 and t.requests == 1
+    assert t.calls == {"Prefill": 2, "Propose": steps, "Verify": steps, "Release": 2}
+    assert t.bytes_sent > 0 and t.bytes_received > 0 and t.probs_bytes == 0  # (greedy: no p travels)
     phases = t.phases()
-    assert t.steps == 6 and phases["verifier"] > 0 and phases["verify_transport"] > 0 and phases["drafter"] == 0
+    assert all(v > 0 for v in phases.values()), phases
     assert sum(phases.values()) <= wall
-    # the driver waited out the consumer's turns, less the steps made meanwhile (but the fifth:
-    # the step it made ahead then was the last, and nobody waited for an ended request)
-    stepping = sum(v for k, v in phases.items() if not k.startswith("wait"))
-    assert 4 * busy_s - stepping - 0.05 <= phases["wait_consumers"] <= 4 * busy_s
     metrics = ServingMetrics("m")
-    metrics.set_steps(3, {"verifier": 1e-3, "wait_consumers": 2e-3})
+    metrics.set_steps(3, {"verifier": 1e-3, "prefill": 2e-3})
     metrics.set_steps(t.steps, phases)  # the counters move by what changed
     samples = parse_exposition(metrics.exposition()[0].decode())
-    assert total(samples, "viasd_coordinator_steps_total") == 6
+    assert total(samples, "viasd_coordinator_steps_total") == steps
     for phase, seconds in phases.items():
         assert total(samples, "viasd_coordinator_seconds_total", phase=phase) == pytest.approx(seconds)
 
 
-def test_a_request_opened_into_an_empty_batch_steps_with_the_opens_in_flight(aio, pipeline, llm):
-    """A burst into an idle pipeline: the first request's Open ends while the others' still run,
-    and it waits for them, so the first step carries all three rows (not a step of its own that
-    the others then wait for). A request that opens while the batch has a row steps at once,
-    whatever Opens are still in flight. Each request's tokens are its own."""
-    coord, verifies = _coordinator(pipeline), []
-    call = coord._call
-    slow = {"burst-1", "burst-2", "late-slow"}  # their Opens take 0.5 s more (a longer prefill)
+def test_a_served_request_past_capacity_waits_then_completes(aio, pipeline, llm):
+    """Served, the engine's capacity is the actors': past `max_batch` rows a request waits in the
+    scheduler's queue (no private cache on an actor), then completes with its own tokens."""
+    coord = _coordinator(pipeline, max_batch=1)
+    seen = []  # sessions open on each side at every step
+    executor = coord.engine.executor
+    verify = executor.verify
 
-    async def recording(stub, component, method, request, timeout=None):
-        if method == "Open" and request.request_id in slow:
-            await asyncio.sleep(0.5)
-        if method == "Verify":
-            verifies.append({r.request_id for r in request.rows})
-        return await call(stub, component, method, request, timeout)
+    def counting(rows, times):
+        seen.append(len(rows))
+        return verify(rows, times)
 
-    coord._call = recording
-    sd = dict(mode="sd", gamma=3, max_tokens=8)
-
-    async def tokens(name, prompt, params):
-        return [t for c in await _run(coord, name, prompt, **params) for t in c.token_ids]
+    executor.verify = counting
 
     async def run():
         try:
-            burst = await asyncio.gather(
-                tokens("burst-0", PROMPTS[0], sd), *(tokens(f"burst-{i}", PROMPTS[1], sd) for i in (1, 2))
-            )
-            n = len(verifies)
-            held = coord.generate("holder", PROMPTS[0], parse_params(mode="ar", max_tokens=8))
-            await held.__anext__()  # a row in the batch (its consumer holds its next chunk back)
-            late_slow = asyncio.ensure_future(tokens("late-slow", PROMPTS[1], sd))
-            late = await tokens("late", PROMPTS[0], sd)
-            await late_slow
-            await held.aclose()
-            return burst, late, verifies[n:]
+            params = dict(mode="sd", gamma=3, max_tokens=10)
+            first = asyncio.ensure_future(_run(coord, "cap-0", PROMPTS[0], **params))
+            second = asyncio.ensure_future(_run(coord, "cap-1", PROMPTS[1], **params))
+            return await first, await second
         finally:
-            await coord.close()
+            coord.close()
 
-    burst, late, later = aio.run(run())
-    assert verifies[0] == {"burst-0", "burst-1", "burst-2"}
-    assert burst == [llm.complete(p, parse_params(**sd)).token_ids for p in (PROMPTS[0], PROMPTS[1], PROMPTS[1])]
-    assert late == llm.complete(PROMPTS[0], parse_params(**sd)).token_ids
-    joined = next(rows for rows in later if "late" in rows)
-    assert "late-slow" not in joined  # it stepped before the slow Open ended
+    first, second = aio.run(run())
+    assert [t for c in first for t in c.token_ids] == reference(
+        llm, PROMPTS[0], mode="sd", gamma=3, max_tokens=10
+    ).token_ids
+    assert [t for c in second for t in c.token_ids] == reference(
+        llm, PROMPTS[1], mode="sd", gamma=3, max_tokens=10
+    ).token_ids
+    assert max(seen) == 1  # one row at a time: the second waited for the first to finish
+    earlier, later = sorted((first[-1].stats, second[-1].stats), key=lambda stats: stats.queue_seconds)
+    assert later.queue_seconds > 0.5 * earlier.total_seconds
+    assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
+
+
+def _open(request_id, prompt, **params):
+    from viasd.v1 import internal_pb2 as ipb
+
+    return ipb.Open(
+        request_id=request_id, prompt_token_ids=prompt, params=params_to_proto(parse_params(**params)), seed=1
+    )
+
+
+def _prefill(opens, upto=None):
+    """A Prefill batch: the opens, and each prompt but its last token (or up to `upto`)."""
+    from viasd.v1 import internal_pb2 as ipb
+
+    chunks = [
+        ipb.PrefillChunk(request_id=o.request_id, upto=min(upto or 1 << 30, len(o.prompt_token_ids) - 1))
+        for o in opens
+        if len(o.prompt_token_ids) > 1
+    ]
+    return ipb.PrefillBatch(opens=opens, chunks=chunks)
+
+
+async def _served(add, servicer):
+    """A servicer on a free loopback port: (server, a channel to it, its address)."""
+    from viasd.actors.rpc import start_server
+
+    server, port = await start_server(lambda s: add(servicer, s))
+    return server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"), f"127.0.0.1:{port}"
+
+
+def _capacity():
+    from viasd.executor import Capacity
+
+    return Capacity(max_batch=8, max_seq_len=512)
 
 
 def test_a_batched_propose_reports_its_forwards_and_each_rows_work(aio, llm):
     """A Propose reports every batched forward it ran (tier, rows, padded tokens, seconds: a lazy
     `auto` drafter's catch-up, then one per drafting round, rows leaving as their blocks end) and
-    each row's work between them, so that the coordinator's cost model learns from the drafter's
-    own figures as the in-process scheduler does (`viasd.costs.StepTimes`)."""
+    each row's work between them, so that the engine's cost model learns from the drafter's own
+    figures (`viasd.costs.StepTimes`)."""
     from viasd.actors.drafter import DrafterServicer
-    from viasd.actors.rpc import start_server
     from viasd.v1 import internal_pb2 as ipb
     from viasd.v1 import internal_pb2_grpc
 
     async def run():
-        servicer = DrafterServicer(llm.drafter)
-        server, port = await start_server(lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(servicer, s))
+        servicer = DrafterServicer(llm.drafter, _capacity())
+        server, ch, _ = await _served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, servicer)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = internal_pb2_grpc.DrafterServiceStub(ch)
-                for rid, mode, prompt in (("fed", "sd", PROMPTS[0]), ("lazy", "auto", PROMPTS[1])):
-                    params = params_to_proto(parse_params(mode=mode))
-                    await stub.Open(ipb.OpenRequest(request_id=rid, prompt_token_ids=prompt, params=params, seed=1))
-                rows = [ipb.ProposeRequest(request_id="fed", k=3), ipb.ProposeRequest(request_id="lazy", k=2)]
-                batch = await stub.Propose(ipb.ProposeRequest(rows=rows), timeout=30)
-                for rid in ("fed", "lazy"):
-                    await stub.Close(ipb.CloseRequest(request_id=rid))
-                return batch
+            stub = internal_pb2_grpc.DrafterServiceStub(ch)
+            fed = _prefill([_open("fed", PROMPTS[0], mode="sd")])  # an `auto` drafter is fed when a plan drafts
+            fed.opens.append(_open("lazy", PROMPTS[1], mode="auto"))
+            prefilled = await stub.Prefill(fed, timeout=30)
+            rows = [ipb.ProposeRow(request_id="fed", k=3), ipb.ProposeRow(request_id="lazy", k=2)]
+            batch = await stub.Propose(ipb.ProposeBatch(rows=rows), timeout=30)
+            released = await stub.Release(ipb.ReleaseBatch(request_ids=["fed", "lazy", "gone"]))
+            return prefilled, batch, released, servicer.worker.store.rows_in_use
         finally:
+            await ch.close()
             await server.stop(None)
 
-    batch = aio.run(run())
+    prefilled, batch, released, rows_left = aio.run(run())
+    assert {r.request_id: r.fed for r in prefilled.rows} == {"fed": len(PROMPTS[0]) - 1, "lazy": 0}
     assert [len(r.draft) for r in batch.rows] == [3, 2]
+    assert [r.fed for r in batch.rows] == [len(PROMPTS[0]) + 2, len(PROMPTS[1]) + 1]  # all but the last draft token
     # the lazy row's catch-up (its prompt but the last token), then rounds of 2, 2 and 1 rows
-    assert [(f.tier, f.rows, f.tokens) for f in batch.forwards] == [
+    assert [(f.tier, f.rows, f.tokens) for f in batch.times.forwards] == [
         ("drafter", 1, len(PROMPTS[1]) - 1),
         ("drafter", 2, 1),
         ("drafter", 2, 1),
         ("drafter", 1, 1),
     ]
-    assert all(f.seconds > 0 for f in batch.forwards) and all(r.work_seconds > 0 for r in batch.rows)
-    assert batch.seconds >= sum(f.seconds for f in batch.forwards) + sum(r.work_seconds for r in batch.rows)
+    assert all(f.seconds > 0 for f in batch.times.forwards) and all(r.work_seconds > 0 for r in batch.rows)
+    assert batch.times.seconds >= sum(f.seconds for f in batch.times.forwards) + sum(r.work_seconds for r in batch.rows)
+    # each side's counters travel once, at the end; a request it does not hold did not exist
+    assert [(r.request_id, r.existed) for r in released.rows] == [("fed", True), ("lazy", True), ("gone", False)]
+    assert [r.stats.forwards["drafter"] for r in released.rows[:2]] == [3, 2]  # rounds (the catch-up is a prefill)
+    assert [r.stats.prefill_forwards for r in released.rows[:2]] == [1, 1]
+    assert rows_left == 0
+
+
+def _verifier(llm, followers=(), **kw):
+    from viasd.actors.verifier import VerifierRank, VerifierServicer
+
+    rank = VerifierRank(llm.verifier, llm.engine.mask, "separate", _capacity(), **kw)
+    return rank, VerifierServicer(rank, followers, check_ranks=True)
 
 
 def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
-    """A Verify batch with one unknown request and one out-of-vocabulary draft: those rows carry
-    NOT_FOUND / INVALID_ARGUMENT, the good rows are verified in the same call (the batched
-    forward runs), and a single-row Verify still answers with the call's status."""
-    from viasd.actors.rpc import start_server
-    from viasd.actors.verifier import VerifierCore, VerifierServicer
+    """A Verify batch with an unknown request, an out-of-vocabulary draft and a request named
+    twice: those rows carry NOT_FOUND / INVALID_ARGUMENT, the good rows are verified in the same
+    call (the batched forward runs), and a batch whose every row fails still answers."""
     from viasd.v1 import internal_pb2 as ipb
     from viasd.v1 import internal_pb2_grpc
 
@@ -494,70 +524,66 @@ def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
         return forward_batch(rows, *args, **kwargs)
 
     async def run():
-        core = VerifierCore(llm.verifier, llm.engine.mask, "separate")
-        servicer = VerifierServicer(core)
-        server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s)
-        )
+        rank, servicer = _verifier(llm)
+        server, ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = internal_pb2_grpc.VerifierServiceStub(ch)
-                for rid, mode in (("a", "ar"), ("b", "sd")):
-                    params = params_to_proto(parse_params(mode=mode))
-                    await stub.Open(ipb.OpenRequest(request_id=rid, prompt_token_ids=PROMPTS[0], params=params, seed=1))
-                llm.verifier.forward_batch = counting
-                try:
-                    batch = await stub.Verify(
-                        ipb.VerifyRequest(
-                            rows=[
-                                ipb.VerifyRequest(request_id="a"),
-                                ipb.VerifyRequest(request_id="nope"),
-                                ipb.VerifyRequest(request_id="b", draft=[5, 999]),
-                                ipb.VerifyRequest(request_id="b", draft=[5, 6]),
-                            ]
-                        ),
-                        timeout=30,
-                    )
-                finally:
-                    del llm.verifier.forward_batch
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    await stub.Verify(ipb.VerifyRequest(request_id="nope"), timeout=30)
-                for rid in ("a", "b"):
-                    await stub.Close(ipb.CloseRequest(request_id=rid))
-                return batch, err.value, core.full_store.rows_in_use
+            stub = internal_pb2_grpc.VerifierServiceStub(ch)
+            opens = [
+                _open("a", PROMPTS[0], mode="ar"),
+                _open("b", PROMPTS[0], mode="sd"),
+                _open("c", PROMPTS[0], mode="sd"),
+            ]
+            await stub.Prefill(_prefill(opens), timeout=30)
+            llm.verifier.forward_batch = counting
+            try:
+                batch = await stub.Verify(
+                    ipb.VerifyBatch(
+                        rows=[
+                            ipb.VerifyRow(request_id="a"),
+                            ipb.VerifyRow(request_id="nope"),
+                            ipb.VerifyRow(request_id="c", draft=[5, 999]),
+                            ipb.VerifyRow(request_id="b", draft=[5, 6]),
+                            ipb.VerifyRow(request_id="b", draft=[5, 6]),
+                        ]
+                    ),
+                    timeout=30,
+                )
+            finally:
+                del llm.verifier.forward_batch
+            lone = await stub.Verify(ipb.VerifyBatch(rows=[ipb.VerifyRow(request_id="nope")]), timeout=30)
+            await stub.Release(ipb.ReleaseBatch(request_ids=["a", "b", "c"]))
+            return batch, lone, rank.worker.full_store.rows_in_use
         finally:
+            await ch.close()
             await server.stop(None)
 
-    batch, err, rows_left = aio.run(run())
-    assert [r.request_id for r in batch.rows] == ["a", "nope", "b", "b"]
-    assert [r.error.code for r in batch.rows] == ["", "NOT_FOUND", "INVALID_ARGUMENT", ""]
-    assert batch.rows[2].error.message.startswith("draft:")
+    batch, lone, rows_left = aio.run(run())
+    assert [r.request_id for r in batch.rows] == ["a", "nope", "c", "b", "b"]
+    assert [r.error.code for r in batch.rows] == ["", "NOT_FOUND", "INVALID_ARGUMENT", "", "INVALID_ARGUMENT"]
+    assert batch.rows[2].error.message.startswith("draft:") and "twice" in batch.rows[4].error.message
     ar = reference(llm, PROMPTS[0], mode="ar").token_ids
     assert list(batch.rows[0].outcome.tokens) == ar[:1]
     assert 1 <= len(batch.rows[3].outcome.tokens) <= 3
-    assert err.code() == grpc.StatusCode.NOT_FOUND
-    assert rows_left == 0  # closed sessions gave their cache rows back
+    assert [r.error.code for r in lone.rows] == ["NOT_FOUND"]
+    assert rows_left == 0  # released sessions gave their cache rows back
     assert sizes == [2]  # the `ar` row and the `sd` block: one batched full forward
-    # ... which the answer reports, with each good row's work around it (the coordinator's cost model)
-    assert [(f.tier, f.rows, f.tokens) for f in batch.forwards] == [("full", 2, 3)] and batch.forwards[0].seconds > 0
-    assert [r.work_seconds > 0 for r in batch.rows] == [True, False, False, True]
+    # ... which the answer reports, with each good row's work around it (the engine's cost model)
+    forwards = batch.times.forwards
+    assert [(f.tier, f.rows, f.tokens) for f in forwards] == [("full", 2, 3)] and forwards[0].seconds > 0
+    assert [r.work_seconds > 0 for r in batch.rows] == [True, False, False, True, False]
 
 
-@pytest.mark.parametrize("prefill_tokens", [512, 1], ids=["together", "alone"])
-def test_opens_that_arrive_together_prefill_together(aio, llm, prefill_tokens):
-    """The verifier's Opens that arrive while one runs go in the next lockstep call together, and
-    their prompts (of different lengths: right-padded) prefill in one batched forward per tier
-    within `prefill_tokens` padded tokens (1: each alone); every request then decodes its own
-    greedy tokens, and each prompt's logprobs are its alone."""
-    import threading
-
-    from viasd.actors.rpc import start_server
-    from viasd.actors.verifier import VerifierCore, VerifierServicer
+@pytest.mark.parametrize("chunk", [0, 4], ids=["whole", "chunked"])
+def test_a_prefill_batch_prefills_together_and_scores_each_prompt(aio, llm, chunk):
+    """One Prefill opens several requests and feeds their prompts (of different lengths:
+    right-padded) in one batched forward per tier, whole or in chunks over several calls; every
+    request then decodes its own greedy tokens, each prompt's logprobs are its alone, and a
+    second open of the same id, an unknown chunk or a full cache fail their rows alone."""
     from viasd.v1 import internal_pb2 as ipb
     from viasd.v1 import internal_pb2_grpc
 
     prompts = [PROMPTS[0], PROMPTS[1], [7, 8, 9], list(range(20, 41))]
-    prefills = []  # rows of each prefill forward of q (the full tier: one per Open batch)
+    prefills = []  # rows of each prefill forward of q (the full tier)
     forward_batch = llm.verifier.forward_batch
 
     def counting(rows, store, mask=None, *args, **kwargs):
@@ -566,53 +592,62 @@ def test_opens_that_arrive_together_prefill_together(aio, llm, prefill_tokens):
         return forward_batch(rows, store, mask, *args, **kwargs)
 
     async def run():
-        core = VerifierCore(llm.verifier, llm.engine.mask, "separate", prefill_tokens=prefill_tokens)
-        servicer = VerifierServicer(core)
-        server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s)
-        )
-        busy = threading.Event()
+        _, servicer = _verifier(llm)
+        server, ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = internal_pb2_grpc.VerifierServiceStub(ch)
-                blocker = core.work.submit(busy.wait, 30)  # the worker is busy (a step) while the Opens arrive
-                llm.verifier.forward_batch = counting
-                params = params_to_proto(parse_params(mode="via", prompt_logprobs=1))
-                opens = [
-                    asyncio.ensure_future(
-                        stub.Open(ipb.OpenRequest(request_id=f"r{i}", prompt_token_ids=p, params=params, seed=1))
+            stub = internal_pb2_grpc.VerifierServiceStub(ch)
+            opens = [_open(f"r{i}", p, mode="via", prompt_logprobs=1) for i, p in enumerate(prompts)]
+            scored = {o.request_id: [] for o in opens}
+            llm.verifier.forward_batch = counting
+            try:
+                batch = _prefill(opens, upto=chunk or None)
+                while batch.opens or batch.chunks:
+                    reply = await stub.Prefill(batch, timeout=30)
+                    for row in reply.rows:
+                        scored[row.request_id] += list(row.prompt_logprobs)
+                    fed = {c.request_id: c.upto for c in batch.chunks}
+                    ends = {o.request_id: len(o.prompt_token_ids) - 1 for o in opens}
+                    batch = ipb.PrefillBatch(
+                        chunks=[
+                            ipb.PrefillChunk(request_id=r, upto=min(ends[r], done + chunk))
+                            for r, done in fed.items()
+                            if done < ends[r]
+                        ]
                     )
-                    for i, p in enumerate(prompts)
-                ]
-                await asyncio.sleep(0.5)
-                busy.set()
-                await blocker
-                opened = await asyncio.gather(*opens)
+            finally:
                 del llm.verifier.forward_batch
-                tokens = {f"r{i}": [] for i in range(len(prompts))}
-                for _ in range(4):  # `ar` steps of every row
-                    out = await stub.Verify(ipb.VerifyRequest(rows=[ipb.VerifyRequest(request_id=r) for r in tokens]))
-                    for r in out.rows:
-                        tokens[r.request_id] += list(r.outcome.tokens)
-                for rid in tokens:
-                    await stub.Close(ipb.CloseRequest(request_id=rid))
-                return opened, list(tokens.values())
+            bad = await stub.Prefill(
+                ipb.PrefillBatch(
+                    opens=[opens[0]] + [_open(f"x{i}", [1, 2]) for i in range(8)],
+                    chunks=[ipb.PrefillChunk(request_id="nope", upto=3)],
+                ),
+                timeout=30,
+            )
+            tokens = {o.request_id: [] for o in opens}
+            for _ in range(4):  # `ar` steps of every row
+                out = await stub.Verify(ipb.VerifyBatch(rows=[ipb.VerifyRow(request_id=r) for r in tokens]))
+                for r in out.rows:
+                    tokens[r.request_id] += list(r.outcome.tokens)
+            await stub.Release(ipb.ReleaseBatch(request_ids=[*tokens, *(f"x{i}" for i in range(8))]))
+            return scored, list(tokens.values()), bad
         finally:
-            busy.set()
+            await ch.close()
             await server.stop(None)
 
-    opened, tokens = aio.run(run())
-    for prompt, got, response in zip(prompts, tokens, opened):
+    scored, tokens, bad = aio.run(run())
+    for (key, got_scored), prompt, got in zip(scored.items(), prompts, tokens):
         alone = llm.complete(prompt, parse_params(mode="ar", max_tokens=4, prompt_logprobs=1))
-        assert got == alone.token_ids
+        assert got == alone.token_ids, key
         ref = [e for e in alone.prompt_logprobs if e is not None]  # (the first prompt token has none)
-        assert [e.token_id for e in response.prompt_logprobs] == [e.token_id for e in ref] == prompt[1:]
-        assert [e.logprob for e in response.prompt_logprobs] == pytest.approx([e.logprob for e in ref], abs=1e-4)
-    if prefill_tokens == 1:
-        assert prefills == [1] * len(prompts)
-    else:  # the first Open started a batch at once (with whichever Opens gRPC delivered in the same
-        # tick of the event loop: one or more); the others, arriving while it waited, the next one
-        assert sum(prefills) == len(prompts) and len(prefills) <= 2 and max(prefills) >= 2
+        assert [e.token_id for e in got_scored] == [e.token_id for e in ref] == prompt[1:]
+        assert [e.logprob for e in got_scored] == pytest.approx([e.logprob for e in ref], abs=1e-4)
+    if chunk:  # every call's chunks went in one forward
+        assert prefills == [4, 3, 2, 1, 1]  # (chunks of 4 tokens: the prompts are 6, 12, 3 and 21 long)
+    else:
+        assert prefills == [4]
+    errors = {r.request_id: r.error.code for r in bad.rows if r.HasField("error")}
+    full = dict.fromkeys(("x4", "x5", "x6", "x7"), "RESOURCE_EXHAUSTED")  # (8 rows: 4 held, x0..x3 took the rest)
+    assert errors == {"r0": "INVALID_ARGUMENT", **full, "nope": "NOT_FOUND"}
 
 
 # ------------------------------------------------------------------ lifecycle
@@ -761,10 +796,9 @@ def test_list_models_and_health(server, aio):
 
 
 def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
-    """Greedy sd whose drafter dies after one block finishes as ar: the same tokens as greedy ar."""
-    from viasd.actors.coordinator import Coordinator
+    """Greedy sd whose drafter fails after one block finishes as ar: the same tokens as greedy ar;
+    the drafter's counters still come back with its Release."""
     from viasd.actors.drafter import DrafterServicer
-    from viasd.actors.rpc import start_server
     from viasd.v1 import internal_pb2_grpc
 
     class Failing(DrafterServicer):
@@ -778,33 +812,24 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is gone")
             return await super().Propose(request, context)
 
+    drafter = Failing(llm.drafter, _capacity())
+    server, ch, address = aio.run(_served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, drafter))
+    aio.run(ch.close())
+    coord = _coordinator(pipeline, drafter_address=address, drafter_fallback=True)
+
     async def run():
-        drafter = Failing(llm.drafter)
-        server, port = await start_server(lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(drafter, s))
-        base = pipeline.coordinator
-        coord = Coordinator(
-            base.verifier_address,
-            f"127.0.0.1:{port}",
-            vocab_size=base.vocab_size,
-            max_context=base.max_context,
-            eos_token_ids=base.eos_token_ids,
-            rpc_timeout_s=30,
-        )
         try:
-            chunks = [
-                c async for c in coord.generate("fallback", PROMPTS[0], parse_params(mode="sd", gamma=3, max_tokens=24))
-            ]
-            return chunks, len(drafter.sessions)
+            return await _run(coord, "fallback", PROMPTS[0], mode="sd", gamma=3)
         finally:
-            await coord.close()
+            coord.close()
             await server.stop(None)
 
-    chunks, open_sessions = aio.run(run())
+    chunks = aio.run(run())
     ar = reference(llm, PROMPTS[0], mode="ar")
     assert [t for c in chunks for t in c.token_ids] == ar.token_ids
     stats = chunks[-1].stats
     assert stats.drafter_fallback and stats.num_drafts == 1 and stats.forwards["drafter"] > 0
-    assert open_sessions == 0  # the coordinator still closed the drafter's session
+    assert len(drafter.sessions) == 0  # the engine still released the drafter's session
     assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
 
 
@@ -847,9 +872,9 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
         # under batching: the mixed waves on the TP=2 group == the in-process (TP=1) batched run
         served = aio.run(served_waves(tp2.coordinator, BATCH_WAVES, f"tp2-wave-{backend}"))
         assert served == in_process_batched(llm, BATCH_WAVES), backend
-        assert tp2.coordinator.totals.max_rows >= 6  # the ranks ran mixed-mode batches in lockstep
+        assert tp2.executor.totals.max_rows >= 6  # the ranks ran mixed-mode batches in lockstep
         # `auto`: both ranks profile q and q' together (collectives), then plan; greedy == ar
-        costs = aio.run(tp2.coordinator.cost_model())
+        costs = tp2.coordinator.engine.cost_model()
         assert costs.key["verifier"]["ranks"] == 2 and set(costs.grid) == {"full", "slim", "drafter"}
         auto = aio.run(_run(tp2.coordinator, f"tp2-auto-{backend}", PROMPTS[1], mode="auto"))
         assert [t for c in auto for t in c.token_ids] == reference(llm, PROMPTS[1], mode="ar").token_ids
@@ -864,8 +889,7 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
 def test_rank_disagreement_is_detected(aio, llm):
     """Rank 0 compares every rank's outcome with its own: a rank on another random stream (a bug
     that lockstep must never hide) fails the call with INTERNAL instead of streaming rank 0's tokens."""
-    from viasd.actors.rpc import start_server
-    from viasd.actors.verifier import VerifierCore, VerifierServicer, _comparable
+    from viasd.actors.verifier import _comparable
     from viasd.v1 import internal_pb2 as ipb
     from viasd.v1 import internal_pb2_grpc
 
@@ -873,12 +897,13 @@ def test_rank_disagreement_is_detected(aio, llm):
         """Stands in for a VerifierWorker handle: `call.remote(seq, op, *args)`, seeds shifted by one."""
 
         def __init__(self):
-            self.core = VerifierCore(llm.verifier, llm.engine.mask, "separate")
+            self.core, _ = _verifier(llm)
             self.call = self
 
         def remote(self, seq, op, *args):
-            if op == "open":  # (one Open per call here: a batch of one)
-                args = ([(*r[:3], r[3] + 1, *r[4:]) for r in args[0]],)
+            if op == "prefill":
+                batch = args[0]
+                args = (dataclasses.replace(batch, opens=[o._replace(seed=o.seed + 1) for o in batch.opens]),)
 
             async def run():
                 return _comparable(op, await self.core.work.enqueue(seq, getattr(self.core, op), *args))
@@ -886,22 +911,18 @@ def test_rank_disagreement_is_detected(aio, llm):
             return asyncio.ensure_future(run())
 
     async def run():
-        core = VerifierCore(llm.verifier, llm.engine.mask, "separate")
-        servicer = VerifierServicer(core, [Follower()], check_ranks=True)
-        server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s)
-        )
+        _, servicer = _verifier(llm, [Follower()])
+        server, ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
         try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                stub = internal_pb2_grpc.VerifierServiceStub(ch)
-                params = params_to_proto(parse_params(mode="ar", temperature=1.0, seed=0))
-                await stub.Open(ipb.OpenRequest(request_id="r", prompt_token_ids=PROMPTS[0], params=params, seed=3))
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    for _ in range(20):  # some step samples differently on the two streams
-                        await stub.Verify(ipb.VerifyRequest(request_id="r"), timeout=30)
-                await stub.Close(ipb.CloseRequest(request_id="r"))
-                return err.value
+            stub = internal_pb2_grpc.VerifierServiceStub(ch)
+            await stub.Prefill(_prefill([_open("r", PROMPTS[0], mode="ar", temperature=1.0, seed=0)]), timeout=30)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                for _ in range(20):  # some step samples differently on the two streams
+                    await stub.Verify(ipb.VerifyBatch(rows=[ipb.VerifyRow(request_id="r")]), timeout=30)
+            await stub.Release(ipb.ReleaseBatch(request_ids=["r"]))
+            return err.value
         finally:
+            await ch.close()
             await server.stop(None)
 
     err = aio.run(run())
@@ -934,8 +955,9 @@ def test_the_masks_calibrated_gates_apply_to_served_via_requests_as_in_process(s
 
     _, _, stub = server
     gates = Gates(0.9, 0.7, "escalate")
-    before = pipeline.coordinator.gates, llm.engine.gates
-    pipeline.coordinator.gates = llm.engine.gates = gates
+    served = pipeline.coordinator.engine
+    before = served.gates, llm.engine.gates
+    served.gates = llm.engine.gates = gates
     try:
         for prompt in PROMPTS:
             params = parse_params(mode="via", gamma=4, max_tokens=24)
@@ -949,7 +971,7 @@ def test_the_masks_calibrated_gates_apply_to_served_via_requests_as_in_process(s
             own, _ = aio.run(collect(stub, request(prompt, **VIA)))  # alpha1 / alpha2 set: no gates applied
             assert own == reference(llm, prompt, **VIA).token_ids
     finally:
-        pipeline.coordinator.gates, llm.engine.gates = before
+        served.gates, llm.engine.gates = before
 
 
 # ------------------------------------------------------------------ served `auto`
@@ -963,22 +985,30 @@ NGRAM = {"full": [(1, 1.0), (64, 1.3)], "slim": [(1, 0.6), (64, 0.8)], "drafter"
 CHEAP_SLIM = {"full": [(1, 1.0), (64, 64.0)], "slim": [(1, 0.01), (64, 0.02)], "drafter": [(1, 0.05), (64, 0.6)]}
 
 
-def _coordinator(pipeline, grid=None):
-    """A coordinator of its own on the pipeline's actors (its own estimates), planning with `grid`
-    as given (None: it fetches both services' profiles and corrects them online, as a pipeline's does)."""
-    from viasd.actors.coordinator import Coordinator
+def _coordinator(pipeline, grid=None, *, drafter_address=None, max_batch=None, drafter_fallback=False):
+    """An engine of its own on the pipeline's actors (its own estimates and planner), planning with
+    `grid` as given (None: it fetches both services' profiles and corrects them online, as a
+    pipeline's does); `max_batch` rows at most (the actors hold more)."""
+    from viasd.actors.coordinator import ServedExecutor
     from viasd.costs import CostModel
+    from viasd.engine import AsyncEngine, Engine
 
-    base = pipeline.coordinator
-    return Coordinator(
-        base.verifier_address,
-        base.drafter_address,
-        vocab_size=base.vocab_size,
-        max_context=base.max_context,
-        eos_token_ids=base.eos_token_ids,
+    base = pipeline.coordinator.engine
+    executor = ServedExecutor(
+        pipeline.executor.verifier_address,
+        drafter_address or pipeline.executor.drafter_address,
+        vocab_size=base.executor.vocab_size,
         rpc_timeout_s=30,
-        costs=CostModel(dict(grid)) if grid is not None else None,  # (as given: not corrected online)
     )
+    capacity = base.capacity if max_batch is None else dataclasses.replace(base.capacity, max_batch=max_batch)
+    engine = Engine.over(
+        executor,
+        capacity,
+        eos_token_ids=base.eos_token_ids,
+        costs=CostModel(dict(grid)) if grid is not None else None,  # (as given: not corrected online)
+        drafter_fallback=drafter_fallback,
+    )
+    return AsyncEngine(engine)
 
 
 async def _run(coordinator, name, prompt, **params):
@@ -1005,7 +1035,7 @@ def test_served_greedy_auto_equals_ar_whatever_it_plans(aio, pipeline, llm, grid
             wave += [(0, dict(mode="sd", gamma=3, temperature=0.9, seed=5, max_tokens=12))]
             return alone, await served_waves(coord, [wave], f"auto-wave-{expect}"), wave
         finally:
-            await coord.close()
+            coord.close()
 
     alone, batched, wave = aio.run(run())
     kinds = set()
@@ -1044,7 +1074,7 @@ def test_served_auto_plans_as_in_process(aio, pipeline, llm, grid):
                 try:
                     return await _run(coord, f"as-in-process-{i}", prompt, **params)
                 finally:
-                    await coord.close()
+                    coord.close()
 
             chunks = aio.run(run())
             ref = engine.complete(prompt, parse_params(**params))
@@ -1061,25 +1091,26 @@ def test_served_auto_feeds_its_drafter_at_open_only_when_it_plans_to_draft(aio, 
     """The drafter of an `auto` request planned to draft from the start prefills at Open, beside
     the verifier's prefill (as in-process: test_auto); one planned `ar` stays unfed."""
     coord, opens = _coordinator(pipeline, grid), []
-    call = coord._call
+    executor = coord.engine.executor
+    call = executor._call
 
-    async def recording(stub, component, method, request, timeout=None):
-        response = await call(stub, component, method, request, timeout)
-        if method == "Open" and component == "drafter":
-            opens.append((request.feed_drafter, response.stats.prefill_forwards))
-        return response
+    def recording(stub, component, method, request, timeout=None):
+        reply = call(stub, component, method, request, timeout)
+        if method == "Prefill" and component == "drafter" and request.opens:
+            opens.append((bool(request.chunks), [r.fed for r in reply[0].rows]))
+        return reply
 
-    coord._call = recording
+    executor._call = recording
     prompt = list(range(3, 33))  # (no repeats: no n-gram drafts)
 
     async def run():
         try:
             return await _run(coord, f"feed-{fed}", prompt, mode="auto", max_tokens=12)
         finally:
-            await coord.close()
+            coord.close()
 
     chunks = aio.run(run())
-    assert opens == [(fed, int(fed))]
+    assert opens == [(fed, [len(prompt) - 1 if fed else 0])]
     assert [t for c in chunks for t in c.token_ids] == llm.complete(
         prompt, parse_params(mode="ar", max_tokens=12)
     ).token_ids
@@ -1098,13 +1129,17 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
         try:
             ar = await _run(coord, "fetch", PROMPTS[0], mode="auto")
             state = coord.planner_state()
-            coord.costs = _coordinator(pipeline, CHEAP_SLIM).costs  # the slim tier nearly free: via pays
-            coord.estimates.via_tokens, coord.estimates.via_escalation = 3.0, 0.1
-            lossless = await _run(coord, "lossless", PROMPTS[1], mode="auto")
-            lossy = await _run(coord, "lossy", PROMPTS[1], mode="auto", auto_lossy=True)
+            cheap = _coordinator(pipeline, CHEAP_SLIM)  # the slim tier nearly free: via pays
+            estimates = cheap.engine.scheduler.estimates
+            estimates.via_tokens, estimates.via_escalation = 3.0, 0.1
+            try:
+                lossless = await _run(cheap, "lossless", PROMPTS[1], mode="auto")
+                lossy = await _run(cheap, "lossy", PROMPTS[1], mode="auto", auto_lossy=True)
+            finally:
+                cheap.close()
             return ar, state, lossless, lossy
         finally:
-            await coord.close()
+            coord.close()
 
     ar, state, lossless, lossy = aio.run(run())
     assert [t for c in ar for t in c.token_ids] == reference(llm, PROMPTS[0], mode="ar").token_ids
@@ -1142,9 +1177,9 @@ def test_served_auto_profiles_both_services_and_learns_online(aio, pipeline, llm
 
 
 def test_a_plan_the_request_does_not_allow_is_invalid_argument():
-    from viasd.actors.verifier import _plan_mode
     from viasd.config import Mode
     from viasd.errors import InvalidParameterError
+    from viasd.executor import plan_mode as _plan_mode
 
     auto, lossy = parse_params(mode="auto"), parse_params(mode="auto", auto_lossy=True)
     assert _plan_mode(auto, "sd", True) == Mode.SD and _plan_mode(auto, "ngram", True) == Mode.SD

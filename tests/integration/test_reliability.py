@@ -405,7 +405,7 @@ def test_cancel_cycles_free_every_session_and_memory(aio, server, pipeline):
     assert_idle(aio, pipeline, servicer)
     gc.collect()
     baseline = rss(pids())
-    opened = pipeline.coordinator.totals.requests
+    opened = pipeline.executor.totals.requests
     sent = aio.run(cycles(CANCEL_CYCLES, 0), timeout=TIMEOUT_S + 5 * CANCEL_CYCLES)
     # what the server did: every cycle that read was streamed tokens of a request still running
     # (no EOF, no finish reason) when it was cancelled, and each of those reached the coordinator
@@ -413,7 +413,7 @@ def test_cancel_cycles_free_every_session_and_memory(aio, server, pipeline):
     assert len(mid_stream) == sum(1 for i in range(CANCEL_CYCLES) if i % 3), sent
     for got in mid_stream:
         assert all(r is not grpc.aio.EOF and r.token_ids and not r.finish_reason for r in got), got
-    assert pipeline.coordinator.totals.requests - opened >= len(mid_stream)
+    assert pipeline.executor.totals.requests - opened >= len(mid_stream)
     assert_idle(aio, pipeline, servicer)
     gc.collect()
     after = rss(pids())

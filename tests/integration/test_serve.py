@@ -404,7 +404,7 @@ def test_metrics_expose_the_counters_after_requests(service, client):
     assert ("viasd_num_requests_waiting", (("model_name", "smol"),)) in s
     # the actor pipeline's step driver: its steps, and where its time went (both services drove a via step)
     assert total(s, "viasd_coordinator_steps_total", model_name="smol") > 0
-    for phase in ("drafter", "verifier", "propose_transport", "verify_transport", "coordinator"):
+    for phase in ("prefill", "drafter", "verifier", "propose_transport", "verify_transport", "release"):
         assert total(s, "viasd_coordinator_seconds_total", model_name="smol", phase=phase) > 0, phase
 
 

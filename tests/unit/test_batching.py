@@ -96,8 +96,8 @@ def test_every_request_in_a_batch_equals_its_run_alone(tiny_pair, policy):
             assert 0 < len(batched[i]) < 24 and batched[i] == alone[i][: len(batched[i])]
         else:
             assert batched[i] == alone[i], (i, REQUESTS[i])
-    assert engine.scheduler.num_running == 0 and engine.scheduler.full_store.rows_in_use == 0
-    assert engine.scheduler.drafter_store.rows_in_use == 0 and engine.scheduler.slim_store.rows_in_use == 0
+    assert engine.scheduler.num_running == 0 and engine.executor.verifier.full_store.rows_in_use == 0
+    assert engine.executor.drafter.store.rows_in_use == 0 and engine.executor.verifier.slim_store.rows_in_use == 0
 
 
 def test_batch_composition_never_changes_a_seeded_output(tiny_pair):
@@ -158,7 +158,7 @@ def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy):
         engine.step()
         rejected_cycles += sum(h.stats.num_rejected_tokens for h in handles) > rejected_before
         for h in handles:
-            sessions = engine.scheduler.sessions(h)
+            sessions = engine.executor.sessions(h.key)
             if sessions is None:
                 continue
             draft, verify = sessions
@@ -251,7 +251,7 @@ def test_a_full_engine_queues_and_finished_requests_free_their_rows(tiny_pair):
         assert engine.scheduler.num_running <= 2
     assert all(sum(len(c.token_ids) for c in h.chunks) == 10 and h.chunks[-1].finished for h in handles)
     assert handles[-1].stats.queue_seconds > 0 and handles[0].stats.kv_bytes > 0
-    assert engine.scheduler.full_store.rows_in_use == 0
+    assert engine.executor.verifier.full_store.rows_in_use == 0
 
 
 def test_an_over_long_prompt_names_the_limit(tiny_pair):
@@ -345,4 +345,4 @@ def test_closing_a_stream_cancels_the_request(tiny_pair):
     assert engine.scheduler.num_running == 1
     it.close()
     engine.step()
-    assert engine.scheduler.num_running == 0 and engine.scheduler.full_store.rows_in_use == 0
+    assert engine.scheduler.num_running == 0 and engine.executor.verifier.full_store.rows_in_use == 0

@@ -113,7 +113,7 @@ def test_shared_policy_uses_one_cache_and_matches_separate_when_slim_is_exact(ti
     engine = Engine(verifier, drafter, mask=full, cache_policy="shared")
     handle = engine.submit(PROMPTS[0], params)
     engine.step()
-    _, verify = engine.scheduler.sessions(handle)
+    _, verify = engine.executor.sessions(handle.key)
     assert verify.slim.cache is verify.full.cache
 
 

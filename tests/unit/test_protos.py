@@ -89,6 +89,23 @@ def test_params_round_trip_exactly(values):
     assert params_from_proto(msg) == params  # doubles on the wire: 0.3 stays 0.3
 
 
+def test_the_message_mirrors_generation_params_field_for_field_and_value_for_value():
+    """One form for a request's parameters from the handler to the actors: the message has every
+    field of GenerationParams under its name and no other, and every value of each of its enums
+    travels (a rule or mode the wire could not carry would fail the served request only)."""
+    from enum import Enum
+
+    from viasd.config import GenerationParams
+
+    assert set(pb.GenerationParams.DESCRIPTOR.fields_by_name) == set(GenerationParams.model_fields)
+    for name, field in GenerationParams.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, Enum):
+            for value in field.annotation:
+                extra = {"mode": "via"} if name == "rule" else {}  # (staged is a `via` rule)
+                params = parse_params({**extra, name: value.value})
+                assert params_from_proto(params_to_proto(params)) == params, (name, value)
+
+
 @pytest.mark.parametrize(
     "msg, field",
     [

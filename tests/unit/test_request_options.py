@@ -314,7 +314,7 @@ def test_n_samples_equal_each_sample_alone_and_share_one_prefill(tiny_pair, poli
         else:  # two rows: sample 1 copies sample 0's rows; 2 and 3 copy them only if it still runs
             assert copied[0]
             fallbacks += copied[1:].count(False)
-        assert engine.scheduler.full_store.rows_in_use == 0 and engine.scheduler.num_running == 0
+        assert engine.executor.verifier.full_store.rows_in_use == 0 and engine.scheduler.num_running == 0
     assert max_batch >= 4 or fallbacks > 0  # a sample also prefilled itself after sample 0 had left
     assert sample_seed(5, 0) == 5 and sample_seed(5, 1) != sample_seed(5, 2)
 

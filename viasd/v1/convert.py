@@ -48,7 +48,12 @@ PROPOSER_TO_PB = {
     Proposer.NGRAM: pb.PROPOSER_NGRAM,
     Proposer.HYBRID: pb.PROPOSER_HYBRID,
 }
-RULE_TO_PB = {Rule.LOSSLESS: pb.RULE_LOSSLESS, Rule.LOSSY: pb.RULE_LOSSY, Rule.OVERSHOOT: pb.RULE_OVERSHOOT}
+RULE_TO_PB = {
+    Rule.LOSSLESS: pb.RULE_LOSSLESS,
+    Rule.LOSSY: pb.RULE_LOSSY,
+    Rule.OVERSHOOT: pb.RULE_OVERSHOOT,
+    Rule.STAGED: pb.RULE_STAGED,
+}
 LOGPROB_TIER_TO_PB = {LogprobTier.FULL: pb.LOGPROB_TIER_FULL, LogprobTier.SLIM: pb.LOGPROB_TIER_SLIM}
 FINISH_TO_PB = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -109,6 +114,7 @@ _STATS_INTS = (
     "escalated_tokens",
     "full_accepted",
     "prefill_forwards",
+    "kv_bytes",
 )
 
 

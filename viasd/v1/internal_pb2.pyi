@@ -7,31 +7,91 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class OpenRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "seed", "prefill_from", "feed_drafter")
+class RowError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Forward(_message.Message):
+    __slots__ = ("tier", "rows", "tokens", "seconds")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    rows: int
+    tokens: int
+    seconds: float
+    def __init__(self, tier: _Optional[str] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CallTimes(_message.Message):
+    __slots__ = ("seconds", "forwards")
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    seconds: float
+    forwards: _containers.RepeatedCompositeFieldContainer[Forward]
+    def __init__(self, seconds: _Optional[float] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ...) -> None: ...
+
+class Open(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "params", "seed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
-    PREFILL_FROM_FIELD_NUMBER: _ClassVar[int]
-    FEED_DRAFTER_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _generation_pb2.GenerationParams
     seed: int
-    prefill_from: str
-    feed_drafter: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ..., prefill_from: _Optional[str] = ..., feed_drafter: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_generation_pb2.GenerationParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class OpenResponse(_message.Message):
-    __slots__ = ("request_id", "prompt_logprobs", "stats")
+class PrefillChunk(_message.Message):
+    __slots__ = ("request_id", "upto")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UPTO_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    upto: int
+    def __init__(self, request_id: _Optional[str] = ..., upto: _Optional[int] = ...) -> None: ...
+
+class PrefillCopy(_message.Message):
+    __slots__ = ("request_id", "leader")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    leader: str
+    def __init__(self, request_id: _Optional[str] = ..., leader: _Optional[str] = ...) -> None: ...
+
+class PrefillBatch(_message.Message):
+    __slots__ = ("opens", "chunks", "copies")
+    OPENS_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    opens: _containers.RepeatedCompositeFieldContainer[Open]
+    chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
+    copies: _containers.RepeatedCompositeFieldContainer[PrefillCopy]
+    def __init__(self, opens: _Optional[_Iterable[_Union[Open, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[PrefillCopy, _Mapping]]] = ...) -> None: ...
+
+class Prefilled(_message.Message):
+    __slots__ = ("request_id", "prompt_logprobs", "error", "fed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    stats: _generation_pb2.RequestStats
-    def __init__(self, request_id: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+    error: RowError
+    fed: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., fed: _Optional[int] = ...) -> None: ...
+
+class PrefillReply(_message.Message):
+    __slots__ = ("rows", "times")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[Prefilled]
+    times: CallTimes
+    def __init__(self, rows: _Optional[_Iterable[_Union[Prefilled, _Mapping]]] = ..., times: _Optional[_Union[CallTimes, _Mapping]] = ...) -> None: ...
 
 class Outcome(_message.Message):
     __slots__ = ("tokens", "num_draft_accepted")
@@ -41,27 +101,23 @@ class Outcome(_message.Message):
     num_draft_accepted: int
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., num_draft_accepted: _Optional[int] = ...) -> None: ...
 
-class ProposeRequest(_message.Message):
-    __slots__ = ("request_id", "previous", "k", "proposer", "rows")
+class ProposeRow(_message.Message):
+    __slots__ = ("request_id", "previous", "k", "proposer")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     previous: Outcome
     k: int
     proposer: str
-    rows: _containers.RepeatedCompositeFieldContainer[ProposeRequest]
-    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., proposer: _Optional[str] = ..., rows: _Optional[_Iterable[_Union[ProposeRequest, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
 
-class RowError(_message.Message):
-    __slots__ = ("code", "message")
-    CODE_FIELD_NUMBER: _ClassVar[int]
-    MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    code: str
-    message: str
-    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+class ProposeBatch(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[ProposeRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[ProposeRow, _Mapping]]] = ...) -> None: ...
 
 class DraftProbs(_message.Message):
     __slots__ = ("rows", "vocab_size", "data", "dtype", "indices", "row_nnz")
@@ -79,75 +135,93 @@ class DraftProbs(_message.Message):
     row_nnz: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class Forward(_message.Message):
-    __slots__ = ("tier", "rows", "tokens", "seconds")
-    TIER_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    tier: str
-    rows: int
-    tokens: int
-    seconds: float
-    def __init__(self, tier: _Optional[str] = ..., rows: _Optional[int] = ..., tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
-
-class ProposeResponse(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "stats", "rows", "error", "seconds", "forwards", "work_seconds")
+class Proposal(_message.Message):
+    __slots__ = ("request_id", "draft", "probs", "error", "work_seconds", "fed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    FORWARDS_FIELD_NUMBER: _ClassVar[int]
     WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
-    stats: _generation_pb2.RequestStats
-    rows: _containers.RepeatedCompositeFieldContainer[ProposeResponse]
     error: RowError
-    seconds: float
-    forwards: _containers.RepeatedCompositeFieldContainer[Forward]
     work_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[ProposeResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., seconds: _Optional[float] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., work_seconds: _Optional[float] = ...) -> None: ...
+    fed: int
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., work_seconds: _Optional[float] = ..., fed: _Optional[int] = ...) -> None: ...
 
-class VerifyRequest(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "rows", "plan")
+class ProposeReply(_message.Message):
+    __slots__ = ("rows", "times")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[Proposal]
+    times: CallTimes
+    def __init__(self, rows: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., times: _Optional[_Union[CallTimes, _Mapping]] = ...) -> None: ...
+
+class VerifyRow(_message.Message):
+    __slots__ = ("request_id", "draft", "probs", "plan")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
-    rows: _containers.RepeatedCompositeFieldContainer[VerifyRequest]
     plan: str
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyRequest, _Mapping]]] = ..., plan: _Optional[str] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., plan: _Optional[str] = ...) -> None: ...
 
-class VerifyResponse(_message.Message):
-    __slots__ = ("request_id", "outcome", "stats", "rows", "error", "logprobs", "seconds", "forwards", "work_seconds")
+class VerifyBatch(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[VerifyRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[VerifyRow, _Mapping]]] = ...) -> None: ...
+
+class Verdict(_message.Message):
+    __slots__ = ("request_id", "outcome", "logprobs", "escalated", "error", "work_seconds")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
-    STATS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    SECONDS_FIELD_NUMBER: _ClassVar[int]
-    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    ESCALATED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: Outcome
-    stats: _generation_pb2.RequestStats
-    rows: _containers.RepeatedCompositeFieldContainer[VerifyResponse]
-    error: RowError
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
-    seconds: float
-    forwards: _containers.RepeatedCompositeFieldContainer[Forward]
+    escalated: bool
+    error: RowError
     work_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ..., rows: _Optional[_Iterable[_Union[VerifyResponse, _Mapping]]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., seconds: _Optional[float] = ..., forwards: _Optional[_Iterable[_Union[Forward, _Mapping]]] = ..., work_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., escalated: _Optional[bool] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., work_seconds: _Optional[float] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("rows", "times")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[Verdict]
+    times: CallTimes
+    def __init__(self, rows: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., times: _Optional[_Union[CallTimes, _Mapping]] = ...) -> None: ...
+
+class ReleaseBatch(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Released(_message.Message):
+    __slots__ = ("request_id", "existed", "stats")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXISTED_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    existed: bool
+    stats: _generation_pb2.RequestStats
+    def __init__(self, request_id: _Optional[str] = ..., existed: _Optional[bool] = ..., stats: _Optional[_Union[_generation_pb2.RequestStats, _Mapping]] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[Released]
+    def __init__(self, rows: _Optional[_Iterable[_Union[Released, _Mapping]]] = ...) -> None: ...
 
 class CostsRequest(_message.Message):
     __slots__ = ()
@@ -174,15 +248,3 @@ class CostsResponse(_message.Message):
     key_json: str
     profile_seconds: float
     def __init__(self, curves: _Optional[_Iterable[_Union[CostCurve, _Mapping]]] = ..., key_json: _Optional[str] = ..., profile_seconds: _Optional[float] = ...) -> None: ...
-
-class CloseRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
-
-class CloseResponse(_message.Message):
-    __slots__ = ("existed",)
-    EXISTED_FIELD_NUMBER: _ClassVar[int]
-    existed: bool
-    def __init__(self, existed: _Optional[bool] = ...) -> None: ...

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class DrafterServiceStub:
-    """The drafter actor: proposes blocks for the requests it holds.
+    """The drafter actor: the drafter's half of every request (viasd.executor.DraftWorker).
     """
 
     def __init__(self, channel):
@@ -35,20 +35,20 @@ class DrafterServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Open = channel.unary_unary(
-                '/viasd.v1.DrafterService/Open',
-                request_serializer=viasd_dot_v1_dot_internal__pb2.OpenRequest.SerializeToString,
-                response_deserializer=viasd_dot_v1_dot_internal__pb2.OpenResponse.FromString,
+        self.Prefill = channel.unary_unary(
+                '/viasd.v1.DrafterService/Prefill',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.PrefillBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.PrefillReply.FromString,
                 _registered_method=True)
         self.Propose = channel.unary_unary(
                 '/viasd.v1.DrafterService/Propose',
-                request_serializer=viasd_dot_v1_dot_internal__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=viasd_dot_v1_dot_internal__pb2.ProposeResponse.FromString,
+                request_serializer=viasd_dot_v1_dot_internal__pb2.ProposeBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.ProposeReply.FromString,
                 _registered_method=True)
-        self.Close = channel.unary_unary(
-                '/viasd.v1.DrafterService/Close',
-                request_serializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
-                response_deserializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
+        self.Release = channel.unary_unary(
+                '/viasd.v1.DrafterService/Release',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.ReleaseBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Costs = channel.unary_unary(
                 '/viasd.v1.DrafterService/Costs',
@@ -58,26 +58,24 @@ class DrafterServiceStub:
 
 
 class DrafterServiceServicer:
-    """The drafter actor: proposes blocks for the requests it holds.
+    """The drafter actor: the drafter's half of every request (viasd.executor.DraftWorker).
     """
 
-    def Open(self, request, context):
-        """Open a request's drafter session (cache + random stream).
-        """
+    def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Propose(self, request, context):
-        """Propose a block of draft tokens for every row, after committing each row's previous outcome.
+        """Each row's draft block, after committing the outcomes its drafter has not seen.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Close(self, request, context):
-        """Close a session and free its cache (idempotent).
-        """
+    def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -92,20 +90,20 @@ class DrafterServiceServicer:
 
 def add_DrafterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Open': grpc.unary_unary_rpc_method_handler(
-                    servicer.Open,
-                    request_deserializer=viasd_dot_v1_dot_internal__pb2.OpenRequest.FromString,
-                    response_serializer=viasd_dot_v1_dot_internal__pb2.OpenResponse.SerializeToString,
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.PrefillBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.PrefillReply.SerializeToString,
             ),
             'Propose': grpc.unary_unary_rpc_method_handler(
                     servicer.Propose,
-                    request_deserializer=viasd_dot_v1_dot_internal__pb2.ProposeRequest.FromString,
-                    response_serializer=viasd_dot_v1_dot_internal__pb2.ProposeResponse.SerializeToString,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.ProposeBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.ProposeReply.SerializeToString,
             ),
-            'Close': grpc.unary_unary_rpc_method_handler(
-                    servicer.Close,
-                    request_deserializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.FromString,
-                    response_serializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.SerializeToString,
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.ReleaseBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.ReleaseReply.SerializeToString,
             ),
             'Costs': grpc.unary_unary_rpc_method_handler(
                     servicer.Costs,
@@ -121,11 +119,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class DrafterService:
-    """The drafter actor: proposes blocks for the requests it holds.
+    """The drafter actor: the drafter's half of every request (viasd.executor.DraftWorker).
     """
 
     @staticmethod
-    def Open(request,
+    def Prefill(request,
             target,
             options=(),
             channel_credentials=None,
@@ -138,9 +136,9 @@ class DrafterService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/viasd.v1.DrafterService/Open',
-            viasd_dot_v1_dot_internal__pb2.OpenRequest.SerializeToString,
-            viasd_dot_v1_dot_internal__pb2.OpenResponse.FromString,
+            '/viasd.v1.DrafterService/Prefill',
+            viasd_dot_v1_dot_internal__pb2.PrefillBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -166,8 +164,8 @@ class DrafterService:
             request,
             target,
             '/viasd.v1.DrafterService/Propose',
-            viasd_dot_v1_dot_internal__pb2.ProposeRequest.SerializeToString,
-            viasd_dot_v1_dot_internal__pb2.ProposeResponse.FromString,
+            viasd_dot_v1_dot_internal__pb2.ProposeBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.ProposeReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -179,7 +177,7 @@ class DrafterService:
             _registered_method=True)
 
     @staticmethod
-    def Close(request,
+    def Release(request,
             target,
             options=(),
             channel_credentials=None,
@@ -192,9 +190,9 @@ class DrafterService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/viasd.v1.DrafterService/Close',
-            viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
-            viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
+            '/viasd.v1.DrafterService/Release',
+            viasd_dot_v1_dot_internal__pb2.ReleaseBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -234,7 +232,8 @@ class DrafterService:
 
 
 class VerifierServiceStub:
-    """The verifier group (rank 0 serves, the other tensor-parallel ranks follow it).
+    """The verifier group (rank 0 serves; the other tensor-parallel ranks run every call in lockstep):
+    the verifier's half of every request (viasd.executor.VerifyWorker).
     """
 
     def __init__(self, channel):
@@ -243,20 +242,20 @@ class VerifierServiceStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Open = channel.unary_unary(
-                '/viasd.v1.VerifierService/Open',
-                request_serializer=viasd_dot_v1_dot_internal__pb2.OpenRequest.SerializeToString,
-                response_deserializer=viasd_dot_v1_dot_internal__pb2.OpenResponse.FromString,
+        self.Prefill = channel.unary_unary(
+                '/viasd.v1.VerifierService/Prefill',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.PrefillBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.PrefillReply.FromString,
                 _registered_method=True)
         self.Verify = channel.unary_unary(
                 '/viasd.v1.VerifierService/Verify',
-                request_serializer=viasd_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
-                response_deserializer=viasd_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
+                request_serializer=viasd_dot_v1_dot_internal__pb2.VerifyBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.VerifyReply.FromString,
                 _registered_method=True)
-        self.Close = channel.unary_unary(
-                '/viasd.v1.VerifierService/Close',
-                request_serializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
-                response_deserializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
+        self.Release = channel.unary_unary(
+                '/viasd.v1.VerifierService/Release',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.ReleaseBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.ReleaseReply.FromString,
                 _registered_method=True)
         self.Costs = channel.unary_unary(
                 '/viasd.v1.VerifierService/Costs',
@@ -266,23 +265,24 @@ class VerifierServiceStub:
 
 
 class VerifierServiceServicer:
-    """The verifier group (rank 0 serves, the other tensor-parallel ranks follow it).
+    """The verifier group (rank 0 serves; the other tensor-parallel ranks run every call in lockstep):
+    the verifier's half of every request (viasd.executor.VerifyWorker).
     """
 
-    def Open(self, request, context):
+    def Prefill(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Verify a draft block (sd, via) or decode one token (ar); returns the committed tokens.
+        """Each row's block checked with its plan's rule (or one token decoded, `ar`); committed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Close(self, request, context):
+    def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -298,20 +298,20 @@ class VerifierServiceServicer:
 
 def add_VerifierServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Open': grpc.unary_unary_rpc_method_handler(
-                    servicer.Open,
-                    request_deserializer=viasd_dot_v1_dot_internal__pb2.OpenRequest.FromString,
-                    response_serializer=viasd_dot_v1_dot_internal__pb2.OpenResponse.SerializeToString,
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.PrefillBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.PrefillReply.SerializeToString,
             ),
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
-                    request_deserializer=viasd_dot_v1_dot_internal__pb2.VerifyRequest.FromString,
-                    response_serializer=viasd_dot_v1_dot_internal__pb2.VerifyResponse.SerializeToString,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.VerifyBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.VerifyReply.SerializeToString,
             ),
-            'Close': grpc.unary_unary_rpc_method_handler(
-                    servicer.Close,
-                    request_deserializer=viasd_dot_v1_dot_internal__pb2.CloseRequest.FromString,
-                    response_serializer=viasd_dot_v1_dot_internal__pb2.CloseResponse.SerializeToString,
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.ReleaseBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.ReleaseReply.SerializeToString,
             ),
             'Costs': grpc.unary_unary_rpc_method_handler(
                     servicer.Costs,
@@ -327,11 +327,12 @@ def add_VerifierServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class VerifierService:
-    """The verifier group (rank 0 serves, the other tensor-parallel ranks follow it).
+    """The verifier group (rank 0 serves; the other tensor-parallel ranks run every call in lockstep):
+    the verifier's half of every request (viasd.executor.VerifyWorker).
     """
 
     @staticmethod
-    def Open(request,
+    def Prefill(request,
             target,
             options=(),
             channel_credentials=None,
@@ -344,9 +345,9 @@ class VerifierService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/viasd.v1.VerifierService/Open',
-            viasd_dot_v1_dot_internal__pb2.OpenRequest.SerializeToString,
-            viasd_dot_v1_dot_internal__pb2.OpenResponse.FromString,
+            '/viasd.v1.VerifierService/Prefill',
+            viasd_dot_v1_dot_internal__pb2.PrefillBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.PrefillReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -372,8 +373,8 @@ class VerifierService:
             request,
             target,
             '/viasd.v1.VerifierService/Verify',
-            viasd_dot_v1_dot_internal__pb2.VerifyRequest.SerializeToString,
-            viasd_dot_v1_dot_internal__pb2.VerifyResponse.FromString,
+            viasd_dot_v1_dot_internal__pb2.VerifyBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.VerifyReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -385,7 +386,7 @@ class VerifierService:
             _registered_method=True)
 
     @staticmethod
-    def Close(request,
+    def Release(request,
             target,
             options=(),
             channel_credentials=None,
@@ -398,9 +399,9 @@ class VerifierService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/viasd.v1.VerifierService/Close',
-            viasd_dot_v1_dot_internal__pb2.CloseRequest.SerializeToString,
-            viasd_dot_v1_dot_internal__pb2.CloseResponse.FromString,
+            '/viasd.v1.VerifierService/Release',
+            viasd_dot_v1_dot_internal__pb2.ReleaseBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,
