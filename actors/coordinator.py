@@ -153,8 +153,9 @@ class ServedExecutor:
         return stub
 
     def _close_unused(self) -> None:
+        """Close the replaced channels no request uses any more (under `_lock`)."""
         used = {id(self._verifier), id(self._drafter)}
-        used |= {id(s) for r in self._rows.values() for s in (r.verifier, r.drafter)}
+        used |= {id(s) for r in list(self._rows.values()) for s in (r.verifier, r.drafter)}  # (a snapshot)
         for key in [k for k in self._channels if k not in used]:
             self._channels.pop(key)[1].close()
 

@@ -170,6 +170,29 @@ def _tls_json(config: PipelineConfig) -> dict | None:
     return config.internal_tls.model_dump(mode="json") if config.internal_tls else None
 
 
+@ray.remote(num_cpus=0)
+def _dtype_choice(engine: dict, device: str) -> dict:
+    from viasd.precision import engine_dtype
+
+    return engine_dtype(EngineConfig.model_validate(engine), device).as_dict()
+
+
+async def _resolve_dtype(config: PipelineConfig, pg) -> tuple[PipelineConfig, dict | None]:
+    """`dtype: auto` resolved once for every actor of the pipeline, on the node of the verifier's
+    first rank: each process choosing alone could choose differently (on a CPU the choice rests
+    on a timed probe), and tensor-parallel ranks must agree. The config with the chosen dtype,
+    and the choice (why: what /v1/models reports); a concrete dtype is kept as it is."""
+    if config.engine.dtype != "auto":
+        return config, None
+    device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
+    first = 1 if config.engine.drafter is not None else 0
+    choice = await _dtype_choice.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
+        runtime_env={"env_vars": MODEL_ACTOR_ENV},
+    ).remote(config.engine.model_dump(mode="json"), device)
+    return config.model_copy(update={"engine": config.engine.model_copy(update={"dtype": choice["dtype"]})}), choice
+
+
 async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
     """A DrafterActor in bundle 0, loaded and serving: (handle, info with its address)."""
     drafter = DrafterActor.options(**_place(pg, 0, config.drafter_cpus, config.drafter_gpus)).remote()
@@ -291,6 +314,7 @@ class Pipeline:
         actors: list = []
         try:
             await asyncio.wait_for(pg.ready(), config.start_timeout_s)
+            config, dtype = await _resolve_dtype(config, pg)
             starts = [_start_verifier(config, pg, actors)]
             if has_drafter:
                 starts.append(_start_drafter(config, pg, actors))
@@ -299,6 +323,7 @@ class Pipeline:
                 results[0],
                 (results[1] if has_drafter else (None, None)),
             )
+            verifier_info["runtime"] = dtype or verifier_info["runtime"]  # (auto: why it chose, not "requested")
             coordinator = AsyncEngine(_engine(config, address, verifier_info, drafter_info))
         except BaseException:
             for actor in actors:

@@ -239,7 +239,6 @@ class Engine:
             executor,
             capacity,
             eos_token_ids=self.eos_token_ids,
-            max_context=self.max_context,
             context_name=context_name,
             costs=costs if costs is not None else executor.costs,  # `auto`: profiled on first use
             drafter_fallback=drafter_fallback,
@@ -409,11 +408,11 @@ class AsyncEngine:
                 yield chunk
         finally:
             self._samples.pop(request_id, None)
-            for handle in samples:  # (also when its first step never started: `it` holds nothing then)
-                if not handle.finished:
-                    self.engine.cancel(handle)
-            # its rows are released on the step thread before the stream ends
-            await asyncio.shield(asyncio.wrap_future(self._pool.submit(self._close, it)))
+            unfinished = [h for h in samples if not h.finished]
+            for handle in unfinished:  # (also when its first step never started: `it` holds nothing then)
+                self.engine.cancel(handle)
+            if unfinished:  # their rows are released on the step thread before the stream ends
+                await asyncio.shield(asyncio.wrap_future(self._pool.submit(self._close, it)))
 
     def _close(self, stream: Iterator[Chunk]) -> None:
         stream.close()

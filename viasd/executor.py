@@ -116,7 +116,8 @@ class VerifyRow(NamedTuple):
 
 class Executor(Protocol):
     """The phases of a step (module docstring). Results come in the order of the rows; a row that
-    failed alone holds a `BackendError` instead."""
+    failed alone holds its error instead (a `BackendError` served; in process only a malformed
+    row can, and the scheduler's rows never are)."""
 
     vocab_size: int
     has_drafter: bool  # a drafter model is loaded (n-gram drafts need none)
@@ -126,9 +127,14 @@ class Executor(Protocol):
         """Every row of the batch: the prompt logprobs its chunk scored ([] when none)."""
         ...
 
-    def propose(self, rows: Sequence[ProposeRow], times: StepTimes) -> list[Proposal | BackendError]: ...
+    def propose(self, rows: Sequence[ProposeRow], times: StepTimes) -> list[Proposal | BackendError]:
+        """Every drafting row's block; `times` gets the forwards and each row's work, by key."""
+        ...
 
-    def verify(self, rows: Sequence[VerifyRow], times: StepTimes) -> list[Outcome | BackendError]: ...
+    def verify(self, rows: Sequence[VerifyRow], times: StepTimes) -> list[Outcome | BackendError]:
+        """Every row's outcome, committed on the verifier's side (the drafter's commits it with
+        its next propose at the latest); `times` as for `propose`."""
+        ...
 
     def release(self, keys: Sequence[str]) -> dict[str, RequestStats]:
         """Free the requests' rows; the counters each side kept (missing where a side is gone)."""
@@ -146,39 +152,61 @@ class Executor(Protocol):
 # ---------------------------------------------------------------- the two halves
 
 
-class DraftWorker:
+class _Side:
+    """What both halves share: their sessions by request key, prefill, copies and release."""
+
+    name: str
+    sessions: dict
+
+    def session(self, key: str):
+        try:
+            return self.sessions[key]
+        except KeyError:
+            raise SessionNotFound(f"{self.name} has no session {key!r}") from None
+
+    def _new(self, key: str) -> None:
+        if key in self.sessions:
+            raise InvalidParameterError("request_id", f"{key!r} is already open on the {self.name}")
+
+    def prefill_steps(self, key: str, upto: int) -> list[Forward]:
+        return self.session(key).prefill_steps(upto, upto)
+
+    def prefilled(self, key: str, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
+        """What a prefill forward of the request scored (the verifier's prompt logprobs)."""
+        return self.session(key).prefilled(forward, logits)
+
+    def copy(self, key: str, leader: str) -> None:
+        self.session(key).copy_prefill(self.session(leader))
+
+    def release(self, key: str) -> RequestStats | None:
+        """Free the request's rows; the counters its session kept (None: it held none here)."""
+        session = self.sessions.pop(key, None)
+        if session is None:
+            return None
+        session.stats.kv_bytes = session.kv_bytes()
+        session.release()
+        return session.stats
+
+
+class DraftWorker(_Side):
     """The drafter's half: a `DraftSession` per request key, on rows of one cache store of
     `capacity.max_batch` rows x `capacity.max_seq_len` positions. `lm` None: n-gram drafts only."""
+
+    name = "drafter"
 
     def __init__(self, lm: MaskedLM | None, capacity: Capacity):
         self.lm = lm
         self.store = None if lm is None else lm.new_store(max_rows=capacity.max_batch, max_len=capacity.max_seq_len)
         self.sessions: dict[str, DraftSession] = {}
 
-    def session(self, key: str) -> DraftSession:
-        try:
-            return self.sessions[key]
-        except KeyError:
-            raise SessionNotFound(f"drafter has no session {key!r}") from None
-
     def open(self, key: str, prompt: list[int], params: GenerationParams, seed: int) -> None:
         """A session on a fresh row (a full store is a CapacityError: the scheduler never asks past it)."""
-        if key in self.sessions:
-            raise InvalidParameterError("request_id", f"{key!r} is already open on the drafter")
+        self._new(key)
         model = self.lm is not None and params.proposer != Proposer.NGRAM
         row = self.store.row(self.store.alloc()) if model else None
         stats = RequestStats(mode=params.mode.value, prompt_tokens=len(prompt))
         draft_seed, _ = request_seeds(seed)
         self.sessions[key] = DraftSession(self.lm if model else None, prompt, params, draft_seed, stats, cache=row)
-
-    def prefill_steps(self, key: str, upto: int) -> list[Forward]:
-        return self.session(key).prefill_steps(upto, upto)
-
-    def copy(self, key: str, leader: str) -> None:
-        self.session(key).copy_prefill(self.session(leader))
-
-    def prefilled(self, key: str, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
-        return []
 
     def fed(self, key: str) -> int:
         """Positions the request's drafter cache holds (0 without a drafter model)."""
@@ -217,19 +245,16 @@ class DraftWorker:
                 s.stop.set()
 
     def release(self, key: str) -> RequestStats | None:
-        session = self.sessions.pop(key, None)
-        if session is None:
-            return None
-        session.stop.set()
-        session.stats.kv_bytes = session.kv_bytes()
-        session.release()
-        return session.stats
+        self.stop([key])  # (a block being drafted ahead ends after its next token)
+        return super().release(key)
 
 
-class VerifyWorker:
+class VerifyWorker(_Side):
     """The verifier's half: a `VerifySession` per request key (q, and q' = q masked), on rows of
     the full store and, under the separate cache policy, the slim one, each `capacity.max_batch`
     rows x `capacity.max_seq_len` positions. Logits never leave it: it returns outcomes."""
+
+    name = "verifier"
 
     def __init__(self, lm: MaskedLM, mask: LayerMask, cache_policy: CachePolicy | str, capacity: Capacity):
         self.lm, self.mask = lm, mask
@@ -239,15 +264,8 @@ class VerifyWorker:
         self.slim_store = lm.new_store(mask, max_rows=rows, max_len=length)  # (the separate policy only)
         self.sessions: dict[str, VerifySession] = {}
 
-    def session(self, key: str) -> VerifySession:
-        try:
-            return self.sessions[key]
-        except KeyError:
-            raise SessionNotFound(f"verifier has no session {key!r}") from None
-
     def open(self, key: str, prompt: list[int], params: GenerationParams, seed: int) -> None:
-        if key in self.sessions:
-            raise InvalidParameterError("request_id", f"{key!r} is already open on the verifier")
+        self._new(key)
         full = self.full_store.row(self.full_store.alloc())
         slim = None
         if uses_slim(params) and self.cache_policy == CachePolicy.SEPARATE:
@@ -261,15 +279,6 @@ class VerifyWorker:
         self.sessions[key] = VerifySession(
             self.lm, self.mask, self.cache_policy, prompt, params, verify_seed, stats, full_cache=full, slim_cache=slim
         )
-
-    def prefill_steps(self, key: str, upto: int) -> list[Forward]:
-        return self.session(key).prefill_steps(upto, upto)
-
-    def prefilled(self, key: str, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
-        return self.session(key).prefilled(forward, logits)
-
-    def copy(self, key: str, leader: str) -> None:
-        self.session(key).copy_prefill(self.session(leader))
 
     def verify(self, rows: Sequence[VerifyRow], times: StepTimes) -> list[Outcome | InvalidParameterError]:
         """One step over every row (`viasd.sessions.drive`: one slim forward over the `via` rows,
@@ -308,14 +317,6 @@ class VerifyWorker:
         if p is None and not session.sampler.greedy and model:
             raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
         return session.check_steps(row.draft, p, mode)
-
-    def release(self, key: str) -> RequestStats | None:
-        session = self.sessions.pop(key, None)
-        if session is None:
-            return None
-        session.stats.kv_bytes = session.kv_bytes()
-        session.release()
-        return session.stats
 
 
 class SessionNotFound(InvalidParameterError):

@@ -265,7 +265,6 @@ class Scheduler:
         capacity: Capacity,
         *,
         eos_token_ids: Sequence[int],
-        max_context: int | None,
         context_name: str = "max_context",
         costs: CostModel | Callable[[], CostModel] | None = None,
         drafter_fallback: bool = False,
@@ -273,13 +272,13 @@ class Scheduler:
         self.executor = executor
         self.capacity = capacity
         self.eos_token_ids = tuple(eos_token_ids)
-        self.max_context = max_context
+        self.max_context = capacity.max_seq_len  # the context a request may fill (`context_name` names its limit)
         self.context_name = context_name
         self.drafter_fallback = drafter_fallback
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Running] = []
         self._left: list[_Running] = []  # left this step: their rows are released at its end
-        self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time on the model thread
+        self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time (Engine.thread)
         # engine-wide running estimates: the prior of new `auto` requests
         self.estimates = Estimates(population=True)
         self.planner = Planner()  # `auto`'s plans, step after step

@@ -755,6 +755,27 @@ def test_bad_input_is_invalid_argument_naming_the_field(server, aio, pipeline, m
     assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
 
 
+def test_dtype_auto_is_chosen_once_for_every_actor_of_a_pipeline(ray_session, aio, engine_config):
+    """`dtype: auto` is resolved once, on the node of the verifier's first rank, and every actor
+    gets the concrete dtype (a choice each made alone rests on a timed probe: ranks could
+    disagree); a concrete dtype is kept as it is."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from viasd.cluster.pipeline import _resolve_dtype
+
+    auto = _pipeline_config(engine_config.model_copy(update={"dtype": "auto"}))
+    pg = placement_group([{"CPU": 0.5}, {"CPU": 0.5}])
+    try:
+        aio.run(pg.ready())
+        resolved, choice = aio.run(_resolve_dtype(auto, pg))
+        kept, none = aio.run(_resolve_dtype(_pipeline_config(engine_config), pg))
+    finally:
+        remove_placement_group(pg)
+    assert choice["dtype_requested"] == "auto" and choice["dtype"] in ("bfloat16", "float32") and choice["dtype_reason"]
+    assert resolved.engine.dtype == choice["dtype"] and resolved.engine.verifier == auto.engine.verifier
+    assert kept.engine.dtype == "float32" and none is None
+
+
 def test_the_actors_pack_the_linears_the_in_process_engine_packs(pipeline, llm):
     """Each actor loads and packs on its model thread; /v1/models reports what both packed (packing
     stops where memory runs short), as the in-process engine reports its own."""
