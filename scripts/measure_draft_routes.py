@@ -31,16 +31,8 @@ import os
 import statistics
 import time
 
-PROMPTS = [
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    'def is_palindrome(s: str) -> bool:\n    """Return True when s reads the same backwards."""\n',
-    'def merge_sorted(a: list, b: list) -> list:\n    """Merge two sorted lists into one sorted list."""\n',
-    'def count_words(text: str) -> dict:\n    """Count how often each word occurs in text."""\n',
-    'def flatten(xs):\n    """Flatten a nested list of lists into one list."""\n',
-    'def gcd(a: int, b: int) -> int:\n    """Greatest common divisor of a and b."""\n',
-    'def transpose(m: list[list[int]]) -> list[list[int]]:\n    """Transpose a matrix."""\n',
-    'def parse_csv_line(line: str) -> list[str]:\n    """Split one CSV line into fields."""\n',
-]
+from serve_throughput import PROMPTS  # (the same HumanEval-style prompts as the load measurement)
+
 FLOAT = 4  # bytes of one float32 probability
 ROUTES = ("through the engine", "drafter to verifier", "probability only")
 

@@ -6,8 +6,10 @@ import asyncio
 import contextlib
 import copy
 import os
+import random
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -57,6 +59,43 @@ def drafter_from(verifier, keep_layers: int = 2):
         for p in d.model.layers.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02)
     return d.eval()
+
+
+def listen_port() -> int:
+    """A loopback port free now, for a server a test starts later. Taken below the kernel's
+    ephemeral range (`ip_local_port_range`), so that no socket bound to port 0 meanwhile (the other
+    test worker's servers, Ray's, every client's) can take it first, as one picked by binding port 0
+    could be taken; random, so that two workers asking at once do not pick the same."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.Random(os.getpid() ^ time.time_ns())
+    for _ in range(1000):
+        port = rng.randrange(min(20000, low - 1000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
+
+
+def slow_forwards(monkeypatch, lm, seconds: float = 0.01) -> None:
+    """Make every batched forward of `lm` take `seconds` more. Drafting ahead (`overlap`) runs
+    beside the verifier's forwards and stops when they end: how far it gets is a matter of thread
+    timing, and with tiny models often its first token only, whose block is then never used. Beside
+    a slow verifier it drafts on, so that a test may count on drafted-ahead tokens being used."""
+    import time
+
+    forward_batch = lm.forward_batch
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward_batch(*args, **kwargs)
+
+    monkeypatch.setattr(lm, "forward_batch", slow)
 
 
 @pytest.fixture(scope="session", params=["llama", "qwen2"])

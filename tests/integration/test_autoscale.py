@@ -14,8 +14,7 @@ import time
 
 import grpc
 import pytest
-from conftest import save_tiny_pair
-from test_serve import _free_port
+from conftest import listen_port, save_tiny_pair
 
 from viasd.cluster.serve_config import parse_serve_config
 from viasd.config import parse_params
@@ -34,8 +33,8 @@ def config(tmp_path_factory):
     return parse_serve_config(
         {
             "pipelines": [{"name": "tiny", "engine": engine, "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
-            "http": {"port": _free_port()},
-            "grpc": {"port": _free_port()},
+            "http": {"port": listen_port()},
+            "grpc": {"port": listen_port()},
             "limits": {"max_concurrent_requests": 2, "max_queued_requests": 16},
             "autoscaling": {
                 "min_replicas": 1,

@@ -27,7 +27,6 @@ import asyncio
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -38,7 +37,7 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import make_certificates
-from conftest import save_tiny_pair
+from conftest import listen_port, save_tiny_pair
 
 from viasd.client import (
     NO_RETRY,
@@ -183,12 +182,6 @@ def open_sessions(aio, pipeline) -> dict:
     return aio.run(pipeline.session_counts())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def retries(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == "viasd.client" and "retry" in r.getMessage()]
 
@@ -238,7 +231,7 @@ def test_client_imports_neither_torch_nor_ray():
 )
 def test_bad_parameters_fail_before_any_network_io(kwargs, field):
     """Nothing listens on the target: a bad value must be reported by the client itself."""
-    client = Client(f"127.0.0.1:{free_port()}", retry=NO_RETRY)
+    client = Client(f"127.0.0.1:{listen_port()}", retry=NO_RETRY)
     try:
         kwargs = dict(kwargs)
         prompt = kwargs.pop("prompt", None)
@@ -268,7 +261,7 @@ def test_cancel_stops_the_retries(caplog):
     waiting when the join below gives up (a hang guard, not a measurement)."""
     caplog.set_level(logging.INFO, logger="viasd.client")
     hour = RetryPolicy(max_attempts=100, initial_backoff_s=3600.0, max_backoff_s=3600.0, jitter=0.0)
-    with Client(f"127.0.0.1:{free_port()}", retry=hour) as client:
+    with Client(f"127.0.0.1:{listen_port()}", retry=hour) as client:
         stream = client.generate("x", max_tokens=2)
         out: dict = {}
 
@@ -449,7 +442,7 @@ def test_deadline_expires_with_deadline_exceeded(client, aio, pipeline):
 
 def test_unavailable_before_the_first_token_is_retried_until_the_server_is_up(aio, servers, servicer, llm, caplog):
     caplog.set_level(logging.INFO, logger="viasd.client")
-    port = free_port()
+    port = listen_port()
     late = []
     timer = threading.Timer(1.0, lambda: late.append(servers.start(servicer, port)[0]))
     timer.start()
@@ -814,7 +807,7 @@ def test_cli_in_process(target, certs, servers, servicer, capsys, tmp_path, monk
     assert main(["--target", target, "--json", "chat", "hello", "--system", "be brief"]) == 2  # no chat template
     error = json.loads(capsys.readouterr().out)["error"]
     assert error["code"] == "INVALID_ARGUMENT" and error["field"] in ("prompt", "messages")
-    assert main(["--target", f"127.0.0.1:{free_port()}", "--retries", "0", "models"]) == 1
+    assert main(["--target", f"127.0.0.1:{listen_port()}", "--retries", "0", "models"]) == 1
     assert "Unavailable" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # no flag takes the token itself (nor abbreviates --token-file)
         main(["--target", target, "--token", TOKEN, "models"])
@@ -862,7 +855,7 @@ def test_standalone_server_process_with_tls_and_token(engine_config, llm, certs,
         )
     )
     (tmp_path / "token").write_text(TOKEN)
-    port = free_port()
+    port = listen_port()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIASD_API_TOKEN")}
     env.update(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_enable_worker_prestart="0", PYTHONUNBUFFERED="1")
     cmd = [

@@ -18,8 +18,7 @@ import threading
 import grpc
 import pytest
 import torch
-from conftest import drafter_from, process_alive, tiny_model
-from test_serve import _free_port
+from conftest import drafter_from, listen_port, process_alive, tiny_model
 
 from viasd.config import parse_params
 from viasd.v1 import generation_pb2 as pb
@@ -46,8 +45,8 @@ def service(tmp_path_factory, ray_session):
     config = parse_serve_config(
         {
             "pipelines": [{"name": "tiny", "engine": engine, "drafter_cpus": 0.25, "verifier_cpus_per_rank": 0.25}],
-            "http": {"port": _free_port()},
-            "grpc": {"port": _free_port()},
+            "http": {"port": listen_port()},
+            "grpc": {"port": listen_port()},
             "metrics": {"ray_export": False},
             "limits": {"max_concurrent_requests": 4, "max_queued_requests": 4},
         }
@@ -179,7 +178,7 @@ def test_sigterm_drains_viasd_serve_and_leaves_no_process(tmp_path):
     verifier.config.max_position_embeddings = LONG + 512
     for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
         model.save_pretrained(tmp_path / name)
-    port = _free_port()
+    port = listen_port()
     config = {
         "pipelines": [
             {

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 from certs import make_certificates
-from conftest import save_tiny_pair
-from test_serve import _free_port
+from conftest import listen_port, save_tiny_pair
 
 TOKEN = "https-test-token"
 CALL_TIMEOUT = 120
@@ -42,12 +41,12 @@ def service(tmp_path_factory, certs, ray_session):
                 }
             ],
             "http": {
-                "port": _free_port(),
+                "port": listen_port(),
                 "token_file": str(root / "token"),
                 "tls_cert_file": str(certs["server.pem"]),
                 "tls_key_file": str(certs["server.key"]),
             },
-            "grpc": {"port": _free_port()},
+            "grpc": {"port": listen_port()},
             "metrics": {"ray_export": False},
         }
     )

@@ -13,11 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import time
 
 import pytest
 import ray.serve  # noqa: E402,F401  (declared: a missing one fails, it does not skip)
+from conftest import listen_port
 
 from viasd.cluster.serve_config import load_serve_config, parse_serve_config  # noqa: E402
 from viasd.errors import InvalidParameterError  # noqa: E402
@@ -26,12 +26,6 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 CHAT = [{"role": "user", "content": "Write a haiku about the sea."}]
 MAX_TOKENS = 24
 CALL_TIMEOUT = 120
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +69,8 @@ def config(models_dir):
         {
             "pipelines": [{"name": "smol", "engine": engine}],
             "default_params": {"max_tokens": MAX_TOKENS},
-            "http": {"port": _free_port(), "token_file": str(models_dir / "token")},
-            "grpc": {"port": _free_port()},
+            "http": {"port": listen_port(), "token_file": str(models_dir / "token")},
+            "grpc": {"port": listen_port()},
             "limits": {"max_concurrent_requests": 4, "max_queued_requests": 8},
             "metrics": {"ray_export": False},
         }

@@ -15,6 +15,8 @@
   tables against docs/benchmarks/quality/{greedy,sampled}/results.json.
 * docs/BENCHMARKS.md, "On a real AVX2 CPU": the forwards per dtype and the quick start against
   docs/benchmarks/cpu/{dtypes/dtypes,quickstart/quickstart}-avx2.json.
+* docs/SERVING.md, "One engine, served and in process": the served / in-process table and the
+  draft-routes table against docs/benchmarks/cpu/one-engine/*.json (rendered by their scripts).
 """
 
 from __future__ import annotations
@@ -1213,3 +1215,54 @@ def test_one_request_avx2_dtype_table_equals_its_results_json():
         "bfloat16",
         "float32",
     )  # `auto`'s choice before and after it priced the prompt
+
+
+# ------------------------------------------------------------------ docs/SERVING.md: one engine
+
+ONE_ENGINE = DOCS / "benchmarks" / "cpu" / "one-engine"
+
+
+def test_served_beside_in_process_table_equals_its_raw_file():
+    """SERVING.md, "One engine, served and in process": the table is the one serve_throughput
+    renders from the committed run (its command on the page; command, commit and machine inside),
+    each figure the median of its passes; the greedy streams of both systems agree token for token
+    but at the one near-tied bf16 position the text names, where both systems part alike."""
+    serve_throughput = script_module("serve_throughput")
+    raw = load(ONE_ENGINE / "serve-throughput-avx512.json")
+    page = (DOCS / "SERVING.md").read_text()
+    assert serve_throughput.markdown_table(raw) in page
+    assert raw["summary"] == serve_throughput.summarize(raw["runs"]) and raw["ratios"] == serve_throughput.ratios(
+        raw["summary"]
+    )
+    env = raw["environment"]
+    assert env["cpu_capability"] == "AVX512" and "avx512_bf16" in env["cpu_flags"] and not env["git_dirty"]
+    assert raw["pipeline"]["runtime"]["dtype"] == raw["in_process"]["runtime"]["dtype"] == "bfloat16"
+    assert raw["passes"] == 2
+    assert " ".join(shlex.split(raw["command"])[1:]) in commands_joined(page)
+    parted = Counter()  # (prompt, first position where a stream leaves its prompt's first stream) -> systems
+    first = {}
+    for run in raw["runs"]:
+        for prompt, ids in run["stream_token_ids"]:
+            ref = first.setdefault(prompt, ids)
+            if ids != ref:
+                parted[(prompt, next(i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), run["system"])] += 1
+    assert {(p, i) for p, i, _ in parted} == {(1, 7)}  # prompt 1, its 8th token
+    assert {s for _, _, s in parted} == {"in_process", "served"}
+    assert sum(parted.values()) == raw["tokens"]["streams_mismatched"] == 21 and raw["tokens"]["streams_checked"] == 232
+
+
+def test_draft_routes_table_equals_its_raw_file():
+    """SERVING.md, "Draft data on the wire": the routes table is the one measure_draft_routes
+    renders from the committed run, whose summary its functions recompute from the recorded steps
+    and calls; (a) moves twice (b)'s bytes, (c) under a fifth of them."""
+    routes = script_module("measure_draft_routes")
+    raw = load(ONE_ENGINE / "draft-routes-avx512.json")
+    page = (DOCS / "SERVING.md").read_text()
+    assert routes.markdown_table(raw) in page
+    assert raw["summary"] == [routes.summarize(p, raw["vocab_size"], raw["rows"]) for p in raw["passes"]]
+    assert raw["environment"]["cpu_capability"] == "AVX512" and not raw["environment"]["git_dirty"]
+    assert " ".join(shlex.split(raw["command"])[1:]) in commands_joined(page)
+    for summary in raw["summary"]:
+        mb = {route: r["mb_per_full_step"] for route, r in summary["routes"].items()}
+        assert mb["through the engine"] == pytest.approx(2 * mb["drafter to verifier"], abs=0.01)
+        assert mb["probability only"] < mb["drafter to verifier"] / 5

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import slow_forwards, tiny_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from scipy.stats import chisquare
@@ -201,12 +201,13 @@ def test_sampled_sd_with_lookup_follows_the_verifier(proposer, n):
 @pytest.mark.parametrize("mode", ["sd", "via"])
 def test_greedy_overlap_changes_no_token(tiny_pair, mode, monkeypatch):
     """Greedy: drafting ahead only moves work earlier; sd == ar and via == via without overlap.
-    (Every row drafts ahead here, so that drafted-ahead tokens, how many a matter of timing, are
-    surely used; the shipped choice of rows: test_overlap_drafts_ahead_only_for_rows_likely_accepted_whole.)"""
+    (Every row drafts ahead here, beside a slow verifier, so that drafted-ahead tokens are surely
+    used; the shipped choice of rows: test_overlap_drafts_ahead_only_for_rows_likely_accepted_whole.)"""
     from viasd import sessions
 
     monkeypatch.setattr(sessions, "AHEAD_MIN", 0.0)
     verifier, drafter = tiny_pair
+    slow_forwards(monkeypatch, verifier)
     engine = Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers))
     reused = 0
     for prompt in PROMPTS:

@@ -160,15 +160,17 @@ def test_adaptive_gamma_equals_the_reference(tiny_pair, mode):
 def test_overlap_equals_the_reference(tiny_pair, mode, temperature, ahead_min, monkeypatch):
     """The drafter drafts the next block during the verification, each block on its own seeded
     stream: the tokens do not depend on how far it got, and equal the reference's, with the
-    shipped rule for which rows draft ahead, and with every row drafting ahead (where how many
-    drafted-ahead tokens are used, a matter of timing, is surely more than none)."""
+    shipped rule for which rows draft ahead, and with every row drafting ahead beside a slow
+    verifier (where drafted-ahead tokens are surely used: conftest.slow_forwards)."""
     import reference
+    from conftest import slow_forwards
 
     from viasd import sessions
 
     if ahead_min is not None:
         monkeypatch.setattr(sessions, "AHEAD_MIN", ahead_min)
         monkeypatch.setattr(reference, "AHEAD_MIN", ahead_min)
+        slow_forwards(monkeypatch, tiny_pair[0])
     assert sessions.AHEAD_MIN == reference.AHEAD_MIN
     settings = dict(mode="sd", gamma=4) if mode == "sd" else dict(VIA)
     stats = []
