@@ -708,34 +708,6 @@ def variants_table(variants: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def steps_table(variants: dict[str, list[dict]]) -> str:
-    """Runs of one command under several variants of the code (label -> results files, in the
-    order they ran), one line per run and pass: tokens/s served and in-process, the served
-    coordinator's steps (and tokens per step), and the TTFT p50 of both systems."""
-    lines = [
-        "| variant | mode | streams | run | served tok/s | in-process tok/s | served / in-process | "
-        "served steps (tokens per step) | served TTFT p50 (s) | in-process TTFT p50 (s) |",
-        "|" + " --- |" * 10,
-    ]
-    for label, mode, c, pairs in _by_variant_and_level(variants):
-        for i, (sv, ip) in enumerate(pairs):
-            steps = sv["coordinator"]
-            cells = [
-                label,
-                mode,
-                str(c),
-                str(i),
-                f"{sv['aggregate_tokens_per_s']:.2f}",
-                f"{ip['aggregate_tokens_per_s']:.2f}",
-                f"{sv['aggregate_tokens_per_s'] / ip['aggregate_tokens_per_s']:.2f}",
-                f"{steps['steps']} ({steps['tokens_per_step']:.2f})",
-                f"{sv['p50_ttft_s']:.2f}",
-                f"{ip['p50_ttft_s']:.2f}",
-            ]
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def forecasts_table(results: dict) -> str:
     """Mode auto's forecasts per run (`forecasts`): for each system, level and pass, the steps that
     speculated and the `ar` steps, with the seconds the planner predicted against those measured

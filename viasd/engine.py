@@ -297,7 +297,7 @@ class Engine:
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams) -> Iterator[Chunk]:
         """Stream the committed tokens of one request, chunk by chunk; the last chunk has the stats.
 
-        Callers on several threads share the steps: each asks the model thread for a step, which
+        Callers on several threads share the steps: each asks the step thread for a step, which
         runs them in turn, one for every request, so a caller whose request got a chunk from
         another's step takes it without stepping again. Closing the iterator early cancels the
         request. n > 1: the chunks of every sample, interleaved as steps commit them
@@ -426,5 +426,5 @@ class AsyncEngine:
             self.engine.cancel(samples[index])
 
     def close(self) -> None:
-        """Close the engine's executor (a stream still open closes its request on the model thread)."""
+        """Close the engine's executor (a stream still open closes its request on the step thread)."""
         self._pool.submit(self.engine.close)

@@ -373,7 +373,7 @@ class Scheduler:
 
     def reap(self) -> None:
         """Release the rows of cancelled requests now, between steps (an idle engine takes no
-        next step to do it). On the model thread, as steps are."""
+        next step to do it). On the step thread, as steps are."""
         self._retire_cancelled()
         self._release()
 

@@ -500,30 +500,8 @@ def assert_the_bf16_twin(serve_throughput, bf16: dict, f32: dict, mismatched: in
     assert all(len(ids) == f32["runs"][0]["max_tokens"] for r in bf16["runs"] for _, ids in r["stream_token_ids"])
 
 
-def test_burst_table_equals_its_raw_files():
-    """SERVING.md, "A burst steps together": the before / after table is the one serve_throughput
-    renders from the two committed runs, made by the command the page shows on clean trees of the
-    commits it names; after the change every `sd` step carried all eight rows."""
-    serve_throughput = script_module("serve_throughput")
-    folder = DOCS / "benchmarks" / "serve-burst"
-    before, after = load(folder / "before.json"), load(folder / "after.json")
-    label = {
-        name: f"{name} (`{raw['environment']['git_commit'][:7]}`)"
-        for name, raw in (("before", before), ("after", after))
-    }
-    page = (DOCS / "SERVING.md").read_text()
-    assert serve_throughput.steps_table({label["before"]: [before], label["after"]: [after]}) in page
-    flat = commands_joined(page)
-    for raw in (before, after):
-        assert_one_of_the_runs_shown(serve_throughput, flat, raw)
-        assert not raw["environment"]["git_dirty"]
-    steps = {(r["mode"], r["pass"]): r["coordinator"]["steps"] for r in after["runs"] if r["system"] == "served"}
-    assert steps[("sd", 0)] == steps[("sd", 1)] == 10  # 8 x 32 tokens in steps of eight rows
-    assert all(r["coordinator"]["steps"] == 11 for r in before["runs"] if r["system"] == "served" and r["mode"] == "sd")
-
-
-def test_every_mode_after_the_burst_fix_equals_its_raw_file():
-    """SERVING.md, "Every mode after it": the table is the one serve_throughput renders from the
+def test_every_mode_one_to_sixteen_streams_equals_its_raw_file():
+    """SERVING.md, "Every mode, one to sixteen streams": the table is the one serve_throughput renders from the
     committed run, made by the command the page shows; served `sd` at eight streams ran ten
     steps of all eight rows in both passes."""
     serve_throughput = script_module("serve_throughput")
