@@ -94,11 +94,11 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         open here, named twice or asks for a bad k or proposer fails alone."""
         t0 = time.perf_counter()
         answers: list[ipb.Proposal | None] = [None] * len(request.rows)
-        work = []  # (row index, (key, k, proposer, previous outcome))
+        work, seen = [], set()  # (row index, (key, k, proposer, previous outcome)); the keys in it
         for i, row in enumerate(request.rows):
             try:
                 self.worker.session(row.request_id)
-                if any(w[1][0] == row.request_id for w in work):
+                if row.request_id in seen:
                     raise InvalidParameterError("request_id", f"{row.request_id!r} appears twice in one batch")
                 if not 1 <= row.k <= MAX_GAMMA:
                     raise InvalidParameterError("k", f"must be in 1..{MAX_GAMMA}, got {row.k}")
@@ -108,6 +108,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                 continue
             previous = outcome_from_proto(row.previous) if row.HasField("previous") else None
             work.append((i, (row.request_id, row.k, proposer, previous)))
+            seen.add(row.request_id)
         self._stop_ahead()
         times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
         if work:

@@ -245,7 +245,7 @@ def metrics_samples(base: str) -> dict:
 
 
 def coordinator_totals(base: str) -> dict:
-    """The served step driver's totals from /metrics: steps, and seconds by phase
+    """The served executor's totals from /metrics: steps, and seconds by phase
     (`viasd_coordinator_seconds{phase}`; published as each request ends)."""
     from viasd.cluster.serving_metrics import total
 
