@@ -45,7 +45,7 @@ from viasd.errors import InvalidParameterError
 from viasd.executor import Capacity, DraftWorker, prefill
 from viasd.precision import LinearReport, engine_dtype, optimize_linears
 from viasd.runtime import MaskedLM
-from viasd.sessions import drive
+from viasd.sessions import drive, settle, to_host
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 
@@ -122,8 +122,11 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         return ipb.ProposeReply(rows=answers, times=times_to_proto(times, time.perf_counter() - t0))
 
     def _propose(self, work: list, times: StepTimes) -> list[tuple[int, ipb.Proposal]]:
-        """On the model thread: the worker's propose phase, serialised (p can be megabytes)."""
+        """On the model thread: the worker's propose phase, serialised (p can be megabytes); the
+        blocks come to the host with one read."""
         proposals = self.worker.propose([w for _, w in work], times)
+        drafts = to_host([draft for draft, _ in proposals])
+        settle()  # (the forwards' device times, for the reply)
         return [
             (
                 i,
@@ -135,7 +138,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                     fed=self.worker.fed(key),
                 ),
             )
-            for (i, (key, *_)), (draft, p) in zip(work, proposals)
+            for (i, (key, *_)), draft, (_, p) in zip(work, drafts, proposals)
         ]
 
     @rpc

@@ -15,11 +15,12 @@ must produce exactly these tokens:
 * two streams per request, seeded from the request seed s: the drafter's (s) and the verifier's
   (s + 0x9E3779B97F4A7C15 mod 2^63); with `overlap` the drafter's stream of draft block b is
   seeded (s * 0x100000001B3 + b) mod 2^63 instead;
-* each drafted token: one `torch.multinomial` over its row on the drafter's stream (none when greedy);
-* verifying a block (viasd/rules.py `verify_batch`): one `torch.rand(T, float64)` only when some
-  acceptance probability lies strictly in (0, 1), then one `torch.multinomial` over the committed
-  token's law, or its argmax when that law is one-hot (no draw);
-* a rewrite, a slim bonus or an `ar` step: one `Sampler.sample` on the verifier's stream.
+* a token drawn from a law (a drafted token, a rewrite, a slim bonus, an `ar` step, the token a
+  verification commits): its argmax when the request is greedy (no draw), else one
+  `torch.rand(1, float64)` u on the side's stream and the first token whose cumulative mass
+  exceeds u times the total (the inverse of the law's CDF, in float64);
+* verifying a block (viasd/rules.py `verify_rows`): one `torch.rand(T, float64)` when the request
+  samples (none when greedy), then the committed token's draw.
 
 The shared cache policy is not modelled: this decoder has no caches (see
 tests/unit/test_reference_decoder.py for what is proved about `shared`).
@@ -77,27 +78,35 @@ def residual(params: GenerationParams, p: Tensor, q: Tensor) -> Tensor:
     return res / mass if mass > 0 else q
 
 
-def draw(law: Tensor, gen: torch.Generator) -> int:
-    """One token from law [V]: its argmax when one-hot (no randomness), else one multinomial."""
-    if int((law > 0).sum()) == 1:
+def draw(law: Tensor, gen: torch.Generator, greedy: bool) -> int:
+    """One token from law [V] (not necessarily normalised): its argmax when greedy (no
+    randomness), else the inverse of its CDF at one uniform."""
+    if greedy:
         return int(law.argmax())
-    return int(torch.multinomial(law[None], 1, generator=gen)[0, 0])
+    u = float(torch.rand(1, generator=gen, dtype=torch.float64)[0])
+    cdf = law.to(torch.float64).cumsum(0)  # [V]
+    return int((cdf > u * cdf[-1]).nonzero()[0, 0])
+
+
+def sample(sampler: Sampler, logits: Tensor, gen: torch.Generator) -> int:
+    """One token from the sampler's law of logits [1, V]."""
+    return draw(sampler.probs(logits)[0], gen, sampler.greedy)
 
 
 def verify_block(
-    params: GenerationParams, p: Tensor, q: Tensor, draft: list[int], gen: torch.Generator
+    params: GenerationParams, p: Tensor, q: Tensor, draft: list[int], gen: torch.Generator, greedy: bool
 ) -> tuple[int, int]:
     """(accepted draft tokens, the committed token after them): p [T, V], q [T + 1, V]."""
     t = len(draft)
     idx = torch.tensor(draft)
     a = accept_prob(params, p[torch.arange(t), idx], q[torch.arange(t), idx])  # [T]
-    if bool(((a > 0) & (a < 1)).any()):
-        accepted = (torch.rand(t, generator=gen, dtype=torch.float64) < a.to(torch.float64)).tolist()
-    else:
+    if greedy:  # a is 0 or 1
         accepted = (a >= 1).tolist()
+    else:
+        accepted = (torch.rand(t, generator=gen, dtype=torch.float64) < a.to(torch.float64)).tolist()
     n = next((j for j, ok in enumerate(accepted) if not ok), t)
     law = q[t] if n == t else residual(params, p[n], q[n])
-    return n, draw(law, gen)
+    return n, draw(law, gen, greedy)
 
 
 # ------------------------------------------------------------------ the drafter side
@@ -146,7 +155,7 @@ class _Drafter:
         while len(draft) < k:
             logits = _logits(self.lm, prefix + draft, 1)
             p = self.sampler.probs(logits)  # [1, V]
-            draft.append(int(self.sampler.sample(p, gen)[0]))
+            draft.append(draw(p[0], gen, self.sampler.greedy))
             if not self.sampler.greedy:
                 rows.append(p)
             if len(draft) < k and self.params.draft_confidence > 0.0:
@@ -221,7 +230,7 @@ def reference_decode(
         k = len(draft)
         accepted = 0
         if not draft:  # ar, or no n-gram match: one token from q
-            new = [int(sampler.sample(sampler.probs(_logits(verifier, seq, 1)), gen)[0])]
+            new = [sample(sampler, _logits(verifier, seq, 1), gen)]
         else:
             if p is None:  # a point mass at each draft token (greedy, n-gram)
                 p = torch.zeros(k, verifier.vocab_size, dtype=torch.float64)
@@ -241,13 +250,13 @@ def reference_decode(
                 if i == k:
                     new, accepted = list(draft), k
                     if params.slim_bonus:
-                        new.append(int(sampler.sample(sampler.probs(s[k:]), gen)[0]))
+                        new.append(sample(sampler, s[k:], gen))
                 elif gate[i] == "B":
-                    new, accepted = draft[:i] + [int(sampler.sample(sampler.probs(s[i : i + 1]), gen)[0])], i
+                    new, accepted = draft[:i] + [sample(sampler, s[i : i + 1], gen)], i
                 start = i
             if new is None:  # sd, or via escalated at position `start`
                 q = sampler.probs(_logits(verifier, seq + draft, k + 1))
-                n, token = verify_block(params, p[start:].to(q.dtype), q[start:], draft[start:], gen)
+                n, token = verify_block(params, p[start:].to(q.dtype), q[start:], draft[start:], gen, sampler.greedy)
                 new, accepted = draft[: start + n] + [token], start + n
         if side is not None:
             side.commit(seq, new, accepted)

@@ -74,7 +74,7 @@ from pathlib import Path
 
 import torch
 
-from viasd.runtime import LayerMask, MaskedLM, Row
+from viasd.runtime import Lap, LayerMask, MaskedLM, Row
 
 #: (rows, tokens per row) of every profiled forward: the 1-row curve, and two batches at 1 and 4 tokens
 GRID = ((1, 1), (1, 2), (1, 4), (1, 8), (1, 16), (1, 32), (1, 64), (4, 1), (4, 4), (16, 1), (16, 4))
@@ -334,13 +334,9 @@ def _time_forwards(lm: MaskedLM, mask: LayerMask | None, rows: int, tokens: Sequ
         for _ in range(repeats):
             for s in slots:
                 store.crop(s, PREFIX)
-            if lm.device.type == "cuda":
-                torch.cuda.synchronize(lm.device)
-            t0 = time.perf_counter()
+            lap = Lap(lm.device)  # (the device's own time: events on a GPU)
             lm.forward_batch([Row(block, PREFIX, 1, s) for s in slots], store, mask)
-            if lm.device.type == "cuda":
-                torch.cuda.synchronize(lm.device)
-            best = min(best, time.perf_counter() - t0)
+            best = min(best, lap.stop().seconds)
         out.append(best)
     return out
 

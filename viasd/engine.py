@@ -329,11 +329,11 @@ class Engine:
                 # so no caller's chunks pile up undelivered while another keeps stepping)
                 self.thread.run(self._step_for, live)
         finally:
-            unfinished = [h for h in samples if not h.finished]
-            for handle in unfinished:
-                self.cancel(handle)
-            if unfinished:  # their rows go now, not at the next step (there may be none)
-                self.thread.run(self.scheduler.reap)
+            for handle in samples:
+                if not handle.finished:
+                    self.cancel(handle)
+            if any(h.cancelled for h in samples):  # (closed here, or by the caller: a stop string)
+                self.thread.run(self.scheduler.reap)  # their rows go now, not at the next step (there may be none)
 
     def complete(self, prompt_ids: Sequence[int], params: GenerationParams) -> GenerationResult:
         """Run a request to the end and return all of its tokens (n = 1; `complete_n` for n > 1)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Protocol
 
+import torch
 from torch import Tensor
 
 from viasd import model_thread
@@ -38,7 +39,17 @@ from viasd.errors import BackendError, InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.planner import PLANS, Plan
 from viasd.runtime import LayerMask, MaskedLM
-from viasd.sessions import DraftSession, Forward, Outcome, VerifySession, drive, execute, request_seeds, uses_slim
+from viasd.sessions import (
+    DraftSession,
+    Forward,
+    Outcome,
+    VerifySession,
+    drive,
+    execute,
+    request_seeds,
+    settle,
+    uses_slim,
+)
 
 
 @dataclass(frozen=True)
@@ -100,16 +111,17 @@ class ProposeRow(NamedTuple):
 
 
 class Proposal(NamedTuple):
-    """A drafted block: the tokens and p, the drafter's rows [k, V] in the executor's own form
-    (a tensor in process, its wire message served), or None: a point mass at the draft tokens."""
+    """A drafted block in the executor's own form: the tokens (in process a [k] long tensor on the
+    device, served a list) and p, the drafter's rows [k, V] (a tensor in process, its wire message
+    served), or None: a point mass at the draft tokens."""
 
-    draft: list[int]
+    draft: Tensor | list[int]
     probs: object
 
 
 class VerifyRow(NamedTuple):
     key: str
-    draft: list[int]  # empty: decode one token (`ar`)
+    draft: Tensor | list[int]  # the Proposal's; empty: decode one token (`ar`)
     probs: object  # the Proposal's
     plan: str  # an `auto` row's plan kind ("sd", "ngram", "via"); "": the request's own mode
 
@@ -183,6 +195,7 @@ class _Side:
         session = self.sessions.pop(key, None)
         if session is None:
             return None
+        settle()  # (every forward's device time is in its stats)
         session.stats.kv_bytes = session.kv_bytes()
         session.release()
         return session.stats
@@ -215,11 +228,12 @@ class DraftWorker(_Side):
 
     def propose(
         self, rows: Sequence[tuple[str, int, Proposer | None, Outcome | None]], times: StepTimes
-    ) -> list[tuple[list[int], Tensor | None]]:
+    ) -> list[tuple[Tensor, Tensor | None]]:
         """Each row (key, k, proposer, the outcomes it has not committed or None; one row per
         key): commit, catch a lagging drafter up (one batched prefill forward), then draft every
         block together (one batched drafter forward per round, rows leaving as their blocks
-        end). `times` gets the forwards and each row's work between them, by key."""
+        end). Each block stays on the device ([k] long; nothing is read to the host).
+        `times` gets the forwards and each row's work between them, by key."""
         sessions = {key: self.session(key) for key, *_ in rows}
         for key, _, _, previous in rows:
             if previous is not None:
@@ -302,12 +316,17 @@ class VerifyWorker(_Side):
 
     def _steps(self, session: VerifySession, row: VerifyRow):
         """A row's step generator, its draft, p and plan checked first (InvalidParameterError)."""
-        mode = plan_mode(session.params, row.plan, bool(row.draft))
-        if not row.draft:
+        mode = plan_mode(session.params, row.plan, len(row.draft) > 0)
+        if not len(row.draft):
             return session.decode_one_steps()
-        bad = [t for t in row.draft if not 0 <= t < self.lm.vocab_size]
-        if bad:
-            raise InvalidParameterError("draft", f"token ids {bad[:5]} outside the vocabulary ({self.lm.vocab_size})")
+        draft = row.draft
+        if not isinstance(draft, Tensor):  # (served: from the wire; in process the drafter's own tensor)
+            bad = [t for t in draft if not 0 <= t < self.lm.vocab_size]
+            if bad:
+                raise InvalidParameterError(
+                    "draft", f"token ids {bad[:5]} outside the vocabulary ({self.lm.vocab_size})"
+                )
+            draft = torch.tensor(draft, dtype=torch.long, device=self.lm.device)  # [k]
         p = row.probs  # [k, V] or None (a point mass)
         if p is not None and tuple(p.shape) != (len(row.draft), self.lm.vocab_size):
             raise InvalidParameterError(
@@ -316,7 +335,7 @@ class VerifyWorker(_Side):
         model = session.params.proposer == Proposer.MODEL and row.plan != "ngram"  # (n-gram blocks have no p)
         if p is None and not session.sampler.greedy and model:
             raise InvalidParameterError("probs", "a sampled request's draft needs its probabilities")
-        return session.check_steps(row.draft, p, mode)
+        return session.check_steps(draft, p, mode)
 
 
 class SessionNotFound(InvalidParameterError):

@@ -36,8 +36,9 @@ Two kinds of rule live here:
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -46,13 +47,10 @@ import torch
 from torch import Tensor
 
 from viasd.errors import InvalidParameterError
-from viasd.sampling import sample_probs
+from viasd.sampling import sample_rows, uniforms
 
 if TYPE_CHECKING:
     from viasd.config import GenerationParams
-
-SampleFn = Callable[[Tensor, "torch.Generator | None"], Tensor]  # (probs [N, V], generator) -> [N] long
-
 
 # --------------------------------------------------------------------------------------------
 # The three-tier gate of the slim verifier q'
@@ -112,11 +110,61 @@ def regions_from_ratio(r: Tensor, alpha1: float, alpha2: float, *, rewrite: bool
     return regions
 
 
-def first_non_accept(regions: Tensor) -> int:
-    """Index of the first position whose region is not ACCEPT, or T when all are accepted."""
-    assert regions.ndim == 1, f"regions must be [T], got {tuple(regions.shape)}"
-    idx = (regions != int(Region.ACCEPT)).nonzero()  # [K, 1]
-    return int(idx[0, 0]) if idx.numel() else int(regions.shape[0])
+def leading(flags: Tensor, lengths: Sequence[int]) -> Tensor:
+    """Per row of a ragged flat layout (row b owns the next lengths[b] entries of flags [M] bool):
+    how many of its entries are True before its first False -> [B] long, on the device."""
+    b, width, dev = len(lengths), max(lengths, default=0), flags.device
+    if width == 0:
+        return torch.zeros(b, dtype=torch.long, device=dev)
+    padded = torch.ones(b * width, dtype=torch.bool, device=dev)  # past a row's end: True, cut below
+    padded[_flat_index(lengths, width, dev)] = flags
+    run = padded.view(b, width).long().cumprod(dim=-1).sum(dim=-1)  # [B]
+    return torch.minimum(run, torch.tensor(list(lengths), device=dev))
+
+
+def _flat_index(lengths: Sequence[int], width: int, device) -> Tensor:
+    """Where the entries of a ragged flat layout go in a padded [B, width] one -> [M] long."""
+    return torch.tensor(
+        [b * width + t for b, n in enumerate(lengths) for t in range(n)], dtype=torch.long, device=device
+    )
+
+
+def gate_rows(
+    q_slim: Tensor,
+    draft: Tensor,
+    lengths: Sequence[int],
+    alpha1: Sequence[float],
+    alpha2: Sequence[float],
+    rewrite: Sequence[bool],
+) -> Tensor:
+    """The gate of many blocks at once, on the device: each block's first non-accepted position and its region.
+
+    Ragged flat layout: block b owns lengths[b] consecutive positions of q_slim [M, V] (its gate
+    distributions, `Sampler.gate_probs`) and draft [M]; alpha1 / alpha2 / rewrite per block (as for
+    `gate`). Returns [B, 2] long: i_b = the number of leading ACCEPT positions (lengths[b] when
+    all are accepted), and the region at i_b (ACCEPT when i_b = lengths[b]).
+    """
+    for a1, a2 in zip(alpha1, alpha2):
+        check_thresholds(a1, a2)
+    dev = q_slim.device
+    per_position = [b for b, n in enumerate(lengths) for _ in range(n)]  # [M] the block of each position
+
+    def spread(values, dtype) -> Tensor:
+        return torch.tensor([values[b] for b in per_position], dtype=dtype, device=dev)  # [M]
+
+    r = gate_ratio(q_slim, draft)  # [M]
+    rewritten = torch.where(
+        (r >= spread(alpha2, r.dtype)) & spread(rewrite, torch.bool), int(Region.REWRITE), int(Region.ESCALATE)
+    )
+    regions = torch.where(
+        r >= spread(alpha1, r.dtype), int(Region.ACCEPT), rewritten
+    )  # [M] (no boolean indexing: no sync)
+    i = leading(regions == int(Region.ACCEPT), lengths)  # [B]
+    ends = torch.tensor(list(lengths), device=dev)  # [B]
+    starts = torch.cumsum(ends, 0) - ends  # [B]
+    at = regions[(starts + torch.minimum(i, ends - 1)).clamp(min=0)] if len(regions) else i  # [B]
+    region = torch.where(i >= ends, int(Region.ACCEPT), at)  # [B]
+    return torch.stack([i, region], dim=-1)  # [B, 2]
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,11 +280,11 @@ class Verdict:
 
 @dataclass(frozen=True)
 class BatchVerdict:
-    """`Verdict` for N independent blocks."""
+    """`Verdict` for B independent blocks, on the device."""
 
-    num_accepted: Tensor  # [N] long
-    token: Tensor  # [N] long
-    bonus: Tensor  # [N] bool
+    num_accepted: Tensor  # [B] long
+    token: Tensor  # [B] long
+    bonus: Tensor  # [B] bool
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={tuple(getattr(self, k).shape)}" for k in ("num_accepted", "token", "bonus"))
@@ -251,50 +299,84 @@ def _normalised_residual(rule: AcceptanceRule, p: Tensor, q: Tensor) -> Tensor:
     return torch.where(mass > 0, res / mass, q)
 
 
-def verify_batch(
-    rule: AcceptanceRule,
+def _by_rule(rules: Sequence[AcceptanceRule], fn, *columns: Tensor, counts: Sequence[int] | None = None) -> Tensor:
+    """fn(rule, *columns) with each rule applied to its own rows (row b repeated counts[b] times
+    when given): one call when every row has the same rule."""
+    if len(set(rules)) == 1:
+        return fn(rules[0], *columns)
+    counts = counts or [1] * len(rules)
+    owner = [rules[b] for b, n in enumerate(counts) for _ in range(n)]
+    out = None
+    for rule in dict.fromkeys(rules):
+        idx = torch.tensor([i for i, r in enumerate(owner) if r == rule], device=columns[0].device)
+        part = fn(rule, *(c[idx] for c in columns))
+        out = part.new_empty((len(owner), *part.shape[1:])) if out is None else out
+        out[idx] = part
+    return out
+
+
+def verify_rows(
+    rules: Sequence[AcceptanceRule],
     p: Tensor,
     q: Tensor,
     draft: Tensor,
-    generator: torch.Generator | None,
-    *,
-    sampler_sample: SampleFn | None = None,
+    lengths: Sequence[int],
+    greedy: Sequence[bool],
+    generators: Sequence[torch.Generator | None],
 ) -> BatchVerdict:
-    """`verify` for N independent blocks at once (same formulas; `verify` is the N = 1 case).
+    """Speculative verification of B draft blocks at once, on the device, without reading the host.
 
-    p [N, T, V], q [N, T+1, V], draft [N, T] long. Randomness, in this order:
-      1. u = torch.rand(N, T, float64) once, and only if some a_j lies strictly in (0, 1);
-         position j is accepted iff u_j < a_j (a = 1 always accepts, a = 0 never, so when every
-         a_j is 0 or 1 -- greedy -- no u is needed and none is drawn);
-      2. one call of `sampler_sample` (default `sampling.sample_probs`: argmax when every row is
-         one-hot, no randomness; else torch.multinomial) over the N committed-token laws:
-         norm(residual(p_j, q_j)) at the first rejection j (q_j if the residual's mass is 0),
-         or q_T when all T were accepted (bonus).
+    Ragged flat layout: block b has T_b = lengths[b] >= 1 draft tokens; p [M, V] holds the drafter's
+    rows of every block in order (M = sum T_b), q [M + B, V] the verifier's T_b + 1 rows of every
+    block (its last row is the bonus distribution), draft [M] long. With
+    a_j = rules[b].accept_prob(p_j(x~_j), q_j(x~_j)):
+      accept position j of block b iff u_j < a_j, u ~ U[0, 1) float64, T_b draws from block b's
+      generator; a greedy block (p and q one-hot) draws nothing and accepts iff a_j = 1;
+      at block b's first rejection j commit a token from norm(rules[b].residual(p_j, q_j)) (q_j if
+      that residual has zero mass); when all T_b pass, a bonus token from q_{T_b}; the token is
+      drawn by `sampling.sample_rows` (argmax when greedy, else one more uniform of the block's
+      stream).
+    Greedy: accepts while x~_j == argmax q_j, then commits argmax q_j -- greedy speculative decoding.
     """
-    assert p.ndim == 3 and q.ndim == 3 and draft.ndim == 2, "p [N, T, V], q [N, T+1, V], draft [N, T]"
-    n_blocks, t, _ = p.shape
-    assert q.shape[:2] == (n_blocks, t + 1) and draft.shape == (n_blocks, t), (
-        f"shapes p {tuple(p.shape)}, q {tuple(q.shape)}, draft {tuple(draft.shape)}"
+    assert p.ndim == 2 and q.ndim == 2 and draft.ndim == 1, "p [M, V], q [M + B, V], draft [M]"
+    b, m, dev = len(lengths), sum(lengths), q.device
+    assert min(lengths, default=1) >= 1 and p.shape[0] == draft.shape[0] == m and q.shape[0] == m + b, (
+        f"shapes p {tuple(p.shape)}, q {tuple(q.shape)}, draft {tuple(draft.shape)}, lengths {list(lengths)}"
     )
-    sample = sampler_sample or sample_probs
-    p_x = p.gather(-1, draft[..., None]).squeeze(-1)  # [N, T]
-    q_x = q[:, :t].gather(-1, draft[..., None]).squeeze(-1)  # [N, T]
-    a = rule.accept_prob(p_x, q_x)  # [N, T]
-    if bool(((a > 0) & (a < 1)).any()):
-        u = torch.rand(n_blocks, t, generator=generator, dtype=torch.float64, device=p.device)  # [N, T]
-        accepted = u < a.to(torch.float64)  # [N, T]
-    else:
-        accepted = a >= 1  # [N, T]; identical to u < a for every u in [0, 1)
-    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [N]
-    bonus = num_accepted == t  # [N]
-    rows = torch.arange(n_blocks, device=p.device)  # [N]
-    law = q[rows, num_accepted]  # [N, V] the bonus law q_T where all were accepted
-    if t > 0:
-        j = num_accepted.clamp(max=t - 1)  # [N] first rejected position (clamped for bonus rows)
-        recovered = _normalised_residual(rule, p[rows, j], q[rows, j])  # [N, V]
-        law = torch.where(bonus[:, None], law, recovered)  # [N, V]
-    token = sample(law, generator)  # [N]
-    return BatchVerdict(num_accepted=num_accepted, token=token, bonus=bonus)
+    ends = torch.tensor(list(lengths), device=dev)  # [B]
+    p_start = torch.cumsum(ends, 0) - ends  # [B] first row of block b in p
+    q_start = p_start + torch.arange(b, device=dev)  # [B] ... and in q
+    starts = [0, *itertools.accumulate(lengths)][:-1]  # first row of block b in p (host)
+    q_rows = torch.tensor(
+        [s + blk + t for blk, (s, n) in enumerate(zip(starts, lengths)) for t in range(n)], device=dev
+    )  # [M]
+    p_x = p.gather(-1, draft[:, None])[:, 0]  # [M]
+    q_x = q[q_rows].gather(-1, draft[:, None])[:, 0]  # [M]
+    a = _by_rule(rules, lambda rule, px, qx: rule.accept_prob(px, qx), p_x, q_x, counts=lengths)  # [M]
+    draws = [0 if g else n for g, n in zip(greedy, lengths)]
+    u = torch.zeros(m, dtype=torch.float64, device=dev)  # [M]: 0 < a accepts exactly a = 1 (greedy)
+    if any(draws):
+        sampled = [s + t for s, n, d in zip(starts, lengths, draws) if d for t in range(n)]  # [M'] positions that draw
+        u[torch.tensor(sampled, device=dev)] = uniforms(generators, draws, dev)
+    num_accepted = leading(u < a.to(torch.float64), lengths)  # [B]
+    bonus = num_accepted == ends  # [B]
+    j = torch.minimum(num_accepted, ends - 1)  # [B] first rejected position (clamped for bonus blocks)
+    q_at = q[q_start + num_accepted]  # [B, V]: the bonus law where all were accepted, else q_j
+    recovered = _by_rule(rules, _normalised_residual, p[p_start + j], q_at)  # [B, V]
+    law = torch.where(bonus[:, None], q_at, recovered)  # [B, V]
+    return BatchVerdict(num_accepted=num_accepted, token=sample_rows(law, greedy, generators), bonus=bonus)
+
+
+def verify_batch(
+    rule: AcceptanceRule, p: Tensor, q: Tensor, draft: Tensor, generator: torch.Generator | None
+) -> BatchVerdict:
+    """`verify_rows` for N blocks of the same length T with one rule and one random stream:
+    p [N, T, V], q [N, T+1, V], draft [N, T] long (blocks drawn one after the other from `generator`)."""
+    assert p.ndim == 3 and q.ndim == 3 and draft.ndim == 2, "p [N, T, V], q [N, T+1, V], draft [N, T]"
+    n, t, _ = p.shape
+    return verify_rows(
+        [rule] * n, p.flatten(0, 1), q.flatten(0, 1), draft.flatten(), [t] * n, [False] * n, [generator] * n
+    )
 
 
 def verify(
@@ -304,22 +386,13 @@ def verify(
     draft: Tensor,
     generator: torch.Generator | None,
     *,
-    sampler_sample: SampleFn | None = None,
+    greedy: bool = False,
 ) -> Verdict:
-    """Speculative verification of one draft block by the full verifier.
-
-    p [T, V] drafter probs at the draft positions, q [T+1, V] verifier probs (row T is the bonus
-    distribution), draft [T] long. With a_j = rule.accept_prob(p_j(x~_j), q_j(x~_j)):
-      accept position j iff u_j < a_j, u = torch.rand(T, float64) (drawn once, and only when
-      some a_j is strictly between 0 and 1); at the first rejection j commit a token from
-      norm(rule.residual(p_j, q_j)) (from q_j if that residual has zero mass); when all T pass,
-      commit a bonus token from q_T. One-hot laws are sampled by argmax without randomness.
-    Greedy (p and q one-hot): accepts while x~_j == argmax q_j, then commits argmax q_j -- exactly
-    greedy speculative decoding -- and consumes no randomness at all (generator untouched).
-    `sampler_sample(probs [N, V], generator) -> [N]` replaces the default token sampler.
-    """
+    """Speculative verification of one draft block (`verify_rows` with B = 1; reads the verdict
+    to the host): p [T, V] drafter probs at the draft positions, q [T+1, V] verifier probs (row T
+    is the bonus distribution), draft [T] long. `greedy`: p and q are one-hot, nothing is drawn."""
     assert p.ndim == 2 and q.ndim == 2 and draft.ndim == 1, "p [T, V], q [T+1, V], draft [T]"
-    out = verify_batch(rule, p[None], q[None], draft[None], generator, sampler_sample=sampler_sample)
+    out = verify_rows([rule], p, q, draft, [draft.shape[0]], [greedy], [generator])
     return Verdict(num_accepted=int(out.num_accepted[0]), token=int(out.token[0]), bonus=bool(out.bonus[0]))
 
 

@@ -25,6 +25,7 @@ its place behind `SlotKVCache.batch` / `RowCache`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -307,12 +308,46 @@ class LayerMask:
 
 @dataclass(frozen=True)
 class Row:
-    """One row of a batched forward: feed `tokens` at positions start.., return `num_logits` rows."""
+    """One row of a batched forward: feed `tokens` then `tail` at positions start.., return
+    `num_logits` rows. `tail` holds tokens that live on the device (drafted tokens): they are fed
+    without being read to the host."""
 
-    tokens: Sequence[int]  # [T_b]
+    tokens: Sequence[int]  # [T_b - n_tail]
     start: int  # position of tokens[0]; the row's cache layers must hold exactly `start` positions
     num_logits: int  # logits for the last num_logits positions (0: none, a prefill chunk)
     cache_row: int | None = None  # the row of the SlotKVCache (None: no cache)
+    tail: Tensor | None = None  # [n_tail] long, on the model's device
+
+    def __len__(self) -> int:
+        return len(self.tokens) + (0 if self.tail is None else self.tail.shape[0])
+
+
+class Lap:
+    """Seconds of device work from construction to `stop`: CUDA events on a CUDA device (read once
+    the device got there: `seconds` waits for it), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device | str):
+        self.events = torch.device(device).type == "cuda"
+        if self.events:
+            self._start, self._end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        self._seconds: float | None = None
+
+    def stop(self) -> Lap:
+        if self.events:
+            self._end.record()
+        else:
+            self._seconds = time.perf_counter() - self._t0
+        return self
+
+    @property
+    def seconds(self) -> float:
+        if self._seconds is None:
+            self._end.synchronize()
+            self._seconds = self._start.elapsed_time(self._end) / 1e3
+        return self._seconds
 
 
 class MaskedLM:
@@ -421,16 +456,18 @@ class MaskedLM:
             raise MaskError(f"mask has {mask.num_layers} entries but the model has {self.num_layers} layers")
         if cache is None and any(r.start != 0 for r in rows):
             raise RuntimeError("a forward without cache must start at position 0")
-        b, t = len(rows), max(len(r.tokens) for r in rows)
-        lengths = [len(r.tokens) for r in rows]
+        b, t = len(rows), max(len(r) for r in rows)
+        lengths = [len(r) for r in rows]
         if min(lengths) < 1 or any(not 0 <= r.num_logits <= n for r, n in zip(rows, lengths)):
             raise ValueError(
                 f"rows need >= 1 token and 0 <= num_logits <= tokens: {[(n, r.num_logits) for r, n in zip(rows, lengths)]}"
             )
         dev = self.device
-        ids = torch.zeros(b, t, dtype=torch.long)  # [B, T], right-padded with token 0
-        for i, r in enumerate(rows):
-            ids[i, : lengths[i]] = torch.as_tensor(list(r.tokens), dtype=torch.long)
+        ids = torch.tensor([[*r.tokens, *[0] * (t - len(r.tokens))] for r in rows], dtype=torch.long).to(dev)  # [B, T]
+        tails = [(i, r) for i, r in enumerate(rows) if r.tail is not None and r.tail.shape[0]]
+        if tails:  # device tokens go in place on the device (right after each row's host tokens)
+            where = [i * t + len(r.tokens) + j for i, r in tails for j in range(r.tail.shape[0])]
+            ids.view(-1)[torch.tensor(where, device=dev)] = torch.cat([r.tail for _, r in tails])
         starts = torch.tensor([r.start for r in rows])  # [B]
         positions = (starts[:, None] + torch.arange(t)[None, :]).to(dev)  # [B, T]
         hidden = self.embed(ids.to(dev))  # [B, T, H]

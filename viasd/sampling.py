@@ -51,16 +51,80 @@ def one_hot_argmax(logits: Tensor, dtype: torch.dtype) -> Tensor:
     return out.scatter_(-1, idx, 1.0)
 
 
-def sample_probs(probs: Tensor, generator: torch.Generator | None) -> Tensor:
-    """Draw one token per row of `probs`: v_t ~ probs[t] (rows need not be normalised).
+def sample_rows(probs: Tensor, greedy: Sequence[bool], generators: Sequence[torch.Generator | None]) -> Tensor:
+    """Draw one token per row of `probs` [N, V] (rows need not be normalised) -> [N] long, on the device.
 
-    When every row is one-hot (exactly one non-zero entry, as in greedy decoding) the result is
-    argmax and no randomness is consumed; otherwise one `torch.multinomial` call over all rows.
+    Greedy rows take argmax_v probs[n, v] (the lowest id on ties) and draw nothing. Every other row
+    draws one uniform u ~ U[0, 1) (float64) from its own generator and takes the inverse of its CDF:
+    the first v with cdf_v > u * cdf_{V-1}, where cdf = cumsum(probs[n]) in float64, so a token of
+    probability 0 is never drawn. Consecutive rows with the same generator draw their uniforms in
+    one call, in row order, so a request's stream does not depend on the rows around it.
     """
-    assert probs.ndim == 2, f"probs must be [T, V], got {tuple(probs.shape)}"
-    if bool(((probs > 0).sum(dim=-1) == 1).all()):
-        return probs.argmax(dim=-1)  # [T]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [T]
+    assert probs.ndim == 2 and len(greedy) == len(generators) == probs.shape[0], (tuple(probs.shape), len(greedy))
+    token = probs.argmax(dim=-1)  # [N]
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if not sampled:
+        return token
+    u = uniforms([generators[i] for i in sampled], [1] * len(sampled), probs.device)  # [M]
+    rows = probs[sampled].to(torch.float64)  # [M, V]
+    cdf = rows.cumsum(dim=-1)  # [M, V]
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # [M]
+    vocab = torch.arange(rows.shape[-1], device=rows.device)  # [V]
+    last = torch.where(rows > 0, vocab, 0).amax(dim=-1)  # [M] the last token with mass (u * total rounding to total)
+    idx = torch.tensor(sampled, device=probs.device)  # [M]
+    return token.index_copy(0, idx, torch.minimum(pick, last))
+
+
+def uniforms(generators: Sequence[torch.Generator | None], counts: Sequence[int], device) -> Tensor:
+    """`counts[i]` uniforms U[0, 1) (float64) from each `generators[i]` in order (consecutive equal
+    generators in one call) -> [sum counts]; an empty tensor when there are none."""
+    pairs = [(g, n) for g, n in zip(generators, counts) if n]
+    parts, i = [], 0
+    while i < len(pairs):
+        j, total = i, 0
+        while j < len(pairs) and pairs[j][0] is pairs[i][0]:
+            total, j = total + pairs[j][1], j + 1
+        parts.append(torch.rand(total, generator=pairs[i][0], dtype=torch.float64, device=device))
+        i = j
+    if not parts:
+        return torch.zeros(0, dtype=torch.float64, device=device)
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def batch_probs(logits: Tensor, samplers: Sequence[Sampler]) -> Tensor:
+    """[N, V] logits, one `Sampler` per row -> [N, V] probabilities (float64 if the logits are, else
+    float32): `Sampler.probs` of every row at once, each filter applied only when some row asks
+    for it, with per-row parameters as tensors on the logits' device (see `Sampler.probs`)."""
+    assert logits.ndim == 2 and len(samplers) == logits.shape[0], (tuple(logits.shape), len(samplers))
+    dtype, vocab, dev = _work_dtype(logits), logits.shape[-1], logits.device
+    greedy = [s.greedy for s in samplers]
+    if all(greedy):
+        return one_hot_argmax(logits, dtype)  # [N, V]
+
+    def column(values, kind=dtype) -> Tensor:
+        return torch.tensor(values, dtype=kind, device=dev)[:, None]  # [N, 1]
+
+    z = logits.to(dtype) / column([s.temperature or 1.0 for s in samplers])  # [N, V]
+    if any(0 < s.top_k < vocab for s in samplers):
+        ks = [s.top_k if 0 < s.top_k < vocab else 0 for s in samplers]
+        top = torch.topk(z, max(ks), dim=-1).values  # [N, k_max]
+        kth = top.gather(-1, column([max(k - 1, 0) for k in ks], torch.long))  # [N, 1]
+        kth = torch.where(column([k > 0 for k in ks], torch.bool), kth, float("-inf"))
+        z = z.masked_fill(z < kth, float("-inf"))
+    if any(s.top_p < 1.0 for s in samplers):
+        ranked, order = torch.sort(torch.softmax(z, dim=-1), dim=-1, descending=True, stable=True)  # [N, V] x2
+        before = torch.cumsum(ranked, dim=-1) - ranked  # [N, V] mass strictly above each rank
+        off = column([s.top_p >= 1.0 for s in samplers], torch.bool)  # [N, 1] rows that keep everything
+        keep_sorted = (before < column([s.top_p for s in samplers])) | off
+        keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [N, V]; rank 0 always kept
+        z = z.masked_fill(~keep, float("-inf"))
+    if any(s.min_p > 0.0 for s in samplers):
+        pr = torch.softmax(z, dim=-1)  # [N, V]
+        z = z.masked_fill(pr < column([s.min_p for s in samplers]) * pr.amax(dim=-1, keepdim=True), float("-inf"))
+    probs = torch.softmax(z, dim=-1)  # [N, V]
+    if any(greedy):
+        probs = torch.where(column(greedy, torch.bool), one_hot_argmax(logits, dtype), probs)
+    return probs
 
 
 @dataclass(frozen=True)
@@ -104,24 +168,7 @@ class Sampler:
         probs = softmax(z with dropped tokens at -inf), so dropped tokens are exactly 0.
         """
         assert logits.ndim == 2, f"logits must be [T, V], got {tuple(logits.shape)}"
-        dtype = _work_dtype(logits)
-        if self.greedy:
-            return one_hot_argmax(logits, dtype)  # [T, V]
-        z = logits.to(dtype) / self.temperature  # [T, V]
-        vocab = z.shape[-1]
-        if 0 < self.top_k < vocab:
-            kth = torch.topk(z, self.top_k, dim=-1).values[:, -1:]  # [T, 1]
-            z = z.masked_fill(z < kth, float("-inf"))
-        if self.top_p < 1.0:
-            s, order = torch.sort(torch.softmax(z, dim=-1), dim=-1, descending=True, stable=True)  # [T, V] x2
-            before = torch.cumsum(s, dim=-1) - s  # [T, V] mass strictly above each rank
-            keep_sorted = before < self.top_p  # [T, V]; rank 0 has before = 0 < top_p: always kept
-            keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)  # [T, V]
-            z = z.masked_fill(~keep, float("-inf"))
-        if self.min_p > 0.0:
-            pr = torch.softmax(z, dim=-1)  # [T, V]
-            z = z.masked_fill(pr < self.min_p * pr.amax(dim=-1, keepdim=True), float("-inf"))
-        return torch.softmax(z, dim=-1)  # [T, V]
+        return batch_probs(logits, [self] * logits.shape[0])
 
     def gate_probs(self, logits: Tensor) -> Tensor:
         """[T, V] -> [T, V]: the distribution the three-tier gate reads (rules.gate).
@@ -129,15 +176,19 @@ class Sampler:
         The same processing as `probs`, but at temperature 1 when greedy: a one-hot q' would make
         the gate ratio r = q'(x) / max q' either 0 or 1 and the thresholds meaningless.
         """
-        return dataclasses.replace(self, temperature=self.temperature or 1.0).probs(logits)
+        return self.for_gate.probs(logits)
+
+    @property
+    def for_gate(self) -> Sampler:
+        """This sampler at temperature 1 when greedy (`gate_probs`)."""
+        return dataclasses.replace(self, temperature=self.temperature or 1.0)
 
     def sample(self, probs: Tensor, generator: torch.Generator | None) -> Tensor:
-        """[T, V] probs -> [T] long: argmax when greedy (no randomness consumed), else
-        torch.multinomial(probs, 1, generator). The same generator state gives the same tokens."""
+        """[T, V] probs -> [T] long (`sample_rows`): argmax when greedy (no randomness consumed),
+        else one uniform per row from `generator`, inverted through the row's CDF."""
         assert probs.ndim == 2, f"probs must be [T, V], got {tuple(probs.shape)}"
-        if self.greedy:
-            return probs.argmax(dim=-1)  # [T]
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # [T]
+        rows = probs.shape[0]
+        return sample_rows(probs, [self.greedy] * rows, [generator] * rows)
 
 
 class Penalties:
@@ -183,26 +234,35 @@ class Penalties:
         """The request's processor, or None when nothing changes the logits (the default path)."""
         return cls(params, prompt, vocab_size, device) if params.penalised else None
 
-    def counts(self, seq: Sequence[int], block: Sequence[int], rows: int) -> Tensor:
-        """c[t, v]: occurrences of v in the output of seq (past the prompt) + block[:t]: [rows, V]."""
+    def counts(self, seq: Sequence[int], block: Sequence[int] | Tensor, rows: int, first: int = 0) -> Tensor:
+        """c[t, v]: occurrences of v in the output of seq (past the prompt) + block[:first + t]:
+        [rows, V]. `block` may be a list or a device tensor [n] (drafted tokens; never read here)."""
         out = torch.tensor(list(seq[self.prompt_len :]), dtype=torch.long, device=self.device)  # [n_out]
-        base = torch.bincount(out, minlength=self.vocab_size)  # [V]
-        c = base.expand(rows, -1).clone()  # [rows, V]
-        if rows > 1 and block:
-            steps = torch.tensor(list(block[: rows - 1]), dtype=torch.long, device=self.device)  # [rows - 1]
-            c[1:] += torch.nn.functional.one_hot(steps, self.vocab_size).cumsum(dim=0)  # [rows - 1, V]
+        base = torch.zeros(self.vocab_size, dtype=torch.long, device=self.device).index_add_(
+            0, out, torch.ones_like(out)
+        )
+        c = base.expand(rows, -1).clone()  # [rows, V] (index_add, not bincount: no read of the max)
+        steps = block[: first + rows - 1] if isinstance(block, Tensor) else list(block[: first + rows - 1])
+        if len(steps):
+            steps = torch.as_tensor(steps, dtype=torch.long, device=self.device)  # [n]
+            hot = torch.zeros(len(steps), self.vocab_size, dtype=torch.long, device=self.device)
+            seen = hot.scatter_(1, steps[:, None], 1).cumsum(dim=0)  # [n, V]: row i counts steps[:i + 1]
+            before = torch.cat([torch.zeros_like(seen[:1]), seen])  # [n + 1, V]: row i counts steps[:i]
+            c += before[first : first + rows]
         return c
 
-    def __call__(self, logits: Tensor, seq: Sequence[int], block: Sequence[int] = ()) -> Tensor:
-        """logits [T, V] of the rows after seq + block[:t] (t = 0..T-1) -> processed [T, V]."""
+    def __call__(
+        self, logits: Tensor, seq: Sequence[int], block: Sequence[int] | Tensor = (), first: int = 0
+    ) -> Tensor:
+        """logits [T, V] of the rows after seq + block[:first + t] (t = 0..T-1) -> processed [T, V]."""
         assert logits.ndim == 2, f"logits must be [T, V], got {tuple(logits.shape)}"
-        assert len(block) >= logits.shape[0] - 1, "row t needs the t block tokens before it"
+        assert len(block) >= first + logits.shape[0] - 1, "row t needs the first + t block tokens before it"
         z = logits.to(_work_dtype(logits))  # [T, V]
         if self.bias is not None:
             z = z + self.bias.to(z.dtype)
         if not self.counting:
             return z
-        c = self.counts(seq, block, z.shape[0]).to(z.dtype)  # [T, V]
+        c = self.counts(seq, block, z.shape[0], first).to(z.dtype)  # [T, V]
         seen = c > 0  # [T, V]
         if self.repetition != 1.0:
             z = torch.where(seen | self.in_prompt, torch.where(z > 0, z / self.repetition, z * self.repetition), z)
@@ -212,12 +272,30 @@ class Penalties:
 def token_logprobs(logits: Tensor, tokens: Sequence[int], k: int, tier: str = "full") -> list[TokenLogprob]:
     """logits [T, V] (row t: the distribution token t was drawn from), tokens [T] -> T entries:
     log softmax(logits_t)[tokens_t] and the top k (token, logprob) pairs of row t."""
-    assert logits.ndim == 2 and logits.shape[0] == len(tokens), (tuple(logits.shape), len(tokens))
-    lp = torch.log_softmax(logits.to(_work_dtype(logits)), dim=-1)  # [T, V]
-    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)  # [T]
-    chosen = lp.gather(-1, ids[:, None])[:, 0].tolist()  # [T]
-    top_v, top_i = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], lp[:, :0].long())  # [T, k] x2
-    return [
-        TokenLogprob(int(t), float(c), list(zip(i, v)), tier)
-        for t, c, i, v in zip(tokens, chosen, top_i.tolist(), top_v.tolist())
-    ]
+    return batch_logprobs([(logits, tokens, k, tier)])[0]
+
+
+def batch_logprobs(parts: Sequence[tuple[Tensor, Sequence[int], int, str]]) -> list[list[TokenLogprob]]:
+    """`token_logprobs` of many (logits [T_i, V], tokens [T_i], k_i, tier_i) at once, with one read
+    of the host for all of them."""
+    for logits, tokens, _, _ in parts:
+        assert logits.ndim == 2 and logits.shape[0] == len(tokens), (tuple(logits.shape), len(tokens))
+    rows = torch.cat([lg.to(torch.float64 if lg.dtype == torch.float64 else torch.float32) for lg, *_ in parts])
+    lp = torch.log_softmax(rows, dim=-1)  # [N, V]
+    ids = torch.tensor([t for _, tokens, _, _ in parts for t in tokens], dtype=torch.long, device=lp.device)  # [N]
+    chosen = lp.gather(-1, ids[:, None])[:, 0]  # [N]
+    width = max(k for _, _, k, _ in parts)
+    top_v, top_i = lp.topk(width, dim=-1) if width > 0 else (lp[:, :0], lp[:, :0].long())  # [N, width] x2
+    # one read: ids are exact in float64
+    flat = torch.cat([chosen.double(), top_v.double().flatten(), top_i.double().flatten()]).tolist()
+    n = len(ids)
+    out, row = [], 0
+    for _, tokens, k, tier in parts:
+        entries = []
+        for t in tokens:
+            values = flat[n + row * width : n + row * width + k]
+            indices = flat[n + n * width + row * width : n + n * width + row * width + k]
+            entries.append(TokenLogprob(int(t), flat[row], [(int(i), v) for i, v in zip(indices, values)], tier))
+            row += 1
+        out.append(entries)
+    return out

@@ -580,7 +580,7 @@ class Scheduler:
         from every request); count the block drafted (the drafter's side may be lost: served, a
         dead actor's counters go with it) and an `auto` request's plan in its stats."""
         stats = r.handle.stats
-        if proposal is not None and proposal.draft:
+        if proposal is not None and len(proposal.draft):
             stats.num_drafts += 1
             stats.num_draft_tokens += len(proposal.draft)
         learn_cycle(

@@ -28,10 +28,18 @@ q's raw logits of the cycle (q' or one more q forward where q' decided alone, pe
 Randomness comes from one `torch.Generator` per request and side, consumed in a fixed order
 (each drafted token, then the rewrite or the verification), so the same seed gives the same
 output alone, in any batch, in-process or served.
+
+Shaped for a device: between forwards a generator does no per-row maths of its own and reads
+nothing to the host. It yields what it needs as requests that `drive` batches over every row
+waiting for the same kind: `Draw` (sample tokens), `Check` (an acceptance rule over a block),
+`Gate` (the slim verifier's gate), `Read` (values to the host). Drafted tokens stay on the
+device and are fed from there (`Forward.tail`); a step reads the host once for its committed
+tokens and counts, and a `via` step once more for the gate's decisions, whatever the batch size.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -45,9 +53,9 @@ from viasd.costs import running_mean
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.proposers import GammaPolicy, ngram_lookup
-from viasd.rules import Lossless, Region, first_non_accept, gate, rule_from_params, verify
-from viasd.runtime import LayerMask, MaskedLM, Row, RowCache
-from viasd.sampling import Penalties, Sampler, token_logprobs
+from viasd.rules import AcceptanceRule, Lossless, Region, gate_rows, rule_from_params, verify_rows
+from viasd.runtime import Lap, LayerMask, MaskedLM, Row, RowCache
+from viasd.sampling import Penalties, Sampler, batch_logprobs, batch_probs, sample_rows, token_logprobs
 
 TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
 CATCH_UP = 4  # a lazy drafter lagging more tokens than this catches up in a prefill forward (DraftSession.lag)
@@ -56,21 +64,83 @@ AHEAD_MIN = 0.5  # overlap drafts ahead while a request's blocks are accepted wh
 
 @dataclass
 class Forward:
-    """One request's ask for one forward of one tier: feed `tokens` at `start`, return the
-    logits [num_logits, V] of the last positions."""
+    """One request's ask for one forward of one tier: feed `tokens` then `tail` (device tokens)
+    at `start`, return the logits [num_logits, V] of the last positions."""
 
     tier: _Tier
-    tokens: list[int]  # [T]
+    tokens: list[int]  # [T - n_tail]
     start: int
     num_logits: int
     stats: RequestStats = field(repr=False)
+    tail: Tensor | None = None  # [n_tail] long, on the device
+
+    def __len__(self) -> int:
+        return len(self.tokens) + (0 if self.tail is None else self.tail.shape[0])
 
     def __repr__(self) -> str:
-        return f"Forward({self.tier.name}, T={len(self.tokens)}, start={self.start}, logits={self.num_logits})"
+        return f"Forward({self.tier.name}, T={len(self)}, start={self.start}, logits={self.num_logits})"
 
 
-# A step generator: yields Forwards, is sent their logits [num_logits, V], returns its result.
-Steps = Generator[Forward, Tensor, object]
+@dataclass
+class Draw:
+    """Sample one token from each row of processed logits [T, V] with the request's sampler and
+    stream; answered with (tokens [T] long, probabilities [T, V]) on the device."""
+
+    logits: Tensor  # [T, V]
+    sampler: Sampler
+    generator: torch.Generator
+
+
+@dataclass
+class Check:
+    """Verify a block with an acceptance rule (viasd.rules.verify_rows): p [k, V] against the
+    sampler's distributions of the verifier's processed logits [k + 1, V]; answered with
+    ([3] long on the device: accepted count, committed token, bonus as 0/1; q [k + 1, V])."""
+
+    rule: AcceptanceRule
+    p: Tensor  # [k, V] (one-hot at the draft tokens for a point mass)
+    logits: Tensor  # [k + 1, V]
+    draft: Tensor  # [k] long
+    sampler: Sampler
+    generator: torch.Generator
+
+
+@dataclass
+class Gate:
+    """The slim verifier's gate over a block (viasd.rules.gate_rows) from its processed logits
+    [k, V]; answered with [2] long on the device: the first position not accepted, its region."""
+
+    logits: Tensor  # [k, V]
+    draft: Tensor  # [k] long
+    alpha1: float
+    alpha2: float
+    rewrite: bool
+    sampler: Sampler
+
+
+@dataclass
+class Read:
+    """Values to the host: answered with `values` [n] (an integer or bool tensor) as a list of
+    ints. `decides`: what the request does next depends on them (a `via` row's gate), so they are
+    read before the next forward; other reads wait for every row's (one read a step)."""
+
+    values: Tensor
+    decides: bool = False
+
+
+@dataclass
+class Score:
+    """Logprobs of committed tokens (viasd.sampling.batch_logprobs): raw logits [T, V], the T
+    tokens, the top k; answered with T `TokenLogprob`s. Read after every `Read` of the step."""
+
+    logits: Tensor  # [T, V]
+    tokens: list[int]
+    k: int
+    tier: str
+
+
+# A step generator: yields Forwards and the requests above, is sent their answers, returns its result.
+Steps = Generator["Forward | Draw | Check | Gate | Read | Score", object, object]
 # Hears of one batched forward: (tier name, rows, padded tokens B * T_max, seconds).
 Observer = Callable[[str, int, int, float], None]
 
@@ -93,12 +163,16 @@ class _Tier:
     def layers(self) -> tuple[int, ...]:
         return self.lm.all_layers if self.mask is None else self.mask.kept
 
-    def ask(self, seq: Sequence[int], num_logits: int, stats: RequestStats) -> Forward:
-        """The forward that feeds seq[pos:] and returns logits for the last num_logits positions."""
-        assert 0 <= self.pos <= len(seq) - max(num_logits, 1), (self.pos, len(seq), num_logits)
+    def ask(self, seq: Sequence[int], num_logits: int, stats: RequestStats, tail: Tensor | None = None) -> Forward:
+        """The forward that feeds (seq + tail)[pos:] and returns logits for the last num_logits
+        positions; `tail` [n] long stays on the device."""
+        n = len(seq) + (0 if tail is None else tail.shape[0])
+        assert 0 <= self.pos <= n - max(num_logits, 1), (self.pos, n, num_logits)
         self.cache.crop(self.pos, self.layers)
-        fwd = Forward(self, list(seq[self.pos :]), self.pos, num_logits, stats)
-        self.pos = len(seq)
+        if tail is not None:
+            tail = tail[max(self.pos - len(seq), 0) :]
+        fwd = Forward(self, list(seq[self.pos :]), self.pos, num_logits, stats, tail)
+        self.pos = n
         return fwd
 
     def prefill(
@@ -115,9 +189,10 @@ class _Tier:
 
 def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Observer | None = None) -> list[Tensor]:
     """Run forwards, one `MaskedLM.forward_batch` per (model, mask, cache): the logits of each,
-    in order. Each request's stats get one forward and the batch's wall time for that tier
-    (`prefill`: counted as prefill instead, so `forwards` counts decode forwards only).
-    `observe(tier, rows B, padded length T_max, seconds)` hears of every batched forward."""
+    in order. Each request's stats get one forward and the batch's time for that tier (`prefill`:
+    counted as prefill instead, so `forwards` counts decode forwards only). `observe(tier, rows B,
+    padded length T_max, seconds)` hears of every batched forward. Times are the device's own
+    (`runtime.Lap`): on a GPU they are taken with events and delivered at the next `settle`."""
     out: list[Tensor | None] = [None] * len(forwards)
     groups: dict[tuple, list[int]] = {}
     for i, f in enumerate(forwards):
@@ -125,46 +200,157 @@ def execute(forwards: Sequence[Forward], *, prefill: bool = False, observe: Obse
     for idx in groups.values():
         idx.sort(key=lambda i: forwards[i].tier.cache.row)  # adjacent rows: the cache returns views
         first = forwards[idx[0]].tier
-        rows = [
-            Row(forwards[i].tokens, forwards[i].start, forwards[i].num_logits, forwards[i].tier.cache.row) for i in idx
-        ]
-        t0 = time.perf_counter()
+        rows = [Row(f.tokens, f.start, f.num_logits, f.tier.cache.row, f.tail) for f in (forwards[i] for i in idx)]
+        lap = Lap(first.lm.device)
         logits = first.lm.forward_batch(rows, first.cache.store, first.mask)
-        seconds = time.perf_counter() - t0
-        if observe is not None:
-            observe(first.name, len(rows), max(len(r.tokens) for r in rows), seconds)
+        _when_timed(lap.stop(), _timed_forward(first.name, rows, [forwards[i].stats for i in idx], prefill, observe))
         for i, lg in zip(idx, logits):
-            stats = forwards[i].stats
-            if prefill:
-                stats.prefill_seconds += seconds
-                stats.prefill_forwards += 1
-            else:
-                stats.seconds[first.name] += seconds
-                stats.forwards[first.name] += 1
             out[i] = lg
     return out  # type: ignore[return-value]
 
 
+def _timed_forward(tier: str, rows: list[Row], stats: list[RequestStats], prefill: bool, observe: Observer | None):
+    def record(seconds: float) -> None:
+        if observe is not None:
+            observe(tier, len(rows), max(len(r) for r in rows), seconds)
+        for st in stats:
+            if prefill:
+                st.prefill_seconds += seconds
+                st.prefill_forwards += 1
+            else:
+                st.seconds[tier] += seconds
+                st.forwards[tier] += 1
+
+    return record
+
+
+_unsettled: list[tuple[Lap, Callable[[float], None]]] = []  # device laps whose seconds are not read yet
+_unsettled_lock = threading.Lock()
+
+
+def _when_timed(lap: Lap, record: Callable[[float], None]) -> None:
+    """record(lap.seconds) now when the clock is the host's, at the next `settle` when it is the device's."""
+    if not lap.events:
+        record(lap.seconds)
+        return
+    with _unsettled_lock:
+        _unsettled.append((lap, record))
+
+
+def settle() -> None:
+    """Deliver the device-timed forwards' seconds (`execute`). Called after a step's host read,
+    when the device has done the work, so it waits for nothing."""
+    with _unsettled_lock:
+        laps = list(_unsettled)
+        _unsettled.clear()
+    for lap, record in laps:
+        record(lap.seconds)
+
+
 def drive(generators: dict, *, observe: Observer | None = None, timing: dict | None = None) -> dict:
     """Run step generators together (key -> generator); return key -> result. `timing` (key ->
-    seconds) accumulates the time each generator computes between its forwards (sampling, the
-    gate, the rules: the per-row work the planner prices, viasd.costs).
+    seconds) accumulates the host time each generator takes between its forwards, and its share
+    of the batched requests (sampling, the gate, the rules: the per-row work the planner prices,
+    viasd.costs).
 
-    Each round runs the pending forwards of the earliest tier in TIER_ORDER as one batched
-    forward per cache: every drafting round first (rows leave as their blocks end), then one slim
-    forward over the `via` rows, then one full forward over the `ar` rows, the `sd` blocks and the
-    escalated `via` rows.
+    Each round answers, over every generator waiting for it, the first of:
+      1. `Draw`, `Check` and `Gate` requests: one batched call per kind (on the device);
+      2. `Read`s that decide what a row does next: one read of them all;
+      3. the pending forwards of the earliest tier in TIER_ORDER: one batched forward per cache
+         (drafting rounds first, rows leaving as their blocks end; then one slim forward over the
+         `via` rows; then one full forward over the `ar` rows, the `sd` blocks and the escalated
+         `via` rows);
+      4. every other `Read`: one read of them all (a step's committed tokens and counts);
+      5. then every `Score`: one read of them all (the logprobs rows asked for).
     """
     results, pending = {}, {}
+    read = False
     for key, gen in generators.items():
         _advance(key, gen, None, pending, results, timing, first=True)
     while pending:
-        tier = min(TIER_ORDER[f.tier.name] for f in pending.values())
-        keys = [k for k, f in pending.items() if TIER_ORDER[f.tier.name] == tier]
-        logits = execute([pending[k] for k in keys], observe=observe)
-        for key, lg in zip(keys, logits):
-            _advance(key, generators[key], lg, pending, results, timing)
+        asks = [k for k, x in pending.items() if isinstance(x, (Draw, Check, Gate))]
+        decides = [k for k, x in pending.items() if isinstance(x, Read) and x.decides]
+        forwards = [k for k, x in pending.items() if isinstance(x, Forward)]  # (the rest: Read, Score)
+        if asks:
+            answers = {}
+            for kind, answer in ((Draw, _draw), (Check, _check), (Gate, _gate)):
+                keys = [k for k in asks if isinstance(pending[k], kind)]
+                if keys:
+                    t0 = time.perf_counter()
+                    answers.update(zip(keys, answer([pending[k] for k in keys])))
+                    _share(timing, keys, time.perf_counter() - t0)
+        elif decides or not forwards:
+            keys = decides or [k for k, x in pending.items() if isinstance(x, Read)]
+            if keys:
+                answers = dict(zip(keys, _read([pending[k] for k in keys])))
+            else:
+                keys = list(pending)
+                parts = [(x.logits, x.tokens, x.k, x.tier) for x in (pending[k] for k in keys)]
+                answers = dict(zip(keys, batch_logprobs(parts)))
+            read = True
+        else:
+            tier = min(TIER_ORDER[pending[k].tier.name] for k in forwards)
+            keys = [k for k in forwards if TIER_ORDER[pending[k].tier.name] == tier]
+            answers = dict(zip(keys, execute([pending[k] for k in keys], observe=observe)))
+        for key, answer in answers.items():
+            _advance(key, generators[key], answer, pending, results, timing)
+    if read:
+        settle()
     return results
+
+
+def _share(timing: dict | None, keys: list, seconds: float) -> None:
+    if timing is not None:
+        for key in keys:
+            timing[key] = timing.get(key, 0.0) + seconds / len(keys)
+
+
+def _draw(asks: list[Draw]) -> list[tuple[Tensor, Tensor]]:
+    """Every `Draw` at once: the sampler's distributions of all rows, one token per row."""
+    sizes = [a.logits.shape[0] for a in asks]
+    samplers = [a.sampler for a, n in zip(asks, sizes) for _ in range(n)]
+    probs = batch_probs(_rows([a.logits for a in asks]), samplers)  # [N, V]
+    gens = [a.generator for a, n in zip(asks, sizes) for _ in range(n)]
+    tokens = sample_rows(probs, [s.greedy for s in samplers], gens)  # [N]
+    return list(zip(tokens.split(sizes), probs.split(sizes)))
+
+
+def _check(asks: list[Check]) -> list[tuple[Tensor, Tensor]]:
+    """Every `Check` at once (viasd.rules.verify_rows over the ragged blocks)."""
+    lengths = [a.draft.shape[0] for a in asks]
+    samplers = [a.sampler for a, n in zip(asks, lengths) for _ in range(n + 1)]
+    q = batch_probs(_rows([a.logits for a in asks]), samplers)  # [M + B, V]
+    p = torch.cat([a.p.to(device=q.device, dtype=q.dtype) for a in asks])  # [M, V]
+    draft = torch.cat([a.draft for a in asks])  # [M]
+    greedy = [a.sampler.greedy for a in asks]
+    v = verify_rows([a.rule for a in asks], p, q, draft, lengths, greedy, [a.generator for a in asks])
+    verdicts = torch.stack([v.num_accepted, v.token, v.bonus.long()], dim=-1)  # [B, 3]
+    return list(zip(verdicts.unbind(0), q.split([n + 1 for n in lengths])))
+
+
+def _gate(asks: list[Gate]) -> list[Tensor]:
+    """Every `Gate` at once (viasd.rules.gate_rows on the sampler's gate distributions)."""
+    lengths = [a.draft.shape[0] for a in asks]
+    samplers = [a.sampler.for_gate for a, n in zip(asks, lengths) for _ in range(n)]
+    probs = batch_probs(_rows([a.logits for a in asks]), samplers)  # [M, V]
+    draft = torch.cat([a.draft for a in asks])  # [M]
+    decisions = gate_rows(
+        probs, draft, lengths, [a.alpha1 for a in asks], [a.alpha2 for a in asks], [a.rewrite for a in asks]
+    )  # [B, 2]
+    return list(decisions.unbind(0))
+
+
+def _read(asks: list[Read]) -> list[list[int]]:
+    """Every `Read` with one transfer to the host."""
+    flat = torch.cat([a.values.reshape(-1).long() for a in asks]).tolist()
+    ends = list(itertools.accumulate(a.values.numel() for a in asks))
+    return [flat[end - a.values.numel() : end] for a, end in zip(asks, ends)]
+
+
+def _rows(parts: list[Tensor]) -> Tensor:
+    """Logits rows of many requests as one [N, V] tensor (float64 if any is)."""
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
+    return torch.cat([p.to(dtype) for p in parts])
 
 
 def _advance(key, gen: Steps, value, pending: dict, results: dict, timing: dict | None, first: bool = False) -> None:
@@ -176,6 +362,11 @@ def _advance(key, gen: Steps, value, pending: dict, results: dict, timing: dict 
         results[key] = done.value
     if timing is not None:
         timing[key] = timing.get(key, 0.0) + time.perf_counter() - t0
+
+
+def to_host(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Integer tensors to lists with one read (served: drafted blocks to the wire)."""
+    return _read([Read(t) for t in tensors]) if tensors else []
 
 
 def run_alone(steps: Steps):
@@ -317,14 +508,15 @@ class DraftSession(_Session):
             self.generator = block_generator(seed, 0, self.device)
         self.gamma = GammaPolicy(params.gamma, params.adaptive_gamma)
         self.stats = stats
-        self.last: list[int] = []  # the block under verification ...
+        # drafted tokens live on the device, one [1] long tensor each (never read to draft or verify)
+        self.last: list[Tensor] = []  # the block under verification ...
         self.last_p: list[Tensor] = []  # ... and its p rows [1, V] (sampled only)
         self.last_from_model = False
-        self.ahead: list[int] = []  # drafted past `last` by draft_ahead ...
+        self.ahead: list[Tensor] = []  # drafted past `last` by draft_ahead ...
         self.ahead_p: list[Tensor] = []
         self.ahead_generator: torch.Generator | None = None
         self.ahead_ended = False  # the drafted-ahead block ended on draft_confidence
-        self.pending: list[int] = []  # drafted tokens the committed sequence agreed with: the next block's start
+        self.pending: list[Tensor] = []  # drafted tokens the committed sequence agreed with: the next block's start
         self.pending_p: list[Tensor] = []
         self.pending_ended = False
         self.stop = threading.Event()  # set by the verifier side when its outcome is in
@@ -332,13 +524,13 @@ class DraftSession(_Session):
         # optimistic prior: overlap drafts ahead from the first block on (drafts_ahead)
         self.whole, self.whole_weight = 1.0, 1.0
 
-    def propose(self, k: int) -> tuple[list[int], Tensor | None]:
+    def propose(self, k: int) -> tuple[Tensor, Tensor | None]:
         """`propose_steps` alone."""
         return run_alone(self.propose_steps(k))
 
     def propose_steps(self, k: int, proposer: Proposer | None = None) -> Steps:
-        """Propose at most k draft tokens; return them and p [k', V], or None when p is a point
-        mass at the draft tokens (greedy sampling, or an n-gram proposal). Fewer than k under
+        """Propose at most k draft tokens; return them ([k'] long, on the device) and p [k', V], or
+        None when p is a point mass at the draft tokens (greedy sampling, or an n-gram proposal). Fewer than k under
         adaptive drafting or a short n-gram match; none when the `ngram` proposer finds no match
         (the verifier then decodes one token itself). `proposer` overrides the request's (the
         plan of an `auto` request)."""
@@ -348,7 +540,8 @@ class DraftSession(_Session):
             if looked_up or proposer == Proposer.NGRAM or self.tier is None:
                 self.stats.ngram_draft_tokens += len(looked_up)
                 self._drop_pending()
-                return self._proposed(looked_up, [], from_model=False)
+                tokens = torch.tensor(looked_up, dtype=torch.long, device=self.device)  # [k']
+                return self._proposed(list(tokens.split(1)), [], from_model=False)
         draft, p_rows, ended = self.pending[:k], self.pending_p[:k], self.pending_ended
         self.stats.overlap_draft_tokens += len(draft)
         if len(self.pending) > k:  # the rest is not used: it must be fed again later
@@ -360,7 +553,7 @@ class DraftSession(_Session):
 
     def _draft_steps(
         self,
-        draft: list[int],
+        draft: list[Tensor],
         p_rows: list[Tensor],
         k: int,
         generator: torch.Generator,
@@ -368,29 +561,36 @@ class DraftSession(_Session):
     ) -> Steps:
         """Extend `draft` (after self.seq, or self.seq + self.last when drafting ahead) to k tokens
         with the drafter model, in place; stop early when `stop` is set (drafting ahead) or below
-        `draft_confidence` (then return True: the block has ended)."""
-        prefix = self.seq + self.last if stop is not None else self.seq
+        `draft_confidence` (then return True: the block has ended; that test reads the host once
+        a round)."""
+        before = self.last if stop is not None else []
         # ahead, the first token is always drafted: whether the next block can start from the
         # drafted-ahead tokens must not depend on timing (the later ones come out the same
         # whether drafted ahead or on demand: same prefix, same stream)
         while len(draft) < k and not (stop is not None and stop.is_set() and draft):
-            logits = yield self.tier.ask(prefix + draft, 1, self.stats)  # [1, V]
-            p = self.sampler.probs(logits if self.penalties is None else self.penalties(logits, prefix + draft))
-            draft.append(int(self.sampler.sample(p, generator)[0]))
+            tail = torch.cat(before + draft) if before or draft else None  # [n] the drafted context
+            logits = raw = yield self.tier.ask(self.seq, 1, self.stats, tail)  # [1, V]
+            if self.penalties is not None:  # row 0 follows seq + the whole drafted context
+                logits = self.penalties(logits, self.seq, () if tail is None else tail, len(before) + len(draft))
+            token, p = yield Draw(logits, self.sampler, generator)  # [1], [1, V]
+            draft.append(token)
             if not self.sampler.greedy:
                 p_rows.append(p)
             if len(draft) < k and self.params.draft_confidence > 0.0:
-                confidence = float(torch.softmax(logits[0].float(), dim=-1)[draft[-1]])  # p_{T=1}(x~_j)
-                if confidence < self.params.draft_confidence:
+                confidence = torch.softmax(raw[0].float(), dim=-1)[token]  # [1] p_{T=1}(x~_j)
+                (low,) = yield Read(confidence < self.params.draft_confidence, decides=True)
+                if low:
                     return True
         return False
 
     def _proposed(
-        self, draft: list[int], p_rows: list[Tensor], from_model: bool = True
-    ) -> tuple[list[int], Tensor | None]:
+        self, draft: list[Tensor], p_rows: list[Tensor], from_model: bool = True
+    ) -> tuple[Tensor, Tensor | None]:
         self.last, self.last_p, self.last_from_model = draft, p_rows, from_model and bool(draft)
         self.blocks += 1
-        return draft, torch.cat(p_rows) if p_rows else None  # [k'], [k', V] (None: a point mass)
+        # [k'], [k', V] (None: a point mass)
+        tokens = torch.cat(draft) if draft else torch.zeros(0, dtype=torch.long, device=self.device)
+        return tokens, torch.cat(p_rows) if p_rows else None
 
     @property
     def lag(self) -> int:
@@ -446,7 +646,8 @@ class DraftSession(_Session):
 
     def commit(self, outcome: Outcome) -> None:
         """Append the committed tokens. With overlap, keep what was drafted past them if they
-        agree with the drafter's own optimistic continuation (last block + drafted ahead)."""
+        agree with the drafter's own optimistic continuation (last block + drafted ahead; read
+        to the host once to compare)."""
         self.gamma.update(len(self.last), outcome.num_draft_accepted)
         if self.last:
             whole = float(outcome.num_draft_accepted >= len(self.last))
@@ -454,7 +655,8 @@ class DraftSession(_Session):
         committed = outcome.tokens
         optimistic, optimistic_p = self.last + self.ahead, self.last_p + self.ahead_p
         if self.params.overlap:
-            if self.ahead and optimistic[: len(committed)] == committed:  # every fed token stays valid
+            agree = self.ahead and torch.cat(optimistic).tolist()[: len(committed)] == committed
+            if agree:  # every fed token stays valid
                 self.seq.extend(committed)
                 self.pending = optimistic[len(committed) :]
                 self.pending_p = optimistic_p[len(committed) :] if optimistic_p else []
@@ -528,88 +730,86 @@ class VerifySession(_Session):
         scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
         return token_logprobs(logits, scored, self.params.prompt_logprobs)
 
-    def _processed(self, logits: Tensor, block: Sequence[int] = ()) -> Tensor:
+    def _processed(self, logits: Tensor, block: Sequence[int] | Tensor = ()) -> Tensor:
         """The logits the request samples from: penalised given self.seq + block[:t] for row t."""
         return logits if self.penalties is None else self.penalties(logits, self.seq, block)
 
-    def _logprobs(self, logits: Tensor, tokens: list[int], tier: str = "full") -> list[TokenLogprob] | None:
+    def _logprobs(self, logits: Tensor, tokens: list[int], tier: str = "full") -> Steps:
         """The committed tokens' logprobs from raw logits [len(tokens), V], when the request asks for them."""
         k = self.params.logprobs
-        return None if k is None else token_logprobs(logits[: len(tokens)], tokens, k, tier)
+        return None if k is None else (yield Score(logits[: len(tokens)], tokens, k, tier))
 
     def decode_one(self) -> Outcome:
         """`decode_one_steps` alone."""
         return run_alone(self.decode_one_steps())
 
-    def check(self, draft: list[int], p: Tensor | None) -> Outcome:
+    def check(self, draft: Sequence[int] | Tensor, p: Tensor | None) -> Outcome:
         """`check_steps` alone."""
-        return run_alone(self.check_steps(draft, p))
+        return run_alone(self.check_steps(torch.as_tensor(draft, dtype=torch.long, device=self.full.lm.device), p))
 
     def decode_one_steps(self) -> Steps:
         """`ar`: one forward of q, one token."""
         logits = yield self.full.ask(self.seq, 1, self.stats)  # [1, V]
-        tokens = [int(self.sampler.sample(self.sampler.probs(self._processed(logits)), self.generator)[0])]
-        return Outcome(tokens, 0, self._logprobs(logits, tokens))
+        token, _ = yield Draw(self._processed(logits), self.sampler, self.generator)  # [1]
+        tokens = yield Read(token)
+        return Outcome(tokens, 0, (yield from self._logprobs(logits, tokens)))
 
-    def check_steps(self, draft: list[int], p: Tensor | None, mode: Mode | None = None) -> Steps:
-        """Verify a draft block (p [k, V], or None when it is a point mass at the draft tokens:
-        greedy or n-gram drafts) with the request's mode (or `mode`, the plan of an `auto`
-        request: sd or via); an empty draft decodes one token."""
-        if not draft:
+    def check_steps(self, draft: Tensor, p: Tensor | None, mode: Mode | None = None) -> Steps:
+        """Verify a draft block (draft [k] long on the device; p [k, V], or None when it is a point
+        mass at the draft tokens: greedy or n-gram drafts) with the request's mode (or `mode`, the
+        plan of an `auto` request: sd or via); an empty draft decodes one token."""
+        if not draft.shape[0]:
             return (yield from self.decode_one_steps())
         if p is None:  # p is one-hot at the draft tokens
-            draft_t = torch.tensor(draft, device=self.full.lm.device)  # [k]
-            p = torch.nn.functional.one_hot(draft_t, self.full.lm.vocab_size).float()  # [k, V]
+            p = torch.zeros(draft.shape[0], self.full.lm.vocab_size, device=draft.device).scatter_(
+                1, draft[:, None], 1.0
+            )  # [k, V]
         if (mode or self.params.mode) == Mode.SD:
             return (yield from self._full_verify_steps(draft, p, 0))
         if self.params.rule == Rule.STAGED:
             return (yield from self._check_staged_steps(draft, p))
         return (yield from self._check_via_steps(draft, p))
 
-    def _full_verify_steps(self, draft: list[int], p: Tensor, start: int) -> Steps:
+    def _full_verify_steps(self, draft: Tensor, p: Tensor, start: int) -> Steps:
         """q scores the whole block in one forward; its rule decides positions start..k-1."""
-        k, stats = len(draft), self.stats
-        logits = yield self.full.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
-        q = self.sampler.probs(self._processed(logits, draft))  # [k + 1, V]
-        draft_t = torch.tensor(draft[start:], device=q.device)  # [k - start]
-        verdict = verify(self.rule, p[start:].to(device=q.device, dtype=q.dtype), q[start:], draft_t, self.generator)
-        j = verdict.num_accepted
+        k, stats = draft.shape[0], self.stats
+        logits = yield self.full.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
+        z = self._processed(logits, draft)  # [k + 1, V]
+        verdict, _ = yield Check(self.rule, p[start:], z[start:], draft[start:], self.sampler, self.generator)
+        *block, j, token, bonus = yield Read(torch.cat([draft, verdict]))  # the step's one read
         stats.count_accepted(range(start, start + j))
-        stats.num_rejected_tokens += 0 if verdict.bonus else 1
-        stats.num_bonus_tokens += int(verdict.bonus)
+        stats.num_rejected_tokens += 0 if bonus else 1
+        stats.num_bonus_tokens += bonus
         stats.num_cycle_tokens += start + j + 1
-        tokens = draft[: start + j] + [verdict.token]
-        return Outcome(tokens, start + j, self._logprobs(logits, tokens))
+        tokens = block[: start + j] + [token]
+        return Outcome(tokens, start + j, (yield from self._logprobs(logits, tokens)))
 
-    def _check_via_steps(self, draft: list[int], p: Tensor) -> Steps:
+    def _check_via_steps(self, draft: Tensor, p: Tensor) -> Steps:
         """Steps 2-4 of the VIA-SD cycle: slim-verify with the gate, then rewrite or escalate."""
-        k, params, stats, sampler = len(draft), self.params, self.stats, self.sampler
-        slim_raw = yield self.slim.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
+        k, params, stats = draft.shape[0], self.params, self.stats
+        slim_raw = yield self.slim.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
         slim_logits = self._processed(slim_raw, draft)  # [k + 1, V]
-        regions = gate(
-            sampler.gate_probs(slim_logits[:k]),  # [k, V]
-            torch.tensor(draft, device=slim_logits.device),
-            params.alpha1,
-            params.alpha2,
-            rewrite=params.region_b == RegionB.REWRITE,
-        )  # [k]
-        i = first_non_accept(regions)  # draft[:i] accepted by q'
+        rewrite = params.region_b == RegionB.REWRITE
+        decision = yield Gate(slim_logits[:k], draft, params.alpha1, params.alpha2, rewrite, self.sampler)
+        i, region = yield Read(decision, decides=True)  # draft[:i] accepted by q'; the region at i
         stats.slim_accepted += i
         stats.count_accepted(range(i))
 
         if i == k:  # region A everywhere: the block is committed on q''s word
-            tokens = list(draft)
+            extra = []
             if params.slim_bonus:
-                tokens.append(int(sampler.sample(sampler.probs(slim_logits[k:]), self.generator)[0]))
-                stats.num_bonus_tokens += 1
+                bonus, _ = yield Draw(slim_logits[k:], self.sampler, self.generator)  # [1]
+                extra, stats.num_bonus_tokens = [bonus], stats.num_bonus_tokens + 1
+            tokens = yield Read(torch.cat([draft, *extra]))
             stats.num_cycle_tokens += len(tokens)
             return (yield from self._slim_outcome(Outcome(tokens, k), slim_raw))
-        if regions[i] == Region.REWRITE:  # region B: q' writes position i itself
+        if region == Region.REWRITE:  # region B: q' writes position i itself
             stats.slim_rewritten += 1
             stats.num_rejected_tokens += 1
             stats.num_cycle_tokens += i + 1
-            token = int(sampler.sample(sampler.probs(slim_logits[i : i + 1]), self.generator)[0])
-            return (yield from self._slim_outcome(Outcome(draft[:i] + [token], i), slim_raw))
+            token, _ = yield Draw(slim_logits[i : i + 1], self.sampler, self.generator)  # [1]
+            tokens = yield Read(torch.cat([draft[:i], token]))
+            return (yield from self._slim_outcome(Outcome(tokens, i), slim_raw))
         # region C: q decides positions i..k-1 with the speculative-sampling rule
         stats.escalations += 1
         stats.escalated_tokens += k - i
@@ -618,7 +818,7 @@ class VerifySession(_Session):
         outcome.escalated = True
         return outcome
 
-    def _check_staged_steps(self, draft: list[int], p: Tensor) -> Steps:
+    def _check_staged_steps(self, draft: Tensor, p: Tensor) -> Steps:
         """The staged (cascade) cycle, lossless: q' filters and corrects the draft, q verifies the result.
 
         Stage 1, q' against p: speculative sampling with a = min(1, q'/p) keeps a prefix
@@ -633,32 +833,29 @@ class VerifySession(_Session):
         with the draft, plus that correction; q keeps its agreeing prefix (output == ar).
         Costs per cycle: k drafter forwards, one q' forward over k + 1 positions and one q forward
         over j + 2 positions; it can pay over `sd` only where q accepts y for longer than it would
-        accept x~ by enough to cover the slim forward.
+        accept x~ by enough to cover the slim forward. Reads the host twice: j, then the outcome.
         """
-        k, stats, sampler = len(draft), self.stats, self.sampler
-        slim_raw = yield self.slim.ask(self.seq + draft, k + 1, stats)  # [k + 1, V]
-        slim = sampler.probs(self._processed(slim_raw, draft))  # [k + 1, V]
-        draft_t = torch.tensor(draft, device=slim.device)  # [k]
-        first = verify(Lossless(), p.to(device=slim.device, dtype=slim.dtype), slim, draft_t, self.generator)
-        j = first.num_accepted
-        block = draft[:j] + [first.token]  # y, j + 1 tokens
+        k, stats, sampler = draft.shape[0], self.stats, self.sampler
+        slim_raw = yield self.slim.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
+        first, slim = yield Check(Lossless(), p, self._processed(slim_raw, draft), draft, sampler, self.generator)
+        j, _, first_bonus = yield Read(first, decides=True)
+        block = torch.cat([draft[:j], first[1:2]])  # [j + 1] y
         stats.slim_accepted += j
-        stats.slim_rewritten += 0 if first.bonus else 1
+        stats.slim_rewritten += 0 if first_bonus else 1
         stats.escalations += 1
         stats.escalated_tokens += j + 1
-        logits = yield self.full.ask(self.seq + block, j + 2, stats)  # [j + 2, V]
-        q = sampler.probs(self._processed(logits, block))  # [j + 2, V]
-        block_t = torch.tensor(block, device=q.device)  # [j + 1]
-        second = verify(Lossless(), slim[: j + 1].to(q.dtype), q, block_t, self.generator)
-        a = second.num_accepted
+        logits = yield self.full.ask(self.seq, j + 2, stats, block)  # [j + 2, V]
+        z = self._processed(logits, block)  # [j + 2, V]
+        second, _ = yield Check(Lossless(), slim[: j + 1], z, block, sampler, self.generator)
+        *y, a, token, bonus = yield Read(torch.cat([block, second]))
         stats.full_accepted += a
         stats.count_accepted(range(a))
-        stats.num_rejected_tokens += 0 if second.bonus else 1
-        stats.num_bonus_tokens += int(second.bonus)
+        stats.num_rejected_tokens += 0 if bonus else 1
+        stats.num_bonus_tokens += bonus
         stats.num_cycle_tokens += a + 1
         # the drafter and q' saw x~, q saw y: caches stay valid where the committed tokens are draft tokens
-        tokens = block[:a] + [second.token]
-        return Outcome(tokens, min(a, j), self._logprobs(logits, tokens), escalated=True)
+        tokens = y[:a] + [token]
+        return Outcome(tokens, min(a, j), (yield from self._logprobs(logits, tokens)), escalated=True)
 
     def _slim_outcome(self, outcome: Outcome, slim_logits: Tensor) -> Steps:
         """A cycle q' committed alone: its logprobs from q' ('slim', free) or from q recomputed
@@ -667,10 +864,10 @@ class VerifySession(_Session):
             return outcome
         tokens = outcome.tokens
         if self.params.logprobs_tier == LogprobTier.SLIM:
-            outcome.logprobs = self._logprobs(slim_logits, tokens, "slim")
+            outcome.logprobs = yield from self._logprobs(slim_logits, tokens, "slim")
             return outcome
         logits = yield self.full.ask(self.seq + tokens[:-1], len(tokens), self.stats)  # [len(tokens), V]
-        outcome.logprobs = self._logprobs(logits, tokens)
+        outcome.logprobs = yield from self._logprobs(logits, tokens)
         return outcome
 
     def commit(self, outcome: Outcome) -> None:

@@ -50,7 +50,7 @@ VIA_SETTINGS = [
     dict(temperature=0.0),
     dict(temperature=0.0, region_b="escalate"),
     dict(temperature=1.0, seed=7),
-    dict(temperature=0.8, top_k=20, top_p=0.9, seed=13),
+    dict(temperature=0.8, top_k=20, top_p=0.9, seed=15),
     dict(temperature=1.0, seed=3, slim_bonus=True),
     dict(temperature=1.0, seed=5, rule="lossy", lossy_alpha=0.3, lossy_beta=0.8),
     dict(temperature=1.0, seed=9, rule="overshoot", overshoot_ceiling=0.5),

@@ -59,7 +59,7 @@ def total(stats, name: str) -> int:
 RULES = [
     dict(rule="lossless"),
     dict(rule="lossy", lossy_alpha=0.3, lossy_beta=0.6),
-    dict(rule="overshoot", overshoot_ceiling=0.5),
+    dict(rule="overshoot", overshoot_ceiling=0.9),
 ]
 
 

@@ -25,14 +25,16 @@ from viasd.rules import (
     OvershootCeiling,
     Region,
     Verdict,
-    first_non_accept,
     gate,
     gate_ratio,
     output_distribution,
     rule_from_params,
     three_tier_mixture,
+    gate_rows,
+    leading,
     verify,
     verify_batch,
+    verify_rows,
 )
 
 V = 8
@@ -225,7 +227,7 @@ def test_verify_is_reproducible_and_matches_the_batched_form():
         assert 0 <= one.num_accepted <= 4 and one.bonus == (one.num_accepted == 4)
 
 
-def test_verify_randomness_order_is_u_then_one_sample():
+def test_verify_randomness_order_is_u_then_one_uniform_for_the_token():
     p, q = dist(41, 2, V), dist(42, 3, V)
     draft = torch.tensor([1, 2])
     seed = 17
@@ -234,20 +236,33 @@ def test_verify_randomness_order_is_u_then_one_sample():
     a = Lossless().accept_prob(p[[0, 1], draft], q[[0, 1], draft])
     n_acc = int((u < a).long().cumprod(0).sum())
     law = q[2] if n_acc == 2 else (q[n_acc] - p[n_acc]).clamp(min=0)
-    token = int(torch.multinomial(law / law.sum(), 1, generator=g))
+    cdf = law.cumsum(0)
+    token = int((cdf > torch.rand(1, generator=g, dtype=torch.float64) * cdf[-1]).nonzero()[0, 0])
     assert verify(Lossless(), p, q, draft, torch.Generator().manual_seed(seed)) == Verdict(n_acc, token, n_acc == 2)
 
 
-def test_sampler_sample_replaces_the_token_sampler():
-    p, q = dist(51, 2, V), dist(52, 3, V)
-    calls = []
-
-    def pick_last(probs, generator):
-        calls.append(tuple(probs.shape))
-        return torch.full((probs.shape[0],), V - 1, dtype=torch.long)
-
-    got = verify(Lossless(), p, q, torch.tensor([0, 1]), torch.Generator().manual_seed(0), sampler_sample=pick_last)
-    assert got.token == V - 1 and calls == [(1, V)]
+def test_verify_rows_equals_each_block_alone():
+    """Blocks of different lengths, rules and streams (greedy among them) verified together get
+    exactly what each gets alone: nothing of a block depends on its neighbours."""
+    rules = [Lossless(), Lossy(alpha=0.3, beta=0.6), OvershootCeiling(0.5), Lossless(), ResidualIsQ()]
+    lengths, greedy = [3, 1, 4, 2, 2], [False, False, False, True, False]
+    blocks = []
+    for b, (n, hot) in enumerate(zip(lengths, greedy)):
+        p, q = dist(80 + b, n, V), dist(90 + b, n + 1, V)
+        if hot:
+            p, q = one_hot([5, 1]), one_hot([5, 2, 0])
+        draft = torch.multinomial(p, 1, generator=torch.Generator().manual_seed(b))[:, 0]
+        blocks.append((p, q, draft))
+    for seed in range(20):
+        gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(5)]
+        out = verify_rows(rules, *(torch.cat(parts) for parts in zip(*blocks)), lengths, greedy, gens)
+        for b, (p, q, draft) in enumerate(blocks):
+            alone = verify(rules[b], p, q, draft, torch.Generator().manual_seed(seed * 10 + b), greedy=greedy[b])
+            assert (int(out.num_accepted[b]), int(out.token[b]), bool(out.bonus[b])) == (
+                alone.num_accepted,
+                alone.token,
+                alone.bonus,
+            ), (seed, b)
 
 
 def test_zero_mass_residual_falls_back_to_q():
@@ -280,11 +295,10 @@ def test_greedy_accepts_the_matching_prefix_and_commits_argmax_q(q_ids, expect):
     p, q = one_hot(draft), one_hot(q_ids)
     g = torch.Generator().manual_seed(123)
     state = g.get_state()
-    assert verify(Lossless(), p, q, torch.tensor(draft), g) == expect
-    # documented: all accept probabilities are 0 or 1 and every law is one-hot, so no u is drawn
-    # and nothing is sampled: the generator is untouched
+    assert verify(Lossless(), p, q, torch.tensor(draft), g, greedy=True) == expect
+    # documented: a greedy block draws no u and samples nothing: the generator is untouched
     assert torch.equal(g.get_state(), state)
-    assert verify(Lossless(), p, q, torch.tensor(draft), None) == expect
+    assert verify(Lossless(), p, q, torch.tensor(draft), None) == expect  # sampled: the same, as a is 0 or 1
 
 
 def test_non_greedy_verification_does_consume_randomness():
@@ -353,11 +367,29 @@ def test_invalid_thresholds_name_the_field(alpha1, alpha2, field):
     assert err.value.field == field
 
 
-def test_first_non_accept():
-    assert first_non_accept(torch.tensor([A, A, B, A])) == 2
-    assert first_non_accept(torch.tensor([C, A])) == 0
-    assert first_non_accept(torch.tensor([A, A, A])) == 3
-    assert first_non_accept(torch.tensor([], dtype=torch.long)) == 0
+def test_gate_rows_equals_each_block_alone():
+    g = torch.Generator().manual_seed(6)
+    lengths = [3, 1, 4, 2]
+    probs = torch.softmax(2 * torch.randn(sum(lengths), V, generator=g, dtype=torch.float64), -1)
+    draft = torch.randint(0, V, (sum(lengths),), generator=g)
+    alpha1, alpha2, rewrite = [0.9, 0.5, 0.7, 0.3], [0.4, 0.1, 0.2, 0.05], [True, False, True, True]
+    out = gate_rows(probs, draft, lengths, alpha1, alpha2, rewrite).tolist()
+    start = 0
+    for b, n in enumerate(lengths):
+        regions = gate(probs[start : start + n], draft[start : start + n], alpha1[b], alpha2[b], rewrite=rewrite[b])
+        i = int(leading(regions == A, [n])[0])
+        assert out[b] == [i, A if i == n else int(regions[i])], b
+        start += n
+    # every position accepted: i = T and region ACCEPT
+    top = probs.argmax(-1)
+    assert gate_rows(probs, top, lengths, alpha1, alpha2, rewrite).tolist() == [[n, A] for n in lengths]
+
+
+def test_leading_counts_each_rows_run_of_true():
+    flags = torch.tensor([True, True, False, True, False, True, True, True, True])  # rows of 4, 2, 3
+    assert leading(flags, [4, 2, 3]).tolist() == [2, 0, 3]
+    assert leading(flags, [4, 0, 5]).tolist() == [2, 0, 0]
+    assert leading(torch.tensor([], dtype=torch.bool), [0, 0]).tolist() == [0, 0]
 
 
 @st.composite

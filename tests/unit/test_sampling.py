@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from viasd.config import parse_params
 from viasd.errors import InvalidParameterError
-from viasd.sampling import Sampler, sample_probs
+from scipy.stats import chisquare
+
+from viasd.sampling import Penalties, Sampler, batch_probs, sample_rows
 
 # A hand-made distribution, deliberately not sorted by token id.
 #          id:   0     1     2     3     4
@@ -180,13 +182,80 @@ def test_same_seed_same_samples():
     assert bool((probs.gather(-1, a[:, None]) > 0).all())
 
 
-def test_sample_probs_one_hot_rows_use_argmax_without_randomness():
+def test_sample_rows_greedy_rows_take_argmax_without_randomness():
     g = torch.Generator().manual_seed(0)
     state = g.get_state()
-    assert sample_probs(torch.eye(4)[[2, 0, 3]], g).tolist() == [2, 0, 3]
+    probs = torch.tensor([[0.1, 0.7, 0.2], [0.5, 0.5, 0.0]])  # ties: the lowest id
+    assert sample_rows(probs, [True, True], [g, g]).tolist() == [1, 0]
     assert torch.equal(g.get_state(), state)
-    sample_probs(torch.tensor([[0.5, 0.5, 0.0], [0.0, 1.0, 0.0]]), g)
+    sample_rows(probs, [True, False], [g, g])
     assert not torch.equal(g.get_state(), state)
+
+
+def test_sample_rows_inverts_the_cdf_of_one_uniform_per_row():
+    probs = torch.tensor([[0.2, 0.0, 0.5, 0.3], [0.0, 0.0, 0.0, 2.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    u = torch.rand(3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    cdf = probs.cumsum(-1)
+    expect = [int((cdf[i] > u[i] * cdf[i, -1]).nonzero()[0, 0]) for i in range(3)]
+    g = torch.Generator().manual_seed(5)
+    assert sample_rows(probs, [False] * 3, [g] * 3).tolist() == expect
+
+
+def test_sample_rows_follows_the_law_and_never_draws_a_zero():
+    law = torch.tensor([0.05, 0.0, 0.4, 0.25, 0.0, 0.3], dtype=torch.float64)
+    n, g = 20_000, torch.Generator().manual_seed(1)
+    tokens = sample_rows(law.expand(n, -1).float(), [False] * n, [g] * n)  # float32 rows, as the engine's
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[1] == 0 and counts[4] == 0
+    support = law > 0
+    assert chisquare(counts[support].numpy(), (law[support] * n).numpy()).pvalue > 1e-3
+
+
+def test_sample_rows_each_row_draws_from_its_own_stream():
+    """A row's token depends on its own generator only: alone or between other rows, the same."""
+    probs = torch.softmax(torch.randn(5, 50, generator=torch.Generator().manual_seed(3)), -1)
+    alone = [int(sample_rows(probs[i : i + 1], [False], [torch.Generator().manual_seed(i)])[0]) for i in range(5)]
+    gens = [torch.Generator().manual_seed(i) for i in range(5)]
+    assert sample_rows(probs, [False, True, False, False, False], gens).tolist()[2:] == alone[2:]
+
+
+SAMPLERS = [
+    Sampler(),
+    Sampler(temperature=1.0),
+    Sampler(temperature=0.7, top_k=3),
+    Sampler(temperature=1.3, top_p=0.6),
+    Sampler(temperature=0.9, min_p=0.2),
+    Sampler(temperature=1.0, top_k=5, top_p=0.8, min_p=0.05),
+    Sampler(top_k=2),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_batch_probs_equals_each_rows_own_sampler(dtype):
+    """Rows with different samplers in one batch get exactly their own sampler's distribution."""
+    logits = 2.0 * torch.randn(len(SAMPLERS) * 2, 40, generator=torch.Generator().manual_seed(4), dtype=dtype)
+    samplers = SAMPLERS + SAMPLERS[::-1]
+    together = batch_probs(logits, samplers)
+    for i, s in enumerate(samplers):
+        alone = batch_probs(logits[i : i + 1], [s])
+        assert torch.equal(together[i : i + 1], alone), s
+        if s.greedy:
+            assert torch.equal(alone, torch.nn.functional.one_hot(logits[i].argmax(), 40)[None].to(alone.dtype))
+        else:
+            assert torch.allclose(alone.sum(-1), torch.ones(1, dtype=alone.dtype))
+
+
+def test_penalties_rows_follow_their_own_prefix_with_device_blocks():
+    """Row t of a block sees block[:first + t]; a tensor block equals a list block."""
+    params = parse_params(frequency_penalty=0.5, presence_penalty=0.25)
+    pen = Penalties(params, [1, 2], 10, "cpu")
+    logits = torch.zeros(3, 10)
+    block = [4, 4, 7, 2]
+    as_list = pen(logits, [1, 2, 4], block, first=1)
+    assert torch.equal(as_list, pen(logits, [1, 2, 4], torch.tensor(block), first=1))
+    # row 0 follows output [4] + block[:1] = [4, 4]: token 4 twice
+    assert as_list[0, 4] == -(0.5 * 2 + 0.25) and as_list[0, 7] == 0
+    assert as_list[2, 7] == -(0.5 + 0.25) and as_list[2, 4] == -(0.5 * 3 + 0.25)
 
 
 # --- gate distribution ------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""scripts/gpu_check.py in its tiny CPU mode: every section runs, greedy sd equals ar, host reads are counted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+
+
+def test_gpu_check_tiny_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tiny", "--device", "cpu", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert json.loads(res.stdout) == doc
+    assert {"environment", "exactness", "host_reads", "throughput"} <= doc.keys()
+
+    env = doc["environment"]
+    assert env["device"] == "cpu" and env["torch"] and env["cpu_capability"] and env["wall_seconds"] > 0
+
+    exact = doc["exactness"]
+    assert "error" not in exact, exact.get("traceback")
+    assert exact["sd_equals_ar"] is True and exact["first_mismatch"] is None
+    assert exact["tokens_compared"] == exact["requests"] * exact["max_tokens"] > 0
+    assert exact["sd_acceptance"] is not None and 0 < exact["sd_acceptance"] < 1  # drafts accepted and rejected
+
+    reads = doc["host_reads"]
+    assert "error" not in reads, reads.get("traceback")
+    assert reads["rows"]
+    for cases in reads["rows"].values():
+        assert set(cases) == {f"{m}_{s}" for m in ("ar", "sd", "via") for s in ("greedy", "sampled")}
+        for case in cases.values():
+            assert isinstance(case["median"], int)
+            assert case["per_step"] and all(isinstance(n, int) for n in case["per_step"])
+
+    assert len(doc["throughput"]) == 2
+    for pair in doc["throughput"].values():
+        assert "error" not in pair, pair.get("traceback")
+        assert pair["rows"]
+        for rec in pair["rows"].values():
+            assert rec["roofline"]["max_tokens_per_s"] is None  # no bandwidth on CPU
+            assert rec["roofline"]["weight_bytes"] > 0
+            for name in ("forward_batch", "transformers", "engine_ar", "engine_sd"):
+                assert rec[name]["tokens_per_s"] > 0, name
