@@ -142,7 +142,7 @@ def _host_reads():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("host_reads", ROOT / "viasd" / "bench" / "host_reads.py")
-    module = importlib.util.module_from_spec(spec)
+    module = sys.modules["host_reads"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
