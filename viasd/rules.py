@@ -130,35 +130,29 @@ def _flat_index(lengths: Sequence[int], width: int, device) -> Tensor:
 
 
 def gate_rows(
-    q_slim: Tensor,
-    draft: Tensor,
-    lengths: Sequence[int],
-    alpha1: Sequence[float],
-    alpha2: Sequence[float],
-    rewrite: Sequence[bool],
+    ratio: Tensor, lengths: Sequence[int], alpha1: Sequence[float], alpha2: Sequence[float], rewrite: Sequence[bool]
 ) -> Tensor:
     """The gate of many blocks at once, on the device: each block's first non-accepted position and its region.
 
-    Ragged flat layout: block b owns lengths[b] consecutive positions of q_slim [M, V] (its gate
-    distributions, `Sampler.gate_probs`) and draft [M]; alpha1 / alpha2 / rewrite per block (as for
-    `gate`). Returns [B, 2] long: i_b = the number of leading ACCEPT positions (lengths[b] when
-    all are accepted), and the region at i_b (ACCEPT when i_b = lengths[b]).
+    Ragged flat layout: block b owns lengths[b] consecutive entries of ratio [M] (`gate_ratio` of
+    its positions); alpha1 / alpha2 / rewrite per block (as for `gate`). Returns [B, 2] long:
+    i_b = the number of leading ACCEPT positions (lengths[b] when all are accepted), and the
+    region at i_b (ACCEPT when i_b = lengths[b]).
     """
     for a1, a2 in zip(alpha1, alpha2):
         check_thresholds(a1, a2)
-    dev = q_slim.device
+    dev = ratio.device
     per_position = [b for b, n in enumerate(lengths) for _ in range(n)]  # [M] the block of each position
 
     def spread(values, dtype) -> Tensor:
         return torch.tensor([values[b] for b in per_position], dtype=dtype, device=dev)  # [M]
 
-    r = gate_ratio(q_slim, draft)  # [M]
-    rewritten = torch.where(
-        (r >= spread(alpha2, r.dtype)) & spread(rewrite, torch.bool), int(Region.REWRITE), int(Region.ESCALATE)
+    b_or_c = torch.where(
+        (ratio >= spread(alpha2, ratio.dtype)) & spread(rewrite, torch.bool), int(Region.REWRITE), int(Region.ESCALATE)
     )
     regions = torch.where(
-        r >= spread(alpha1, r.dtype), int(Region.ACCEPT), rewritten
-    )  # [M] (no boolean indexing: no sync)
+        ratio >= spread(alpha1, ratio.dtype), int(Region.ACCEPT), b_or_c
+    )  # [M] (no boolean index: no sync)
     i = leading(regions == int(Region.ACCEPT), lengths)  # [B]
     ends = torch.tensor(list(lengths), device=dev)  # [B]
     starts = torch.cumsum(ends, 0) - ends  # [B]
@@ -278,6 +272,20 @@ class Verdict:
     bonus: bool  # True when all T draft tokens were accepted and `token` came from q[T]
 
 
+class Blocks:
+    """Where the rows of B ragged draft blocks lie: block b has lengths[b] draft rows in p (from
+    p_start[b]) and lengths[b] + 1 rows in q (from q_start[b]); q_rows [M] are the q rows of the
+    draft positions, in order. Index tensors on `device`, built once."""
+
+    def __init__(self, lengths: Sequence[int], device):
+        self.starts = [0, *itertools.accumulate(lengths)][:-1]  # p_start on the host
+        self.ends = torch.tensor(list(lengths), device=device)  # [B]
+        self.p_start = torch.tensor(self.starts, device=device)  # [B]
+        self.q_start = self.p_start + torch.arange(len(lengths), device=device)  # [B]
+        rows = [s + b + t for b, (s, n) in enumerate(zip(self.starts, lengths)) for t in range(n)]
+        self.q_rows = torch.tensor(rows, dtype=torch.long, device=device)  # [M]
+
+
 @dataclass(frozen=True)
 class BatchVerdict:
     """`Verdict` for B independent blocks, on the device."""
@@ -343,20 +351,15 @@ def verify_rows(
     assert min(lengths, default=1) >= 1 and p.shape[0] == draft.shape[0] == m and q.shape[0] == m + b, (
         f"shapes p {tuple(p.shape)}, q {tuple(q.shape)}, draft {tuple(draft.shape)}, lengths {list(lengths)}"
     )
-    ends = torch.tensor(list(lengths), device=dev)  # [B]
-    p_start = torch.cumsum(ends, 0) - ends  # [B] first row of block b in p
-    q_start = p_start + torch.arange(b, device=dev)  # [B] ... and in q
-    starts = [0, *itertools.accumulate(lengths)][:-1]  # first row of block b in p (host)
-    q_rows = torch.tensor(
-        [s + blk + t for blk, (s, n) in enumerate(zip(starts, lengths)) for t in range(n)], device=dev
-    )  # [M]
+    layout = Blocks(lengths, dev)
+    ends, p_start, q_start, q_rows = layout.ends, layout.p_start, layout.q_start, layout.q_rows
     p_x = p.gather(-1, draft[:, None])[:, 0]  # [M]
-    q_x = q[q_rows].gather(-1, draft[:, None])[:, 0]  # [M]
+    q_x = q[q_rows, draft]  # [M]
     a = _by_rule(rules, lambda rule, px, qx: rule.accept_prob(px, qx), p_x, q_x, counts=lengths)  # [M]
     draws = [0 if g else n for g, n in zip(greedy, lengths)]
     u = torch.zeros(m, dtype=torch.float64, device=dev)  # [M]: 0 < a accepts exactly a = 1 (greedy)
     if any(draws):
-        sampled = [s + t for s, n, d in zip(starts, lengths, draws) if d for t in range(n)]  # [M'] positions that draw
+        sampled = [s + t for s, n, d in zip(layout.starts, lengths, draws) if d for t in range(n)]  # [M'] that draw
         u[torch.tensor(sampled, device=dev)] = uniforms(generators, draws, dev)
     num_accepted = leading(u < a.to(torch.float64), lengths)  # [B]
     bonus = num_accepted == ends  # [B]
@@ -365,6 +368,19 @@ def verify_rows(
     recovered = _by_rule(rules, _normalised_residual, p[p_start + j], q_at)  # [B, V]
     law = torch.where(bonus[:, None], q_at, recovered)  # [B, V]
     return BatchVerdict(num_accepted=num_accepted, token=sample_rows(law, greedy, generators), bonus=bonus)
+
+
+def verify_greedy(target: Tensor, draft: Tensor, lengths: Sequence[int]) -> BatchVerdict:
+    """`verify_rows` for greedy blocks, from the verifier's argmax alone: target [M + B] long is
+    argmax q_t for every q row of the ragged layout, draft [M]. Accept while x~_j == target_j;
+    commit target at the first mismatch, or the bonus target after the block. For one-hot p and q
+    every rule of this module accepts exactly the drafts equal to argmax q and commits argmax q,
+    so no rule, distribution or random draw is needed."""
+    layout = Blocks(lengths, target.device)
+    num_accepted = leading(draft == target[layout.q_rows], lengths)  # [B]
+    return BatchVerdict(
+        num_accepted=num_accepted, token=target[layout.q_start + num_accepted], bonus=num_accepted == layout.ends
+    )
 
 
 def verify_batch(

@@ -53,7 +53,16 @@ from viasd.costs import running_mean
 from viasd.errors import InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.proposers import GammaPolicy, ngram_lookup
-from viasd.rules import AcceptanceRule, Lossless, Region, gate_rows, rule_from_params, verify_rows
+from viasd.rules import (
+    AcceptanceRule,
+    Lossless,
+    Region,
+    gate_ratio,
+    gate_rows,
+    rule_from_params,
+    verify_greedy,
+    verify_rows,
+)
 from viasd.runtime import Lap, LayerMask, MaskedLM, Row, RowCache
 from viasd.sampling import Penalties, Sampler, batch_logprobs, batch_probs, sample_rows, token_logprobs
 
@@ -95,10 +104,11 @@ class Draw:
 class Check:
     """Verify a block with an acceptance rule (viasd.rules.verify_rows): p [k, V] against the
     sampler's distributions of the verifier's processed logits [k + 1, V]; answered with
-    ([3] long on the device: accepted count, committed token, bonus as 0/1; q [k + 1, V])."""
+    ([3] long on the device: accepted count, committed token, bonus as 0/1; q [k + 1, V], or None
+    for a greedy request, whose block is checked against the logits' argmax: rules.verify_greedy)."""
 
     rule: AcceptanceRule
-    p: Tensor  # [k, V] (one-hot at the draft tokens for a point mass)
+    p: Tensor | None  # [k, V] (one-hot at the draft tokens for a point mass); None: greedy
     logits: Tensor  # [k + 1, V]
     draft: Tensor  # [k] long
     sampler: Sampler
@@ -305,39 +315,83 @@ def _share(timing: dict | None, keys: list, seconds: float) -> None:
             timing[key] = timing.get(key, 0.0) + seconds / len(keys)
 
 
-def _draw(asks: list[Draw]) -> list[tuple[Tensor, Tensor]]:
-    """Every `Draw` at once: the sampler's distributions of all rows, one token per row."""
-    sizes = [a.logits.shape[0] for a in asks]
-    samplers = [a.sampler for a, n in zip(asks, sizes) for _ in range(n)]
-    probs = batch_probs(_rows([a.logits for a in asks]), samplers)  # [N, V]
-    gens = [a.generator for a, n in zip(asks, sizes) for _ in range(n)]
-    tokens = sample_rows(probs, [s.greedy for s in samplers], gens)  # [N]
-    return list(zip(tokens.split(sizes), probs.split(sizes)))
+def _draw(asks: list[Draw]) -> list[tuple[Tensor, Tensor | None]]:
+    """Every `Draw` at once: one token per row; greedy rows take the argmax of their logits (no
+    distribution is built: their answer's probabilities are None), the others draw from their
+    sampler's distribution (`sampling.batch_probs`, `sampling.sample_rows`)."""
+    out: list = [None] * len(asks)
+    for greedy, idx in _by_greed(asks):
+        group = [asks[i] for i in idx]
+        sizes = [a.logits.shape[0] for a in group]
+        logits = _rows([a.logits for a in group])  # [N, V]
+        if greedy:
+            answers = zip(logits.argmax(dim=-1).split(sizes), [None] * len(group))
+        else:
+            samplers = [a.sampler for a, n in zip(group, sizes) for _ in range(n)]
+            probs = batch_probs(logits, samplers)  # [N, V]
+            gens = [a.generator for a, n in zip(group, sizes) for _ in range(n)]
+            answers = zip(sample_rows(probs, [False] * len(samplers), gens).split(sizes), probs.split(sizes))
+        for i, answer in zip(idx, answers):
+            out[i] = answer
+    return out
 
 
-def _check(asks: list[Check]) -> list[tuple[Tensor, Tensor]]:
-    """Every `Check` at once (viasd.rules.verify_rows over the ragged blocks)."""
-    lengths = [a.draft.shape[0] for a in asks]
-    samplers = [a.sampler for a, n in zip(asks, lengths) for _ in range(n + 1)]
-    q = batch_probs(_rows([a.logits for a in asks]), samplers)  # [M + B, V]
-    p = torch.cat([a.p.to(device=q.device, dtype=q.dtype) for a in asks])  # [M, V]
-    draft = torch.cat([a.draft for a in asks])  # [M]
-    greedy = [a.sampler.greedy for a in asks]
-    v = verify_rows([a.rule for a in asks], p, q, draft, lengths, greedy, [a.generator for a in asks])
-    verdicts = torch.stack([v.num_accepted, v.token, v.bonus.long()], dim=-1)  # [B, 3]
-    return list(zip(verdicts.unbind(0), q.split([n + 1 for n in lengths])))
+def _check(asks: list[Check]) -> list[tuple[Tensor, Tensor | None]]:
+    """Every `Check` at once over the ragged blocks: greedy blocks compare the draft with the
+    argmax of the verifier's logits (`rules.verify_greedy`; no distribution is built, the answer's
+    q is None), the others run their rules on their sampler's distributions (`rules.verify_rows`)."""
+    out: list = [None] * len(asks)
+    for greedy, idx in _by_greed(asks):
+        group = [asks[i] for i in idx]
+        lengths = [a.draft.shape[0] for a in group]
+        logits = _rows([a.logits for a in group])  # [M + B, V]
+        draft = torch.cat([a.draft for a in group])  # [M]
+        if greedy:
+            v, q = verify_greedy(logits.argmax(dim=-1), draft, lengths), [None] * len(group)
+        else:
+            samplers = [a.sampler for a, n in zip(group, lengths) for _ in range(n + 1)]
+            probs = batch_probs(logits, samplers)  # [M + B, V]
+            p = torch.cat([a.p.to(device=probs.device, dtype=probs.dtype) for a in group])  # [M, V]
+            rules, gens = [a.rule for a in group], [a.generator for a in group]
+            v = verify_rows(rules, p, probs, draft, lengths, [False] * len(group), gens)
+            q = probs.split([n + 1 for n in lengths])
+        verdicts = torch.stack([v.num_accepted, v.token, v.bonus.long()], dim=-1)  # [B, 3]
+        for i, answer in zip(idx, zip(verdicts.unbind(0), q)):
+            out[i] = answer
+    return out
 
 
 def _gate(asks: list[Gate]) -> list[Tensor]:
-    """Every `Gate` at once (viasd.rules.gate_rows on the sampler's gate distributions)."""
+    """Every `Gate` at once (`rules.gate_rows`). The ratio r = q'(x) / max q' comes straight from
+    the logits, exp((z_x - max z) / t), when no row filters its gate distribution (top-k, top-p,
+    min-p), else from the distributions (`Sampler.gate_probs`)."""
+    order = sorted(range(len(asks)), key=lambda i: asks[i].logits.data_ptr())  # (memory order: `_by_greed`)
+    asks = [asks[i] for i in order]
     lengths = [a.draft.shape[0] for a in asks]
     samplers = [a.sampler.for_gate for a, n in zip(asks, lengths) for _ in range(n)]
-    probs = batch_probs(_rows([a.logits for a in asks]), samplers)  # [M, V]
+    logits = _rows([a.logits for a in asks])  # [M, V]
     draft = torch.cat([a.draft for a in asks])  # [M]
-    decisions = gate_rows(
-        probs, draft, lengths, [a.alpha1 for a in asks], [a.alpha2 for a in asks], [a.rewrite for a in asks]
-    )  # [B, 2]
-    return list(decisions.unbind(0))
+    if all(s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0 for s in samplers):
+        z = logits.gather(-1, draft[:, None])[:, 0] - logits.amax(dim=-1)  # [M] log r * t
+        t = torch.tensor([s.temperature for s in samplers], dtype=z.dtype, device=z.device)  # [M]
+        ratio = torch.exp(z / t)  # [M]
+    else:
+        ratio = gate_ratio(batch_probs(logits, samplers), draft)  # [M]
+    alpha1, alpha2, rewrite = [a.alpha1 for a in asks], [a.alpha2 for a in asks], [a.rewrite for a in asks]
+    decisions = gate_rows(ratio, lengths, alpha1, alpha2, rewrite).unbind(0)  # [2] per ask
+    out: list = [None] * len(asks)
+    for i, decision in zip(order, decisions):
+        out[i] = decision
+    return out
+
+
+def _by_greed(asks: list) -> list[tuple[bool, list[int]]]:
+    """The indices of the greedy asks and of the others (each group non-empty), each in the order
+    their logits lie in memory (so that `_rows` can view a forward's rows instead of copying them)."""
+    groups: dict[bool, list[int]] = {}
+    for i in sorted(range(len(asks)), key=lambda i: asks[i].logits.data_ptr()):
+        groups.setdefault(asks[i].sampler.greedy, []).append(i)
+    return list(groups.items())
 
 
 def _read(asks: list[Read]) -> list[list[int]]:
@@ -348,9 +402,19 @@ def _read(asks: list[Read]) -> list[list[int]]:
 
 
 def _rows(parts: list[Tensor]) -> Tensor:
-    """Logits rows of many requests as one [N, V] tensor (float64 if any is)."""
+    """Logits rows of many requests as one [N, V] tensor (float64 if any is): a view when they lie
+    one after the other in one tensor (a forward's rows, asked for in order), else a copy."""
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in parts) else torch.float32
-    return torch.cat([p.to(dtype) for p in parts])
+    parts = [p.to(dtype) for p in parts]
+    first, n = parts[0], sum(p.shape[0] for p in parts)
+    step = first.stride(0) * first.element_size()
+    adjacent = all(
+        p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr() for p in parts
+    )
+    adjacent = adjacent and all(b.data_ptr() == a.data_ptr() + a.shape[0] * step for a, b in zip(parts, parts[1:]))
+    if adjacent:
+        return first.as_strided((n, first.shape[1]), first.stride())
+    return torch.cat(parts)
 
 
 def _advance(key, gen: Steps, value, pending: dict, results: dict, timing: dict | None, first: bool = False) -> None:
@@ -760,10 +824,9 @@ class VerifySession(_Session):
         plan of an `auto` request: sd or via); an empty draft decodes one token."""
         if not draft.shape[0]:
             return (yield from self.decode_one_steps())
-        if p is None:  # p is one-hot at the draft tokens
-            p = torch.zeros(draft.shape[0], self.full.lm.vocab_size, device=draft.device).scatter_(
-                1, draft[:, None], 1.0
-            )  # [k, V]
+        if p is None and not self.sampler.greedy:  # p is one-hot at the draft tokens (greedy blocks need no p)
+            p = torch.zeros(draft.shape[0], self.full.lm.vocab_size, device=draft.device)
+            p = p.scatter_(1, draft[:, None], 1.0)  # [k, V]
         if (mode or self.params.mode) == Mode.SD:
             return (yield from self._full_verify_steps(draft, p, 0))
         if self.params.rule == Rule.STAGED:
@@ -775,7 +838,8 @@ class VerifySession(_Session):
         k, stats = draft.shape[0], self.stats
         logits = yield self.full.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
         z = self._processed(logits, draft)  # [k + 1, V]
-        verdict, _ = yield Check(self.rule, p[start:], z[start:], draft[start:], self.sampler, self.generator)
+        rows = None if p is None else p[start:]  # [k - start, V]
+        verdict, _ = yield Check(self.rule, rows, z[start:], draft[start:], self.sampler, self.generator)
         *block, j, token, bonus = yield Read(torch.cat([draft, verdict]))  # the step's one read
         stats.count_accepted(range(start, start + j))
         stats.num_rejected_tokens += 0 if bonus else 1
@@ -846,7 +910,8 @@ class VerifySession(_Session):
         stats.escalated_tokens += j + 1
         logits = yield self.full.ask(self.seq, j + 2, stats, block)  # [j + 2, V]
         z = self._processed(logits, block)  # [j + 2, V]
-        second, _ = yield Check(Lossless(), slim[: j + 1], z, block, sampler, self.generator)
+        proposal = None if slim is None else slim[: j + 1]  # [j + 1, V] q' (None: greedy, a point mass)
+        second, _ = yield Check(Lossless(), proposal, z, block, sampler, self.generator)
         *y, a, token, bonus = yield Read(torch.cat([block, second]))
         stats.full_accepted += a
         stats.count_accepted(range(a))

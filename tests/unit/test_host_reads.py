@@ -81,3 +81,17 @@ def test_the_counter_counts_reads_on_every_thread():
     with count_host_reads() as nothing:
         (t + 1) * 2
     assert nothing.total == 0
+
+
+def test_a_forwards_rows_are_viewed_not_copied():
+    """Logits rows that lie one after the other (a forward's, asked for in order) are batched as a
+    view of the forward's tensor; others are copied, in the order asked."""
+    from viasd.sessions import _rows
+
+    big = torch.randn(10, 7)
+    view = _rows(list(big.split([3, 1, 6])))
+    assert view.data_ptr() == big.data_ptr() and torch.equal(view, big)
+    for parts in ([big[3:4], big[0:3]], [big[0:2], big[3:5]]):
+        copied = _rows(parts)
+        assert copied.data_ptr() != big.data_ptr() and torch.equal(copied, torch.cat(parts))
+    assert _rows([big[:2], big[2:4].double()]).dtype == torch.float64

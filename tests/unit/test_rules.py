@@ -34,6 +34,7 @@ from viasd.rules import (
     leading,
     verify,
     verify_batch,
+    verify_greedy,
     verify_rows,
 )
 
@@ -291,6 +292,7 @@ def one_hot(ids: list[int]) -> torch.Tensor:
     ],
 )
 def test_greedy_accepts_the_matching_prefix_and_commits_argmax_q(q_ids, expect):
+    """verify_greedy, from argmax q alone, agrees with every rule run on the one-hot distributions."""
     draft = [4, 2, 6]
     p, q = one_hot(draft), one_hot(q_ids)
     g = torch.Generator().manual_seed(123)
@@ -299,6 +301,10 @@ def test_greedy_accepts_the_matching_prefix_and_commits_argmax_q(q_ids, expect):
     # documented: a greedy block draws no u and samples nothing: the generator is untouched
     assert torch.equal(g.get_state(), state)
     assert verify(Lossless(), p, q, torch.tensor(draft), None) == expect  # sampled: the same, as a is 0 or 1
+    for rule in (Lossy(alpha=0.4, beta=0.5), OvershootCeiling(0.3)):
+        assert verify(rule, p, q, torch.tensor(draft), None, greedy=True) == expect
+    fast = verify_greedy(torch.tensor(q_ids), torch.tensor(draft), [3])
+    assert Verdict(int(fast.num_accepted[0]), int(fast.token[0]), bool(fast.bonus[0])) == expect
 
 
 def test_non_greedy_verification_does_consume_randomness():
@@ -373,7 +379,7 @@ def test_gate_rows_equals_each_block_alone():
     probs = torch.softmax(2 * torch.randn(sum(lengths), V, generator=g, dtype=torch.float64), -1)
     draft = torch.randint(0, V, (sum(lengths),), generator=g)
     alpha1, alpha2, rewrite = [0.9, 0.5, 0.7, 0.3], [0.4, 0.1, 0.2, 0.05], [True, False, True, True]
-    out = gate_rows(probs, draft, lengths, alpha1, alpha2, rewrite).tolist()
+    out = gate_rows(gate_ratio(probs, draft), lengths, alpha1, alpha2, rewrite).tolist()
     start = 0
     for b, n in enumerate(lengths):
         regions = gate(probs[start : start + n], draft[start : start + n], alpha1[b], alpha2[b], rewrite=rewrite[b])
@@ -382,7 +388,7 @@ def test_gate_rows_equals_each_block_alone():
         start += n
     # every position accepted: i = T and region ACCEPT
     top = probs.argmax(-1)
-    assert gate_rows(probs, top, lengths, alpha1, alpha2, rewrite).tolist() == [[n, A] for n in lengths]
+    assert gate_rows(gate_ratio(probs, top), lengths, alpha1, alpha2, rewrite).tolist() == [[n, A] for n in lengths]
 
 
 def test_leading_counts_each_rows_run_of_true():
