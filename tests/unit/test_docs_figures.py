@@ -1244,3 +1244,23 @@ def test_draft_routes_table_equals_its_raw_file():
         mb = {route: r["mb_per_full_step"] for route, r in summary["routes"].items()}
         assert mb["through the engine"] == pytest.approx(2 * mb["drafter to verifier"], abs=0.01)
         assert mb["probability only"] < mb["drafter to verifier"] / 5
+
+
+def test_step_breakdown_table_equals_its_raw_file():
+    """BATCHING.md, "Host work per step": the table measure_step renders from the committed run;
+    after batching, one host read a step and under half the time outside the forwards of a greedy
+    16-row step, both sides' tokens/s within their A/A spread or better."""
+    step = script_module("measure_step")
+    raw = load(DOCS / "benchmarks" / "cpu" / "device-step" / "step-breakdown-avx512.json")
+    page = (DOCS / "BATCHING.md").read_text()
+    assert step.markdown_table(raw) in page
+    assert raw["environment"]["cpu_capability"] == "AVX512" and not raw["environment"]["git_dirty"]
+    assert " ".join(shlex.split(raw["command"])[1:]) in commands_joined(page)
+    summary = step.summarize(raw)
+    for method in ("ar", "sd", "sd-sampled"):
+        before, after = summary["before"][method], summary["after"][method]
+        assert after["host_reads"] == 1 and before["host_reads"] == 16 * (1 if method == "ar" else 10)
+        assert after["outside_seconds"] < before["outside_seconds"]
+        spread = max(before["spread"]["tokens_per_second"], after["spread"]["tokens_per_second"])
+        assert after["tokens_per_second"] >= before["tokens_per_second"] * (1 - spread)
+    assert summary["after"]["sd"]["outside_seconds"] < summary["before"]["sd"]["outside_seconds"] / 2
