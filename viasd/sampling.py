@@ -20,6 +20,7 @@ Keskar et al. 2019 (CTRL's repetition penalty).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -66,13 +67,11 @@ def sample_rows(probs: Tensor, greedy: Sequence[bool], generators: Sequence[torc
     if not sampled:
         return token
     u = uniforms([generators[i] for i in sampled], [1] * len(sampled), probs.device)  # [M]
-    rows = probs[sampled].to(torch.float64)  # [M, V]
-    cdf = rows.cumsum(dim=-1)  # [M, V]
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]  # [M]
-    vocab = torch.arange(rows.shape[-1], device=rows.device)  # [V]
-    last = torch.where(rows > 0, vocab, 0).amax(dim=-1)  # [M] the last token with mass (u * total rounding to total)
-    idx = torch.tensor(sampled, device=probs.device)  # [M]
-    return token.index_copy(0, idx, torch.minimum(pick, last))
+    cdf = probs[sampled].to(torch.float64).cumsum(dim=-1)  # [M, V]
+    total = cdf[:, -1]  # [M]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [M] < total, even rounded
+    pick = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]  # [M] the first v with cdf_v > x: mass > 0
+    return token.index_copy(0, torch.tensor(sampled, device=probs.device), pick)
 
 
 def uniforms(generators: Sequence[torch.Generator | None], counts: Sequence[int], device) -> Tensor:
@@ -234,39 +233,94 @@ class Penalties:
         """The request's processor, or None when nothing changes the logits (the default path)."""
         return cls(params, prompt, vocab_size, device) if params.penalised else None
 
-    def counts(self, seq: Sequence[int], block: Sequence[int] | Tensor, rows: int, first: int = 0) -> Tensor:
-        """c[t, v]: occurrences of v in the output of seq (past the prompt) + block[:first + t]:
-        [rows, V]. `block` may be a list or a device tensor [n] (drafted tokens; never read here)."""
-        out = torch.tensor(list(seq[self.prompt_len :]), dtype=torch.long, device=self.device)  # [n_out]
-        base = torch.zeros(self.vocab_size, dtype=torch.long, device=self.device).index_add_(
-            0, out, torch.ones_like(out)
-        )
-        c = base.expand(rows, -1).clone()  # [rows, V] (index_add, not bincount: no read of the max)
-        steps = block[: first + rows - 1] if isinstance(block, Tensor) else list(block[: first + rows - 1])
-        if len(steps):
-            steps = torch.as_tensor(steps, dtype=torch.long, device=self.device)  # [n]
-            hot = torch.zeros(len(steps), self.vocab_size, dtype=torch.long, device=self.device)
-            seen = hot.scatter_(1, steps[:, None], 1).cumsum(dim=0)  # [n, V]: row i counts steps[:i + 1]
-            before = torch.cat([torch.zeros_like(seen[:1]), seen])  # [n + 1, V]: row i counts steps[:i]
-            c += before[first : first + rows]
-        return c
-
     def __call__(
         self, logits: Tensor, seq: Sequence[int], block: Sequence[int] | Tensor = (), first: int = 0
     ) -> Tensor:
         """logits [T, V] of the rows after seq + block[:first + t] (t = 0..T-1) -> processed [T, V]."""
         assert logits.ndim == 2, f"logits must be [T, V], got {tuple(logits.shape)}"
-        assert len(block) >= first + logits.shape[0] - 1, "row t needs the first + t block tokens before it"
-        z = logits.to(_work_dtype(logits))  # [T, V]
-        if self.bias is not None:
-            z = z + self.bias.to(z.dtype)
-        if not self.counting:
-            return z
-        c = self.counts(seq, block, z.shape[0], first).to(z.dtype)  # [T, V]
-        seen = c > 0  # [T, V]
-        if self.repetition != 1.0:
-            z = torch.where(seen | self.in_prompt, torch.where(z > 0, z / self.repetition, z * self.repetition), z)
-        return z - self.frequency * c - self.presence * seen.to(z.dtype)
+        return penalise_rows(logits, [Penalised(self, seq, block, first)], [logits.shape[0]])
+
+
+@dataclass(frozen=True)
+class Penalised:
+    """What the rows of one request's logits follow, for its `Penalties`: row t comes after
+    seq + block[:first + t]. `block` may be a list or a device tensor (drafted tokens; never read)."""
+
+    penalties: Penalties
+    seq: Sequence[int]
+    block: Sequence[int] | Tensor = ()
+    first: int = 0
+
+
+def penalise_rows(logits: Tensor, contexts: Sequence[Penalised | None], sizes: Sequence[int]) -> Tensor:
+    """`Penalties` of many requests at once: logits [N, V], request i owning the next sizes[i] rows,
+    processed as `contexts[i]` says (None: unchanged) -> [N, V] in float32 (float64 for float64
+    logits), a new tensor. The counts c of every penalised row are built with one scatter of the
+    requests' output tokens and one of their drafted ones, on the device."""
+    assert len(contexts) == len(sizes) and sum(sizes) == logits.shape[0], (len(contexts), list(sizes))
+    z = logits.to(_work_dtype(logits))  # [N, V]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
+    owned = [(c, s, n) for c, s, n in zip(contexts, starts, sizes) if c is not None and n]
+    if not owned:
+        return z
+    dev, vocab = z.device, z.shape[-1]
+    rows = torch.tensor([s + t for _, s, n in owned for t in range(n)], device=dev)  # [P] the penalised rows
+    w = z[rows]  # [P, V]
+
+    def per_row(values, dtype=z.dtype) -> Tensor:  # one value per request -> [P, 1]
+        return torch.tensor([v for v, (_, _, n) in zip(values, owned) for _ in range(n)], dtype=dtype, device=dev)[
+            :, None
+        ]
+
+    biased = [(i, c.penalties.bias) for i, (c, _, _) in enumerate(owned) if c.penalties.bias is not None]
+    if biased:
+        bias = torch.zeros(len(owned), vocab, dtype=z.dtype, device=dev)  # [A, V]
+        bias[torch.tensor([i for i, _ in biased], device=dev)] = torch.stack([b.to(z.dtype) for _, b in biased])
+        w = w + bias[_request_of_row(owned, dev)]
+    if any(c.penalties.counting for c, _, _ in owned):
+        c = _output_counts(owned, dev, vocab).to(z.dtype)  # [P, V]
+        seen = c > 0  # [P, V]
+        pen = [c_.penalties for c_, _, _ in owned]
+        rp = per_row([x.repetition for x in pen])  # [P, 1] (1 leaves a row as it is)
+        in_prompt = torch.stack([x.in_prompt for x in pen])[_request_of_row(owned, dev)]  # [P, V]
+        w = torch.where(seen | in_prompt, torch.where(w > 0, w / rp, w * rp), w)
+        w = w - per_row([x.frequency for x in pen]) * c - per_row([x.presence for x in pen]) * seen.to(z.dtype)
+    return z.index_copy(0, rows, w)
+
+
+def _request_of_row(owned: list, device) -> Tensor:
+    """[P] long: the request (index into `owned`) of every penalised row (an index built on the
+    host: no repeat_interleave, whose output size the device would have to report)."""
+    return torch.tensor([i for i, (_, _, n) in enumerate(owned) for _ in range(n)], device=device)
+
+
+def _output_counts(owned: list, device, vocab: int) -> Tensor:
+    """c [P, V]: row t of each (context, start, n) counts the output of its seq (past the prompt)
+    and block[:first + t]; one scatter of the outputs' host tokens (once per request, then
+    repeated over its rows), one of the blocks' device tokens."""
+    asks, host_tokens, block_rows, block_pos, blocks = [], [], [], [], []
+    row, offset = 0, 0
+    for i, (ctx, _, n) in enumerate(owned):
+        out = list(ctx.seq[ctx.penalties.prompt_len :])
+        asks += [i] * len(out)
+        host_tokens += out
+        block = ctx.block if isinstance(ctx.block, Tensor) else torch.tensor(list(ctx.block), dtype=torch.long)
+        for t in range(n):
+            seen = min(ctx.first + t, block.shape[0])
+            block_rows += [row + t] * seen
+            block_pos += range(offset, offset + seen)
+        blocks.append(block.to(device))
+        row, offset = row + n, offset + block.shape[0]
+    base = torch.zeros(len(owned), vocab, dtype=torch.long, device=device)  # [A, V]
+    if host_tokens:
+        index = (torch.tensor(asks, device=device), torch.tensor(host_tokens, dtype=torch.long, device=device))
+        base.index_put_(index, torch.ones(len(host_tokens), dtype=torch.long, device=device), accumulate=True)
+    c = base[_request_of_row(owned, device)]  # [P, V]
+    if block_pos:
+        tokens = torch.cat(blocks)[torch.tensor(block_pos, device=device)]  # [Q] on the device
+        index = (torch.tensor(block_rows, device=device), tokens)
+        c.index_put_(index, torch.ones(len(block_pos), dtype=torch.long, device=device), accumulate=True)
+    return c
 
 
 def token_logprobs(logits: Tensor, tokens: Sequence[int], k: int, tier: str = "full") -> list[TokenLogprob]:

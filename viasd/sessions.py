@@ -64,7 +64,16 @@ from viasd.rules import (
     verify_rows,
 )
 from viasd.runtime import Lap, LayerMask, MaskedLM, Row, RowCache
-from viasd.sampling import Penalties, Sampler, batch_logprobs, batch_probs, sample_rows, token_logprobs
+from viasd.sampling import (
+    Penalised,
+    Penalties,
+    Sampler,
+    batch_logprobs,
+    batch_probs,
+    penalise_rows,
+    sample_rows,
+    token_logprobs,
+)
 
 TIER_ORDER = {"drafter": 0, "slim": 1, "full": 2}  # the order of a step's forwards (`drive`)
 CATCH_UP = 4  # a lazy drafter lagging more tokens than this catches up in a prefill forward (DraftSession.lag)
@@ -92,18 +101,20 @@ class Forward:
 
 @dataclass
 class Draw:
-    """Sample one token from each row of processed logits [T, V] with the request's sampler and
-    stream; answered with (tokens [T] long, probabilities [T, V]) on the device."""
+    """Sample one token from each row of logits [T, V] (raw: processed by `context`'s penalties,
+    when the request has any) with the request's sampler and stream; answered with (tokens [T]
+    long, probabilities [T, V] or None for a greedy request) on the device."""
 
     logits: Tensor  # [T, V]
     sampler: Sampler
     generator: torch.Generator
+    context: Penalised | None = None
 
 
 @dataclass
 class Check:
     """Verify a block with an acceptance rule (viasd.rules.verify_rows): p [k, V] against the
-    sampler's distributions of the verifier's processed logits [k + 1, V]; answered with
+    sampler's distributions of the verifier's logits [k + 1, V] (penalised by `context`); answered with
     ([3] long on the device: accepted count, committed token, bonus as 0/1; q [k + 1, V], or None
     for a greedy request, whose block is checked against the logits' argmax: rules.verify_greedy)."""
 
@@ -113,12 +124,14 @@ class Check:
     draft: Tensor  # [k] long
     sampler: Sampler
     generator: torch.Generator
+    context: Penalised | None = None  # (the request's penalties: row t follows seq + draft[:first + t])
 
 
 @dataclass
 class Gate:
-    """The slim verifier's gate over a block (viasd.rules.gate_rows) from its processed logits
-    [k, V]; answered with [2] long on the device: the first position not accepted, its region."""
+    """The slim verifier's gate over a block (viasd.rules.gate_rows) from its logits [k, V]
+    (penalised by `context`); answered with [2] long on the device: the first position not
+    accepted, its region."""
 
     logits: Tensor  # [k, V]
     draft: Tensor  # [k] long
@@ -126,6 +139,7 @@ class Gate:
     alpha2: float
     rewrite: bool
     sampler: Sampler
+    context: Penalised | None = None
 
 
 @dataclass
@@ -323,7 +337,7 @@ def _draw(asks: list[Draw]) -> list[tuple[Tensor, Tensor | None]]:
     for greedy, idx in _by_greed(asks):
         group = [asks[i] for i in idx]
         sizes = [a.logits.shape[0] for a in group]
-        logits = _rows([a.logits for a in group])  # [N, V]
+        logits = _penalised(group, _rows([a.logits for a in group]), sizes)  # [N, V]
         if greedy:
             answers = zip(logits.argmax(dim=-1).split(sizes), [None] * len(group))
         else:
@@ -344,7 +358,7 @@ def _check(asks: list[Check]) -> list[tuple[Tensor, Tensor | None]]:
     for greedy, idx in _by_greed(asks):
         group = [asks[i] for i in idx]
         lengths = [a.draft.shape[0] for a in group]
-        logits = _rows([a.logits for a in group])  # [M + B, V]
+        logits = _penalised(group, _rows([a.logits for a in group]), [n + 1 for n in lengths])  # [M + B, V]
         draft = torch.cat([a.draft for a in group])  # [M]
         if greedy:
             v, q = verify_greedy(logits.argmax(dim=-1), draft, lengths), [None] * len(group)
@@ -369,7 +383,7 @@ def _gate(asks: list[Gate]) -> list[Tensor]:
     asks = [asks[i] for i in order]
     lengths = [a.draft.shape[0] for a in asks]
     samplers = [a.sampler.for_gate for a, n in zip(asks, lengths) for _ in range(n)]
-    logits = _rows([a.logits for a in asks])  # [M, V]
+    logits = _penalised(asks, _rows([a.logits for a in asks]), lengths)  # [M, V]
     draft = torch.cat([a.draft for a in asks])  # [M]
     if all(s.top_k == 0 and s.top_p == 1.0 and s.min_p == 0.0 for s in samplers):
         z = logits.gather(-1, draft[:, None])[:, 0] - logits.amax(dim=-1)  # [M] log r * t
@@ -383,6 +397,13 @@ def _gate(asks: list[Gate]) -> list[Tensor]:
     for i, decision in zip(order, decisions):
         out[i] = decision
     return out
+
+
+def _penalised(asks: list, logits: Tensor, sizes: list[int]) -> Tensor:
+    """The asks' logits rows [N, V] with each request's penalties applied (`sampling.penalise_rows`)."""
+    if all(a.context is None for a in asks):
+        return logits
+    return penalise_rows(logits, [a.context for a in asks], sizes)
 
 
 def _by_greed(asks: list) -> list[tuple[bool, list[int]]]:
@@ -633,15 +654,16 @@ class DraftSession(_Session):
         # whether drafted ahead or on demand: same prefix, same stream)
         while len(draft) < k and not (stop is not None and stop.is_set() and draft):
             tail = torch.cat(before + draft) if before or draft else None  # [n] the drafted context
-            logits = raw = yield self.tier.ask(self.seq, 1, self.stats, tail)  # [1, V]
-            if self.penalties is not None:  # row 0 follows seq + the whole drafted context
-                logits = self.penalties(logits, self.seq, () if tail is None else tail, len(before) + len(draft))
-            token, p = yield Draw(logits, self.sampler, generator)  # [1], [1, V]
+            logits = yield self.tier.ask(self.seq, 1, self.stats, tail)  # [1, V]
+            context = None  # (with penalties, row 0 follows seq + the whole drafted context)
+            if self.penalties is not None:
+                context = Penalised(self.penalties, self.seq, () if tail is None else tail, len(before) + len(draft))
+            token, p = yield Draw(logits, self.sampler, generator, context)  # [1], [1, V]
             draft.append(token)
             if not self.sampler.greedy:
                 p_rows.append(p)
             if len(draft) < k and self.params.draft_confidence > 0.0:
-                confidence = torch.softmax(raw[0].float(), dim=-1)[token]  # [1] p_{T=1}(x~_j)
+                confidence = torch.softmax(logits[0].float(), dim=-1)[token]  # [1] p_{T=1}(x~_j)
                 (low,) = yield Read(confidence < self.params.draft_confidence, decides=True)
                 if low:
                     return True
@@ -794,9 +816,9 @@ class VerifySession(_Session):
         scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
         return token_logprobs(logits, scored, self.params.prompt_logprobs)
 
-    def _processed(self, logits: Tensor, block: Sequence[int] | Tensor = ()) -> Tensor:
+    def _context(self, block: Sequence[int] | Tensor = (), first: int = 0) -> Penalised | None:
         """The logits the request samples from: penalised given self.seq + block[:t] for row t."""
-        return logits if self.penalties is None else self.penalties(logits, self.seq, block)
+        return None if self.penalties is None else Penalised(self.penalties, self.seq, block, first)
 
     def _logprobs(self, logits: Tensor, tokens: list[int], tier: str = "full") -> Steps:
         """The committed tokens' logprobs from raw logits [len(tokens), V], when the request asks for them."""
@@ -814,7 +836,7 @@ class VerifySession(_Session):
     def decode_one_steps(self) -> Steps:
         """`ar`: one forward of q, one token."""
         logits = yield self.full.ask(self.seq, 1, self.stats)  # [1, V]
-        token, _ = yield Draw(self._processed(logits), self.sampler, self.generator)  # [1]
+        token, _ = yield Draw(logits, self.sampler, self.generator, self._context())  # [1]
         tokens = yield Read(token)
         return Outcome(tokens, 0, (yield from self._logprobs(logits, tokens)))
 
@@ -837,9 +859,9 @@ class VerifySession(_Session):
         """q scores the whole block in one forward; its rule decides positions start..k-1."""
         k, stats = draft.shape[0], self.stats
         logits = yield self.full.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
-        z = self._processed(logits, draft)  # [k + 1, V]
         rows = None if p is None else p[start:]  # [k - start, V]
-        verdict, _ = yield Check(self.rule, rows, z[start:], draft[start:], self.sampler, self.generator)
+        context = self._context(draft, start)
+        verdict, _ = yield Check(self.rule, rows, logits[start:], draft[start:], self.sampler, self.generator, context)
         *block, j, token, bonus = yield Read(torch.cat([draft, verdict]))  # the step's one read
         stats.count_accepted(range(start, start + j))
         stats.num_rejected_tokens += 0 if bonus else 1
@@ -852,9 +874,10 @@ class VerifySession(_Session):
         """Steps 2-4 of the VIA-SD cycle: slim-verify with the gate, then rewrite or escalate."""
         k, params, stats = draft.shape[0], self.params, self.stats
         slim_raw = yield self.slim.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
-        slim_logits = self._processed(slim_raw, draft)  # [k + 1, V]
         rewrite = params.region_b == RegionB.REWRITE
-        decision = yield Gate(slim_logits[:k], draft, params.alpha1, params.alpha2, rewrite, self.sampler)
+        decision = yield Gate(
+            slim_raw[:k], draft, params.alpha1, params.alpha2, rewrite, self.sampler, self._context(draft)
+        )
         i, region = yield Read(decision, decides=True)  # draft[:i] accepted by q'; the region at i
         stats.slim_accepted += i
         stats.count_accepted(range(i))
@@ -862,7 +885,7 @@ class VerifySession(_Session):
         if i == k:  # region A everywhere: the block is committed on q''s word
             extra = []
             if params.slim_bonus:
-                bonus, _ = yield Draw(slim_logits[k:], self.sampler, self.generator)  # [1]
+                bonus, _ = yield Draw(slim_raw[k:], self.sampler, self.generator, self._context(draft, k))  # [1]
                 extra, stats.num_bonus_tokens = [bonus], stats.num_bonus_tokens + 1
             tokens = yield Read(torch.cat([draft, *extra]))
             stats.num_cycle_tokens += len(tokens)
@@ -871,7 +894,7 @@ class VerifySession(_Session):
             stats.slim_rewritten += 1
             stats.num_rejected_tokens += 1
             stats.num_cycle_tokens += i + 1
-            token, _ = yield Draw(slim_logits[i : i + 1], self.sampler, self.generator)  # [1]
+            token, _ = yield Draw(slim_raw[i : i + 1], self.sampler, self.generator, self._context(draft, i))  # [1]
             tokens = yield Read(torch.cat([draft[:i], token]))
             return (yield from self._slim_outcome(Outcome(tokens, i), slim_raw))
         # region C: q decides positions i..k-1 with the speculative-sampling rule
@@ -901,7 +924,7 @@ class VerifySession(_Session):
         """
         k, stats, sampler = draft.shape[0], self.stats, self.sampler
         slim_raw = yield self.slim.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
-        first, slim = yield Check(Lossless(), p, self._processed(slim_raw, draft), draft, sampler, self.generator)
+        first, slim = yield Check(Lossless(), p, slim_raw, draft, sampler, self.generator, self._context(draft))
         j, _, first_bonus = yield Read(first, decides=True)
         block = torch.cat([draft[:j], first[1:2]])  # [j + 1] y
         stats.slim_accepted += j
@@ -909,9 +932,8 @@ class VerifySession(_Session):
         stats.escalations += 1
         stats.escalated_tokens += j + 1
         logits = yield self.full.ask(self.seq, j + 2, stats, block)  # [j + 2, V]
-        z = self._processed(logits, block)  # [j + 2, V]
         proposal = None if slim is None else slim[: j + 1]  # [j + 1, V] q' (None: greedy, a point mass)
-        second, _ = yield Check(Lossless(), proposal, z, block, sampler, self.generator)
+        second, _ = yield Check(Lossless(), proposal, logits, block, sampler, self.generator, self._context(block))
         *y, a, token, bonus = yield Read(torch.cat([block, second]))
         stats.full_accepted += a
         stats.count_accepted(range(a))

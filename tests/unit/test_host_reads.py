@@ -30,6 +30,7 @@ MODES = [
 @pytest.fixture(scope="module")
 def pair():
     from conftest import drafter_from, tiny_model
+
     from viasd.runtime import MaskedLM
 
     verifier = tiny_model("qwen2", dtype=torch.float32)

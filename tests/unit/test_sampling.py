@@ -8,11 +8,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.stats import chisquare
 
 from viasd.config import parse_params
 from viasd.errors import InvalidParameterError
-from scipy.stats import chisquare
-
 from viasd.sampling import Penalties, Sampler, batch_probs, sample_rows
 
 # A hand-made distribution, deliberately not sorted by token id.
