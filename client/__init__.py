@@ -1,7 +1,7 @@
 """gRPC client SDK for via-sd (``viasd.client``); needs only grpcio, protobuf and pydantic.
 
     from viasd.client import Client
-    with Client("127.0.0.1:50051") as client:
+    with Client("127.0.0.1:9000") as client:
         print(client.complete("def fib(n):", mode="via", max_tokens=64).text)
 
 `Client` (blocking) and `AsyncClient` (asyncio) have the same surface: `generate` (a stream of

@@ -1,6 +1,6 @@
 """The asyncio client: the same surface as `Client`, with coroutines and async iterators.
 
-    async with AsyncClient("127.0.0.1:50051") as client:
+    async with AsyncClient("127.0.0.1:9000") as client:
         async with client.generate("def fib(n):", max_tokens=64) as stream:
             async for chunk in stream:
                 print(chunk.text, end="", flush=True)

@@ -25,7 +25,7 @@ from viasd.v1.convert import finish_from_proto, logprobs_from_proto, mode_from_p
 
 from .errors import DeadlineExceeded
 
-DEFAULT_TARGET = "127.0.0.1:50051"
+DEFAULT_TARGET = "127.0.0.1:9000"
 TOKEN_ENV = "VIASD_API_TOKEN"  # read by the CLI (the SDK takes `token=` explicitly)
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 _MAX_MESSAGE_BYTES = 256 * 1024 * 1024

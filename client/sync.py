@@ -1,6 +1,6 @@
 """The blocking client: ``Client(target).generate(...)`` streams chunks from viasd.v1.GenerationService.
 
-    with Client("127.0.0.1:50051", token=token, tls=TLSConfig(ca_file="ca.pem")) as client:
+    with Client("127.0.0.1:9000", token=token, tls=TLSConfig(ca_file="ca.pem")) as client:
         with client.generate("def fib(n):", mode="via", max_tokens=64) as stream:
             for chunk in stream:
                 print(chunk.text, end="", flush=True)

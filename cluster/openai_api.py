@@ -200,7 +200,7 @@ CompletionRequest = create_model(
     __doc__="Body of POST /v1/completions.",
     prompt=(
         str | list[int] | list[str] | list[list[int]],
-        Field(..., description="Text, or pre-tokenized ids; a list of prompts must hold exactly one."),
+        Field(..., description="Text or pre-tokenized ids, or a list of either: one choice per prompt and sample."),
     ),
     **_fields(_COMPLETION_ONLY),
 )
@@ -239,7 +239,9 @@ class TokenizeRequest(_Lenient):
     """Body of POST /tokenize (vLLM's): a prompt or chat messages."""
 
     model: str | None = Field(None, description="A name from /v1/models; empty: this pipeline.")
-    prompt: str | None = Field(None, description="Text to tokenize (no special tokens added).")
+    prompt: str | None = Field(
+        None, description="Text to tokenize, as a completions prompt is (with the model's BOS, if any)."
+    )
     messages: list[ChatMessage] | None = Field(None, description="Chat messages, rendered with the chat template.")
 
 
@@ -292,41 +294,137 @@ def param_values(body: BaseModel) -> dict[str, Any]:
     return values
 
 
-def request_of(body: BaseModel, chat: bool) -> tuple[HandlerRequest, list[str]]:
-    """The handler's request of an OpenAI body, and the unknown fields it ignored."""
+def prompts_of(body: BaseModel) -> list:
+    """A completions body's prompts: one string or token-id list, or a list of either."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return list(prompt)
+    return [prompt]
+
+
+def request_of(body: BaseModel, chat: bool) -> tuple[list[HandlerRequest], list[str]]:
+    """The handler's requests of an OpenAI body (one per prompt of a completions body), and the
+    unknown fields it ignored."""
     ignored = check_fields(body)
     params = param_values(body)
     if chat:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return HandlerRequest(
-            messages=messages, params=params, model=body.model, id_prefix="chatcmpl-", fill_context=True
-        ), ignored
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise InvalidParameterError("prompt", "only one prompt per request is served")
-        prompt = prompt[0]
-    return HandlerRequest(prompt=prompt, params=params, model=body.model, id_prefix="cmpl-"), ignored
+        return [
+            HandlerRequest(messages=messages, params=params, model=body.model, id_prefix="chatcmpl-", fill_context=True)
+        ], ignored
+    return [
+        HandlerRequest(prompt=p, params=params, model=body.model, id_prefix="cmpl-") for p in prompts_of(body)
+    ], ignored
 
 
-def _translate(handler: RequestHandler, body: BaseModel, chat: bool) -> tuple[HandlerRequest, list[str]]:
+def _translate(handler: RequestHandler, body: BaseModel, chat: bool) -> tuple[list[HandlerRequest], list[str]]:
     try:
         return request_of(body, chat)
     except InvalidParameterError as exc:
         raise handler.refuse(exc) from None
 
 
-async def open_openai(handler: RequestHandler, body: BaseModel, chat: bool) -> Job:
-    """Translate, validate, admit and start an OpenAI request (RequestError when refused)."""
-    return await handler.open(_translate(handler, body, chat)[0])
+async def open_openai(handler: RequestHandler, body: BaseModel, chat: bool) -> Prompts:
+    """Translate, validate, admit and start an OpenAI request: its prompts' jobs (RequestError
+    when one is refused: the others are closed)."""
+    return await Prompts.open(handler, _translate(handler, body, chat)[0])
+
+
+class JobFailed(Exception):
+    """A job's stream raised: the job and what it raised."""
+
+    def __init__(self, job: Job, error: Exception):
+        super().__init__(str(error))
+        self.job, self.error = job, error
+
+
+class Prompts:
+    """The jobs of one OpenAI request, one per prompt (a completions body may have several; chat
+    one), and their pieces as they come.
+
+    One job is read as the response is (`pieces` pulls it). Several are opened together and read
+    on tasks of their own into one queue, each closed as soon as it has ended: a prompt waiting
+    for a decoding slot must not wait for the response to read the others, which free the slots;
+    `open` returns once every job is open (its first piece ready), so a refusal is still the
+    response's status."""
+
+    def __init__(self, jobs: list[Job], tasks: list[asyncio.Task] | None = None, queue: asyncio.Queue | None = None):
+        self.jobs, self._tasks, self._queue = jobs, tasks or [], queue
+
+    @classmethod
+    async def open(cls, handler: RequestHandler, requests: list[HandlerRequest]) -> Prompts:
+        if len(requests) == 1:
+            return cls([await handler.open(requests[0])])
+        queue: asyncio.Queue = asyncio.Queue()
+        jobs: list = [None] * len(requests)
+        opened = [asyncio.get_running_loop().create_future() for _ in requests]
+
+        async def pump(i: int, request: HandlerRequest) -> None:
+            try:
+                jobs[i] = await handler.open(request)
+            except asyncio.CancelledError:  # another prompt was refused
+                opened[i].cancel()
+                raise
+            except Exception as exc:
+                opened[i].set_exception(exc)
+                return
+            opened[i].set_result(None)
+            try:
+                async for piece in jobs[i]:
+                    await queue.put((i, piece))
+            except Exception as exc:
+                await queue.put((i, JobFailed(jobs[i], exc)))
+                return
+            await jobs[i].aclose()  # its decoding slot goes to a prompt waiting for one
+            await queue.put((i, None))
+
+        prompts = cls(jobs, [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)], queue)
+        try:
+            for waiting in asyncio.as_completed(opened):
+                await waiting
+        except BaseException:
+            await prompts.aclose()
+            for f in opened:  # (the other refusals: retrieved, not logged as never retrieved)
+                if f.done() and not f.cancelled():
+                    f.exception()
+            raise
+        return prompts
+
+    async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
+        """(prompt index, piece) of every job until all have ended; JobFailed when one raises."""
+        if self._queue is None:
+            try:
+                async for piece in self.jobs[0]:
+                    yield 0, piece
+            except Exception as exc:
+                raise JobFailed(self.jobs[0], exc) from exc
+            return
+        live = len(self.jobs)
+        while live:
+            i, item = await self._queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, JobFailed):
+                raise item
+            else:
+                yield i, item
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for job in self.jobs:
+            if job is not None:
+                await job.aclose()
 
 
 # ------------------------------------------------------------------------------- response objects
 
 
-def usage(stats: dict | None) -> dict:
-    p = (stats or {}).get("prompt_tokens", 0)
-    c = (stats or {}).get("generated_tokens", 0)
+def usage(*stats: dict | None) -> dict:
+    """OpenAI's usage of one or more requests' stats (a completions body's prompts: summed)."""
+    p = sum((s or {}).get("prompt_tokens", 0) for s in stats)
+    c = sum((s or {}).get("generated_tokens", 0) for s in stats)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
@@ -374,16 +472,14 @@ class Choices:
     puts the prompt (text, tokens and, with logprobs, their logprobs: the first is null) first.
     """
 
-    def __init__(self, job: Job, chat: bool, body: BaseModel):
+    def __init__(self, job: Job, chat: bool, body: BaseModel, prompt: str | list | None = None, first: int = 0):
         self.job, self.chat, self.tokenizer = job, chat, job.handler.tokenizer
+        self.first = first  # the index of this job's first choice (a completions body's prompt i: i * n)
         self.token_ids = bool(body.return_token_ids)
         self.echo = not chat and bool(getattr(body, "echo", None))
         self.logprobs = job.params.logprobs is not None
         self.prompt_text = ""
         if self.echo:
-            prompt = (
-                body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-            )
             self.prompt_text = prompt if isinstance(prompt, str) else self._decode(job.prompt_ids)
         self._offset: dict[int, int] = {}  # choice -> characters of text so far (completions' text_offset)
         self._pieces: dict[int, list[Piece]] = {}  # whole responses: each choice's pieces
@@ -392,7 +488,7 @@ class Choices:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _choice(self, index: int, text: str, ids: list[int], entries: list | None, finish: str | None) -> dict:
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": finish}
+        choice: dict[str, Any] = {"index": self.first + index, "logprobs": None, "finish_reason": finish}
         if self.logprobs and entries is not None:
             choice["logprobs"] = (
                 self._chat_logprobs(entries) if self.chat else self._completion_logprobs(index, entries)
@@ -545,61 +641,63 @@ def build_http_app():
     async def _serve(request: Request, body: BaseModel, chat: bool):
         handler = server(request)
         translated, ignored = _translate(handler, body, chat)
-        job = await handler.open(translated)  # validated and admitted, or RequestError
+        prompts = await Prompts.open(handler, translated)  # validated and admitted, or RequestError
+        texts = [None] if chat else prompts_of(body)
+        choices = [Choices(job, chat, body, t, i * job.params.n) for i, (job, t) in enumerate(zip(prompts.jobs, texts))]
         headers = {IGNORED_FIELDS_HEADER: ",".join(ignored)} if ignored else None
         if body.stream:
-            return StreamingResponse(_stream(job, chat, body), media_type="text/event-stream", headers=headers)
-        return JSONResponse(await _whole(job, chat, body), headers=headers)
+            return StreamingResponse(
+                _stream(prompts, choices, chat, body), media_type="text/event-stream", headers=headers
+            )
+        return JSONResponse(await _whole(prompts, choices, chat), headers=headers)
 
-    async def _stream(job: Job, chat: bool, body: BaseModel) -> AsyncIterator[bytes]:
-        base = {"id": job.id, "created": job.created, "model": job.model}
+    async def _stream(prompts: Prompts, choices: list[Choices], chat: bool, body: BaseModel) -> AsyncIterator[bytes]:
+        """OpenAI's stream: a chunk per piece of any prompt's choices; with `include_usage`, every
+        chunk has `usage: null` and one last chunk, with no choices, the usage of the whole request."""
+        jobs = prompts.jobs
+        base = {"id": jobs[0].id, "created": jobs[0].created, "model": jobs[0].model}
         obj = "chat.completion.chunk" if chat else "text_completion"
-        choices = Choices(job, chat, body)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        extra = {"usage": None} if include_usage else {}
         try:
             try:
                 if chat:  # the first chunk of each choice announces the role, as OpenAI does
-                    for i in range(job.params.n):
+                    for i in range(jobs[0].params.n):
                         delta = {"role": "assistant", "content": ""}
-                        yield sse(
-                            {
-                                **base,
-                                "object": obj,
-                                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}],
-                            }
-                        )
-                async for piece in job:
-                    chunk = {**base, "object": obj, "choices": [choices.delta(piece)]}
+                        first = [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]
+                        yield sse({**base, "object": obj, "choices": first, **extra})
+                async for i, piece in prompts.pieces():
+                    chunk = {**base, "object": obj, "choices": [choices[i].delta(piece)], **extra}
                     if piece.finish_reason:
-                        chunk["usage"] = usage(piece.stats)
                         chunk["viasd_stats"] = piece.stats
                     yield sse(chunk)
-                if body.stream_options is not None and body.stream_options.include_usage:
-                    yield sse({**base, "object": obj, "choices": [], "usage": usage(job.stats)})
-            except Exception as exc:  # after the headers: report in-band, like OpenAI's streaming errors
-                err = await job.fail(exc)
+                if include_usage:
+                    yield sse({**base, "object": obj, "choices": [], "usage": usage(*(j.stats for j in jobs))})
+            except JobFailed as failed:  # after the headers: report in-band, like OpenAI's streaming errors
+                err = await failed.job.fail(failed.error)
                 yield sse(error_body(err.status, str(err), err.field, err.kind.openai_type))
             # [DONE] goes out while the request still counts as in flight: a drain waits for it
             yield sse("[DONE]")
         finally:
-            await job.aclose()
+            await prompts.aclose()
 
-    async def _whole(job: Job, chat: bool, body: BaseModel) -> dict:
-        choices = Choices(job, chat, body)
+    async def _whole(prompts: Prompts, choices: list[Choices], chat: bool) -> dict:
+        jobs = prompts.jobs
         try:
-            async for piece in job:
-                choices.add(piece)
-        except Exception as exc:
-            raise await job.fail(exc) from None
+            async for i, piece in prompts.pieces():
+                choices[i].add(piece)
+        except JobFailed as failed:
+            raise await failed.job.fail(failed.error) from None
         finally:
-            await job.aclose()
+            await prompts.aclose()
         return {
-            "id": job.id,
+            "id": jobs[0].id,
             "object": "chat.completion" if chat else "text_completion",
-            "created": job.created,
-            "model": job.model,
-            "choices": choices.whole(),
-            "usage": usage(job.stats),
-            "viasd_stats": job.stats,
+            "created": jobs[0].created,
+            "model": jobs[0].model,
+            "choices": [choice for c in choices for choice in c.whole()],
+            "usage": usage(*(j.stats for j in jobs)),
+            "viasd_stats": jobs[0].stats if len(jobs) == 1 else [j.stats for j in jobs],
         }
 
     @app.post("/v1/completions")

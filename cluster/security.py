@@ -2,7 +2,7 @@
 token of the HTTP API: `read_token`, `bearer_ok`, used by cluster/openai_api.py).
 
     security = GRPCSecurity(tls_cert_file="server.pem", tls_key_file="server.key", token_file="token")
-    server = await serve_grpc(servicer, 50051, "0.0.0.0", security=security)
+    server = await serve_grpc(servicer, 9000, "0.0.0.0", security=security)
 
 * TLS: the server presents `tls_cert_file` / `tls_key_file` (PEM). Mutual TLS: `client_ca_file`
   verifies client certificates; `require_client_cert` refuses a client without one.

@@ -1,6 +1,6 @@
 """The standalone server: the public gRPC API and, optionally, the OpenAI HTTP API, outside Ray Serve.
 
-    python -m viasd.cluster.standalone --config pipeline.json --port 50051 [--http-port 8000]
+    python -m viasd.cluster.standalone --config pipeline.json --port 9000 [--http-port 8000]
 
 It starts (or joins) Ray, starts each pipeline of the config (`cluster/pipeline.py`), makes one
 `handler.RequestHandler` per pipeline — one admission limit and one drain shared by all of them
@@ -289,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m viasd.cluster.standalone", description=__doc__.splitlines()[0], allow_abbrev=False
     )  # "--token" must not pass for "--token-file"
     ap.add_argument("--config", help="JSON file: one PipelineConfig object, or a list (the first is the default)")
-    ap.add_argument("--port", type=int, default=50051)
+    ap.add_argument("--port", type=int, default=9000)
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument(
         "--http-port",

@@ -78,7 +78,11 @@ class GenerationParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_enum_values=False, frozen=True)
 
-    mode: Mode = Field(Mode.VIA, description="Decoder: 'ar' (verifier alone), 'sd' (two-tier), 'via' (three-tier).")
+    mode: Mode = Field(
+        Mode.AUTO,
+        description="Decoder: 'auto' (a plan per step, the fastest lossless one unless auto_lossy), 'ar' (verifier "
+        "alone), 'sd' (two-tier), 'via' (three-tier).",
+    )
     max_tokens: int = Field(
         128,
         ge=0,

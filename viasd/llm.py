@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers.decoders import DecodeStream
 
 from viasd import model_thread
 from viasd.config import EngineConfig, GenerationParams
@@ -40,17 +41,32 @@ class TextDelta:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas without splitting multi-byte characters.
 
-    Decodes the whole output each step and emits the part past what was already emitted; text
-    ending in U+FFFD (an incomplete UTF-8 sequence) is held back until the next token completes it.
+    With a fast tokenizer (and no clean-up of tokenization spaces, which reads whole words), each
+    token is decoded once, by `tokenizers.decoders.DecodeStream`, which holds back an incomplete
+    UTF-8 sequence until a later token completes it: linear in the output. Otherwise the whole
+    output is decoded at each push and the part past what was emitted is returned (text ending in
+    U+FFFD held back). Either way the deltas add up to `tokenizer.decode(all ids)`: the final push
+    emits whatever the stream still held (an incomplete sequence, as U+FFFD).
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0
+        self.emitted = 0  # characters handed out
+        backend = getattr(tokenizer, "_tokenizer", None)  # (a fast tokenizer's tokenizers.Tokenizer)
+        streams = backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self._backend = backend if streams else None
+        self._stream = DecodeStream(skip_special_tokens=True) if streams else None
 
     def push(self, ids: Sequence[int], final: bool = False) -> str:
         self.ids.extend(ids)
+        if self._stream is not None:
+            delta = "".join(p for t in ids if (p := self._stream.step(self._backend, t)) is not None)
+            self.emitted += len(delta)
+            if final:  # (what the stream still holds: an incomplete sequence)
+                rest = self.tokenizer.decode(self.ids, skip_special_tokens=True)[self.emitted :]
+                delta, self.emitted = delta + rest, self.emitted + len(rest)
+            return delta
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if text.endswith("\ufffd") and not final:
             return ""
@@ -285,8 +301,10 @@ def resolve_gates(
 
 
 def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-    """Token ids of a raw prompt, or of chat messages rendered with the tokenizer's template
-    (InvalidParameterError naming the field; a model without tokenizer takes token ids only)."""
+    """Token ids of a raw prompt, with the tokenizer's special tokens (a BOS where the model has
+    one, as vLLM's completions), or of chat messages rendered with the tokenizer's template (which
+    places them itself) (InvalidParameterError naming the field; a model without tokenizer takes
+    token ids only)."""
     if (prompt is None) == (messages is None):
         raise InvalidParameterError("prompt", "give exactly one of prompt or messages")
     if tokenizer is None:
@@ -300,7 +318,7 @@ def encode_prompt(tokenizer, prompt: str | None = None, messages: list[dict] | N
         return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
     if not isinstance(prompt, str) or not prompt:
         raise InvalidParameterError("prompt", "must be a non-empty string")
-    return tokenizer.encode(prompt, add_special_tokens=False)
+    return tokenizer.encode(prompt, add_special_tokens=True)
 
 
 def eos_ids(tokenizer, model) -> tuple[int, ...]:

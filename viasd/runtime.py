@@ -96,6 +96,7 @@ class SlotKVCache:
         for i in self.layers if layers is None else layers:
             self._len[i][row] = min(self._len[i][row], length)
 
+    @torch.inference_mode()  # (the storage a forward allocated is an inference tensor)
     def copy_row(self, src: int, dst: int, length: int) -> None:
         """Give row `dst` the first `length` keys/values of row `src` in every layer (n > 1 samples
         share one prefill): dst's layers end up at min(length, src's length), as if it had fed them."""

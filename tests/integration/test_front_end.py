@@ -757,3 +757,83 @@ def test_the_handlers_of_one_server_share_one_admission_and_one_drain(backend):
     a, b = servicer.handlers["a"], servicer.handlers["b"]
     assert a.calls is b.calls is servicer.calls and a.admission is b.admission is servicer.admission
     assert servicer.handler("b") is b and servicer.handler("") is a
+
+
+# ------------------------------------------------------------------ OpenAI's edges
+
+
+def test_completions_with_several_prompts_give_one_choice_per_prompt_and_sample(http, backend, handler):
+    """The official client: 3 prompts x n=2 -> 6 choices, prompt i's sample j at index 2 i + j, each
+    the engine's; usage sums the prompts; streamed, the same by index. 3 prompts over 2 decoding
+    slots: the third waits for a slot the others free (no deadlock)."""
+    import openai
+
+    client = openai.OpenAI(base_url=http + "/v1", api_key="unused", max_retries=0, timeout=120)
+    prompts = [PROMPT, "class Stack:", "import os"]
+    ids = [backend.llm.encode(p) for p in prompts]
+    params = dict(max_tokens=6, n=2, temperature=1.0, seed=3)
+    want = [s.token_ids for prompt_ids in ids for s in engine_samples(backend, prompt_ids, **params)]
+    extra = {"return_token_ids": True}
+    r = client.completions.create(model="default", prompt=prompts, extra_body=extra, **params)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert [c.model_extra["token_ids"] for c in r.choices] == want
+    assert r.usage.completion_tokens == sum(len(t) for t in want)
+    assert r.usage.prompt_tokens == sum(len(p) for p in ids)
+    streamed: dict[int, list[int]] = {}
+    for chunk in client.completions.create(model="default", prompt=prompts, stream=True, extra_body=extra, **params):
+        for c in chunk.choices:
+            streamed.setdefault(c.index, []).extend(c.model_extra["token_ids"])
+    assert [streamed[i] for i in range(6)] == want
+    assert handler.backend.coordinator.active_requests() == 0
+
+
+def test_a_refused_prompt_refuses_the_whole_request(http, handler):
+    too_long = list(range(1, MAX_CONTEXT + 5))
+    r = post(http, "/v1/completions", {"prompt": [[1, 2], too_long], "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert handler.backend.coordinator.active_requests() == 0
+
+
+def test_streamed_usage_comes_once_and_equals_the_whole_responses(http):
+    """As OpenAI: with include_usage, `usage` is null on every chunk but one last chunk with no
+    choices; it equals the non-streamed usage. Without it, no chunk has usage."""
+    import openai
+
+    client = openai.OpenAI(base_url=http + "/v1", api_key="unused", max_retries=0, timeout=120)
+    body = dict(model="default", messages=CHAT, max_tokens=6, temperature=0)
+    whole = client.chat.completions.create(**body)
+    chunks = list(client.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
+    with_usage = [c for c in chunks if c.usage is not None]
+    assert len(with_usage) == 1 and with_usage[0] is chunks[-1] and chunks[-1].choices == []
+    assert with_usage[0].usage == whole.usage
+    assert all(c.usage is None for c in client.chat.completions.create(**body, stream=True))
+
+
+def test_langchain_stream_usage_sums_to_the_true_counts(http, backend):
+    """LangChain's ChatOpenAI(stream_usage=True) adds up the usage of every chunk: it must equal
+    the request's true token counts (usage sent once)."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(
+        base_url=http + "/v1",
+        api_key="unused",
+        model="default",
+        temperature=0,
+        max_tokens=6,
+        max_retries=0,
+        timeout=120,
+        stream_usage=True,
+    )
+    total = None
+    for chunk in chat.stream("Say hello."):
+        total = chunk if total is None else total + chunk
+    ids = backend.llm.encode(None, [{"role": "user", "content": "Say hello."}])
+    generated = engine_text(backend, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6)[1]
+    assert total.usage_metadata["input_tokens"] == len(ids)
+    assert total.usage_metadata["output_tokens"] == len(generated)
+
+
+def test_several_token_id_prompts(http, backend):
+    r = post(http, "/v1/completions", {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 4, "return_token_ids": True})
+    want = [engine_samples(backend, ids, max_tokens=4)[0].token_ids for ids in ([1, 2, 3], [4, 5])]
+    assert [c["token_ids"] for c in r.json()["choices"]] == want and r.json()["usage"]["prompt_tokens"] == 5

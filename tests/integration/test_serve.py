@@ -155,7 +155,7 @@ def test_openai_client_streams_a_completion_equal_to_the_engine(client, referenc
     stats = last.model_extra["viasd_stats"]
     assert stats["mode"] == mode and stats["generated_tokens"] == MAX_TOKENS
     assert stats["num_drafts"] > 0 and stats["num_draft_tokens"] >= stats["num_accepted_tokens"] > 0
-    assert last.usage.completion_tokens == MAX_TOKENS  # usage on the chunk with the finish reason
+    assert all(c.usage is None for c in chunks)  # usage only when asked for (stream_options.include_usage)
 
 
 def test_openai_client_streams_a_chat_completion_with_the_chat_template(client, reference):
@@ -234,7 +234,7 @@ def test_stop_strings_cut_the_text(client, reference):
         ({"mode": "fast"}, "mode"),
         ({"gama": 3}, "gama"),  # a typo is refused, not ignored
         ({"n": 0}, "n"),
-        ({"prompt": [[1, 2], [3]]}, "prompt"),
+        ({"prompt": [[1, 2], []]}, "prompt"),  # (one of several prompts empty)
         ({"model": "nope"}, "model"),
     ],
 )
@@ -480,7 +480,7 @@ def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
     """RequestHandler over the in-process pipeline (tiny random models, no tokenizer, no Ray)."""
     from viasd.cluster.handler import RequestError, RequestHandler
     from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.openai_api import CompletionRequest, open_openai
+    from viasd.cluster.openai_api import CompletionRequest
     from viasd.cluster.serving_metrics import parse_exposition, total
 
     config = _tiny_local_config(tmp_path)
@@ -491,18 +491,18 @@ def test_replica_refuses_with_429_past_its_queue_and_counts_it(tmp_path):
             pipeline, "tiny", default_params={"max_tokens": 8}, max_concurrent_requests=1, max_queued_requests=0
         )
         body = CompletionRequest(prompt=[1, 2, 3], return_token_ids=True)
-        first = await open_openai(server, body, chat=False)
+        first = await _one(server, body, chat=False)
         with pytest.raises(RequestError) as info:
-            await open_openai(server, body, chat=False)
+            await _one(server, body, chat=False)
         assert info.value.status == 429 and "max_queued_requests" in str(info.value)
         pieces = [p async for p in first]
         await first.aclose()
         assert sum(len(p.token_ids) for p in pieces) == 8 and pieces[-1].finish_reason == "length"
-        second = await open_openai(server, body, chat=False)  # the slot is free again
+        second = await _one(server, body, chat=False)  # the slot is free again
         assert [t async for p in second for t in p.token_ids] == [t for p in pieces for t in p.token_ids]
         await second.aclose()
         with pytest.raises(RequestError) as info:
-            await open_openai(server, CompletionRequest(prompt="text"), chat=False)
+            await _one(server, CompletionRequest(prompt="text"), chat=False)
         assert info.value.status == 400 and info.value.field == "prompt"
         samples = parse_exposition(server.metrics.exposition()[0].decode())
         assert total(samples, "viasd_request_errors_total", status="rejected") == 1
@@ -520,7 +520,7 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
     with the timeout spent a running request and one waiting for admission end with `abort`."""
     from viasd.cluster.handler import RequestError, RequestHandler
     from viasd.cluster.local import LocalPipeline
-    from viasd.cluster.openai_api import CompletionRequest, open_openai
+    from viasd.cluster.openai_api import CompletionRequest
     from viasd.cluster.serving_metrics import parse_exposition, total
 
     config = _tiny_local_config(tmp_path)
@@ -528,13 +528,13 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
     async def run():
         pipeline = await LocalPipeline.start(config)
         server = RequestHandler(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
-        short = await open_openai(
+        short = await _one(
             server, CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"), chat=False
         )
         drained = asyncio.ensure_future(server.drain(60.0))
         await asyncio.sleep(0)
         with pytest.raises(RequestError) as info:
-            await open_openai(server, CompletionRequest(prompt=[1, 2, 3]), chat=False)
+            await _one(server, CompletionRequest(prompt=[1, 2, 3]), chat=False)
         assert info.value.status == 503 and "shutting down" in str(info.value)
         pieces = [p async for p in short]
         await short.aclose()
@@ -542,11 +542,11 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
         assert await drained == 0
 
         server = RequestHandler(pipeline, "tiny", max_concurrent_requests=1, max_queued_requests=1)
-        long = await open_openai(
+        long = await _one(
             server, CompletionRequest(prompt=[1, 2, 3], max_tokens=400, ignore_eos=True, mode="via"), chat=False
         )
         first = await long.__anext__()
-        queued = asyncio.ensure_future(open_openai(server, CompletionRequest(prompt=[4, 5]), chat=False))
+        queued = asyncio.ensure_future(_one(server, CompletionRequest(prompt=[4, 5]), chat=False))
         while server.admission.waiting == 0:  # the second request waits for the one slot
             await asyncio.sleep(0.01)
         aborted = await server.drain(0.0)
@@ -668,3 +668,11 @@ def test_serve_config_fields_all_have_descriptions():
 
     walk(ServeConfig)
     assert json.dumps(ServeConfig.model_json_schema())  # a schema for editors and the Helm chart
+
+
+async def _one(server, body, chat):
+    """The job of a one-prompt OpenAI request."""
+    from viasd.cluster.openai_api import open_openai
+
+    (job,) = (await open_openai(server, body, chat)).jobs
+    return job

@@ -366,3 +366,73 @@ def test_llm_stream_ends_each_sample_at_its_stop_string(tiny_pair):
         assert finish[i] == (("stop", "stop") if cut >= 0 else ("length", "length"))
     assert finish[0][0] == "stop" and texts[0] == full[0][: full[0].find(stop)]
     assert llm.engine.scheduler.num_running == 0
+
+
+# ------------------------------------------------------------------ detokenizing a stream
+
+CORPUS = [
+    "def f(x):\n    return x ** 2  # é ü 中文 🙂\n",
+    "naïve café — “quotes” ✓✓ 🙂🙃 𝔘𝔫𝔦 🦀",
+    "  spaces\t\ttabs\n\nand 日本語のテキスト",
+]
+
+
+@pytest.fixture(scope="module")
+def test_tokenizer():
+    from transformers import AutoTokenizer
+
+    from viasd.models import embedded
+
+    if not embedded.is_installed(embedded.TEST_MODEL):
+        pytest.fail(f"install the test model first: {' '.join(embedded.install_command(embedded.TEST_MODEL))}")
+    return AutoTokenizer.from_pretrained(embedded.ensure_local(embedded.TEST_MODEL, "float32"))
+
+
+@pytest.mark.parametrize("text", CORPUS)
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_the_stream_detokenizer_adds_up_to_the_whole_decode_in_linear_time(test_tokenizer, text, chunk):
+    """Deltas of `chunk` tokens add up to tokenizer.decode of them all (multi-byte characters never
+    split: no delta holds U+FFFD); one token at a time the tokenizer decodes the whole output once,
+    at the end, instead of at every push."""
+    from viasd.llm import IncrementalDetokenizer
+
+    ids = test_tokenizer.encode(text, add_special_tokens=False)
+    calls = []
+    decode = test_tokenizer.decode
+    test_tokenizer.decode = lambda *a, **k: calls.append(1) or decode(*a, **k)
+    try:
+        detok = IncrementalDetokenizer(test_tokenizer)
+        parts = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+        deltas = [detok.push(p, final=i == len(parts) - 1) for i, p in enumerate(parts)]
+    finally:
+        test_tokenizer.decode = decode
+    assert "".join(deltas) == test_tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert not any("\ufffd" in d for d in deltas) and len(calls) == 1
+
+
+def test_an_incomplete_character_at_the_end_comes_out_as_the_whole_decode_has_it(test_tokenizer):
+    from viasd.llm import IncrementalDetokenizer
+
+    ids = test_tokenizer.encode("ok 𝔘𝔫𝔦", add_special_tokens=False)  # (its last character spans tokens)
+    cut = next(i for i in range(len(ids), 0, -1) if "\ufffd" in test_tokenizer.decode(ids[:i]))
+    detok = IncrementalDetokenizer(test_tokenizer)
+    text = detok.push(ids[: cut - 1]) + detok.push(ids[cut - 1 : cut], final=True)
+    assert text == test_tokenizer.decode(ids[:cut], skip_special_tokens=True) and text.endswith("\ufffd")
+
+
+def test_a_completion_prompt_gets_the_models_bos_and_a_chat_its_template():
+    """As vLLM: a raw prompt is encoded with the tokenizer's special tokens (a BOS where it has
+    one); chat messages go through the template alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from viasd.llm import encode_prompt
+
+    vocab = {"<s>": 0, "</s>": 1, "hello": 2, "world": 3, "<unk>": 4}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    assert encode_prompt(tok, "hello world") == [0, 2, 3]
+    assert encode_prompt(tok, messages=[{"role": "user", "content": "hello"}]) == [2]

@@ -93,3 +93,18 @@ def test_unsupported_architecture_is_refused():
 
     with pytest.raises(ModelLoadError, match="gpt2"):
         MaskedLM(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)))
+
+
+def test_a_row_copies_into_storage_a_forward_allocated():
+    """n > 1 samples copy their leader's prefilled row, outside inference mode, into storage a
+    forward allocated (an inference tensor): the copy must work and equal the source."""
+    from viasd.runtime import Row
+
+    lm = MaskedLM(tiny_model("llama"))
+    store = lm.new_store(max_rows=4)
+    a, _, c, d = store.alloc(), store.alloc(), store.alloc(), store.alloc()
+    lm.forward_batch([Row([5, 6, 7, 8], 0, 1, a), Row([9, 10], 0, 1, d)], store)  # storage for rows 0..3
+    store.copy_row(a, c, 3)  # (into that storage: it does not grow)
+    for layer in store.layers:
+        assert store.length(c, layer) == 3
+        assert torch.equal(store.kv(c, layer)[0], store.kv(a, layer)[0][:, :, :3])

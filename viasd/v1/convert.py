@@ -118,7 +118,7 @@ _STATS_INTS = (
 )
 
 
-def mode_from_proto(value: int, default: Mode | str = Mode.VIA) -> Mode:
+def mode_from_proto(value: int, default: Mode | str = Mode.AUTO) -> Mode:
     if value == pb.MODE_UNSPECIFIED:
         return Mode(default)
     return _enum(value, _MODE_FROM_PB, "mode")
@@ -155,7 +155,7 @@ def params_to_proto(params: GenerationParams, only: Collection[str] | None = Non
     return msg
 
 
-def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.VIA) -> GenerationParams:
+def params_from_proto(msg: pb.GenerationParams, default_mode: Mode | str = Mode.AUTO) -> GenerationParams:
     """Validated parameters; unset fields take the defaults (InvalidParameterError names a bad field)."""
     return parse_params({"mode": Mode(default_mode), **params_values_from_proto(msg)})
 
