@@ -4,7 +4,7 @@ viasd generate --mode via "def fib(n):"      stream text, then print the request
 viasd bench --prompts 5 --max-tokens 128     ar / sd / via, HF generate / assisted, matched baselines
 viasd models list | fetch NAME... | convert NAME...
 viasd dimr --ratio 0.45 --trials 100 --out mask.json   search the slim verifier's layer mask
-viasd serve [--config serve.yaml]            Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
+viasd serve [MODEL] [--config serve.yaml]    Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
 viasd drain [--timeout-s 30]                 drain every replica of the running cluster (preStop hook)
 """
 
@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 import time
 
 from viasd.config import EngineConfig, GenerationParams, parse_engine_config, parse_params
-from viasd.errors import ViaSDError
+from viasd.errors import InvalidParameterError, ViaSDError
 
 
 def _add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -241,18 +242,76 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import atexit
+    import tempfile
+
     from viasd.cluster.launch import serve_forever
+
+    config = serve_config_from_args(args)
+    if args.api_key is not None:  # the replicas read the key from a file only this user can read
+        with tempfile.NamedTemporaryFile("w", prefix="viasd-api-key-", delete=False) as f:
+            f.write(args.api_key)
+        os.chmod(f.name, 0o600)
+        atexit.register(os.unlink, f.name)
+        config = config.model_copy(update={"http": config.http.model_copy(update={"token_file": f.name})})
+    return serve_forever(config)
+
+
+def serve_config_from_args(args: argparse.Namespace):
+    """The serving configuration of `viasd serve`: the --config file (default: the embedded pair),
+    then the flags, with vLLM's meanings where vLLM has the flag, on its default pipeline
+    (InvalidParameterError naming the flag's field)."""
     from viasd.cluster.serve_config import load_serve_config, parse_serve_config
 
-    config = load_serve_config(args.config)
-    overrides = {k: v for k, v in (("backend", args.backend),) if v is not None}
-    if args.http_port is not None:
-        overrides["http"] = {**config.http.model_dump(), "port": args.http_port}
-    if args.grpc_port is not None:
-        overrides["grpc"] = {**config.grpc.model_dump(), "port": args.grpc_port}
-    if overrides:
-        config = parse_serve_config({**config.model_dump(mode="json"), **overrides}, source="command line")
-    return serve_forever(config)
+    config = load_serve_config(args.config).model_dump(mode="json")
+    pipeline = (
+        config["pipelines"][0]
+        if not config.get("default_model")
+        else next(p for p in config["pipelines"] if p["name"] == config["default_model"])
+    )
+    engine, params = pipeline["engine"], config.setdefault("default_params", {})
+    spec = _speculative_config(args.speculative_config)
+    for value, where, key in (
+        (args.model, engine, "verifier"),
+        (spec.get("model"), engine, "drafter"),
+        (args.drafter, engine, "drafter"),
+        (args.dtype, engine, "dtype"),
+        (args.max_model_len, engine, "max_context"),
+        (args.max_num_seqs, engine, "max_batch"),
+        (args.max_num_seqs, config.setdefault("limits", {}), "max_concurrent_requests"),
+        (args.tensor_parallel_size, pipeline, "tp_size"),
+        (args.served_model_name, pipeline, "served_model_name"),
+        (args.host, config.setdefault("http", {}), "host"),
+        (args.port, config["http"], "port"),
+        (args.grpc_port, config.setdefault("grpc", {}), "port"),
+        (args.backend, config, "backend"),
+        (spec.get("num_speculative_tokens"), params, "gamma"),
+        (spec.get("prompt_lookup_max"), params, "ngram_max"),
+    ):
+        if value is not None:
+            where[key] = value
+    if engine.get("drafter") in ("none", ""):
+        engine["drafter"] = None
+    if spec.get("method") == "ngram":
+        params["proposer"] = "ngram"
+    return parse_serve_config(config, source="command line")
+
+
+def _speculative_config(text: str | None) -> dict:
+    """vLLM's --speculative-config JSON: model (the drafter), num_speculative_tokens (gamma),
+    method 'ngram' with prompt_lookup_max (prompt lookup, no drafter model)."""
+    if text is None:
+        return {}
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidParameterError("speculative_config", f"not valid JSON: {exc}") from None
+    known = {"model", "num_speculative_tokens", "method", "prompt_lookup_max"}
+    if not isinstance(spec, dict) or set(spec) - known:
+        raise InvalidParameterError("speculative_config", f"a JSON object with keys among {sorted(known)}")
+    if spec.get("method") not in (None, "ngram", "draft_model"):
+        raise InvalidParameterError("speculative_config", f"method {spec['method']!r}: 'ngram' or 'draft_model'")
+    return spec
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -402,11 +461,38 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--dtype", default="auto", help="auto: what `generate` and `serve` load by default here")
     models.set_defaults(func=cmd_models)
 
-    serve = sub.add_parser("serve", help="start a local Ray and the Serve application (HTTP + gRPC) until stopped")
+    serve = sub.add_parser(
+        "serve",
+        help="start a local Ray and the Serve application (HTTP + gRPC) until stopped",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  viasd serve                                    the embedded pair, HTTP :8000, gRPC :9000\n"
+        "  viasd serve /models/Llama-2-70b-hf --drafter /models/Llama-2-7b-hf --tensor-parallel-size 8\n"
+        "  viasd serve qwen2.5-coder-1.5b-instruct --max-num-seqs 32 --max-model-len 4096 --api-key KEY\n"
+        '  viasd serve MODEL --speculative-config \'{"method": "ngram", "num_speculative_tokens": 4}\'\n'
+        "  viasd serve --config serve.yaml --port 8080    a YAML file, then the flags over it",
+    )
+    serve.add_argument("model", nargs="?", default=None, help="verifier: a built-in name or a local directory")
     serve.add_argument(
         "--config",
         default=None,
         help="serving configuration (YAML, viasd.cluster.serve_config.ServeConfig); default: the embedded pair",
+    )
+    serve.add_argument("--drafter", default=None, help="drafter: a built-in name, a local directory, or none")
+    serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="verifier ranks (tp_size)")
+    serve.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (max_batch)")
+    serve.add_argument("--max-model-len", type=int, default=None, help="context length (max_context)")
+    serve.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
+    serve.add_argument("--served-model-name", default=None, help="the name requests and /v1/models use")
+    serve.add_argument("--api-key", default=None, help="require this bearer token on the HTTP API")
+    serve.add_argument("--host", default=None, help="address the HTTP proxy binds (0.0.0.0 in a container)")
+    serve.add_argument("--port", "--http-port", dest="port", type=int, default=None, help="HTTP port (8000)")
+    serve.add_argument("--grpc-port", type=int, default=None, help="gRPC port (9000)")
+    serve.add_argument(
+        "--speculative-config",
+        default=None,
+        help='vLLM\'s JSON: {"model": drafter, "num_speculative_tokens": gamma, "method": "ngram", '
+        '"prompt_lookup_max": n}',
     )
     serve.add_argument(
         "--backend",
@@ -414,8 +500,6 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["actors", "local"],
         help="actors: drafter / verifier / coordinator actors; local: the engine in the replica",
     )
-    serve.add_argument("--http-port", type=int, default=None)
-    serve.add_argument("--grpc-port", type=int, default=None)
     serve.set_defaults(func=cmd_serve)
 
     drain = sub.add_parser(

@@ -1,0 +1,76 @@
+"""`viasd serve [MODEL] [flags]`: vLLM's flags with vLLM's meanings, over the --config file."""
+
+from __future__ import annotations
+
+import pytest
+
+from viasd.cli import build_parser, serve_config_from_args
+from viasd.errors import InvalidParameterError
+
+
+def config_of(*argv: str):
+    return serve_config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_vllm_flags_set_the_default_pipeline():
+    c = config_of(
+        "my-verifier",
+        "--drafter", "my-drafter",
+        "--tensor-parallel-size", "4",
+        "--max-num-seqs", "32",
+        "--max-model-len", "4096",
+        "--dtype", "float16",
+        "--served-model-name", "llama",
+        "--host", "0.0.0.0",
+        "--port", "8080",
+        "--grpc-port", "9100",
+    )  # fmt: skip
+    p = c.pipeline()
+    assert (p.engine.verifier, p.engine.drafter, p.engine.dtype) == ("my-verifier", "my-drafter", "float16")
+    assert (p.tp_size, p.engine.max_batch, p.engine.max_context, p.served_model_name) == (4, 32, 4096, "llama")
+    assert c.limits.max_concurrent_requests == 32  # a request past max-num-seqs waits, as in vLLM
+    assert (c.http.host, c.http.port, c.grpc.port) == ("0.0.0.0", 8080, 9100)
+
+
+def test_no_flags_keep_the_defaults_and_a_config_file_is_read_first(tmp_path):
+    default = config_of()
+    assert default.http.port == 8000 and default.grpc.port == 9000 and default.limits.max_concurrent_requests == 4
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("pipelines:\n  - engine: {verifier: from-file, max_batch: 6}\nhttp: {port: 8001}\n")
+    c = config_of("--config", str(yaml), "--port", "8002")
+    assert c.pipeline().engine.verifier == "from-file" and c.pipeline().engine.max_batch == 6 and c.http.port == 8002
+
+
+def test_speculative_config_maps_to_the_drafter_and_the_default_params():
+    c = config_of("m", "--speculative-config", '{"model": "d", "num_speculative_tokens": 3}')
+    assert c.pipeline().engine.drafter == "d" and c.default_params["gamma"] == 3
+    lookup = config_of(
+        "m", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2}'
+    )
+    assert lookup.default_params == {"proposer": "ngram", "gamma": 4, "ngram_max": 2}
+    assert config_of("m", "--drafter", "none").pipeline().engine.drafter is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--speculative-config", "{not json"], "speculative_config"),
+        (["--speculative-config", '{"method": "eagle"}'], "speculative_config"),
+        (["--speculative-config", '{"draft_tensor_parallel_size": 2}'], "speculative_config"),
+        (["--max-num-seqs", "0"], "pipelines.0.engine.max_batch"),
+        (["--port", "9000"], "grpc.port"),
+    ],
+)
+def test_bad_flags_name_their_field(argv, field):
+    with pytest.raises(InvalidParameterError) as err:
+        config_of(*argv)
+    assert err.value.field == field
+
+
+def test_help_shows_an_example_per_common_case(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    out = capsys.readouterr().out
+    for flag in ("--tensor-parallel-size", "--max-num-seqs", "--speculative-config", "--api-key", "--config"):
+        assert flag in out
+    assert out.count("viasd serve") >= 5
