@@ -241,3 +241,45 @@ def test_sigterm_drains_viasd_serve_and_leaves_no_process(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
         log.close()
+
+
+def test_viasd_serve_model_with_vllm_flags_and_an_api_key(tmp_path):
+    """`viasd serve MODEL --max-num-seqs 8 --api-key KEY` (a small file for Ray's own settings):
+    the model is served under its flags; a request without the key is refused, one with it served."""
+    import os
+    import signal
+    import time
+
+    import requests
+    import yaml
+
+    tiny_model("llama", dtype=torch.float32).save_pretrained(tmp_path / "model")
+    port = listen_port()
+    base = {"grpc": {"enabled": False}, "metrics": {"ray_export": False}, "ray": {"num_cpus": 2}}
+    (tmp_path / "ray.yaml").write_text(yaml.safe_dump(base))
+    argv = [str(tmp_path / "model"), "--drafter", "none", "--max-num-seqs", "8", "--dtype", "float32"]
+    argv += ["--api-key", "sesame", "--port", str(port), "--backend", "local", "--config", str(tmp_path / "ray.yaml")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "VIASD_API_TOKEN"))}
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "viasd.cli", "serve", *argv], stdout=log, stderr=log, env=env, start_new_session=True
+    )
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    body = {"model": "default", "prompt": [5, 6, 7], "max_tokens": 4, "mode": "ar"}
+    try:
+        deadline = time.monotonic() + 300
+        while "OpenAI-compatible HTTP API" not in (tmp_path / "serve.log").read_text():  # (printed once serving)
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        refused = requests.post(url, json=body, timeout=CALL_S)
+        assert refused.status_code == 401
+        served = requests.post(url, json=body, headers={"Authorization": "Bearer sesame"}, timeout=CALL_S)
+        assert served.status_code == 200, served.text
+        assert served.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=CALL_S) == 0, (tmp_path / "serve.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
