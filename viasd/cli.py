@@ -472,7 +472,12 @@ def build_parser() -> argparse.ArgumentParser:
         '  viasd serve MODEL --speculative-config \'{"method": "ngram", "num_speculative_tokens": 4}\'\n'
         "  viasd serve --config serve.yaml --port 8080    a YAML file, then the flags over it",
     )
-    serve.add_argument("model", nargs="?", default=None, help="verifier: a built-in name or a local directory")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="verifier: a built-in name, a local directory or a cached Hugging Face id",
+    )
     serve.add_argument(
         "--config",
         default=None,

@@ -74,3 +74,26 @@ def test_help_shows_an_example_per_common_case(capsys):
     for flag in ("--tensor-parallel-size", "--max-num-seqs", "--speculative-config", "--api-key", "--config"):
         assert flag in out
     assert out.count("viasd serve") >= 5
+
+
+def test_a_hugging_face_id_in_the_local_cache_is_served_offline(tmp_path, monkeypatch):
+    """MODEL may be a Hugging Face id already in the local Hugging Face cache (a small cache built
+    here: refs/main -> snapshots/<rev>); an id that is not there is refused, saying how to get it."""
+    import huggingface_hub.constants
+    import torch
+    from conftest import tiny_model
+
+    from viasd.errors import ModelLoadError
+    from viasd.models.loader import load_causal_lm, resolve_model_dir
+
+    repo = tmp_path / "models--acme--tiny-llama"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0123abcd")
+    tiny_model("llama", dtype=torch.float32).save_pretrained(repo / "snapshots" / "0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert resolve_model_dir("acme/tiny-llama") == repo / "snapshots" / "0123abcd"
+    model, _ = load_causal_lm("acme/tiny-llama", dtype="float32")
+    assert model.config.model_type == "llama"
+    with pytest.raises(ModelLoadError, match="huggingface-cli download acme/other"):
+        resolve_model_dir("acme/other")

@@ -61,16 +61,34 @@ def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16", device: 
         return ensure_local(spec, concrete_dtype(dtype, device))
     path = Path(spec).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(
-            f"model {spec!r} is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}) "
-            f"nor an existing local directory"
-        )
+        cached = hub_cached(spec)
+        if cached is None:
+            raise ModelLoadError(
+                f"model {spec!r} is neither a built-in model ({', '.join(sorted(BUILTIN_MODELS))}), "
+                f"an existing local directory, nor a Hugging Face id in the local Hugging Face cache "
+                f"(download it first: huggingface-cli download {spec})"
+            )
+        path = cached
     if not (path / "config.json").is_file():
         raise ModelLoadError(
             f"{path} is not a Hugging Face model directory: it has no config.json "
             f"(built-in models: {', '.join(sorted(BUILTIN_MODELS))})"
         )
     return path
+
+
+def hub_cached(repo_id: str) -> Path | None:
+    """The snapshot directory of a Hugging Face model id already in the local Hugging Face cache
+    (`HF_HUB_CACHE`, its `main` revision), or None; never the network."""
+    if repo_id.count("/") != 1 or repo_id.startswith(("/", ".", "~")):
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, ValueError, OSError):
+        return None
 
 
 def load_causal_lm(
