@@ -494,6 +494,12 @@ class RequestHandler:
 
     async def open(self, request: Request) -> Job:
         """Validate a request, admit it and start it (its first piece is ready); RequestError when refused."""
+        job = await self.prepare(request)
+        await job.start()
+        return job
+
+    async def prepare(self, request: Request) -> Job:
+        """A validated request's job, not admitted or started yet (`Job.start`); RequestError when refused."""
         try:
             if self.calls.draining:
                 raise RequestError(SHUTTING, SHUTTING_DOWN)
@@ -514,9 +520,7 @@ class RequestHandler:
                 params = params.model_copy(update={"max_tokens": min(room, self.max_tokens_default)})
         except Exception as exc:
             raise self.refuse(exc) from None
-        job = Job(self, request.request_id or request.id_prefix + uuid.uuid4().hex, prompt_ids, params)
-        await job.start()
-        return job
+        return Job(self, request.request_id or request.id_prefix + uuid.uuid4().hex, prompt_ids, params)
 
     def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         """Token ids of a prompt or chat messages, as a request would be tokenized."""

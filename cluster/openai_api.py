@@ -355,39 +355,34 @@ class Prompts:
     async def open(cls, handler: RequestHandler, requests: list[HandlerRequest]) -> Prompts:
         if len(requests) == 1:
             return cls([await handler.open(requests[0])])
+        jobs = [await handler.prepare(r) for r in requests]  # every prompt validated before any starts
         queue: asyncio.Queue = asyncio.Queue()
-        jobs: list = [None] * len(requests)
         opened = [asyncio.get_running_loop().create_future() for _ in requests]
 
-        async def pump(i: int, request: HandlerRequest) -> None:
+        async def pump(i: int, job: Job) -> None:  # (owns its job: it closes it, whatever ends it)
             try:
-                jobs[i] = await handler.open(request)
-            except asyncio.CancelledError:  # another prompt was refused
-                opened[i].cancel()
-                raise
-            except Exception as exc:
-                opened[i].set_exception(exc)
-                return
-            opened[i].set_result(None)
-            try:
-                async for piece in jobs[i]:
+                try:
+                    await job.start()
+                except Exception as exc:
+                    opened[i].set_exception(exc)
+                    return
+                opened[i].set_result(None)
+                async for piece in job:
                     await queue.put((i, piece))
+                await queue.put((i, None))
             except Exception as exc:
-                await queue.put((i, JobFailed(jobs[i], exc)))
-                return
-            await jobs[i].aclose()  # its decoding slot goes to a prompt waiting for one
-            await queue.put((i, None))
+                await queue.put((i, JobFailed(job, exc)))
+            finally:
+                if not opened[i].done():
+                    opened[i].cancel()
+                await job.aclose()  # its decoding slot goes to a prompt waiting for one
 
-        prompts = cls(jobs, [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)], queue)
-        try:
-            for waiting in asyncio.as_completed(opened):
-                await waiting
-        except BaseException:
+        prompts = cls(jobs, [asyncio.ensure_future(pump(i, job)) for i, job in enumerate(jobs)], queue)
+        outcomes = await asyncio.gather(*opened, return_exceptions=True)  # (no prompt is cut off mid-start)
+        refused = [x for x in outcomes if isinstance(x, BaseException)]
+        if refused:
             await prompts.aclose()
-            for f in opened:  # (the other refusals: retrieved, not logged as never retrieved)
-                if f.done() and not f.cancelled():
-                    f.exception()
-            raise
+            raise refused[0]
         return prompts
 
     async def pieces(self) -> AsyncIterator[tuple[int, Piece]]:
@@ -410,12 +405,16 @@ class Prompts:
                 yield i, item
 
     async def aclose(self) -> None:
+        """End the request: one job is closed here; several, by their own tasks (cancelled here),
+        which close their jobs whatever ends them (a response whose client went away is cancelled
+        at each of its own awaits)."""
+        if not self._tasks:
+            for job in self.jobs:
+                await job.aclose()
+            return
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        for job in self.jobs:
-            if job is not None:
-                await job.aclose()
 
 
 # ------------------------------------------------------------------------------- response objects
