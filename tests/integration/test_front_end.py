@@ -587,20 +587,18 @@ def test_kv_usage_follows_the_requests_in_flight(aio, handler):
 # ------------------------------------------------------------------ real third-party clients
 
 
+def langchain_client(cls, http: str, **kwargs):
+    """A LangChain OpenAI client (ChatOpenAI or OpenAI) of the served API, greedy, no retries."""
+    options = dict(base_url=http + "/v1", api_key="unused", model="default", temperature=0, max_retries=0, timeout=120)
+    return cls(**{**options, **kwargs})
+
+
 def test_langchain_chat_openai_invoke_stream_batch(http, backend):
     from langchain_openai import ChatOpenAI
 
     from viasd.models import embedded
 
-    chat = ChatOpenAI(
-        base_url=http + "/v1",
-        api_key="unused",
-        model=embedded.TEST_MODEL,
-        temperature=0,
-        max_tokens=8,
-        max_retries=0,
-        timeout=120,
-    )
+    chat = langchain_client(ChatOpenAI, http, model=embedded.TEST_MODEL, max_tokens=8)
     want = engine_text(backend, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)[0]
     assert chat.invoke("Say hello.").content == want
     assert "".join(c.content for c in chat.stream("Say hello.")) == want
@@ -611,15 +609,7 @@ def test_langchain_chat_openai_invoke_stream_batch(http, backend):
 def test_langchain_completions_openai(http, backend):
     from langchain_openai import OpenAI
 
-    llm = OpenAI(
-        base_url=http + "/v1",
-        api_key="unused",
-        model="default",
-        temperature=0,
-        max_tokens=8,
-        max_retries=0,
-        timeout=120,
-    )
+    llm = langchain_client(OpenAI, http, max_tokens=8)
     assert llm.invoke(PROMPT) == engine_text(backend, PROMPT, max_tokens=8)[0]
 
 
@@ -814,16 +804,7 @@ def test_langchain_stream_usage_sums_to_the_true_counts(http, backend):
     the request's true token counts (usage sent once)."""
     from langchain_openai import ChatOpenAI
 
-    chat = ChatOpenAI(
-        base_url=http + "/v1",
-        api_key="unused",
-        model="default",
-        temperature=0,
-        max_tokens=6,
-        max_retries=0,
-        timeout=120,
-        stream_usage=True,
-    )
+    chat = langchain_client(ChatOpenAI, http, max_tokens=6, stream_usage=True)
     total = None
     for chunk in chat.stream("Say hello."):
         total = chunk if total is None else total + chunk
