@@ -70,7 +70,7 @@ class ResourceExhausted(RPCError):
 
 
 class Unimplemented(RPCError):
-    """The server does not offer this method (e.g. the health service behind Ray Serve's proxy)."""
+    """The server does not offer this method."""
 
 
 class InternalError(RPCError):

@@ -10,6 +10,9 @@ serves it two ways:
   interceptors, so each method checks the bearer token itself (the call's
   ``authorization`` metadata, the same token as HTTP: `http.token_file` / `http.token_env`) and
   ends a call without it with UNAUTHENTICATED;
+* the standard gRPC health service (`grpc.health.v1.Health/Check`, no token), through the same
+  proxy: SERVING while the pipeline answers, NOT_SERVING while it is down or draining, NOT_FOUND
+  for a service other than "" and `viasd.v1.GenerationService`;
 * HTTP, through Serve's HTTP proxy: the OpenAI-compatible FastAPI app of `openai_api`
   (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
 
@@ -26,7 +29,7 @@ than a rebuild may take (`PipelineConfig.start_timeout_s`), or when rebuilding i
 
 KubeRay (serveConfigV2) uses the builder import path `viasd.cluster.app:app_builder` with
 `args: {config: /path/serve.yaml}` (or the ServeConfig fields inline, and `pipeline: NAME` for a
-pipeline other than the default one), and `grpcOptions.grpcServicerFunctions: [GRPC_SERVICER]`.
+pipeline other than the default one), and `grpc_servicer_functions: GRPC_SERVICERS`.
 """
 
 from __future__ import annotations
@@ -40,11 +43,12 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 from ray import serve
 from ray.serve.config import gRPCOptions
 
 from viasd.cluster import drain
-from viasd.cluster.grpc_api import GenerationServicer, status_of
+from viasd.cluster.grpc_api import SERVICE_NAME, GenerationServicer, status_of
 from viasd.cluster.handler import Backend, RequestHandler, model_names
 from viasd.cluster.local import LocalPipeline
 from viasd.cluster.openai_api import build_http_app
@@ -57,6 +61,10 @@ logger = logging.getLogger("viasd.serve")
 
 #: The servicer function Serve's gRPC proxy registers (importable wherever Serve runs).
 GRPC_SERVICER = "viasd.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_server"
+#: The standard gRPC health service, routed by the proxy to the replica's `Check`.
+HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
+GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]
+HEALTH_SERVICES = ("", SERVICE_NAME)
 
 #: Deployment options every pipeline starts from; build_app overrides them from the ServeConfig.
 DEPLOYMENT_DEFAULTS: dict[str, Any] = {
@@ -150,6 +158,17 @@ class PipelineDeployment:
         """viasd.v1.GenerationService/ListModels."""
         self._authenticate(grpc_context)
         return await self.servicer.list_models(request)
+
+    async def Check(self, request, grpc_context=None):
+        """grpc.health.v1.Health/Check: this replica's pipeline health, as the standalone server
+        reports it (needs no token; Serve's proxy ends a call naming an unknown application)."""
+        if request.service not in HEALTH_SERVICES:
+            _set_status(grpc_context, grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            raise GRPCStatus(request.service)
+        ok, _ = await self.server.health()
+        serving = ok and not self.server.calls.draining
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        return health_pb2.HealthCheckResponse(status=status)
 
     # ------------------------------------------------------------------ Serve hooks
 
@@ -260,6 +279,6 @@ def grpc_options(config: ServeConfig):
         return None
     return gRPCOptions(
         port=config.grpc.port,
-        grpc_servicer_functions=[GRPC_SERVICER],
+        grpc_servicer_functions=GRPC_SERVICERS,
         request_timeout_s=config.grpc.request_timeout_s,
     )

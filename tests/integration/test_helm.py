@@ -227,7 +227,7 @@ def test_the_rayservice_schema_refuses_broken_objects(chart, rayservice_validato
 def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, values):
     from ray.serve.schema import ServeDeploySchema
 
-    from viasd.cluster.app import GRPC_SERVICER, app_builder
+    from viasd.cluster.app import GRPC_SERVICERS, app_builder
     from viasd.cluster.serve_config import parse_serve_config
 
     docs = render(chart, values)
@@ -244,7 +244,7 @@ def test_serve_config_v2_is_valid_for_ray_serve_and_app_builder(chart, name, val
     timeouts = {"request_timeout_s": config.limits.request_timeout_s} if config.limits.request_timeout_s else {}
     assert scv2["http_options"] == {"host": "0.0.0.0", "port": config.http.port, **timeouts}
     timeouts = {"request_timeout_s": config.grpc.request_timeout_s} if config.grpc.request_timeout_s else {}
-    assert scv2["grpc_options"] == {"port": config.grpc.port, "grpc_servicer_functions": [GRPC_SERVICER], **timeouts}
+    assert scv2["grpc_options"] == {"port": config.grpc.port, "grpc_servicer_functions": GRPC_SERVICERS, **timeouts}
     # the values' serve block reaches the application unchanged (besides what the chart sets)
     user = merged(yaml.safe_load((CHART / "values.yaml").read_text())["serve"], values.get("serve", {}))
     for key in ("app_name", "backend", "default_params", "limits", "autoscaling"):

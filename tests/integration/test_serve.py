@@ -299,6 +299,21 @@ def test_health(service):
 # ------------------------------------------------------------------------------------- gRPC
 
 
+def test_grpc_health_through_serves_proxy(service):
+    """The standard health service answers behind Serve's proxy, without a token, as the standalone
+    server's does: SERVING for the server and the API, NOT_FOUND for another service."""
+    from viasd.client import Client, RPCError
+    from viasd.client.console import main
+
+    with Client(service.grpc) as client:
+        assert client.health() == "SERVING"
+        assert client.health("viasd.v1.GenerationService") == "SERVING"
+        with pytest.raises(RPCError) as err:
+            client.health("no.such.Service")
+        assert err.value.code == "NOT_FOUND"
+    assert main(["--target", service.grpc, "health"]) == 0
+
+
 @pytest.mark.parametrize("mode", ["sd", "via"])
 def test_grpc_generate_through_serves_proxy_equals_the_engine(stub, reference, mode):
     from viasd.v1 import generation_pb2 as pb
