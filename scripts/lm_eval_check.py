@@ -177,9 +177,11 @@ def _mc_score(results: dict) -> dict:
     }
 
 
-def served_loglikelihood(base: str, model: str, tasks: Path) -> dict:
-    """Accuracy of the loglikelihood task through lm-eval's local-completions against `base`."""
+def served_loglikelihood(base: str, model: str, tasks: Path, batch_size: int = 1) -> dict:
+    """Accuracy of the loglikelihood task through lm-eval's local-completions against `base`
+    (`batch_size` prompts in each request)."""
     args = {
+        "batch_size": batch_size,
         "base_url": base + "/v1/completions",
         "model": model,
         "tokenizer_backend": "remote",
@@ -194,14 +196,16 @@ def in_process_loglikelihood(llm, tasks: Path) -> dict:
     return _mc_score(_evaluate(InProcessLM(llm), MC_TASK, tasks))
 
 
-def served_scores(base: str, model: str, tasks: Path) -> dict[str, dict]:
-    """exact match of lm-eval's local-completions and local-chat-completions against `base`."""
+def served_scores(base: str, model: str, tasks: Path, batch_size: int = 1, chat: bool = True) -> dict[str, dict]:
+    """exact match of lm-eval's local-completions (`batch_size` prompts in each request) and, with
+    `chat`, local-chat-completions (one conversation a request) against `base`."""
     out = {}
-    for name, path, chat in (
-        ("local-completions", "/v1/completions", False),
-        ("local-chat-completions", "/v1/chat/completions", True),
-    ):
+    clients = [("local-completions", "/v1/completions", False)]
+    if chat:
+        clients.append(("local-chat-completions", "/v1/chat/completions", True))
+    for name, path, chat in clients:
         args = {
+            "batch_size": batch_size if not chat else 1,
             "base_url": base + path,
             "model": model,
             "tokenizer_backend": None,

@@ -729,6 +729,43 @@ def test_lm_eval_loglikelihood_task_scores_the_served_model_as_the_in_process_en
     assert served["acc"] == local["acc"] and max_difference(served, local) < 1e-4
 
 
+def test_lm_eval_completions_in_batches_of_4_equal_batches_of_1(http, handler, tmp_path, monkeypatch):
+    """lm-eval's local-completions sending 4 prompts a request (`batch_size=4`) gets, document by
+    document, the answers and loglikelihoods it gets one prompt a request."""
+    import sys
+    from pathlib import Path
+
+    from lm_eval.models import api_models
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from lm_eval_check import max_difference, served_loglikelihood, served_scores, task_dir
+
+    sizes: list[int] = []  # prompts per HTTP request lm-eval sent
+    post = api_models.requests.post
+
+    def counted(url, json, **kwargs):
+        prompt = json["prompt"]  # a string, token ids, or a list (a tuple) of either
+        sizes.append(1 if isinstance(prompt, str) or isinstance(prompt[0], int) else len(prompt))
+        return post(url, json=json, **kwargs)
+
+    monkeypatch.setattr(api_models.requests, "post", counted)
+    tasks = task_dir(tmp_path / "tasks")
+    for score in (
+        lambda b: served_scores(http, handler.name, tasks, batch_size=b, chat=False)["local-completions"],
+        lambda b: served_loglikelihood(http, handler.name, tasks, batch_size=b),
+    ):
+        sizes.clear()
+        one = score(1)
+        assert set(sizes) == {1}
+        sizes.clear()
+        four = score(4)
+        assert max(sizes) == 4 and len(sizes) < 12
+        if "answers" in one:
+            assert four == one and any(one["answers"])
+        else:
+            assert four["acc"] == one["acc"] and max_difference(four, one) < 1e-4
+
+
 def test_tokenizer_info_is_vllms(http, backend):
     info = requests.get(http + "/tokenizer_info", timeout=30).json()
     tok = backend.llm.tokenizer
