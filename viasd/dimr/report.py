@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from viasd.dimr.search import SearchResult
+from viasd.errors import require
 
 
 def summary_table(result: SearchResult, top: int = 5) -> str:
@@ -45,8 +46,7 @@ def table4(rows: Sequence[tuple[str, float, int]]) -> str:
 
 def plot_trials(result: SearchResult, path: str | Path) -> Path:
     """PNG: objective against trial (completed and pruned trials), with the best so far."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "dimr")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -12,7 +12,7 @@ from typing import Any
 from viasd.dimr.objectives import Objective, RKLObjective
 from viasd.dimr.reference import Reference, slim_logprobs
 from viasd.dimr.space import evenly_spaced_skips, normalize_keep, num_skipped
-from viasd.errors import InvalidParameterError, MaskError
+from viasd.errors import InvalidParameterError, MaskError, require
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -103,8 +103,9 @@ class MaskSearch:
 
     def __init__(self, verifier: MaskedLM, ref: Reference, objective: Objective, settings: SearchSettings):
         import numpy as np
-        import optuna
-        from optuna.distributions import FloatDistribution
+
+        optuna = require("optuna", "dimr")
+        FloatDistribution = optuna.distributions.FloatDistribution
 
         s = settings
         if objective.needs_drafter and ref.draft is None:
