@@ -4,7 +4,7 @@
 
 Reads pyproject.toml's requirements and walks the installed packages' own requirements (markers
 evaluated for this machine and the extras asked for), so the file lists what CI really runs.
-`tests/unit/test_packaging.py` checks that the file pins every package of that closure within
+`tests/unit/test_dependencies.py` checks that the file pins every package of that closure within
 pyproject.toml's ranges.
 """
 

@@ -10,7 +10,7 @@ user installs it.
   imports every module of the package (the [bench] / [dimr] packages are imported only by the
   commands that need them).
 
-tests/unit/test_packaging.py checks pyproject.toml's ranges, constraints.txt and the imports.
+tests/unit/test_dependencies.py checks pyproject.toml's ranges, constraints.txt and the imports.
 """
 
 from __future__ import annotations
