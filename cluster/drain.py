@@ -38,7 +38,7 @@ ABORT_GRACE_S = 10.0  # after the drain timeout: time for aborted streams to sen
 
 @ray.remote(num_cpus=0, max_restarts=0)
 class DrainControl:
-    """The cluster's drain orders: replicas wait on it, the operator issues them (for the whole
+    """The cluster's drain orders: replicas wait on it, the operator gives them (for the whole
     cluster, or for the replicas of one node when that node's pod is going away)."""
 
     def __init__(self):
@@ -65,7 +65,7 @@ class DrainControl:
                 await self._new_order.wait()
 
     async def start(self, timeout_s: float, node: str | None = None) -> tuple[int, list[str]]:
-        """Issue a drain order; returns its number and the replicas it concerns."""
+        """Give a drain order; returns its number and the replicas it concerns."""
         async with self._new_order:
             self._orders.append((timeout_s, node))
             self._new_order.notify_all()
@@ -93,7 +93,7 @@ async def watch(replica: str, drain, registered: asyncio.Event | None = None, re
     (`reset`) is looked up again.
 
     The replica's constructor waits for `registered`: a replica that served before it registered
-    could be missed by a drain issued in between (it would still drain, but the operator would not
+    could be missed by a drain ordered in between (it would still drain, but the operator would not
     wait for its report, and Serve's shutdown would cut its streams)."""
     node = ray.util.get_node_ip_address()
     while True:

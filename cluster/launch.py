@@ -22,8 +22,8 @@ from viasd.cluster.app import build_app, grpc_options, http_options
 from viasd.cluster.serve_config import ServeConfig, apply_control_plane_env
 
 #: After a drain, the seconds the proxies get to forward the last bytes of the streams that ended
-#: (an `abort` chunk and [DONE]) before the applications are deleted (0.5 s once fell short on a
-#: busy 2-core machine: the client's stream ended without its last two events).
+#: (an `abort` chunk and [DONE]) before the applications are deleted; on a busy machine too short
+#: a grace ends a client's stream without its last events.
 FLUSH_GRACE_S = 2.0
 
 

@@ -151,8 +151,8 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
 #: The model actors' environment: Ray starts every worker at niceness 15 (its `worker_niceness`,
 #: so that tasks yield to the raylet), which puts the forwards below every Ray daemon, agent and
 #: other process of the node (nice 0): beside one that stays busy, a thread at 15 gets 36 / 1060
-#: of a core. The drafter and the verifier ranks run at 0, as Ray runs its own job supervisor
-#: (docs/SERVING.md, "Model actors at normal priority"); Serve's actors keep 15.
+#: of a core (CFS weights). The drafter and the verifier ranks run at 0, as Ray runs its own job
+#: supervisor; Serve's actors keep 15.
 MODEL_ACTOR_ENV = {"RAY_worker_niceness": "0"}
 
 

@@ -147,9 +147,8 @@ class MetricsOptions(BaseModel):
 
 #: Ray's and Serve's periodic loops, slowed from their defaults for the local Ray that `viasd serve`
 #: (and the standalone server) start. On a node whose cores the model's threads fill, each wake-up
-#: of the control plane stalls the model's OpenMP team at its next barrier; these four take the
-#: idle control plane of the embedded pair from ~0.15 to ~0.11 of two cores (docs/SERVING.md, "A
-#: quieter control plane"). Each costs at most its period in reaction time, against requests of
+#: of the control plane stalls the model's OpenMP team at its next barrier, so fewer wake-ups leave
+#: the cores to the model. Each costs at most its period in reaction time, against requests of
 #: seconds and model loads of minutes.
 QUIET_CONTROL_PLANE = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # Serve controller's loop (Ray's default 0.1 s)

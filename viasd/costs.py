@@ -1,11 +1,9 @@
-"""The engine's own cost curve: forward seconds per tier, profiled at start, and the running
-acceptance estimates that say what a speculative plan buys (issue "Never slower").
+"""The engine's own cost curve: forward seconds per tier, profiled at start and corrected online,
+and the running acceptance estimates that say what a speculative plan buys.
 
 A batched forward of B rows is right-padded to its longest row, T tokens, so every weight matmul
 is [M, H] x [H, H'] with M = B * T; attention, the cache's gathers and the per-row work grow with
-B apart from M. The profile therefore measures a rows x tokens grid (GRID): one row at every
-token count (the curve of M), and a few batches, whose ratio to one row of the same M says what
-rows cost beyond their tokens:
+B apart from M. The profile measures a rows x tokens grid (GRID, after PREFIX cached positions):
 
     grid(tier, B, T) = one(tier, B * T) * rho(tier, B, T)
     one(M)      the 1-row points, interpolated linearly, extrapolated from the last two
@@ -14,51 +12,23 @@ rows cost beyond their tokens:
                 batches, the largest batch's beyond it
     grid(B < 1, T) = B * grid(1, T)     (the expected cost of a row that runs with probability B)
 
-(The bf16 profile beside the load run in docs/BENCHMARKS.md: four 1-token rows of q cost 1.33x one
-row of four tokens, sixteen 1.90x one row of sixteen.) Each point is a best-of-2, and a point dearer
-than one that carries as many rows and tokens or more is noise that takes that one's seconds
-(`monotone`: on the shared 2-core machine one noisy point of the 1-row curve once priced every 8-row
-`ar` step far above its cost, and `auto` speculated where `ar` was best). The grid is measured once
-per (model fingerprint, device, dtype, threads, mask, CPU capability and native bf16) and cached
-as JSON under the model cache (viasd.models.embedded.cache_root).
-
-The grid sees rows of T tokens after PREFIX cached positions each; a served batch adds attention
-over long contexts and the per-row work around each forward (sampling, the rules, the session
-generators). An `online` model therefore learns from the forwards the engine runs:
+Each point is a best-of-2, made `monotone` (a point dearer than one with as many rows and tokens
+or more is noise). The grid is cached as JSON under the model cache, keyed by model fingerprint,
+device, dtype, threads, mask, CPU capability and native bf16. An `online` model then learns from
+the forwards the engine runs (long contexts, per-row work the grid does not see):
 
     seconds(tier, B, T) = grid(tier, B, T) * g[tier] * r[tier][bucket(B, T)]
     step seconds       += sum_rows overhead[plan kind] * logit rows   (overhead: EMA per kind)
                         + transport[call] per served call             (served: EMA per call kind)
 
-A logit row is one position whose distribution the step samples or judges (a drafting round: one
-per row; a verified block of k: k + 1; `ar`: 1, viasd.planner.logit_rows). The work around the
-forwards (softmax and sampling over the vocabulary, the acceptance rules, the session code)
-grows with them and differs by plan: a verified block costs more per position than one `ar`
-token. The engine times each batched forward and each row's work between its forwards
-(`sessions.drive(observe=..., timing=...)`: a `StepTimes`) and shares the rest of the step
-(planning, commits) equally (`CostModel.observe_step`); a kind never observed takes the mean of
-those that were.
-
-A served step makes one Verify call, and one Propose call when a row drafts. Each service sends
-its own `StepTimes` with its answer (`Forward`s, each row's `work_seconds`), so the coordinator
-learns from the same figures as the in-process scheduler, its step's seconds less the calls'
-transport. A call's transport is its round trip less the seconds the service reports it spent
-(serialisation, the network, gRPC), whatever the call's rows: `transport`, learnt apart from the
-forwards, so that speculation pays for the Propose it adds and a fixed cost is not read as a
+A logit row is a position the step samples or judges (viasd.planner.logit_rows). g[tier] is an
+EMA of observed / predicted over every forward of the tier (a uniformly slower machine); r is a
+running mean (`running_mean`, decay SHAPE_DECAY) of the residual observed / (grid * g) at the
+grid point nearest (B, T) in (log B * T, log B). After each update the observed sizes' r are
+divided by their evidence-weighted geometric mean and g multiplied by it, so sizes never observed
+keep the profile's shape, scaled by g. A call's transport is its round trip less the seconds the
+service reports (`StepTimes`), learnt apart from the forwards so a fixed cost is not read as a
 slower forward.
-
-g[tier] is an EMA of observed / predicted over every forward of the tier: a machine that runs
-uniformly slower than when it was profiled (a busy host, a throttled CPU) moves every size at
-once. r is a running mean (`running_mean`, no prior: a size's first observation sets it, decay
-SHAPE_DECAY) of the residual observed / (grid * g) at bucket(B, T), the grid point nearest (B, T)
-in (log B * T, log B): a shape the profile missed (long contexts, more rows) moves only the sizes
-it shows at. After each update the observed sizes' r are divided by their geometric mean
-(weighted by their evidence), and g multiplied by it: what every observed size shows is the
-pace, so sizes never observed keep the profile's shape, scaled by g. (An EMA of r started at 1
-left a mispriced size's first observations to g alone, which moved every other size with it:
-a block the bf16 profile underpriced raised `ar`'s price by as much.) A size no forward has
-shown still moves with the ones that have, so `auto` measures the plan it compares everything
-with: viasd.planner.Planner runs an `ar` step now and then while it speculates.
 """
 
 from __future__ import annotations
@@ -474,11 +444,7 @@ class Acceptance:
     Two memories. A request's own estimate (DECAY) follows its last ~5 blocks. The engine-wide
     one (`decay` POPULATION_DECAY), which every new request starts from, counted as a request's
     steady-state evidence (1 / (1 - DECAY) blocks), is the mean over the last ~50 blocks of
-    every request. With both at 0.8 the engine-wide estimate was the last ~5 blocks of whichever
-    request ran last: at k = 5 on blocks accepted with probability [0.86, 0.92, 0.91, 0.90, 1.0]
-    a position (E[tokens] 4.64), it read 4.53 +- 0.71 after 8 requests, against 4.55 +- 0.23 now
-    (`scripts/simulate_planner.py`; docs/BENCHMARKS.md, "After the measured margin"), and after
-    a real `sd` request with those rates it read 4.24 and kept the next `auto` request on `ar`."""
+    every request, so that one short or unlucky request does not set the next one's start."""
 
     DECAY = 0.8  # a request's own: weight of the past in each update (steady state: the last ~5 blocks)
     POPULATION_DECAY = 0.98  # the engine-wide estimate's (the last ~50 blocks of every request)

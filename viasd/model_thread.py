@@ -6,10 +6,8 @@ process holds more OpenMP threads than it has CPUs, libgomp stops spinning at it
 throttled spin count is 100) and parks every thread on a futex at the end of every parallel
 region, so each kernel of a forward pays a sleep and a wake-up. A process that loads its models
 on one thread and runs them on another, or steps from whichever request thread asks, is in that
-state on any machine where torch uses every core: measured on the embedded verifier, 2 cores,
-32 tokens of `ar`, a second live team cost 1.34x per token in bf16 and 1.26x in float32, with
-~465 voluntary context switches per token instead of ~3 (docs/BENCHMARKS.md, "One model
-thread").
+state on any machine where torch uses every core, and pays for it on every forward in context
+switches.
 
 So the models live on one thread: the engine's steps (`viasd.engine.Engine`), the loading,
 packing and profiling of `viasd.llm.LLM`, the actors' forwards (`viasd.actors.rpc.InOrder`) and

@@ -5,50 +5,30 @@ by :class:`viasd.runtime.MaskedLM`, so both tiers share one copy of the sharded 
 rank runs the same forward on the same tokens and ends with the same full logits [T, V]: the
 engine's sampling, acceptance rules and caches stay rank-local and identical on every rank.
 
-Sharding (Megatron style, both backends): q/k/v and gate/up projections are split by output
-features (column parallel; whole heads per rank), o_proj and down_proj by input features (row
-parallel), followed by an all-reduce of the partial sums. Embeddings, norms and rotary
-embeddings are replicated. Each rank's attention module therefore sees only its local heads,
-and a :class:`viasd.runtime.KVCache` holds each rank's local KV heads ([1, H_kv / W, S, D]).
-Two all-reduces per decoder layer; a skipped layer (z_l = 0) runs nowhere and communicates
-nothing, consistently on every rank since every rank applies the same mask.
+Sharding (Megatron style): q/k/v and gate/up projections are split by output features (column
+parallel; whole heads per rank), o_proj and down_proj by input features (row parallel), followed
+by an all-reduce of the partial sums; embeddings, norms and rotary embeddings are replicated. A
+:class:`viasd.runtime.KVCache` holds each rank's local KV heads ([1, H_kv / W, S, D]). Two
+all-reduces per decoder layer; a skipped layer (z_l = 0) runs nowhere and communicates nothing.
 
 Backends behind one call, :func:`shard_model`:
 
-* ``TPBackend.TORCH``: PyTorch native tensor parallel, a 1-D ``DeviceMesh`` plus
-  ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` (``use_local_output``,
-  so HF attention's ``.view(..., -1, head_dim)`` sees plain local tensors). ``lm_head`` is
-  column parallel with an all-gather of the logits when the vocabulary divides the world size,
-  replicated otherwise. After placement the DTensor weights are swapped for their local shards
-  and DTensor's hooks for plain ``all_reduce`` / ``all_gather`` hooks (DTensor dispatch made a
-  decode step ~6x slower; see :func:`_shard_torch`). Works in float64 too.
-* ``TPBackend.DEEPSPEED``: ``deepspeed.init_inference(..., replace_with_kernel_inject=False)``,
-  i.e. AutoTP (``LinearLayer`` / ``LinearAllreduce`` / ``LmHeadLinearAllreduce``). The process
-  group is handed to DeepSpeed through an ``mpu`` object, so DeepSpeed creates no group of its
-  own from environment variables. float32 / bfloat16 / float16 only (DeepSpeed's accelerators
-  reject float64).
+* ``TPBackend.TORCH``: PyTorch native tensor parallel (1-D ``DeviceMesh``, ``ColwiseParallel`` /
+  ``RowwiseParallel``); ``lm_head`` column parallel with an all-gather when the vocabulary divides
+  the world size, replicated otherwise. The DTensor weights are then swapped for their local
+  shards and DTensor's hooks for plain collectives (:func:`_shard_torch` says why). float64 too.
+* ``TPBackend.DEEPSPEED``: ``deepspeed.init_inference(..., replace_with_kernel_inject=False)``
+  (AutoTP), the process group handed over through an ``mpu`` object. float32 / bfloat16 / float16.
 * ``TPBackend.NONE``: the model unchanged (every rank holds all weights).
 
-Ranks are handed their group explicitly (:class:`TPGroup`: rank, world size, rendezvous
-address); nothing here reads torchrun's ``RANK`` / ``WORLD_SIZE`` / ``MASTER_*`` environment,
-so the same code serves Ray actors, ``torch.multiprocessing`` workers and torchrun alike.
-DeepSpeed itself does read a few environment variables; for that backend they are *written*
-from the group before DeepSpeed starts (see :func:`_deepspeed_env`).
-
-DeepSpeed on CPU, what :func:`shard_model` does about it (measured with DeepSpeed 0.19.8):
-
-* DeepSpeed's ``TorchBackend`` JIT-compiles a shared-memory all-reduce op
-  (``deepspeed_shm_comm``, ~60 s on 2 cores, cached in ``~/.cache/torch_extensions``) the first
-  time the comm backend is created. By default :func:`shard_model` bypasses it: it replaces
-  ``deepspeed.comm.torch.build_shm_op`` with a function returning ``None`` before the comm
-  backend is created, so ``inference_all_reduce`` falls back to ``torch.distributed.all_reduce``
-  on the given process group (gloo). Pass ``deepspeed_shm=True`` to keep DeepSpeed's op.
-* The shm op only sets up its shared memory when ``LOCAL_SIZE`` equals the world size; with the
-  op loaded and ``LOCAL_SIZE`` unset both ranks die with SIGSEGV in their first all-reduce.
-  ``LOCAL_SIZE`` (and ``LOCAL_RANK``, ``RANK``, ``WORLD_SIZE``, ``CROSS_RANK``, ``CROSS_SIZE``,
-  ``MASTER_ADDR``, ``MASTER_PORT``) are therefore always set from the group.
-* The shm kernel silently skips tensors that are not float32/bfloat16/float16 (no reduction at
-  all); float64 is rejected before DeepSpeed is reached.
+Ranks are handed their group explicitly (:class:`TPGroup`); nothing here reads torchrun's
+environment, so the same code serves Ray actors, ``torch.multiprocessing`` workers and torchrun.
+The environment DeepSpeed reads (``LOCAL_SIZE``, ``RANK``, ``MASTER_ADDR``, ...) is *written* from
+the group (:func:`_deepspeed_env`): its shared-memory all-reduce crashes without ``LOCAL_SIZE``.
+On CPU :func:`shard_model` by default skips DeepSpeed's JIT-compiled shared-memory op
+(``build_shm_op`` returns ``None``, so reductions fall back to ``torch.distributed`` on gloo;
+``deepspeed_shm=True`` keeps it); that kernel silently skips dtypes other than float32 / bfloat16
+/ float16, so float64 is rejected before DeepSpeed is reached.
 """
 
 from __future__ import annotations
@@ -240,10 +220,8 @@ def _shard_torch(model: nn.Module, group: TPGroup, *, dtensor_runtime: bool = Fa
 
     ``parallelize_module`` places every weight (``Shard(0)`` column parallel, ``Shard(1)`` row
     parallel) and installs DTensor hooks that all-reduce / all-gather. Running through DTensor
-    costs Python dispatch on every projection (measured on the tiny test model, 2 CPU ranks over
-    gloo, one token per step: 135 ms per decode step, against 21 ms for the same collectives on
-    plain tensors), so by
-    default each sharded weight is replaced by its local shard and the DTensor hooks by two
+    costs Python dispatch on every projection, which dominates a small decode step, so by default
+    each sharded weight is replaced by its local shard and the DTensor hooks by two
     plain collectives: ``all_reduce`` after a row-parallel projection, ``all_gather`` of the
     logits after the column-parallel head. The numbers are the same either way.
     """

@@ -1,81 +1,34 @@
 """`mode: auto`: each step, pick every auto row's plan for the most expected committed tokens per
 second of step time (vLLM's dynamic speculative decoding / SmartSpec goodput, over three tiers).
 
-Plans (`Plan`): `ar` (no speculation), `sd` with k model-drafted tokens, `ngram` with k looked-up
-tokens (when the context has a match; no drafter forward), and, only when the request allows a
-lossy plan (`auto_lossy`), `via` with k drafted tokens gated by the slim verifier. Every lossless
-plan commits tokens distributed exactly as q (greedy: exactly `ar`'s tokens), so the choice only
-changes speed.
-
-The objective for a batch is goodput = sum_rows E[tokens] / E[step seconds], with
+Plans (`Plan`): `ar`, `sd` with k model-drafted tokens, `ngram` with k looked-up tokens (when the
+context has a match) and, only when the request allows a lossy plan (`auto_lossy`), `via` with k
+drafted tokens gated by the slim verifier. Every lossless plan commits tokens distributed exactly
+as q (greedy: exactly `ar`'s tokens), so the choice only changes speed. A batch's goodput is
+sum_rows E[tokens] / E[step seconds], with
   E[tokens]       = 1 + sum_{i=1..k} prod_{j<=i} a_j        (a: the row's running acceptance)
   E[step seconds] = sum_r C_drafter(n_r, T_r)               (n_r: rows drafting in round r; T_0 = 2, else 1)
                     + C_slim(n_via, T_via) + C_full(n_full, T_full)
                     + C_drafter(n_lag, max lag) * mean(1 / min(E[cycles left], PAYBACK_CYCLES))
-                                                            (lazy drafters catching up)
-                    + sum_rows overhead[kind] * logit rows  (positions sampled or judged: viasd.costs)
-                    + transport[verify] + transport[propose] if a row drafts   (served calls: viasd.costs)
-where a batched forward of n rows costs C(n, T) at its padded length (its longest row: T = k + 1
-for a block, 1 for `ar`), n_full = n_ar + n_sd + sum_via P_esc, and C are the engine's cost
-grids over rows x tokens (viasd.costs: profiled, then corrected online). An `auto` request's
-drafter is not prefilled at admission: a row whose drafter lags `lag` tokens pays for catching
-up once, spread over the cycles it has left (at most PAYBACK_CYCLES), so under load, where
-speculation does not pay, the drafter never runs. A request whose plan in the batch it joins
-drafts, its catch-up priced so, prefills its drafter with its prompt instead
-(`drafts_from_the_start`): the same work, sooner, and served on the drafter's own process
-while the verifier prefills, not in the first step's critical path.
-Rows with a fixed mode count with their own plan, and requests still prefilling as `ar` rows:
-the plans are for the batch they will run in (a catch-up paid while the batch fills would be
-wasted once it is full).
-The plans are chosen by coordinate ascent from the best uniform assignment (every auto row on
-the same plan, where it has it: a drafting round costs about the same for one row as for all,
-so single-row moves alone would never leave `ar`); each row in turn takes the plan that
-maximises the batch's goodput given the others; two passes. The batch speculates only when
-that beats every auto row on `ar` by a margin: `ar` is the plan `auto` must never lose to, and
-a gain smaller than the planner's error is a bet on noise (at 8 rows in bf16 on an AVX-512 CPU
-the planner expected `sd` 7% above `ar` and its steps measured 4% below). The margin is that
-error as measured (`Planner.margin`):
+                    + sum_rows overhead[kind] * logit rows + transport   (viasd.costs)
+where C(n, T) is the cost grid of a batched forward of n rows at padded length T (T = k + 1 for a
+block, 1 for `ar`) and n_full = n_ar + n_sd + sum_via P_esc. An `auto` request's drafter is not
+prefilled at admission: its catch-up is priced over the cycles it has left, so where speculation
+does not pay the drafter never runs (`drafts_from_the_start` prefills it when its plan drafts).
 
+Plans are chosen by coordinate ascent (two passes) from the best uniform assignment, since a
+drafting round costs about the same for one row as for all. The batch speculates only when that
+beats every auto row on `ar` by the planner's measured forecast error (`Planner.margin`):
     margin = max(MARGIN_FLOOR, 1 + e_ar + e_speculating)
     e_kind = (MARGIN_PRIOR_STEPS * (SPECULATE_MARGIN - 1) / 2 + n * max(0, s_kind log(G_measured / G_forecast)))
              / (MARGIN_PRIOR_STEPS + n)
-
-over the recent steps of each kind (sums decayed by MARGIN_DECAY a step; n: their decayed
-count), G = sum tokens / sum seconds, s_ar = +1, s_speculating = -1: the errors that favoured
-speculation wrongly, `ar` faster than forecast or speculating steps slower (a plan that beat its
-forecast is no reason for caution). Before any evidence the margin is SPECULATE_MARGIN; steps
-whose forecasts hold shrink it toward MARGIN_FLOOR, steps that miss theirs against speculation
-raise it. With 1.1 fixed, `auto` kept one request on `ar` on a real AVX2 CPU where the cost
-model's forecasts of `ar`'s steps were within 1% and `sd` made 1.10-1.21x `ar`
-(docs/BENCHMARKS.md, "Mixed kernels").
-
-The cost model learns a size's price only from forwards of that size (viasd.costs), and `ar` is
-the plan every other must beat: while `auto` speculates, `Planner` runs one `ar` step (a probe)
-after PROBE_EVERY steps without one, when `ar`'s expected goodput is within PROBE_MARGIN of the
-chosen plans'. A probe costs at most (1 - PROBE_MARGIN) / PROBE_EVERY of the goodput it was
-expected to give (1.25%); without it a block the profile underpriced kept `ar`'s price up with
-its own (the tier's pace g), and `auto` speculated where `ar` was best.
-
-Acceptance is learnt only from blocks that run, so a planner that never speculates never learns
-that it should: from the prior (viasd.costs.Acceptance.PRIOR, 0.6 a position) in-process `auto`
-ran `ar` on every step at one request on a bf16 pair, and from an estimate one rejected block had
-pulled down it ran `ar` for the rest of a request (docs/SERVING.md, "Exploring speculation"). So
-`ar` steps explore, the probe mirrored: after PROBE_EVERY all-`ar` steps in a row, an all-`ar`
-step runs the best uniform `sd` plan instead (an exploration) when that is expected within
-PROBE_MARGIN of `ar`'s goodput, whatever evidence the estimates rest on: at most 1.25% of the
-goodput expected, spent only near the fence, where the estimates decide the plan; a drafter
-expected far below `ar` is never run. An exploration is one step, so it pays its rows' drafter
-catch-up in full, not spread over cycles that the return to `ar` never runs (the goodput above
-spreads it): it explores only when that one batched catch-up costs at most
-EXPLORE_CATCH_UP_SHARE of the time the lagging rows have left at `ar`'s pace (mean tokens left x
-an all-`ar` step). Under load the catch-up is every prompt: on the bf16 profile of an AVX-512 BF16
-CPU, 8 requests with 110-token prompts and 64 tokens left feed 880 drafter tokens, 17% of their
-`ar` time left; one such request 2% (docs/BENCHMARKS.md, "The planner's own time and the
-exploration's catch-up").
-
-`Planner` also keeps a `Forecast` of the steps it plans: the seconds and tokens it expected beside
-those measured, which say whether the plans were chosen on true prices (docs/SERVING.md, "What
-`auto` expected of its steps").
+over each kind's recent steps (decayed by MARGIN_DECAY a step; n: their decayed count), G = tokens
+/ seconds, s_ar = +1, s_speculating = -1: only errors that favoured speculation wrongly count.
+Prices and acceptance are learnt only from forwards that run, so after PROBE_EVERY speculating
+steps one `ar` step runs (a probe), and after PROBE_EVERY all-`ar` steps the best uniform `sd`
+plan runs once (an exploration, only if its catch-up costs at most EXPLORE_CATCH_UP_SHARE of the
+rows' time left), each only when expected within PROBE_MARGIN of the chosen plans' goodput.
+`Forecast` keeps the seconds and tokens the plans expected beside those measured.
 """
 
 from __future__ import annotations

@@ -6,36 +6,26 @@ says why, as a :class:`DtypeChoice`:
 * an explicit dtype (``bfloat16``, ``float16``, ``float32``, ``float64``) passes through
   (reason ``requested``);
 * ``auto`` on CUDA is ``bfloat16`` (``float16`` on a GPU without bf16);
-* ``auto`` on CPU is ``bfloat16`` when the CPU has native bf16 arithmetic (AVX-512 BF16 or AMX
-  BF16, see :func:`native_bf16`) *and* a short measured probe (a ``[6, 1536] x [1536, 4096]``
-  ``F.linear``, best of a few, a few ms in all, :func:`probe_matmuls`) is not slower in bf16
-  than in float32; else ``float32``.
+* ``auto`` on CPU is ``bfloat16`` when the CPU has native bf16 arithmetic (:func:`native_bf16`)
+  *and* a short probe product (PROBE_SHAPE, :func:`probe_matmuls`) is not slower in bf16 than in
+  float32; else ``float32``.
 * Without native bf16, ATen widens every bf16 tile to float32 on the fly: a one-row product,
   which reads the weights once, gains from reading half the bytes; a product of a few rows is
-  compute and loses several times (on a real AVX2 CPU a one-token forward of the 1.5B verifier
-  cost 267 ms in bf16 and 502 ms in float32, a 6-token block 987 and 654 ms: docs/BENCHMARKS.md).
-  So bf16 there runs **mixed kernels** (:func:`optimize_linears`, method ``mixed``): each linear
-  keeps a packed float32 copy and runs a product of ``from_rows`` rows or more in float32 on the
-  widened input, fewer in plain bf16 (:func:`mixed_from_rows`: the fewest rows from which the
-  mixed kernel is faster in a short probe, :func:`mixed_probe_seconds`, ~1 s). Every product then
-  runs the faster kernel at its rows: one-row steps read half the bytes, blocks, batched steps and
-  prompts run float32's arithmetic, for less memory than float32 with its packed copies (2 + 4
-  bytes a weight against 4 + 4). ``auto`` takes bf16 with them (reason ``no-native-bf16-mixed``)
-  unless the float32 kernel wins a one-row product too (``from_rows`` 1: ``no-native-bf16``).
+  compute-bound and loses. So bf16 there runs **mixed kernels** (:func:`optimize_linears`,
+  method ``mixed``): each linear keeps a packed float32 copy and runs a product of ``from_rows``
+  rows or more in float32 on the widened input, fewer in plain bf16 (:func:`mixed_from_rows`,
+  from a short probe). Memory is 2 + 4 bytes a weight against float32's 4 + 4. ``auto`` takes
+  bf16 with them (reason ``no-native-bf16-mixed``) unless the float32 kernel wins a one-row
+  product too (``from_rows`` 1: ``no-native-bf16``).
 * Without mixed kernels (no oneDNN, or ``packed_linears`` off) ``auto`` probes the products of a
-  decoding step at the engine's batch capacity ``rows`` (``EngineConfig.max_batch``,
-  :func:`engine_dtype`; :func:`decode_shapes`: a ``rows``-row step and a block of
-  ``rows * (REFERENCE_K + 1)`` rows) in each dtype, each with the kernel the engine runs
-  (:func:`probe_matmuls`, interleaved), and picks the dtype that serves a request faster at that
-  load (:func:`request_speed`: its prompt, REFERENCE_PROMPT_TOKENS a generated token, priced as
-  block rows, then the faster plan, :func:`decode_speed`: `ar`, one ``rows``-row step for
-  ``rows`` tokens, or a reference `sd` cycle): bf16 when its steps win by more than float32's
-  cheap blocks and prefill buy back (reason ``no-native-bf16-decode``), else float32
-  (``no-native-bf16``).
+  decoding step at the engine's batch capacity ``rows`` (:func:`decode_shapes`) in each dtype and
+  picks the dtype that serves a request faster at that load (:func:`request_speed`: its prompt,
+  REFERENCE_PROMPT_TOKENS a generated token, priced as block rows, then the faster of `ar` and a
+  reference `sd` cycle, :func:`decode_speed`): bf16 when its steps win by more than float32's
+  cheap blocks and prefill buy back (reason ``no-native-bf16-decode``), else float32.
 
-The CPU check and the probe run once per process and ``rows`` (cached); :func:`resolve_dtype` is
-cheap to call again, so a caller can resolve once, load every tier with ``choice.dtype`` and
-record ``choice.as_dict()`` in its stats.
+The CPU check and the probes run once per process and ``rows`` (cached), so a caller can resolve
+once, load every tier with ``choice.dtype`` and record ``choice.as_dict()`` in its stats.
 """
 
 from __future__ import annotations
@@ -82,20 +72,16 @@ PROBE_REPEATS = 5
 #: (K, N) of the probes without native bf16: a 1536 -> 8960 projection (larger than the caches:
 #: decoding reads its weights from memory).
 DECODE_PROJECTION = (1536, 8960)
-#: The reference `sd` cycle of decode_speed, the embedded pair's on code (docs/BENCHMARKS.md, the
-#: AVX2 CPU): k draft tokens, committing REFERENCE_TOKENS a cycle (what float32 `auto` committed
-#: per step in the quick start there: 128 tokens in about 35 steps; fixed `sd` reached 4.2 on
-#: HumanEval, an estimate that let probe noise flip the choice), the drafter's step at
-#: REFERENCE_DRAFTER of the verifier's (0.29 in float32 there, 0.42 in bf16).
+#: The reference `sd` cycle of decode_speed, set from the embedded pair on code: k draft tokens,
+#: committing REFERENCE_TOKENS a cycle (below what fixed `sd` reaches, so that probe noise does
+#: not flip the choice), the drafter's step at REFERENCE_DRAFTER of the verifier's.
 REFERENCE_K = 5
 REFERENCE_TOKENS = 3.6
 REFERENCE_DRAFTER = 0.3
 #: Prompt tokens a request prefills per token it generates, in request_speed: a prompt is a
 #: many-row product, priced at the block's cost a row, which bf16 without native arithmetic loses
-#: as it loses blocks (on a real AVX2 CPU a 118-token prompt prefilled in 15.1 s in bf16, where
-#: bf16's one-row steps had won the decode-only choice: docs/BENCHMARKS.md, "One request on the
-#: AVX2 CPU: the prompt decides the dtype"). One prompt token a generated one: HumanEval's ~110
-#: against 64-128 generated, a chat's turn.
+#: as it loses blocks, so a dtype chosen on decode steps alone can prefill far slower. One prompt
+#: token a generated one: a HumanEval prompt against its completion, a chat's turn.
 REFERENCE_PROMPT_TOKENS = 1.0
 #: CPU flags (``/proc/cpuinfo`` spelling) that mean native bf16 dot products.
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -234,8 +220,7 @@ def probe_matmuls(
     """Best wall time in seconds of each ``(dtype_name, (M, K, N))`` product (:func:`_probe_runner`),
     after one warm-up run each. The probes run interleaved, one run of each per round, so that a
     pause of the machine (another process, the hypervisor) slows every probe it overlaps, not the
-    whole of one dtype's: the choice rests on their ratios (a run where the one-row bf16 probe
-    alone read 15x its usual time once flipped ``auto``)."""
+    whole of one dtype's: the choice rests on their ratios, which one slow round must not flip."""
     return _best_interleaved({probe: _probe_runner(*probe, packed) for probe in probes}, repeats)
 
 
@@ -259,8 +244,7 @@ def _best_interleaved(runners: dict[Any, Callable[[], Any]], repeats: int) -> di
 def probe_matmul(
     dtype_name: str, shape: tuple[int, int, int] = PROBE_SHAPE, repeats: int = PROBE_REPEATS, packed: bool = False
 ) -> float:
-    """Best wall time in seconds of one product (:func:`probe_matmuls`; a few ms for the default
-    shape)."""
+    """Best wall time in seconds of one product (:func:`probe_matmuls`)."""
     return probe_matmuls([(dtype_name, shape)], repeats, packed)[dtype_name, shape]
 
 
@@ -297,8 +281,8 @@ def request_speed(step: float, block: float, rows: int = 1, prompt: float = REFE
 def decode_probe_seconds(rows: int = 1, repeats: int = 2 * PROBE_REPEATS, packed: bool = True) -> dict[str, float]:
     """What ``auto`` decides with on a CPU without native bf16 or mixed kernels: the best seconds
     of the :func:`decode_shapes` products at ``rows`` in each dtype with the engine's kernels
-    (``packed``: its packed linears), by ``dtype@M`` (best of twice the usual repeats: each a few
-    ms, and the choice is their margin)."""
+    (``packed``: its packed linears), by ``dtype@M`` (best of twice the usual repeats: each probe
+    is short, and the choice is their margin)."""
     shapes = decode_shapes(rows)
     probes = probe_matmuls([(d, shape) for d in ("bfloat16", "float32") for shape in shapes], repeats, packed)
     return {f"{d}@{shape[0]}": t for (d, shape), t in probes.items()}
@@ -404,8 +388,8 @@ def _packed_linear_class():
         products of the same bf16 values in float32 and round once to bf16, so they differ only
         in the order of the sum, as any two GEMM blockings do. Without native bf16, ATen widens
         every bf16 tile on the fly: a one-row product, which reads the weight once, is faster in
-        bf16 (half the bytes), a product of a few rows is compute and several times faster in
-        packed float32 (docs/BENCHMARKS.md, "Mixed kernels")."""
+        bf16 (half the bytes), a product of a few rows is compute-bound and faster in packed
+        float32."""
 
         def __init__(self, linear: nn.Linear, compute: torch.dtype | None = None, from_rows: int = 1):
             super().__init__()

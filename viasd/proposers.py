@@ -1,4 +1,4 @@
-"""Draft proposers and the block-length policy (issue 9: make the third tier pay).
+"""Draft proposers and the block-length policy.
 
 The drafter side of a request (`viasd.engine.DraftSession`) proposes each block with one of:
 

@@ -12,15 +12,11 @@ Two kinds of rule live here:
        A accept    r >= alpha1
        B rewrite   alpha2 <= r < alpha1      (commit a token from q' instead)
        C escalate  r < alpha2                (hand the position to the full verifier q)
-   Design choice (documented in docs/ARCHITECTURE.md, "The decode cycle"): the paper writes the gates as (1-alpha1) M and
-   (1-alpha2) M with alpha2 < alpha1 (appendix B.2), which makes region B empty and lets A and C
-   overlap; its ablations (appendix H.2: raising alpha2 raises reliance on q, raising alpha1 makes
-   the early gate stricter) only hold for thresholds on r directly, as above. At the default
-   alpha1 = 0.5 both readings give the same region A. Read literally, the paper's rule
-   degenerates to accept-or-escalate with no rewrite: that is the `rewrite=False` "pre-check"
-   variant, where region B escalates. The accept gate is a min-p style rule (min-p = alpha1),
-   so lossy results must be compared against q decoded with min-p = alpha1 (the matched
-   baseline of seed 003), not only against plain decoding.
+   The thresholds apply to r directly (docs/ARCHITECTURE.md, "The decode cycle"): the paper's
+   (1-alpha1) M and (1-alpha2) M with alpha2 < alpha1 (appendix B.2) would leave region B empty,
+   and its ablations (appendix H.2) hold only for thresholds on r; at the default alpha1 = 0.5
+   both give the same region A. The accept gate is min-p style (min-p = alpha1), so lossy results
+   are compared against q decoded with min-p = alpha1 (the matched baseline of seed 003).
 
 2. The acceptance rules of the full verifier (`AcceptanceRule`), with the standard
    speculative-sampling structure (Leviathan et al. 2023; Chen et al. 2023): accept draft x with

@@ -5,54 +5,30 @@ transformers' own and against the bare model's batched forward.
     viasd bench --suite load --arrival poisson --rate 0.5 --methods "ar;via;generate_batch;roofline"
 
 For each arrival pattern, pass and concurrency C, every method runs once (the order rotated by
-pass + C), on the same C requests: prompt i % len(prompts) of the workload for request i,
-`ignore_eos=True`, every request generating exactly `max_tokens` tokens (greedy unless the
-parameters say otherwise).
-
-Methods:
-
-* ``ar`` / ``sd`` / ``via`` (any engine spec of `viasd.bench.methods`, e.g. ``via:region_b=escalate``):
-  our `Engine` with max_batch >= C: the C requests decode together;
-* ``ar@batch1`` ...: the same engine spec with max_batch=1: the requests queue and run one at a time;
-* ``generate_batch``: transformers' continuous batching (``model.generate_batch``) on the very
-  verifier module our engine wraps, same weights and dtype (`_hf_run` says how it is configured);
-* ``roofline``: the bare model's batched decode forward, `MaskedLM.forward_batch` over C rows of
-  a store prefilled to the same length L = mean prompt length + max_tokens // 2; one step per
-  repetition (each rolled back so every step sees L cached positions), tokens/s = C / median step.
-
-Arrival patterns: ``all`` (the C requests arrive at t = 0) and ``poisson`` (exponential
-inter-arrival times at `rate` requests/s, seeded, the first at t = 0). The engine driver submits a
-request once its arrival time has passed, runs `engine.step()` while any request is in flight and
-sleeps until the next arrival when none is. `generate_batch` itself takes a list, so under
-``all`` it is called as is; under ``poisson`` the same machinery (its continuous batching manager,
-which `generate_batch` wraps) gets `add_request` at each arrival time from this thread while its
-background thread generates.
+pass + C) on the same C requests (prompt i % len(prompts) for request i, `ignore_eos=True`,
+exactly `max_tokens` tokens each). Methods: any engine spec of `viasd.bench.methods` (``ar``,
+``sd``, ``via``, ...) with max_batch >= C, or with ``@batch1`` at max_batch=1; ``generate_batch``,
+transformers' continuous batching on the very verifier module our engine wraps (`_hf_run`);
+``roofline``, `MaskedLM.forward_batch` over C rows at L = mean prompt length + max_tokens // 2
+cached positions, each step rolled back, tokens/s = C / median step. Arrivals: ``all`` (t = 0) or
+``poisson`` (seeded exponential gaps at `rate` requests/s, the first at t = 0); a request is
+submitted once its arrival time has passed.
 
 Figures, per run (method, arrival, C, pass):
 
-* aggregate tokens/s: all generated tokens / (last finish - first arrival);
-* per-request tokens/s: a request's tokens / (its finish - its arrival), queue wait included (what
-  a client sees); the median over the run's requests;
-* TTFT: first token's commit time - the request's arrival time (not its submission: under
-  ``poisson`` a request arriving during a step is submitted after it); p50 and p99;
-* inter-token latency, per token: for every chunk after a request's first, (its time - the
-  previous chunk's time) / its token count, counted once per token of the chunk (a `sd` chunk of 4
-  tokens gives 4 equal gaps); `generate_batch` stamps every token, so its gaps are per token
-  directly; p50 and p99 over all tokens of the run's requests. The roofline's is its step time;
-* KV bytes per request: `RequestStats.kv_bytes` (every tier's valid keys/values at finish), the
-  mean; the roofline's is one row's; None for `generate_batch` (its paged cache reports no
-  per-request figure);
-* peak RSS: psutil, sampled every 10 ms during the run (`RSSSampler`);
-* `auto` runs: what the planner did in the run (`planner_record`: its probe and exploration
-  steps, its forecasts of the steps it planned, the engine-wide acceptance it ended with), beside
-  each request's plans in its stats.
+* aggregate tokens/s = all generated tokens / (last finish - first arrival);
+* per-request tokens/s = a request's tokens / (its finish - its arrival), the median;
+* TTFT = first token's commit time - arrival; p50 and p99;
+* inter-token latency: each chunk after a request's first gives (its time - the previous chunk's)
+  / its tokens, once per token; p50 and p99 over all tokens (the roofline's: its step time);
+* KV bytes per request (`RequestStats.kv_bytes`, the mean; None for `generate_batch`), peak RSS
+  (`RSSSampler`), and for `auto` what the planner did (`planner_record`).
 
-A summary row (arrival, method, C) holds the median of each figure over passes, its ratio to the
-roofline and to `generate_batch` at the same arrival and C, and the share of requests whose tokens
-equal batched `ar`'s for the same request (a correctness signal, exact for greedy lossless methods).
-Targets (evaluated, met or missed with the numbers): batched `ar` at C = 8 and 16 >= 0.8x the
-roofline (``all`` arrivals: the roofline is a full batch); our best batched mode >= generate_batch
-at every C >= 4 (each arrival pattern).
+A summary row (arrival, method, C) holds the median of each figure over passes, its ratios to the
+roofline and to `generate_batch`, and the share of requests whose tokens equal batched `ar`'s.
+`load_targets` evaluates the goals: batched `ar` at C = 8 and 16 >= 0.8x the roofline's decode
+rate; our best batched mode >= generate_batch at every C >= 4; `auto` >= AUTO_TO_BEST x the best
+fixed mode and >= AUTO_TO_AR x `ar`.
 """
 
 from __future__ import annotations
@@ -685,7 +661,7 @@ def summarize_load(runs: list[dict]) -> list[dict]:
 
 
 def load_targets(summary: list[dict]) -> list[dict]:
-    """The targets of the issue, each met / missed / not evaluated, with the figures."""
+    """The load suite's targets, each met / missed / not evaluated, with the figures."""
     index = {(r["arrival"], r["method"], r["concurrency"]): r for r in summary}
     out = []
     for c in (8, 16):  # decode phase against the bare step at the same cached length (prefill is not in the roofline)
@@ -737,7 +713,7 @@ def load_targets(summary: list[dict]) -> list[dict]:
     return out
 
 
-AUTO_TO_BEST, AUTO_TO_AR = 0.97, 1.0  # issue "Never slower"
+AUTO_TO_BEST, AUTO_TO_AR = 0.97, 1.0  # `auto` against the best fixed mode and against `ar`: never slower
 
 
 def _auto_targets(index: dict, ours: list[dict]) -> list[dict]:

@@ -193,9 +193,9 @@ def matched_baseline(method: Method, base: GenerationParams) -> Method | None:
 
     The gate accepts a draft token x when q'(x) / max q' >= alpha1: the allowed set is min-p's
     with p_base = alpha1 (applied after the request's own truncation, so a request min-p m gives
-    max(m, alpha1)). The issue text writes min-p = 1 - alpha1 (the paper's (1 - alpha) M form of
-    the gate, docs/ARCHITECTURE.md); the two agree at the default alpha1 = 0.5, and this module follows the
-    gate as implemented. At temperature 0 min-p changes nothing (the argmax is always kept), so
+    max(m, alpha1)). Read as the paper's (1 - alpha) M form of the gate (docs/ARCHITECTURE.md) it
+    would be min-p = 1 - alpha1; the two agree at the default alpha1 = 0.5, and this module follows
+    the gate as implemented. At temperature 0 min-p changes nothing (the argmax is always kept), so
     the matched baseline decodes exactly like `ar`; it matters for sampled runs.
     """
     if not (method.kind == "engine" and method.mode == Mode.VIA and method.lossy):
@@ -314,7 +314,7 @@ def ablation_groups() -> list[Group]:
             ("via", "via:slim_bonus=true"),
             paper="ARCHITECTURE.md, The decode cycle",
         ),
-        # issue 20: the project's reading of the gates (thresholds on r, region B rewrites), the
+        # the project's reading of the gates (thresholds on r, region B rewrites), the
         # paper's appendix B.1 read literally (accept iff r >= 0.7, else escalate), and the staged
         # lossless rule (q' filters, q verifies: output ~ q)
         Group(
@@ -327,7 +327,7 @@ def ablation_groups() -> list[Group]:
     ]
 
 
-# issue 9: what makes a third tier pay on a pair like ours, against the paper's `via` and the peers
+# what makes a third tier pay on a pair like ours, against the paper's `via` and the peers
 PROPOSER_METHODS = (
     "ar",
     "sd",
@@ -351,9 +351,7 @@ def suite_methods(name: str) -> tuple[list[str], list[Group]]:
     if name == "main":
         return list(MAIN_METHODS), [main]
     if name == "proposers":
-        return list(PROPOSER_METHODS), [
-            Group("proposers", "Proposers and adaptive drafting (issue 9)", "bar", PROPOSER_METHODS)
-        ]
+        return list(PROPOSER_METHODS), [Group("proposers", "Proposers and adaptive drafting", "bar", PROPOSER_METHODS)]
     if name == "quick":
         return ["ar", "sd", "via", "hf", "hf-assisted"], [
             Group("main", main.title, "bar", ("ar", "sd", "via", "hf", "hf-assisted"))

@@ -1,4 +1,4 @@
-"""A quality evaluation that can tell decoding settings apart (issue 20).
+"""A quality evaluation that can tell decoding settings apart.
 
 For each setting (a method spec of `viasd.bench.methods`) every prompt is decoded through one
 batched `Engine` (`submit` / `step`, continuous batching: docs/BATCHING.md), and a request is

@@ -169,7 +169,7 @@ class Bench:
         self.searched_masks = dict(searched_masks or {})
         if mask_source.startswith("searched"):
             self.searched_masks.setdefault(len(self.default_mask.skipped), (self.default_mask, mask_source))
-        self.collect_garbage = collect_garbage  # a full gc before each run (~0.1-0.4 s: off for tiny models)
+        self.collect_garbage = collect_garbage  # a full gc before each run (off for tiny models: not worth it)
         self._engines: dict[tuple, Engine] = {}
 
     @classmethod

@@ -1,4 +1,37 @@
-"""Mask objectives: per-sequence sums that add over sequences, and the value they give."""
+"""Mask objectives: per-sequence sums that add over sequences, and the value they give.
+
+Every value is a per-token mean over the same positions, so values on different subsets of equal
+text are comparable (`OBJECTIVES`):
+
+    rkl   mean_t R^KL_{alpha,beta}(q_t || q'_t)  (C(z) / tau; artifact also records C(z))  minimise
+    kl    mean_t KL(q_t || q'_t) = sum_v q log(q / q')                                         minimise
+    tv    mean_t 1/2 sum_v |q_t(v) - q'_t(v)|                                                   minimise
+    top1  mean_t 1{argmax q'_t = argmax q_t}                                                    maximise
+    e2e   committed tokens that agree with q, per second of modelled cycle cost                 maximise
+
+e2e models the three-tier cycle of `viasd.engine` (greedy, block gamma) on the calibration text,
+teacher-forced: at every position t the drafter's greedy token d_t, q's argmax g_t, q'_z's argmax
+s_t and the gate ratio r_t = q'_t(d_t) / max_v q'_t(v) (temperature 1, as `Sampler.gate_probs`)
+give the region A / B / C of `rules.regions_from_ratio`. Every position t starts one cycle over
+t..t+gamma-1; i = the first non-A position:
+
+    cost   = gamma c_p + c_q' + 1{region C at i} c_q         (measured forward costs, seconds)
+    all A: commits gamma draft tokens;  B at i: i + 1 (the rewrite);
+    C at i: q accepts j more draft tokens (d = g) and commits i + j + 1.
+    good   = committed tokens before the first one that differs from q's greedy choice
+             (a slim-accepted d != g, or a rewrite s != g)
+    e2e    = sum_cycles good / sum_cycles cost
+
+so a slim verifier that waves every draft through does not score well. c_p is one drafter forward
+of one token, c_q' and c_q one forward of a gamma + 1 block, measured once per ratio (all masks
+with k skipped layers cost the same). Also reported: the paper's per-token expected cost
+(appendix B.3), delta_1 = 1{A}, delta_2 = 1{C} for greedy drafts,
+
+    E[C_t] = (1 - delta_2)((1 - delta_1) c_p + delta_1 c_q') + delta_2 c_q .
+
+Teacher forcing is an approximation: positions after a draft token that differs from the text
+condition on the text, not on the draft.
+"""
 
 from __future__ import annotations
 

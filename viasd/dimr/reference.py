@@ -1,4 +1,17 @@
-"""The full model's reference, computed once, and q'_z's log-probabilities under a cache policy."""
+"""The full model's reference, computed once, and q'_z's log-probabilities under a cache policy.
+
+Masks are scored under the cache policy the service uses (docs/ARCHITECTURE.md, "Caches"):
+
+* separate: q' has its own cache of the kept layers, so q'_z over the text is one masked forward;
+* shared:   q' writes into q's cache slots; older positions carry q's keys/values. Emulated as
+            blocks of gamma + 1 positions [s, s + gamma + 1) (s a multiple of gamma + 1): q'_z
+            attends to q's keys/values for positions < s and to its own for the block. One
+            forward over the whole text does this with a [T, 2T] attention mask over
+            [q's K/V ; q'_z's K/V] (`shared_policy_logits`; equal to the block-by-block loop).
+
+The reference holds q's log-probabilities and, for `shared`, its keys/values; for e2e, the
+drafter's greedy tokens.
+"""
 
 from __future__ import annotations
 

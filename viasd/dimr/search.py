@@ -1,4 +1,23 @@
-"""The search: TPE proposals, random and local moves, successive halving (module docstring of viasd.dimr)."""
+"""The search: TPE proposals, random and local moves, successive halving (VIA-SD section 3.4).
+
+Trial o proposes z = BayesOpt(.) when o mod theta = 0, else RandomSearch(.). Trial 0 is the
+evenly spaced mask (the baseline to beat). Our reading of RandomSearch: after `startup` uniformly
+random masks, a random neighbour of the best mask so far (with probability `explore` a fresh
+uniform mask instead), so the best mask is carried forward. A neighbour swaps m = 1..3 skipped
+layers for kept ones; half of the time the swapped layers are drawn uniformly, otherwise weighted
+by a ridge-regression estimate of each layer's cost, fitted on every earlier trial's first-rung
+value (loss ~ b + sum_l w_l z_l, z_l = 1 when l is skipped): costly skipped layers are more likely
+to come back, cheap kept ones more likely to be skipped. BayesOpt is optuna's TPE sampler (seeded,
+independent per layer) over one score s_l in [0, 1] per free layer, decoded as "skip the k layers
+with the lowest scores"; every trial, random or not, is told to TPE (pruned ones as pruned, with
+their rung values). Masks already scored are not proposed again by the random steps; a TPE
+proposal of a known mask reuses its result.
+
+Successive halving (the asynchronous ASHA rule): the calibration sequences are scored in a fixed
+order; at rung fractions (default 1/4 and 1/2 of the tokens) a candidate continues only if its
+running value is among the best 1/eta (eta = 2: the better half) of the values all earlier trials
+had at that rung; otherwise it is dropped (pruned) and its remaining tokens are never run.
+"""
 
 from __future__ import annotations
 
