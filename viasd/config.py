@@ -406,6 +406,14 @@ class EngineConfig(BaseModel):
         description="KV cache budget in GiB for all tiers at full capacity; default: a quarter of the "
         "memory available at start. Sets max_seq_len when that is not given.",
     )
+    kv_block_size: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="Positions per KV cache block: a paged cache (viasd.blocks) whose rows take blocks as they "
+        "grow and share them across n > 1 samples, so memory follows the tokens requests hold; default: one "
+        "preallocated row of max_seq_len positions per request.",
+    )
     packed_linears: bool = Field(
         True,
         description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."

@@ -148,7 +148,7 @@ def engine_capacity(
         model_context=context_limit(*positions, config.max_context),
         max_context=config.max_context,
     )
-    return Capacity(config.max_batch, context, config.prefill_chunk), name
+    return Capacity(config.max_batch, context, config.prefill_chunk, config.kv_block_size), name
 
 
 class Engine:
@@ -175,6 +175,7 @@ class Engine:
         max_seq_len: int | None = None,
         kv_cache_gib: float | None = None,
         prefill_chunk: int = 512,
+        kv_block_size: int | None = None,
         costs: CostModel | None = None,
         cost_cache_dir: str | Path | None = None,
         gates: Gates | None = None,
@@ -199,7 +200,7 @@ class Engine:
             model_context=context_limit(*limits, max_context),
             max_context=max_context,
         )
-        capacity = Capacity(max_batch=max_batch, max_seq_len=context, prefill_chunk=prefill_chunk)
+        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size)
         executor = LocalExecutor(verifier, drafter, mask, cache_policy, capacity, cost_cache_dir=cost_cache_dir)
         self._start(executor, capacity, eos_token_ids, context_name, costs, gates, thread=model_thread.MODELS)
         self.verifier, self.drafter, self.mask, self.cache_policy = verifier, drafter, mask, cache_policy

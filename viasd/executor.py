@@ -60,6 +60,11 @@ class Capacity:
     max_batch: int  # requests decoding together = cache rows per tier
     max_seq_len: int | None  # positions per cache row (prompt + generated + one draft block); None: unbounded
     prefill_chunk: int = 512  # prompt tokens prefilled per step, over all new requests
+    block_size: int | None = None  # positions per KV block of a paged cache (viasd.blocks); None: slot rows
+
+    def new_store(self, lm: MaskedLM, mask: LayerMask | None = None):
+        """A tier's cache of this capacity: max_batch rows of max_seq_len positions (paged: as many blocks)."""
+        return lm.new_store(mask, max_rows=self.max_batch, max_len=self.max_seq_len, block_size=self.block_size)
 
 
 # ---------------------------------------------------------------- what a phase carries
@@ -209,7 +214,7 @@ class DraftWorker(_Side):
 
     def __init__(self, lm: MaskedLM | None, capacity: Capacity):
         self.lm = lm
-        self.store = None if lm is None else lm.new_store(max_rows=capacity.max_batch, max_len=capacity.max_seq_len)
+        self.store = None if lm is None else capacity.new_store(lm)
         self.sessions: dict[str, DraftSession] = {}
 
     def open(self, key: str, prompt: list[int], params: GenerationParams, seed: int) -> None:
@@ -273,9 +278,8 @@ class VerifyWorker(_Side):
     def __init__(self, lm: MaskedLM, mask: LayerMask, cache_policy: CachePolicy | str, capacity: Capacity):
         self.lm, self.mask = lm, mask
         self.cache_policy = CachePolicy(cache_policy)
-        rows, length = capacity.max_batch, capacity.max_seq_len
-        self.full_store = lm.new_store(max_rows=rows, max_len=length)
-        self.slim_store = lm.new_store(mask, max_rows=rows, max_len=length)  # (the separate policy only)
+        self.full_store = capacity.new_store(lm)
+        self.slim_store = capacity.new_store(lm, mask)  # (the separate policy only)
         self.sessions: dict[str, VerifySession] = {}
 
     def open(self, key: str, prompt: list[int], params: GenerationParams, seed: int) -> None:

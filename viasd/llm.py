@@ -197,6 +197,7 @@ class LLM:
             max_seq_len=config.max_seq_len,
             kv_cache_gib=config.kv_cache_gib,
             prefill_chunk=config.prefill_chunk,
+            kv_block_size=config.kv_block_size,
             cost_cache_dir=cost_cache_dir(),
             gates=gates,
         )

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from viasd.blocks import PagedKVCache
 from viasd.errors import CapacityError, MaskError, ModelLoadError
 
 # config.model_type values whose decoder blocks are model.model.layers with the LLaMA layer API
@@ -213,7 +214,7 @@ class _BatchWrite:
 class RowCache:
     """One sequence's view of a `SlotKVCache`: its row, with the single-sequence API."""
 
-    store: SlotKVCache
+    store: SlotKVCache | PagedKVCache
     row: int
 
     @property
@@ -384,10 +385,26 @@ class MaskedLM:
         layers = self.num_layers if mask is None else len(mask.kept)
         return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=self.dtype).element_size()
 
-    def new_store(self, mask: LayerMask | None = None, *, max_rows: int = 1, max_len: int | None = None) -> SlotKVCache:
-        """An empty cache for the layers `mask` keeps (all by default)."""
-        return SlotKVCache(
-            self.all_layers if mask is None else mask.kept, self.num_layers, max_rows=max_rows, max_len=max_len
+    def new_store(
+        self,
+        mask: LayerMask | None = None,
+        *,
+        max_rows: int = 1,
+        max_len: int | None = None,
+        block_size: int | None = None,
+        num_blocks: int | None = None,
+    ) -> SlotKVCache | PagedKVCache:
+        """An empty cache for the layers `mask` keeps (all by default): a `SlotKVCache`, or with
+        `block_size` a `PagedKVCache` of `num_blocks` blocks (default: max_rows rows of max_len)."""
+        layers = self.all_layers if mask is None else mask.kept
+        if block_size is None:
+            return SlotKVCache(layers, self.num_layers, max_rows=max_rows, max_len=max_len)
+        if num_blocks is None:
+            if max_len is None:
+                raise ValueError("a paged cache needs num_blocks or max_len")
+            num_blocks = max_rows * -(-max_len // block_size)
+        return PagedKVCache(
+            layers, self.num_layers, num_blocks=num_blocks, block_size=block_size, max_rows=max_rows, max_len=max_len
         )
 
     def new_cache(self, mask: LayerMask | None = None) -> RowCache:
@@ -443,7 +460,7 @@ class MaskedLM:
 
     @torch.inference_mode()
     def forward_batch(
-        self, rows: Sequence[Row], cache: SlotKVCache | None = None, mask: LayerMask | None = None
+        self, rows: Sequence[Row], cache: SlotKVCache | PagedKVCache | None = None, mask: LayerMask | None = None
     ) -> list[Tensor]:
         """One forward over ragged rows; returns each row's logits [num_logits_b, V] (float32, or
         float64 for a float64 model).

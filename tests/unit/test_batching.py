@@ -85,11 +85,14 @@ def _run_batched(engine, jobs, rng, cancel=None):
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
-def test_every_request_in_a_batch_equals_its_run_alone(tiny_pair, policy):
+@pytest.mark.parametrize("block_size", [None, 3])
+def test_every_request_in_a_batch_equals_its_run_alone(tiny_pair, policy, block_size):
+    """Alone on slot caches; batched on slot caches, or on paged ones (blocks of 3 positions)."""
     jobs = [(PROMPTS[i % len(PROMPTS)], _params(spec)) for i, spec in enumerate(REQUESTS)]
     alone = [_engine(tiny_pair, policy, max_batch=1).complete(*job).token_ids for job in jobs]
     assert all(len(t) == 24 for t in alone)
-    engine = _engine(tiny_pair, policy, max_batch=5, prefill_chunk=8)  # fewer rows than requests: they queue
+    # fewer rows than requests: they queue
+    engine = _engine(tiny_pair, policy, max_batch=5, prefill_chunk=8, kv_block_size=block_size)
     batched = _run_batched(engine, jobs, random.Random(policy), cancel=3)
     for i, _job in enumerate(jobs):
         if i == 3:  # cancelled after two chunks: what it got is a prefix of its output alone
@@ -140,9 +143,10 @@ def _assert_tier_matches_fresh_prefill(tier, seq, verifier, mask, full_pos, shar
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
-def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy):
+@pytest.mark.parametrize("block_size", [None, 4])
+def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy, block_size):
     verifier, _ = tiny_pair
-    engine = _engine(tiny_pair, policy, max_batch=4, prefill_chunk=5)
+    engine = _engine(tiny_pair, policy, max_batch=4, prefill_chunk=5, kv_block_size=block_size)
     specs = [
         dict(mode="via", temperature=1.0, seed=4),
         dict(mode="sd", temperature=1.0, seed=5),

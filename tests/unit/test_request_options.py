@@ -286,15 +286,16 @@ def test_a_logit_bias_outside_the_vocabulary_names_the_field(tiny_pair):
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
-@pytest.mark.parametrize("max_batch", [8, 2])
-def test_n_samples_equal_each_sample_alone_and_share_one_prefill(tiny_pair, policy, max_batch):
+@pytest.mark.parametrize("max_batch, block_size", [(8, None), (2, None), (8, 4)])
+def test_n_samples_equal_each_sample_alone_and_share_one_prefill(tiny_pair, policy, max_batch, block_size):
+    """Paged caches (block_size 4): the samples share the prompt's blocks, copied on first write."""
     prompt, fallbacks = list(range(10, 30)), 0
     for spec in (
         dict(mode="via", temperature=1.0, seed=21, logprobs=1, prompt_logprobs=1, **PENALTIES[0]),
         dict(mode="sd", temperature=0.9, top_k=30, seed=22),
         dict(mode="ar", temperature=1.0, seed=23),
     ):
-        engine = _engine(tiny_pair, cache_policy=policy, max_batch=max_batch, prefill_chunk=8)
+        engine = _engine(tiny_pair, cache_policy=policy, max_batch=max_batch, prefill_chunk=8, kv_block_size=block_size)
         params = parse_params(n=4, max_tokens=16, alpha1=0.9, alpha2=0.7, **spec)
         results = engine.complete_n(prompt, params)
         assert [r.index for r in results] == [0, 1, 2, 3]

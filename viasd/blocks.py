@@ -1,0 +1,289 @@
+"""A paged key/value cache: fixed-size blocks taken as a sequence grows, shared by reference.
+
+`PagedKVCache` has `SlotKVCache`'s interface (rows, per-(layer, row) lengths, `crop`, `copy_row`,
+`batch`), so every forward and session runs on either. Storage differs:
+
+    pool_l        [P * block_size, H_kv, D]   per layer l; slot s = block * block_size + offset
+    table[row]    [blocks of the row]          block i holds positions i*block_size .. (i+1)*block_size - 1
+
+A row holds ceil(max_l length_l / block_size) blocks: memory follows the tokens each request
+holds, not the longest row. Block 0 is never handed out: it stays zero, and every key position a
+row does not hold (past its length, up to the batch's span) reads it, so a masked-out key is
+finite and contributes exactly 0.
+
+Blocks are reference counted. `copy_row` (n > 1 samples sharing one prefill) gives the copy the
+source's blocks, not their contents; a write into a block held by more than one row first copies
+it (copy on write), so rows never see each other's tokens. Blocks are allocated before a forward
+runs (`batch`), lowest id first, so a store that cannot hold a forward refuses it whole
+(CapacityError) and changes nothing. Pools grow by doubling up to `num_blocks`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import Tensor
+
+from viasd.errors import CapacityError, MaskError
+
+ZERO_BLOCK = 0  # never allocated: the keys of positions a row does not hold
+
+
+class PagedKVCache:
+    """Keys and values of up to `max_rows` sequences in `num_blocks` blocks of `block_size` positions."""
+
+    def __init__(
+        self,
+        layers: Iterable[int],
+        num_layers: int,
+        *,
+        num_blocks: int,
+        block_size: int = 16,
+        max_rows: int = 1,
+        max_len: int | None = None,
+    ):
+        self.layers = tuple(sorted(set(layers)))
+        if any(not 0 <= i < num_layers for i in self.layers):
+            raise MaskError(f"cache layers {self.layers} out of range for a {num_layers}-layer model")
+        if max_rows < 1 or num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"max_rows, num_blocks and block_size must be >= 1: {max_rows}, {num_blocks}, {block_size}"
+            )
+        self.num_layers, self.max_rows, self.max_len = num_layers, max_rows, max_len
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self._k: list[Tensor | None] = [None] * num_layers  # each [capacity * block_size, H_kv, D]
+        self._v: list[Tensor | None] = [None] * num_layers
+        self._capacity = 0  # blocks the pools hold (ZERO_BLOCK included)
+        self._top = ZERO_BLOCK  # the highest block id taken so far
+        self._len = [[0] * max_rows for _ in range(num_layers)]  # [L][row]
+        self._tables: list[list[int]] = [[] for _ in range(max_rows)]
+        self._refs = [0] * (num_blocks + 1)
+        self._free_blocks = list(range(1, num_blocks + 1))  # a heap: lowest id first
+        self._free_rows = list(range(max_rows))
+
+    # ------------------------------------------------------------ rows
+
+    def alloc(self) -> int:
+        """A free row (the lowest), all of its layers at length 0, no blocks."""
+        if not self._free_rows:
+            raise CapacityError("rows", f"all {self.max_rows} cache rows are in use")
+        row = self._free_rows.pop(0)
+        for lens in self._len:
+            lens[row] = 0
+        return row
+
+    def free(self, row: int) -> None:
+        """Give a row and its blocks back."""
+        if row in self._free_rows or not 0 <= row < self.max_rows:
+            raise ValueError(f"row {row} is not allocated")
+        for lens in self._len:
+            lens[row] = 0
+        self._drop(row, 0)
+        self._free_rows.append(row)
+        self._free_rows.sort()
+
+    @property
+    def rows_in_use(self) -> int:
+        return self.max_rows - len(self._free_rows)
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free_blocks)
+
+    def blocks(self, row: int) -> tuple[int, ...]:
+        """The row's block table."""
+        return tuple(self._tables[row])
+
+    def blocks_for(self, positions: int) -> int:
+        """Blocks that hold `positions` positions."""
+        return -(-positions // self.block_size)
+
+    def row(self, row: int):
+        from viasd.runtime import RowCache
+
+        return RowCache(self, row)
+
+    # ------------------------------------------------------------ lengths
+
+    def length(self, row: int, layer: int) -> int:
+        return self._len[layer][row]
+
+    def crop(self, row: int, length: int, layers: Iterable[int] | None = None) -> None:
+        """Roll the given layers (default: all) of a row back to `length`; blocks no layer needs any
+        more go back to the pool."""
+        for i in self.layers if layers is None else layers:
+            self._len[i][row] = min(self._len[i][row], length)
+        self._drop(row, self.blocks_for(max(self._len[i][row] for i in self.layers)))
+
+    def copy_row(self, src: int, dst: int, length: int) -> None:
+        """Row `dst` (empty) shares the blocks holding `src`'s first `length` positions: its layers
+        end up at min(length, src's length), as if it had fed them; the first write copies a shared block."""
+        if self._tables[dst]:
+            raise ValueError(f"row {dst} already holds blocks")
+        for i in self.layers:
+            self._len[i][dst] = min(length, self._len[i][src])
+        shared = self._tables[src][: self.blocks_for(max(self._len[i][dst] for i in self.layers))]
+        for block in shared:
+            self._refs[block] += 1
+        self._tables[dst] = list(shared)
+
+    def kv(self, row: int, layer: int) -> tuple[Tensor, Tensor]:
+        """The valid keys and values of one row and layer, each [1, H_kv, length, D] (gathered copies)."""
+        if self._k[layer] is None:
+            raise MaskError(f"layer {layer} holds no keys yet")
+        slots = self._slots(self._tables[row], self._len[layer][row], self._k[layer].device)  # [n]
+        k = self._k[layer][slots].transpose(0, 1)[None]  # [1, H_kv, n, D]
+        return k, self._v[layer][slots].transpose(0, 1)[None]
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Bytes of the valid entries of one row (or of all rows)."""
+        total = 0
+        for i in self.layers:
+            k = self._k[i]
+            if k is not None:
+                n = self._len[i][row] if row is not None else sum(self._len[i])
+                total += 2 * k.shape[1] * n * k.shape[2] * k.element_size()
+        return total
+
+    def reserved_bytes(self) -> int:
+        """Bytes of the pools allocated so far (all blocks, held or free)."""
+        return sum(2 * k.numel() * k.element_size() for k in self._k if k is not None)
+
+    # ------------------------------------------------------------ forwards
+
+    def batch(
+        self, rows: Sequence[int], starts: Sequence[int], lengths: Sequence[int], device: torch.device | str = "cpu"
+    ) -> _PagedWrite:
+        """The cache view of one forward: row b = rows[b] appends lengths[b] tokens at starts[b].
+        Takes every block the forward writes now (new ones, and private copies of shared ones):
+        CapacityError, with nothing changed, when the pool cannot hold them."""
+        ends = [s + n for s, n in zip(starts, lengths)]
+        if self.max_len is not None and max(ends) > self.max_len:
+            raise CapacityError("max_seq_len", f"{max(ends)} positions exceed the cache's {self.max_len} per row")
+        new = sum(max(0, self.blocks_for(e) - len(self._tables[r])) for r, e in zip(rows, ends))
+        shared = [
+            (r, i)
+            for r, s, e in zip(rows, starts, ends)
+            for i in range(s // self.block_size, min(len(self._tables[r]), self.blocks_for(e)))
+            if self._refs[self._tables[r][i]] > 1
+        ]
+        if new + len(shared) > len(self._free_blocks):
+            raise CapacityError(
+                "kv_blocks",
+                f"the forward needs {new + len(shared)} more KV blocks; {len(self._free_blocks)} of "
+                f"{self.num_blocks} are free",
+            )
+        for r, i in shared:  # copy on write
+            old, block = self._tables[r][i], self._take()
+            self._copy_block(old, block)
+            self._refs[old] -= 1
+            self._tables[r][i] = block
+        for r, e in zip(rows, ends):
+            while len(self._tables[r]) < self.blocks_for(e):
+                self._tables[r].append(self._take())
+        return _PagedWrite(self, list(rows), list(starts), list(lengths), torch.device(device))
+
+    # ------------------------------------------------------------ blocks
+
+    def _take(self) -> int:
+        block = heapq.heappop(self._free_blocks)
+        self._refs[block] = 1
+        self._top = max(self._top, block)
+        return block
+
+    def _drop(self, row: int, keep: int) -> None:
+        """Release the row's blocks past the first `keep`."""
+        table = self._tables[row]
+        while len(table) > keep:
+            block = table.pop()
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                heapq.heappush(self._free_blocks, block)
+
+    @torch.inference_mode()
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Block `dst` becomes a copy of block `src` in every layer's pool."""
+        self._grow()  # (dst may be past the pools)
+        bs = self.block_size
+        for k, v in zip(self._k, self._v):
+            if k is not None:
+                k[dst * bs : (dst + 1) * bs] = k[src * bs : (src + 1) * bs]
+                v[dst * bs : (dst + 1) * bs] = v[src * bs : (src + 1) * bs]
+
+    def _slots(self, table: Sequence[int], n: int, device) -> Tensor:
+        """Pool slots of positions 0..n-1 of a row with this block table, [n]."""
+        pos = torch.arange(n)
+        blocks = torch.tensor(table or [ZERO_BLOCK], dtype=torch.long)
+        return (blocks[pos // self.block_size] * self.block_size + pos % self.block_size).to(device)
+
+    @torch.inference_mode()  # (pools are inference tensors: a forward allocates them)
+    def _ensure(self, layer: int, like: Tensor) -> None:
+        """Every pool holds every block taken so far, and layer `layer` has one (zeros, like
+        `like` [B, H_kv, T, D])."""
+        self._grow()
+        if self._k[layer] is None:
+            shape = (self._capacity * self.block_size, like.shape[1], like.shape[3])
+            self._k[layer], self._v[layer] = like.new_zeros(shape), like.new_zeros(shape)
+
+    def _grow(self) -> None:
+        """Pools that hold every block taken so far: doubling, up to num_blocks + 1 blocks."""
+        if self._top < self._capacity:
+            return
+        capacity = min(self.num_blocks + 1, max(4, 1 << self._top.bit_length()))
+        for i, (k, v) in enumerate(zip(self._k, self._v)):
+            if k is not None:
+                self._k[i], self._v[i] = self._grown(k, capacity), self._grown(v, capacity)
+        self._capacity = capacity
+
+    def _grown(self, pool: Tensor, capacity: int) -> Tensor:
+        new = pool.new_zeros((capacity * self.block_size, *pool.shape[1:]))
+        new[: pool.shape[0]] = pool
+        return new
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedKVCache(layers={len(self.layers)}/{self.num_layers}, rows={self.rows_in_use}/{self.max_rows}, "
+            f"blocks={self.num_blocks - self.free_blocks}/{self.num_blocks}x{self.block_size})"
+        )
+
+
+class _PagedWrite:
+    """What one batched forward gives the attention modules as `past_key_values`.
+
+    `update(key, value, layer_idx)` writes the real tokens of every row (never the padding) into
+    their blocks and returns the keys/values the queries attend to, [B, H_kv, S, D] with
+    S = max_b start_b + T_b, gathered from each row's blocks (positions a row does not hold read
+    the zero block).
+    """
+
+    def __init__(self, cache: PagedKVCache, rows: list[int], starts: list[int], lengths: list[int], device):
+        self.cache, self.rows, self.starts, self.lengths = cache, rows, starts, lengths
+        bs = cache.block_size
+        span = max(s + n for s, n in zip(starts, lengths))  # S
+        width = cache.blocks_for(span)
+        tables = torch.tensor([cache._tables[r] + [ZERO_BLOCK] * (width - len(cache._tables[r])) for r in rows])
+        pos = torch.arange(span)  # [S]
+        slots = tables[:, pos // bs] * bs + pos % bs  # [B, S]
+        held = torch.tensor([s + n for s, n in zip(starts, lengths)])[:, None] > pos[None, :]  # [B, S]
+        self.read = torch.where(held, slots, 0).to(device)  # [B, S]: the zero block past a row's tokens
+        b_idx = [b for b, n in enumerate(lengths) for _ in range(n)]
+        t_idx = [t for n in lengths for t in range(n)]
+        self.src_b = torch.tensor(b_idx, device=device)  # [N]
+        self.src_t = torch.tensor(t_idx, device=device)  # [N]
+        self.dst = slots[b_idx, [starts[b] + t for b, t in zip(b_idx, t_idx)]].to(device)  # [N]
+
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """key/value [B, H_kv, T, D] -> the rows' keys/values [B, H_kv, S, D]."""
+        cache = self.cache
+        if layer_idx not in cache.layers:
+            raise MaskError(f"layer {layer_idx} has no slot in this cache (layers {cache.layers})")
+        cache._ensure(layer_idx, key)
+        k_pool, v_pool = cache._k[layer_idx], cache._v[layer_idx]  # [slots, H_kv, D]
+        k_pool[self.dst] = key[self.src_b, :, self.src_t]  # [N, H_kv, D]
+        v_pool[self.dst] = value[self.src_b, :, self.src_t]
+        lens = cache._len[layer_idx]
+        for row, start, n in zip(self.rows, self.starts, self.lengths):
+            lens[row] = start + n
+        return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # [B, H_kv, S, D]
