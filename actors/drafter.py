@@ -258,6 +258,7 @@ class DrafterActor:
             "num_layers": lm.num_layers,
             "max_position_embeddings": positions,
             "max_seq_len": capacity.max_seq_len,  # what its caches hold per row (engine_capacity)
+            "kv_blocks": capacity.kv_blocks,  # paged: blocks per tier
             "context_name": context_name,
             "pid": os.getpid(),
             "threads": threads,

@@ -317,6 +317,7 @@ class VerifierWorker:
             "gates_source": loaded.gates_source,
             "max_position_embeddings": positions,
             "max_seq_len": capacity.max_seq_len,  # what its caches hold per row (engine_capacity)
+            "kv_blocks": capacity.kv_blocks,  # paged: blocks per tier
             "context_name": context_name,
             "eos_token_ids": list(loaded.eos),
             "local_q_proj_rows": int(lm.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard

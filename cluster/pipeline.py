@@ -264,7 +264,13 @@ def _engine(config: PipelineConfig, verifier_address: str, verifier: dict, draft
     )
     return Engine.over(
         executor,
-        Capacity(e.max_batch, least and least["max_seq_len"], e.prefill_chunk, e.kv_block_size),
+        Capacity(
+            e.max_batch,
+            least and least["max_seq_len"],
+            e.prefill_chunk,
+            e.kv_block_size,
+            min((i["kv_blocks"] for i in sides if i.get("kv_blocks")), default=None),
+        ),
         eos_token_ids=verifier["eos_token_ids"],
         context_name=least["context_name"] if least else "max_context",
         gates=Gates(**verifier["gates"]) if verifier.get("gates") else None,

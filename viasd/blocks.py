@@ -175,7 +175,9 @@ class PagedKVCache:
                 f"the forward needs {new + len(shared)} more KV blocks; {len(self._free_blocks)} of "
                 f"{self.num_blocks} are free",
             )
-        for r, i in shared:  # copy on write
+        for r, i in shared:  # copy on write (the last holder of a block writes it in place)
+            if self._refs[self._tables[r][i]] == 1:
+                continue
             old, block = self._tables[r][i], self._take()
             self._copy_block(old, block)
             self._refs[old] -= 1

@@ -107,16 +107,25 @@ def kv_capacity(
     kv_cache_gib: float | None,
     model_context: int | None,
     max_context: int | None,
-) -> tuple[int | None, str]:
-    """Positions per cache row, and the name of the limit that sets them (for the error a too
-    long prompt gets). Without `max_seq_len`, what `kv_cache_gib` (default: a quarter of the
-    memory available on `device` now) holds for `max_batch` rows of `per_token` bytes a
-    position, capped by the models' context (`model_context`, with the configured
-    `max_context` in it)."""
+    block_size: int | None = None,
+) -> tuple[int | None, str, int | None]:
+    """Positions per request, the name of the limit that sets them (for the error a too long
+    prompt gets), and the KV blocks of each tier (None: slot caches, no `block_size`).
+
+    Slot caches: without `max_seq_len`, what `kv_cache_gib` (default: a quarter of the memory
+    available on `device` now) holds for `max_batch` rows of `per_token` bytes a position.
+    Paged caches: the budget's blocks, blocks = budget // (per_token * block_size), any one
+    request may fill (or, with `max_seq_len` and no budget, max_batch rows of it). Both capped by
+    the models' context (`model_context`, with the configured `max_context` in it)."""
+    budget = kv_cache_gib * 2**30 if kv_cache_gib else None
     if max_seq_len is None:
-        budget = kv_cache_gib * 2**30 if kv_cache_gib else DEFAULT_KV_MEMORY_FRACTION * available_memory(device)
-        max_seq_len = int(budget // (max_batch * per_token))
-        name = f"KV cache budget of {budget / 2**30:.2f} GiB for max_batch={max_batch} (kv_cache_gib)"
+        budget = budget or DEFAULT_KV_MEMORY_FRACTION * available_memory(device)
+        if block_size is None:
+            max_seq_len = int(budget // (max_batch * per_token))
+            name = f"KV cache budget of {budget / 2**30:.2f} GiB for max_batch={max_batch} (kv_cache_gib)"
+        else:
+            max_seq_len = int(budget // (per_token * block_size)) * block_size
+            name = f"KV cache budget of {budget / 2**30:.2f} GiB (kv_cache_gib)"
         if not kv_cache_gib and max_seq_len < min(model_context or MIN_DEFAULT_POSITIONS, MIN_DEFAULT_POSITIONS):
             raise ModelLoadError(
                 f"only {budget / DEFAULT_KV_MEMORY_FRACTION / 2**30:.2f} GiB of memory is free after loading the "
@@ -130,7 +139,12 @@ def kv_capacity(
         name = "max_context" if max_context == model_context else "the models' max_position_embeddings"
     if limit is not None and limit < 2:
         raise ModelLoadError(f"{name} leaves {limit} positions per request; raise it")
-    return limit, name
+    blocks = None
+    if block_size is not None and limit is not None:
+        per_block = per_token * block_size
+        blocks = int(budget // per_block) if budget else max_batch * -(-limit // block_size)
+        limit = min(limit, blocks * block_size)
+    return limit, name, blocks
 
 
 def engine_capacity(
@@ -139,7 +153,7 @@ def engine_capacity(
     """The capacity an engine's config gives a process holding tiers of `per_token` KV bytes a
     position on `device`, whose models take `positions` (`kv_capacity`); served, each actor sizes
     its own caches this way (`kv_cache_gib`: its own budget), and the engine takes the least."""
-    context, name = kv_capacity(
+    context, name, blocks = kv_capacity(
         per_token,
         torch.device(device),
         max_batch=config.max_batch,
@@ -147,8 +161,9 @@ def engine_capacity(
         kv_cache_gib=config.kv_cache_gib,
         model_context=context_limit(*positions, config.max_context),
         max_context=config.max_context,
+        block_size=config.kv_block_size,
     )
-    return Capacity(config.max_batch, context, config.prefill_chunk, config.kv_block_size), name
+    return Capacity(config.max_batch, context, config.prefill_chunk, config.kv_block_size, blocks), name
 
 
 class Engine:
@@ -191,7 +206,7 @@ class Engine:
         cache_policy = CachePolicy(cache_policy)
         self.kv_bytes_per_token = kv_bytes_per_token(verifier, drafter, mask, cache_policy)
         limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
-        context, context_name = kv_capacity(
+        context, context_name, blocks = kv_capacity(
             self.kv_bytes_per_token,
             verifier.device,
             max_batch=max_batch,
@@ -199,8 +214,9 @@ class Engine:
             kv_cache_gib=kv_cache_gib,
             model_context=context_limit(*limits, max_context),
             max_context=max_context,
+            block_size=kv_block_size,
         )
-        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size)
+        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size, blocks)
         executor = LocalExecutor(verifier, drafter, mask, cache_policy, capacity, cost_cache_dir=cost_cache_dir)
         self._start(executor, capacity, eos_token_ids, context_name, costs, gates, thread=model_thread.MODELS)
         self.verifier, self.drafter, self.mask, self.cache_policy = verifier, drafter, mask, cache_policy

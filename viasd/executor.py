@@ -61,10 +61,18 @@ class Capacity:
     max_seq_len: int | None  # positions per cache row (prompt + generated + one draft block); None: unbounded
     prefill_chunk: int = 512  # prompt tokens prefilled per step, over all new requests
     block_size: int | None = None  # positions per KV block of a paged cache (viasd.blocks); None: slot rows
+    kv_blocks: int | None = None  # blocks per tier (paged); requests are admitted against them
 
     def new_store(self, lm: MaskedLM, mask: LayerMask | None = None):
-        """A tier's cache of this capacity: max_batch rows of max_seq_len positions (paged: as many blocks)."""
-        return lm.new_store(mask, max_rows=self.max_batch, max_len=self.max_seq_len, block_size=self.block_size)
+        """A tier's cache of this capacity: max_batch rows of max_seq_len positions, or (paged)
+        max_batch rows over kv_blocks blocks."""
+        return lm.new_store(
+            mask,
+            max_rows=self.max_batch,
+            max_len=self.max_seq_len,
+            block_size=self.block_size,
+            num_blocks=self.kv_blocks,
+        )
 
 
 # ---------------------------------------------------------------- what a phase carries

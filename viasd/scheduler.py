@@ -271,6 +271,7 @@ class Scheduler:
     ):
         self.executor = executor
         self.capacity = capacity
+        self.kv_blocks_reserved = 0  # paged caches: the blocks the running requests may take (`kv_blocks_for`)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = capacity.max_seq_len  # the context a request may fill (`context_name` names its limit)
         self.context_name = context_name
@@ -383,14 +384,31 @@ class Scheduler:
         for r in [r for r in self._running if r.handle.cancelled]:
             self._leave(r)
 
+    def kv_blocks_for(self, handle: RequestHandle) -> int:
+        """Paged caches: the most blocks a request takes in a tier (0: slot caches), reserved while
+        it runs: its prompt, every token it may generate and one draft block past them, within
+        the context. Any request fits alone (max_seq_len <= kv_blocks * block_size), so reserving
+        needs no preemption: a request waits until the running ones leave it room."""
+        if self.capacity.kv_blocks is None:
+            return 0
+        positions = len(handle.prompt) + handle.limits.budget + handle.params.gamma + 2
+        if self.max_context is not None:
+            positions = min(positions, self.max_context)
+        return -(-positions // self.capacity.block_size)
+
     def _admit(self) -> PrefillBatch:
-        """Waiting requests into free rows; the prefill batch opens them."""
+        """Waiting requests, first come first served, into free rows (and, paged, free blocks);
+        the prefill batch opens them."""
         admitted = []
         while len(self._running) < self.capacity.max_batch:
             with self._lock:
                 if not self._waiting:
                     break
+                blocks = self.kv_blocks_for(self._waiting[0])
+                if self.capacity.kv_blocks is not None and self.kv_blocks_reserved + blocks > self.capacity.kv_blocks:
+                    break  # the head of the queue waits for blocks
                 handle = self._waiting.popleft()
+                self.kv_blocks_reserved += blocks
             handle.stats.queue_seconds = time.perf_counter() - handle.submitted
             params = handle.params
             r = _Running(
@@ -416,6 +434,7 @@ class Scheduler:
     def _leave(self, r: _Running) -> None:
         """The request leaves the batch; its rows are released at the end of the step."""
         self._running.remove(r)
+        self.kv_blocks_reserved -= self.kv_blocks_for(r.handle)
         r.handle.finished = True
         if r.opened:
             self._left.append(r)

@@ -349,6 +349,26 @@ def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
     assert coord.active_requests() == 0
 
 
+def test_a_paged_pipeline_equals_in_process_slots(ray_session, aio, engine_config, llm):
+    """Actors on paged caches (kv_block_size 4): the mixed waves equal the in-process run on slot
+    caches token for token; the scheduler admits against the least of the actors' blocks; every
+    block comes back."""
+    from viasd.cluster.pipeline import Pipeline
+
+    paged = engine_config.model_copy(update={"kv_block_size": 4})
+    p = aio.run(Pipeline.start(_pipeline_config(paged, name="tiny-paged")), timeout=240)
+    try:
+        capacity = p.coordinator.engine.scheduler.capacity
+        blocks = [i["kv_blocks"] for i in (p.verifier_info, p.drafter_info)]
+        assert capacity.block_size == 4 and capacity.kv_blocks == min(blocks) > 0
+        served = aio.run(served_waves(p.coordinator, BATCH_WAVES, "paged-wave"))
+        assert served == in_process_batched(llm, BATCH_WAVES)
+        assert p.coordinator.engine.scheduler.kv_blocks_reserved == 0
+        assert aio.run(p.session_counts()) == {"drafter": 0, "verifier": [0]}
+    finally:
+        aio.run(p.shutdown())
+
+
 def test_the_executor_reports_its_calls_and_where_its_time_went(aio, pipeline, llm):
     """The served executor counts each phase's calls and bytes, and splits its time into each
     service's own seconds and the transport around them (`RpcTotals.phases`,

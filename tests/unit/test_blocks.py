@@ -42,7 +42,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, block_size=st.sampled_from([1, 3, 4, 16]), masked=st.booleans(), seed=st.integers(0, 2**16))
 def test_paged_equals_slots_for_any_schedule(ops, block_size, masked, seed):
     mask = MASK if masked else None
@@ -140,3 +140,52 @@ def test_memory_follows_the_tokens_held():
     LM.forward_batch([Row([i % 90 for i in range(200)], 0, 1, rows[0])], slots)
     LM.forward_batch([Row([1, 2, 3], 0, 1, r) for r in rows[1:]], slots)
     assert slots.reserved_bytes() > 2 * paged.reserved_bytes()
+
+
+# ------------------------------------------------------------------ the engine on blocks
+
+
+def _engine(pair, **kw):
+    from viasd.engine import Engine
+
+    verifier, drafter = pair
+    return Engine(verifier, drafter, mask=LayerMask.from_skipped((1, 3), verifier.num_layers), **kw)
+
+
+def test_requests_are_admitted_against_blocks_and_wait_for_them(tiny_pair):
+    """A budget of 40 blocks of 4 positions: one long request (a 100-token prompt) and eight short
+    ones. Slot rows of the same budget would hold 2 rows of 80 positions (the long prompt refused);
+    blocks run the long one beside several short ones, queue the rest until blocks free, and every
+    output equals the request alone on slot caches."""
+    from viasd.config import parse_params
+
+    per_token = _engine(tiny_pair, max_batch=1, max_seq_len=8).kv_bytes_per_token
+    gib = 40 * 4 * per_token / 2**30
+    engine = _engine(tiny_pair, max_batch=16, kv_cache_gib=gib, kv_block_size=4)
+    cap = engine.scheduler.capacity
+    assert (cap.kv_blocks, cap.max_seq_len) == (40, 160)
+    slots = _engine(tiny_pair, max_batch=2, kv_cache_gib=gib)
+    assert slots.scheduler.capacity.max_seq_len == 80
+    jobs = [([(7 * i) % 90 + 1 for i in range(100)], parse_params(mode="sd", max_tokens=10, gamma=3))]
+    jobs += [([3 + i, 5, 8 + i], parse_params(mode="via" if i % 2 else "ar", max_tokens=12)) for i in range(8)]
+    handles = [engine.submit(*job) for job in jobs]
+    tokens = {h: [] for h in handles}
+    running, reserved = [], []
+    while engine.scheduler.has_work():
+        for handle, chunk in engine.step():
+            tokens[handle] += chunk.token_ids
+        running.append(engine.scheduler.num_running)
+        reserved.append(engine.scheduler.kv_blocks_reserved)
+        stores = [
+            engine.executor.verifier.full_store,
+            engine.executor.verifier.slim_store,
+            engine.executor.drafter.store,
+        ]
+        assert all(s.num_blocks - s.free_blocks <= reserved[-1] for s in stores)  # blocks held within the reservation
+    assert max(running) >= 3 and max(reserved) <= 40 and engine.scheduler.num_waiting == 0
+    assert min(running[:3]) < len(jobs)  # some waited for blocks
+    for handle, job in zip(handles, jobs):
+        alone = _engine(tiny_pair, max_batch=1, max_seq_len=160).complete(*job).token_ids
+        assert tokens[handle] == alone
+    assert engine.scheduler.kv_blocks_reserved == 0
+    assert all(s.free_blocks == s.num_blocks for s in stores)
