@@ -141,6 +141,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, _engine_config(args, max_batch=1), _params(args, ignore_eos=True))  # one at a time
 
 
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from viasd.bench.tables import report
+
+    return report(args.root, docs=args.docs, check=args.check)
+
+
 def _floats(s: str) -> tuple[float, ...]:
     return tuple(float(x) for x in s.split(",") if x.strip())
 
@@ -392,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(bench)
     _add_param_args(bench)
     bench.set_defaults(func=cmd_bench)
+    bench_sub = bench.add_subparsers(dest="bench_command", metavar="{report}")
+    report = bench_sub.add_parser("report", help="the published tables, from the committed result files (docs/)")
+    report.add_argument("--docs", action="store_true", help="rewrite the marked tables of docs/BENCHMARKS.md")
+    report.add_argument("--check", action="store_true", help="exit 1 when a marked table differs from its files")
+    report.add_argument("--root", default=".", help="the repository root (default: the current directory)")
+    report.set_defaults(func=cmd_bench_report)
 
     dimr = sub.add_parser("dimr", help="search the slim verifier's layer mask offline (DIMR), write a JSON artifact")
     dimr.add_argument("--verifier", default=EngineConfig.model_fields["verifier"].default, help="full verifier q")

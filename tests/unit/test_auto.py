@@ -181,7 +181,7 @@ def test_acceptance_of_positions_never_reached_follows_the_deepest_reached():
     acc = Acceptance()
     acc.update("model", drafted=1, accepted=1)  # a k = 1 block, accepted: says nothing of position 1 ...
     assert acc.rates["model"][0] == pytest.approx(1.48 / 1.8) and acc.rates["model"][1:] == [acc.rates["model"][0]] * 7
-    # this CPU's curve (bf16, docs/benchmarks/cpu/costs): a drafter round is 40% of a verifier forward
+    # a measured bf16 CPU curve: a drafter round is 40% of a verifier forward
     cpu = CostModel(
         {
             "full": [(1, 0.080), (8, 0.097), (64, 0.242)],

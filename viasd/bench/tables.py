@@ -1,0 +1,562 @@
+"""The published benchmark tables, rendered from the committed result files under docs/.
+
+Each table has a name, the result files it reads (paths relative to the repository root) and a
+renderer. A document shows a table between two marker lines::
+
+    <!-- table:NAME -->
+    ... what render(NAME) returns ...
+    <!-- /table:NAME -->
+
+`viasd bench report` prints every table; `--docs` rewrites the marked blocks of the documents in
+place; `--check` exits non-zero, naming the tables, when a document differs from what its result
+files give (tests/unit/test_docs_tables.py runs the check). A table's first line names its source
+files and what each recorded: the command, the commit, the CPU capability and the dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from viasd.bench.report import ratio
+
+#: the documents whose marked tables `viasd bench report --docs` maintains
+DOCS = ("docs/BENCHMARKS.md",)
+
+_MARK = re.compile(r"^<!-- table:([a-z0-9_-]+) -->\n(.*?)^<!-- /table:\1 -->$", re.M | re.S)
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    sources: tuple[str, ...]
+    render: Callable[[list[dict]], list[str]]  # the loaded sources -> the table's lines
+
+
+# ------------------------------------------------------------------ what a result file recorded
+
+
+def _meta(data: dict) -> dict:
+    return data.get("meta") or data
+
+
+def _environment(data: dict) -> dict:
+    env = _meta(data).get("environment")
+    if env is None and data.get("runs"):
+        env = data["runs"][0].get("environment")
+    return env or {}
+
+
+def _runtime(data: dict) -> dict:
+    meta = _meta(data)
+    return meta.get("runtime") or (meta.get("in_process") or {}).get("runtime") or {}
+
+
+def capability(data: dict) -> str:
+    """The CPU capability (torch.backends.cpu.get_cpu_capability()) the file recorded."""
+    return _environment(data).get("cpu_capability") or _runtime(data).get("cpu_capability") or "not recorded"
+
+
+def dtype(data: dict) -> str:
+    rt = _runtime(data)
+    if rt.get("dtype"):
+        return rt["dtype"]
+    engine = _meta(data).get("engine") or {}
+    if engine.get("dtype") and engine["dtype"] != "auto":
+        return engine["dtype"]
+    runs = data.get("runs") or []
+    if runs and isinstance(runs[0], dict) and runs[0].get("dtype"):
+        return str(runs[0]["dtype"]).removeprefix("torch.")
+    return "not recorded"
+
+
+def commit(data: dict) -> str:
+    env = _environment(data)
+    c = env.get("git_commit")
+    if not c:
+        return "not recorded"
+    return f"{c[:7]}" + (" (uncommitted changes)" if env.get("git_dirty") else "")
+
+
+def source_line(path: str, data: dict) -> str:
+    """One line: the file, and the command, commit, CPU capability and dtype it recorded."""
+    env = _environment(data)
+    machine = ", ".join(
+        x
+        for x in (
+            env.get("cpu"),
+            f"{env['cpu_count']} cores" if env.get("cpu_count") else None,
+            f"torch {env['torch']}" if env.get("torch") else None,
+        )
+        if x
+    )
+    return (
+        f"Source: [`{path}`]({path.removeprefix('docs/')}): `{_meta(data).get('command')}`; "
+        f"commit `{commit(data)}`; CPU capability `{capability(data)}`; dtype `{dtype(data)}`; {machine}."
+    )
+
+
+# ------------------------------------------------------------------ formatting
+
+
+def _f(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _spread(s: dict | None, spec: str = ".2f", suffix: str = "") -> str:
+    if not s:
+        return "-"
+    if s.get("n", 1) > 1 and s["min"] != s["max"]:
+        return f"{s['median']:{spec}}{suffix} [{s['min']:{spec}}-{s['max']:{spec}}]"
+    return f"{s['median']:{spec}}{suffix}"
+
+
+def _pass_count(p: dict | None) -> str:
+    if not p:
+        return "-"
+    passed = round(p["pass_at_1"] * p["n_samples"])
+    return f"{passed}/{p['n_samples']} [{p['wilson95'][0]:.2f}-{p['wilson95'][1]:.2f}]"
+
+
+def _pass_rate(p: dict | None) -> str:
+    if not p:
+        return "-"
+    return f"{p['pass_at_1']:.3f} [{p['wilson95'][0]:.2f}-{p['wilson95'][1]:.2f}]"
+
+
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _header(cells: list[str], right: int = 0) -> list[str]:
+    """The header and rule of a table whose last `right` columns are right-aligned."""
+    rule = ["---"] * (len(cells) - right) + ["---:"] * right
+    return [_row(cells), "|" + "|".join(rule) + "|"]
+
+
+# ------------------------------------------------------------------ the tables
+
+#: how a bench method is named in the tables
+METHOD_NAMES = {
+    "hf": "transformers `generate`",
+    "hf-assisted": "transformers assisted generation (its defaults)",
+    "hf-assisted:draft=fixed": "transformers assisted generation, 5 draft tokens",
+    "via:region_b=escalate": "`via`, pre-check (accept or escalate)",
+    "sd:proposer=hybrid": "`sd`, prompt lookup then the drafter",
+    "sd:draft_confidence=0.4:adaptive_gamma=true": "`sd`, confidence stop + adaptive gamma",
+    "sd:proposer=hybrid:draft_confidence=0.4:adaptive_gamma=true": "`sd`, all three",
+}
+
+
+def _method(label: str) -> str:
+    return METHOD_NAMES.get(label, f"`{label}`")
+
+
+def _runs(results: dict, label: str) -> list[dict]:
+    return [r for r in results["runs"] if r["method"] == label]
+
+
+def batch1(sources: list[dict]) -> list[str]:
+    """Batch 1: our modes beside transformers generate and assisted generation, one process."""
+    (res,) = sources
+    summary = res["summary"]
+    lines = _header(
+        [
+            "method",
+            "tok/s [min-max]",
+            "vs `ar`",
+            "vs `generate`",
+            "vs assisted generation",
+            "mean accept length",
+            "pass@1 [95%]",
+            "agreement with `ar` (prefix / identical)",
+        ]
+    )
+    assisted = _runs(res, "hf-assisted")
+    for m in res["methods"]:
+        label = m["label"]
+        s = summary[label]
+        if s.get("alias_of") or "tokens" not in s:
+            continue
+        ag = s.get("agreement_with_ar")
+        lines.append(
+            _row(
+                [
+                    _method(label),
+                    _spread(s["tokens_per_second_per_pass"]),
+                    _spread(s.get("speedup_vs_ar"), suffix="x"),
+                    _spread(s.get("speedup_vs_hf"), suffix="x"),
+                    _spread(ratio(_runs(res, label), assisted), suffix="x") if assisted else "-",
+                    _f(s.get("mean_acceptance_length")),
+                    _pass_count(s.get("pass_at_1")),
+                    "-" if not ag else f"{ag['prefix_share']:.2f} / {ag['exact']:.2f}",
+                ]
+            )
+        )
+    meta = res["meta"]
+    lines += [
+        "",
+        f"{len(meta['prompts']) if isinstance(meta['prompts'], list) else meta['prompts']} HumanEval prompts x "
+        f"{meta['max_tokens']} tokens, T = {meta['temperature']:g}, {meta['repeats']} interleaved passes; "
+        "tok/s is the median over passes, each ratio the median of its per-pass ratios.",
+    ]
+    return lines
+
+
+def drafting(sources: list[dict]) -> list[str]:
+    """Batch 1: the drafting options of `sd` beside `sd`, `via` and transformers assisted generation."""
+    (res,) = sources
+    summary = res["summary"]
+    lines = _header(
+        [
+            "method",
+            "tok/s",
+            "vs `ar`",
+            "vs `sd`",
+            "vs assisted generation",
+            "forwards p / q' / q",
+            "pass@1 [95%]",
+        ]
+    )
+    sd, assisted = _runs(res, "sd"), _runs(res, "hf-assisted")
+    for m in res["methods"]:
+        label = m["label"]
+        s = summary[label]
+        if s.get("alias_of") or "tokens" not in s:
+            continue
+        fw = s["forwards"]
+        lines.append(
+            _row(
+                [
+                    _method(label),
+                    _spread(s["tokens_per_second_per_pass"]),
+                    _spread(s.get("speedup_vs_ar"), suffix="x"),
+                    _spread(ratio(_runs(res, label), sd), suffix="x"),
+                    _spread(ratio(_runs(res, label), assisted), suffix="x") if assisted else "-",
+                    f"{fw['drafter']} / {fw['slim']} / {fw['full']}",
+                    _pass_count(s.get("pass_at_1")),
+                ]
+            )
+        )
+    first = res["prompts"][0]["id"] if res.get("prompts") else "?"
+    last = res["prompts"][-1]["id"] if res.get("prompts") else "?"
+    meta = res["meta"]
+    lines += [
+        "",
+        f"Prompts {first} to {last}, {meta['max_tokens']} tokens, T = {meta['temperature']:g}, "
+        f"{meta['repeats']} pass{'es' if meta['repeats'] > 1 else ''}.",
+    ]
+    return lines
+
+
+LOAD_METHODS = ("ar", "sd", "via", "auto", "ar@batch1", "generate_batch", "roofline")
+LOAD_NAMES = {
+    "ar@batch1": "`ar`, one at a time",
+    "generate_batch": "transformers `generate_batch`",
+    "roofline": "bare batched forward",
+}
+
+
+def load(sources: list[dict]) -> list[str]:
+    """Under load: aggregate (and decode-phase) tokens/s against generate_batch and the bare forward."""
+    (res,) = sources
+    rows = [r for r in res["summary"] if r["arrival"] == "all"]
+    methods = [m for m in LOAD_METHODS if any(r["method"] == m for r in rows)]
+    cell = {(r["method"], r["concurrency"]): r for r in rows}
+    levels = sorted({r["concurrency"] for r in rows})
+    engine = [m for m in methods if m in ("ar", "sd", "via", "auto")]
+    lines = _header(
+        ["requests"] + [LOAD_NAMES.get(m, f"`{m}`") for m in methods] + ["best mode / `generate_batch`"],
+        right=len(methods) + 2,
+    )
+    for c in levels:
+        cells = [str(c)]
+        for m in methods:
+            r = cell.get((m, c))
+            if r is None or r["aggregate_tokens_per_second"] is None:
+                cells.append("-")
+                continue
+            agg, dec = r["aggregate_tokens_per_second"], r.get("decode_tokens_per_second")
+            cells.append(f"{agg:.1f}" if dec is None or m == "roofline" else f"{agg:.1f} ({dec:.1f})")
+        best = max(
+            (cell[(m, c)]["aggregate_tokens_per_second"] for m in engine if (m, c) in cell),
+            default=None,
+        )
+        gb = cell.get(("generate_batch", c))
+        cells.append(f"{best / gb['aggregate_tokens_per_second']:.2f}x" if best and gb else "-")
+        lines.append(_row(cells))
+    meta = res["meta"]
+    lines += [
+        "",
+        f"Every request arrives at once; {meta['max_tokens']} tokens each, T = {meta['temperature']:g}, "
+        f"{meta['passes']} pass{'es' if meta['passes'] > 1 else ''}. Aggregate tokens/s with the prefill, "
+        "and in brackets the decode-phase rate (requests / inter-token latency p50); the bare forward "
+        "has no prefill.",
+    ]
+    return lines
+
+
+def served(sources: list[dict]) -> list[str]:
+    """The same engine served (HTTP through Ray Serve, actors) and in process."""
+    (res,) = sources
+    by = {(r["system"], r["mode"], r["concurrency"]): r for r in res["summary"]}
+    lines = _header(
+        [
+            "mode",
+            "streams",
+            "in process tok/s",
+            "served tok/s",
+            "served / in process",
+            "served TTFT p50 / p99 (s)",
+            "served ITL p50 / p99 (s)",
+        ],
+        right=5,
+    )
+    for mode in res["modes"]:
+        for c in res["levels"]:
+            i, s = by.get(("in_process", mode, c)), by.get(("served", mode, c))
+            if not i or not s:
+                continue
+            lines.append(
+                _row(
+                    [
+                        f"`{mode}`",
+                        str(c),
+                        f"{i['aggregate_tokens_per_s']:.2f}",
+                        f"{s['aggregate_tokens_per_s']:.2f}",
+                        f"{s['aggregate_tokens_per_s'] / i['aggregate_tokens_per_s']:.2f}",
+                        f"{s['p50_ttft_s']:.2f} / {s['p99_ttft_s']:.2f}",
+                        f"{s['p50_itl_s']:.3f} / {s['p99_itl_s']:.3f}",
+                    ]
+                )
+            )
+    tok = res.get("tokens") or {}
+    lines += [
+        "",
+        f"{res['passes']} passes, in process and served alternating, each figure the median of its passes; "
+        f"{tok.get('streams_mismatched')} of {tok.get('streams_checked')} greedy streams "
+        "differ from their prompt's first stream.",
+    ]
+    return lines
+
+
+#: the gate settings of the quality evaluation, by spec
+SETTINGS = {
+    "ar": "`ar`",
+    "sd": "`sd`",
+    "via:alpha1=0.5:alpha2=0.3": "`via`, the paper's gates",
+    "via:alpha1=0.7:region_b=escalate": "`via`, literal reading",
+    "via:alpha1=0.4:alpha2=0.3:region_b=escalate": "`via`, calibrated gates (the default)",
+    "via:rule=staged": "`via`, staged rule (lossless)",
+}
+
+
+def quality(sources: list[dict]) -> list[str]:
+    """Greedy quality of every mode and gate setting, with the batch-1 speed of each."""
+    res, speed = sources
+    n = {s["humaneval"]["pass_at_1"]["n_samples"] for s in res["summary"].values() if s["humaneval"].get("pass_at_1")}
+    lines = _header(
+        [
+            "setting",
+            "spec",
+            f"HumanEval pass@1 [95%] (n={'/'.join(map(str, sorted(n)))})",
+            "agreement with `ar`, HumanEval (prefix / identical)",
+            "agreement with `ar`, standard library",
+            "batch-1 tok/s (vs `ar`)",
+        ]
+    )
+    order = [x for x in SETTINGS if x in res["summary"]] + [x for x in res["summary"] if x not in SETTINGS]
+    for spec in order:
+        s = res["summary"][spec]
+        he, lib = s["humaneval"], s.get("stdlib") or {}
+        sp = speed["summary"].get(spec)
+
+        def agree(part: dict) -> str:
+            a = part.get("agreement_with_ar")
+            return "-" if not a else f"{a['prefix_share']:.2f} / {a['identical']:.2f}"
+
+        tps = (
+            "-"
+            if not sp or "tokens" not in sp
+            else f"{sp['tokens_per_second_per_pass']['median']:.2f} ({sp['speedup_vs_ar']['median']:.2f}x)"
+        )
+        lines.append(
+            _row(
+                [
+                    SETTINGS.get(spec, f"`{spec}`"),
+                    f"`{spec}`",
+                    _pass_rate(he.get("pass_at_1")),
+                    agree(he),
+                    agree(lib),
+                    tps,
+                ]
+            )
+        )
+    meta = res["meta"]
+    corpora = meta.get("corpora", {})
+    lines += [
+        "",
+        f"HumanEval/0-{len(corpora.get('humaneval', [])) - 1} and {len(corpora.get('stdlib', []))} standard-library "
+        f"functions, at most {meta['max_tokens']} tokens, {meta['max_batch']} rows decoding together, T = 0. "
+        f"Speed: [`{SPEED}`]({SPEED.removeprefix('docs/')}) (`{_meta(speed).get('command')}`; commit "
+        f"`{commit(speed)}`; CPU capability `{capability(speed)}`).",
+    ]
+    return lines
+
+
+def quality_sampled(sources: list[dict]) -> list[str]:
+    """Sampled quality (T = 1) against the matched baseline of each lossy setting."""
+    (res,) = sources
+    lines = _header(["setting", "seeds", "HumanEval pass@1 [95%]", "samples", "vs its matched baseline"])
+    for spec, s in res["summary"].items():
+        if s["params"]["temperature"] == 0:
+            continue  # a greedy setting rescored here: the greedy table has it
+        he = s["humaneval"]
+        base = s.get("matched_baseline")
+        vs = "-" if not base else f"{he['delta_pass_at_1']:+.3f} against `{base}` ({he['baseline_pass_at_1']:.3f})"
+        lines.append(
+            _row(
+                [
+                    f"`{spec}`",
+                    ", ".join(map(str, s["seeds"])),
+                    _pass_rate(he.get("pass_at_1")),
+                    str(he["pass_at_1"]["n_samples"]),
+                    vs,
+                ]
+            )
+        )
+    return lines
+
+
+#: the two sides of the host-work measurement
+SIDES = {"before": "per row, on the host", "after": "batched, on the device"}
+
+
+def _median(runs: list[dict], key: str, scale: float = 1.0) -> float:
+    return statistics.median(x[key] * scale for x in runs)
+
+
+def host_work(sources: list[dict]) -> list[str]:
+    """What a decode step of many rows spends outside its forwards."""
+    (res,) = sources
+    lines = _header(
+        [
+            f"method ({res['rows']} rows)",
+            "sampling and rules",
+            "step ms",
+            "forwards ms",
+            "outside ms",
+            "host reads",
+            "tokens/s [min-max]",
+        ],
+        right=5,
+    )
+    sides = [s for s in SIDES if any(r["side"] == s for r in res["runs"])]
+    methods = list(dict.fromkeys(m for r in res["runs"] for m in r["methods"]))
+    for m in methods:
+        for side in sides:
+            runs = [r["methods"][m] for r in res["runs"] if r["side"] == side and m in r["methods"]]
+            if not runs:
+                continue
+
+            tps = [x["tokens_per_second"] for x in runs]
+            lines.append(
+                _row(
+                    [
+                        f"`{m}`",
+                        SIDES[side],
+                        f"{_median(runs, 'step_seconds', 1000):.0f}",
+                        f"{_median(runs, 'forward_seconds', 1000):.0f}",
+                        f"{_median(runs, 'outside_seconds', 1000):.1f}",
+                        f"{_median(runs, 'host_reads'):.0f}",
+                        _spread(
+                            {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "n": len(tps)}, ".1f"
+                        ),
+                    ]
+                )
+            )
+    lines += [
+        "",
+        f"{res['steps']} steps per run, each side run {len(res['runs']) // max(1, len(sides))} times, alternating; "
+        "medians over the runs. `outside` is a step's wall time less its forwards.",
+    ]
+    return lines
+
+
+SPEED = "docs/benchmarks/cpu/gates-speed/results.json"
+
+TABLES: dict[str, Table] = {
+    t.name: t
+    for t in (
+        Table("batch1", ("docs/benchmarks/cpu/main-greedy/results.json",), batch1),
+        Table("drafting", ("docs/benchmarks/cpu/proposers-heldout/results.json",), drafting),
+        Table("load", ("docs/benchmarks/cpu/load/results.json",), load),
+        Table("served", ("docs/benchmarks/cpu/one-engine/serve-throughput-avx512.json",), served),
+        Table("quality", ("docs/benchmarks/quality/greedy/results.json", SPEED), quality),
+        Table("quality-sampled", ("docs/benchmarks/quality/sampled/results.json",), quality_sampled),
+        Table("host-work", ("docs/benchmarks/cpu/device-step/step-breakdown-avx512.json",), host_work),
+    )
+}
+
+
+# ------------------------------------------------------------------ rendering and the documents
+
+
+def render(name: str, root: Path | str = ".") -> str:
+    """Table `name` as the lines between its markers: the source line, a blank line, the table."""
+    table = TABLES[name]
+    data = [json.loads((Path(root) / p).read_text()) for p in table.sources]
+    return "\n".join([source_line(table.sources[0], data[0]), "", *table.render(data)]) + "\n"
+
+
+def update(text: str, root: Path | str = ".") -> tuple[str, list[str]]:
+    """`text` with every marked table regenerated, and the names of those that changed."""
+    changed: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            raise KeyError(f"unknown table {name!r} (known: {', '.join(TABLES)})")
+        body = render(name, root)
+        if body != m.group(2):
+            changed.append(name)
+        return f"<!-- table:{name} -->\n{body}<!-- /table:{name} -->"
+
+    return _MARK.sub(sub, text), changed
+
+
+def marked(text: str) -> list[str]:
+    """The names of the tables a document marks."""
+    return [m.group(1) for m in _MARK.finditer(text)]
+
+
+def report(root: Path | str = ".", docs: bool = False, check: bool = False, out: Any = None) -> int:
+    """`viasd bench report`: print every table, or rewrite (--docs) / check (--check) the documents."""
+    import sys
+
+    out = out or sys.stdout
+    root = Path(root)
+    if not docs and not check:
+        for name in TABLES:
+            print(f"<!-- table:{name} -->\n{render(name, root)}<!-- /table:{name} -->\n", file=out)
+        return 0
+    stale = []
+    for doc in DOCS:
+        path = root / doc
+        text = path.read_text()
+        new, changed = update(text, root)
+        stale += [f"{doc}: {name}" for name in changed]
+        if docs and new != text:
+            path.write_text(new)
+    if check and stale:
+        print("tables that differ from their result files:\n  " + "\n  ".join(stale), file=out)
+        print("run `viasd bench report --docs` to regenerate them", file=out)
+        return 1
+    for line in stale if docs else []:
+        print(f"rewrote {line}", file=out)
+    return 0
