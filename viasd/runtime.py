@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from viasd import attention
 from viasd.blocks import PagedKVCache
 from viasd.errors import CapacityError, MaskError, ModelLoadError
 
@@ -442,15 +443,16 @@ class MaskedLM:
         `attn_mask` [B, 1, T, S] (True: attend) or None (causal over T); `past_key_values`: any
         cache with transformers' `update(key, value, layer_idx)` (None: no cache)."""
         rope = rope if rope is not None else self.rotary(hidden, positions)  # (cos, sin), each [B, T, D]
-        for i in layers:
-            hidden = self.layers[i](
-                hidden,
-                attention_mask=attn_mask,
-                position_ids=positions,
-                past_key_values=past_key_values,
-                use_cache=past_key_values is not None,
-                position_embeddings=rope,
-            )
+        with attention.using(self.config):  # grouped-query heads packed, not repeated (viasd.attention)
+            for i in layers:
+                hidden = self.layers[i](
+                    hidden,
+                    attention_mask=attn_mask,
+                    position_ids=positions,
+                    past_key_values=past_key_values,
+                    use_cache=past_key_values is not None,
+                    position_embeddings=rope,
+                )
         return hidden  # [B, T, H]
 
     def head(self, hidden: Tensor) -> Tensor:

@@ -108,3 +108,30 @@ def test_a_row_copies_into_storage_a_forward_allocated():
     for layer in store.layers:
         assert store.length(c, layer) == 3
         assert torch.equal(store.kv(c, layer)[0], store.kv(a, layer)[0][:, :, :3])
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2), (8, 1), (6, 2)])
+@pytest.mark.parametrize("t, masked", [(1, False), (1, True), (5, True), (5, False)])
+def test_grouped_attention_equals_transformers_sdpa(heads, kv_heads, t, masked):
+    """Packed query heads over unrepeated keys (viasd.attention) = transformers' SDPA attention
+    (repeat_kv), float64, with a ragged boolean mask, or none (causal: a prefill without cache)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from viasd.attention import grouped_attention
+
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads + t)
+    b, s, d = 3, 9 if masked or t == 1 else t, 8
+    q = torch.randn(b, heads, t, d, generator=gen, dtype=torch.float64)
+    k, v = (torch.randn(b, kv_heads, s, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    mask = None
+    if masked:  # rows of 9, 7 and 5 keys, the last t of each are the queries
+        ends = torch.tensor([9, 7, 5])
+        pos = ends[:, None] - t + torch.arange(t)[None]  # [B, T]
+        mask = (torch.arange(s)[None, None] <= pos[:, :, None])[:, None]  # [B, 1, T, S]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)
+    out, _ = grouped_attention(module, q, k, v, mask, scaling=0.3)
+    assert out.shape == (b, t, heads, d)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
