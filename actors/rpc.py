@@ -10,11 +10,11 @@ Draft probabilities (``DraftProbs``) travel as raw little-endian bytes, row-majo
   in-process one. 4 bytes x V per drafted token (Qwen2.5: V = 151,936 -> 608 KB per token).
 * ``"bfloat16"``: half the bytes, but p is rounded (relative error up to 2^-8): min(1, q/p) and
   the residual max(0, q - p) are no longer computed on the p that sampled the token, so the
-  lossless rule is only approximately lossless. Opt-in; measured in docs/SERVING.md.
+  lossless rule is only approximately lossless. Opt-in.
 
 Greedy requests ship no probabilities at all (p is one-hot at the draft tokens). Rows whose p is
 zero outside a few tokens (top-k, top-p, min-p) travel sparse: the nonzero values and their
-columns, still exact (docs/SERVING.md, "Draft probabilities on the wire").
+columns, still exact.
 
 The internal servers are plaintext on `PipelineConfig.bind_host` (loopback by default) unless the
 pipeline sets `internal_tls` (`InternalTLS`): then every server requires a client certificate
@@ -204,7 +204,7 @@ def encode_probs(p: torch.Tensor | None, dtype: str = "auto") -> ipb.DraftProbs 
     t = p.detach().to("cpu", _WIRE[name][1]).contiguous()  # [k, V]
     if name == "bfloat16":
         t = t.view(torch.int16)  # numpy has no bfloat16: ship the bit patterns
-    a = t.numpy()  # [k, V] (numpy: its nonzero count is ~100x faster than torch's here)
+    a = t.numpy()  # [k, V] (numpy's nonzero count is much faster than torch's on CPU)
     nnz = int(np.count_nonzero(a))
     sparse = nnz * (a.itemsize + 4) < a.size * a.itemsize // 2
     msg = ipb.DraftProbs(rows=p.shape[0], vocab_size=p.shape[1], dtype=name)
@@ -349,8 +349,7 @@ def cores_lock(device: str, threads: int, ranks: int) -> filelock.FileLock | Non
     node (the drafter and the verifier of a pipeline, other pipelines' actors) take turns on the
     cores instead of running at once. Two processes each running an OpenMP team over every core
     make 2N spinning threads on N cores: each team's barriers then wait for threads the kernel
-    has descheduled, and a forward slows by far more than the 2x of sharing (docs/SERVING.md,
-    "One forward per node at a time"). None on a GPU, with fewer threads than cores
+    has descheduled, and a forward slows by far more than the 2x of sharing. None on a GPU, with fewer threads than cores
     (`engine.threads` partitions them), and for tensor-parallel ranks, which must run at once
     (their collectives would wait for a rank waiting for the lock)."""
     if device != "cpu" or ranks > 1 or threads < (os.cpu_count() or 1):
@@ -362,7 +361,7 @@ class InOrder:
     """Runs blocking calls (model forwards) on the process's model thread (viasd.model_thread), in
     the order of their sequence numbers.
 
-    The verifier's rank 0 numbers every call (`issue`) and hands the same number to the other
+    The verifier's rank 0 numbers every call (`number`) and hands the same number to the other
     ranks; each rank executes its calls in that order, whatever order Ray delivers them in, so
     all ranks reach their collectives in the same order. `enqueue` registers a call
     synchronously (no await between numbering and registering, so a cancelled caller cannot
@@ -376,11 +375,11 @@ class InOrder:
         self.cores = cores
         self._stopped = False  # `shutdown`: calls not yet started fail instead of running
         self._next = 0  # the next sequence number to hand to the thread
-        self._issued = 0  # numbers handed out by `issue`
+        self._numbered = 0  # numbers handed out by `number`
         self._pending: dict[int, tuple[asyncio.Future, Callable, tuple, bool]] = {}
 
-    def issue(self) -> int:
-        seq, self._issued = self._issued, self._issued + 1
+    def number(self) -> int:
+        seq, self._numbered = self._numbered, self._numbered + 1
         return seq
 
     def enqueue(self, seq: int, fn: Callable, *args: Any, exclusive: bool = True) -> asyncio.Future:
@@ -400,7 +399,7 @@ class InOrder:
 
     def submit(self, fn: Callable, *args: Any, exclusive: bool = True) -> asyncio.Future:
         """Run in submission order (a single process with no peers)."""
-        return self.enqueue(self.issue(), fn, *args, exclusive=exclusive)
+        return self.enqueue(self.number(), fn, *args, exclusive=exclusive)
 
     def _run(self, fn: Callable, args: tuple, exclusive: bool) -> Any:
         if self._stopped:

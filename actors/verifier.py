@@ -171,9 +171,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
 
     async def _lockstep(self, op: str, *args, local_args: tuple = ()):
         work = self.core.work
-        seq = work.issue()
+        seq = work.number()
         refs = [f.call.remote(seq, op, *args) for f in self.followers]
-        local = work.enqueue(seq, getattr(self.core, op), *args, *local_args)  # no await since issue(): no gap
+        local = work.enqueue(seq, getattr(self.core, op), *args, *local_args)  # no await since number(): no gap
         calls = [local, *(_future(ref) for ref in refs)]
         if refs:  # a dead rank fails the call at once: rank 0 may wait forever in a collective with it
             await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)

@@ -20,21 +20,14 @@ which tokens) and receive its logits. Whoever drives them decides how forwards a
 itself. The rules (viasd.rules) and the sampling order are the same either way, so a request's
 tokens do not depend on what it was batched with.
 
-Request options (docs/REQUEST_OPTIONS.md): penalties and logit_bias (`sampling.Penalties`) process
-every tier's rows alike, row t of a block conditioned on the committed tokens + draft[:t], so the
-rules compare and sample the penalised distributions; logprobs of the committed tokens come from
-q's raw logits of the cycle (q' or one more q forward where q' decided alone, per request).
+Penalties and logit_bias (docs/REQUEST_OPTIONS.md) process every tier's rows alike, row t of a
+block conditioned on the committed tokens + draft[:t]. Randomness comes from one
+`torch.Generator` per request and side, consumed in a fixed order, so the same seed gives the
+same output alone, in any batch, in-process or served.
 
-Randomness comes from one `torch.Generator` per request and side, consumed in a fixed order
-(each drafted token, then the rewrite or the verification), so the same seed gives the same
-output alone, in any batch, in-process or served.
-
-Shaped for a device: between forwards a generator does no per-row maths of its own and reads
-nothing to the host. It yields what it needs as requests that `drive` batches over every row
-waiting for the same kind: `Draw` (sample tokens), `Check` (an acceptance rule over a block),
-`Gate` (the slim verifier's gate), `Read` (values to the host). Drafted tokens stay on the
-device and are fed from there (`Forward.tail`); a step reads the host once for its committed
-tokens and counts, and a `via` step once more for the gate's decisions, whatever the batch size.
+Between forwards a generator does no per-row maths and reads nothing to the host: it yields
+`Draw`, `Check`, `Gate` or `Read`, which `drive` answers for every waiting row at once on the
+device; a step reads the host once for its committed tokens (a `via` step once more for the gate).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ def test_an_actor_s_calls_run_in_order_on_the_model_thread():
     async def main():
         work = InOrder("test")
         order: list[int] = []
-        first, second = work.issue(), work.issue()
+        first, second = work.number(), work.number()
         late = work.enqueue(second, lambda: order.append(1) or threading.get_ident())  # waits for `first`
         early = work.enqueue(first, lambda: order.append(0) or threading.get_ident())
         idents = {await early, await late}
