@@ -55,7 +55,8 @@ from viasd.sessions import (
 @dataclass(frozen=True)
 class Capacity:
     """How much an engine runs at once (docs/BATCHING.md, "Caches"): every tier's cache holds
-    `max_batch` rows of up to `max_seq_len` positions, in process and on every served actor."""
+    `max_batch` rows of up to `max_seq_len` positions (paged: over `kv_blocks` blocks of
+    `block_size`), in process and on every served actor."""
 
     max_batch: int  # requests decoding together = cache rows per tier
     max_seq_len: int | None  # positions per cache row (prompt + generated + one draft block); None: unbounded

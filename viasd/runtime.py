@@ -19,8 +19,8 @@ key is finite and contributes exactly 0 to a real row.
 a rollback just sets a length, a finished request frees its row. Storage is preallocated per
 layer as [rows, H_kv, len, D] and grows by doubling (rows and length) up to the configured
 capacity, so one request on a large-capacity engine holds one row, not all of them. It is the
-single cache interface of the engine (docs/BATCHING.md, "Caches"): a paged cache can take
-its place behind `SlotKVCache.batch` / `RowCache`.
+cache interface of the engine (docs/BATCHING.md, "Caches"), which the paged cache
+(viasd.blocks.PagedKVCache) shares: `batch` / `RowCache`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 of its mode, on an executor (viasd.executor: the models in this process, or the served actors).
 
     step():
-      1. admit      waiting requests take free cache rows (FIFO; a full engine queues, never fails);
+      1. admit      waiting requests take free cache rows, and with paged caches the blocks they can
+                    take (FIFO; a full engine queues, never fails);
       2. prefill    admitted requests open their sessions; prompts go through every tier they use,
                     at most `prefill_chunk` prompt tokens per step in all (chunked prefill); the
                     samples of an n > 1 request copy sample 0's rows;
