@@ -96,7 +96,7 @@ class PipelineDeployment:
             self.pipeline,
             default_params=self.config.default_params,
             metrics=metrics,
-            max_concurrent_requests=limits.max_concurrent_requests,
+            max_concurrent_requests=self.config.max_running(pc.name),
             max_queued_requests=limits.max_queued_requests,
             max_tokens_default=limits.max_tokens_default,
         )
@@ -226,7 +226,7 @@ def _set_status(grpc_context, code: grpc.StatusCode, details: str, metadata=()) 
         grpc_context.set_trailing_metadata(list(metadata))
 
 
-def deployment_options(config: ServeConfig) -> dict[str, Any]:
+def deployment_options(config: ServeConfig, pipeline: str | None = None) -> dict[str, Any]:
     """Serve options of a pipeline deployment from the config (on top of DEPLOYMENT_DEFAULTS).
 
     max_ongoing_requests leaves room above the replica's own limits, so that requests past
@@ -236,7 +236,7 @@ def deployment_options(config: ServeConfig) -> dict[str, Any]:
     limits = config.limits
     return {
         "autoscaling_config": config.autoscaling.serve_config(),
-        "max_ongoing_requests": limits.max_concurrent_requests + limits.max_queued_requests + 8,
+        "max_ongoing_requests": config.max_running(pipeline) + limits.max_queued_requests + 8,
         "graceful_shutdown_timeout_s": limits.drain_timeout_s,
         "ray_actor_options": {"num_cpus": config.ray.replica_num_cpus},
     }
@@ -245,7 +245,7 @@ def deployment_options(config: ServeConfig) -> dict[str, Any]:
 def build_app(config: ServeConfig, pipeline: str | None = None):
     """The Serve application of one pipeline (default: the config's default pipeline)."""
     name = config.pipeline(pipeline).name
-    deployment = PipelineDeployment.options(name=f"pipeline-{name}", **deployment_options(config))
+    deployment = PipelineDeployment.options(name=f"pipeline-{name}", **deployment_options(config, name))
     return deployment.bind(config.model_dump(mode="json"), name)
 
 

@@ -483,7 +483,7 @@ class RequestHandler:
 
     def info(self) -> dict:
         """The backend's ModelInfo fields, named by the served name."""
-        return {**self.backend.info(), "name": self.name}
+        return {**self.backend.info(), "name": self.name, "max_concurrent_requests": self.admission.max_running}
 
     def answers_to(self, model: str | None) -> bool:
         return not model or model in self.names

@@ -42,7 +42,8 @@ class LocalPipeline:
             "max_context": e.max_context or 0,
             "default_mode": cfg.mode.value,
             "runtime": self.llm.runtime_info(),  # the dtype choice and the CPU capability
-            "kv_capacity_tokens": e.capacity.max_batch * (e.capacity.max_seq_len or 0),  # 0: unbounded
+            "kv_capacity_tokens": e.capacity.tokens,  # 0: unbounded
+            "capacity": e.capacity.describe(),
         }
 
     async def session_counts(self) -> dict:

@@ -370,6 +370,8 @@ class Pipeline:
             "tensor_parallel_size": self.config.tp_size,
             "max_context": self.coordinator.engine.max_context or 0,
             "default_mode": self.config.mode.value,
+            "kv_capacity_tokens": self.coordinator.engine.capacity.tokens,  # 0: unbounded
+            "capacity": self.coordinator.engine.capacity.describe(),
             # the verifier's dtype choice and CPU capability, and the linears both models packed
             "runtime": {**self.verifier_info["runtime"], **kernels(self._linears())},
         }

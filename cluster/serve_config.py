@@ -71,8 +71,12 @@ class Limits(BaseModel):
     """Admission control of one replica (one pipeline)."""
 
     model_config = _STRICT
-    max_concurrent_requests: int = Field(
-        4, ge=1, le=4096, description="Requests one replica decodes at once; more wait in its queue."
+    max_concurrent_requests: int | None = Field(
+        None,
+        ge=1,
+        le=4096,
+        description="Requests one replica decodes at once; more wait in its queue. Default: its engine's "
+        "max_batch, the requests its KV caches hold at once (with paged caches the scheduler also waits for blocks).",
     )
     max_queued_requests: int = Field(
         16,
@@ -252,6 +256,11 @@ class ServeConfig(BaseModel):
     @property
     def default_pipeline(self) -> str:
         return self.default_model or self.pipelines[0].name
+
+    def max_running(self, name: str | None = None) -> int:
+        """Requests a replica of pipeline `name` decodes at once: limits.max_concurrent_requests, else
+        the pipeline engine's max_batch."""
+        return self.limits.max_concurrent_requests or self.pipeline(name).engine.max_batch
 
     def pipeline(self, name: str | None = None) -> PipelineConfig:
         name = name or self.default_pipeline

@@ -196,7 +196,9 @@ async def _main(args: argparse.Namespace) -> None:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
         # one handler per pipeline; every handler and both transports share one admission and one drain
-        admission, calls = Admission(limits.max_concurrent_requests, limits.max_queued_requests), Calls()
+        # default: what every pipeline's engine decodes at once (its max_batch), together
+        running = limits.max_concurrent_requests or sum(c.engine.max_batch for c in configs)
+        admission, calls = Admission(running, limits.max_queued_requests), Calls()
         handlers = {
             name: RequestHandler(
                 p,

@@ -24,6 +24,7 @@ when only its drafter failed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,6 +64,17 @@ class Capacity:
     prefill_chunk: int = 512  # prompt tokens prefilled per step, over all new requests
     block_size: int | None = None  # positions per KV block of a paged cache (viasd.blocks); None: slot rows
     kv_blocks: int | None = None  # blocks per tier (paged); requests are admitted against them
+
+    @property
+    def tokens(self) -> int:
+        """Positions each tier's cache holds in all (0: unbounded)."""
+        if self.kv_blocks is not None:
+            return self.kv_blocks * self.block_size
+        return self.max_batch * (self.max_seq_len or 0)
+
+    def describe(self) -> dict:
+        """For /v1/models and the start-up log: rows, positions per request, blocks, tokens in all."""
+        return {**dataclasses.asdict(self), "kv_tokens": self.tokens}
 
     def new_store(self, lm: MaskedLM, mask: LayerMask | None = None):
         """A tier's cache of this capacity: max_batch rows of max_seq_len positions, or (paged)

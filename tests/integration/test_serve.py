@@ -600,7 +600,8 @@ def test_serve_yaml_loads_and_names_bad_fields(tmp_path):
     assert config.default_pipeline == config.pipelines[0].name
     opts = deployment_options(config)
     assert opts["autoscaling_config"]["max_replicas"] == config.autoscaling.max_replicas
-    assert opts["max_ongoing_requests"] > config.limits.max_concurrent_requests
+    assert config.limits.max_concurrent_requests is None  # the example leaves it to the engine: its max_batch
+    assert opts["max_ongoing_requests"] > config.max_running() == config.pipelines[0].engine.max_batch
     assert app_builder({"config": here}) is not None  # the KubeRay import path builds
 
     bad = tmp_path / "bad.yaml"
