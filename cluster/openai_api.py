@@ -18,7 +18,7 @@ Bodies are parsed as vLLM parses them:
   `{"error": {"message": ..., "type": "invalid_request_error", "param": field, "code": 400}}`.
 
 Defaults: parameters a request leaves out take the server's (`ServeConfig.default_params`, then
-GenerationParams' own: greedy, `via`, 128 tokens); a chat completion without `max_tokens` may
+GenerationParams' own: greedy, `auto`, 128 tokens); a chat completion without `max_tokens` may
 use the rest of the context, at most `limits.max_tokens_default` tokens.
 
 Responses carry OpenAI's `usage` and a `viasd_stats` object (`viasd.metrics.RequestStats`):
