@@ -12,7 +12,7 @@
    makes it exact again. `sd:overlap=true` is checked the same way: the drafter actor drafts the
    next block on its own GPU share while the verifier verifies (issue 9; tokens must not change).
 3. Measures the served-batching curve of docs/SERVING.md ("Served continuous batching") at 1, 4,
-   8 and 16 concurrent streams (scripts/serve_throughput.py): aggregate tokens/s, TTFT and ITL
+   8 and 16 concurrent streams (viasd.bench.serve, `viasd bench --suite serve`): aggregate tokens/s, TTFT and ITL
    p50 / p99 for ar, sd, via and auto (the service default) through HTTP, and the same levels
    on the in-process batched engine (the reference LLM on cuda:0) for the served / in-process
    ratio; then sd with
@@ -30,8 +30,6 @@ import json
 import os
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 PROMPTS = [
     'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
@@ -66,8 +64,8 @@ def main() -> int:
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
     import openai
-    from serve_throughput import check_tokens, in_process_stream, mode_params, one_stream, ratios, run_level
 
+    from viasd.bench.serve import check_tokens, in_process_stream, mode_params, one_stream, ratios, run_level
     from viasd.cluster import launch
     from viasd.cluster.serve_config import parse_serve_config
     from viasd.config import parse_params

@@ -130,12 +130,47 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `viasd bench --suite NAME`: one line each (`viasd bench --help` lists them)
+SUITES = {
+    "main": "ar / sd / via beside HF generate, assisted generation and the matched baselines, batch 1",
+    "ablations": "masks, skip ratio, gate thresholds, gamma, cache policy, bonus token, gate readings, batch 1",
+    "proposers": "drafting: model, n-gram and hybrid proposers, confidence stop, adaptive gamma, batch 1",
+    "quick": "ar, sd, via, HF generate and assisted generation on a few prompts, batch 1",
+    "load": "throughput under concurrency: continuous batching against generate_batch and the bare forward",
+    "serve": "the served API's tokens/s, TTFT and ITL at several numbers of streams, beside in process",
+    "quality": "pass@1 and agreement with ar of every greedy and sampled setting, one batched engine",
+    "dimr-compare": "DIMR mask artifacts against the evenly spaced and random masks on held-out text",
+    "lm-eval": "lm-eval's clients against a local server, beside the same tasks in process",
+    "step": "where a batched decode step's time goes: forwards, host work, host reads (--before REV)",
+}
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.suite == "load":
         from viasd.bench.load import concurrency_levels, run_load_bench
 
         config = _engine_config(args, max_batch=max(concurrency_levels(args.concurrency)))
         return run_load_bench(args, config, _params(args, ignore_eos=True))
+    if args.suite == "serve":
+        from viasd.bench.serve import run_serve_bench
+
+        return run_serve_bench(args)
+    if args.suite == "quality":
+        from viasd.bench.quality import run_quality_bench
+
+        return run_quality_bench(args, _engine_config(args, max_batch=8))
+    if args.suite == "dimr-compare":
+        from viasd.bench.dimr_compare import run_dimr_compare
+
+        return run_dimr_compare(args)
+    if args.suite == "lm-eval":
+        from viasd.bench.lmeval import run_lm_eval_bench
+
+        return run_lm_eval_bench(args, _engine_config(args, max_batch=8))
+    if args.suite == "step":
+        from viasd.bench.step import run_step_bench
+
+        return run_step_bench(args)
     from viasd.bench import run_bench
 
     return run_bench(args, _engine_config(args, max_batch=1), _params(args, ignore_eos=True))  # one at a time
@@ -345,13 +380,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_param_args(gen)
     gen.set_defaults(func=cmd_generate)
 
-    bench = sub.add_parser("bench", help="our ar / sd / via, HF generate / assisted and matched baselines, interleaved")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark suites: batch 1 against HF generate / assisted, load, served, quality, ...",
+        description="Benchmark suites (--suite NAME; default main, or the methods of --methods). Each run writes "
+        "--out/results.json (the raw runs, the command, the commit and the machine) and results.md.",
+        epilog="suites:\n" + "\n".join(f"  {name:<13} {line}" for name, line in SUITES.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench.add_argument(
         "--suite",
         default=None,
-        choices=["main", "ablations", "proposers", "quick", "load"],
-        help="a named set of methods and plots (default: main, unless --methods is given); load: "
-        "throughput under concurrency (viasd.bench.load)",
+        choices=list(SUITES),
+        metavar="NAME",
+        help="the suite to run, one of the list below (default: main, unless --methods is given)",
     )
     bench.add_argument(
         "--methods",
@@ -360,7 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="methods, comma-separated (';' when a spec has commas): ar, sd, via, hf, hf-assisted, "
         "variants as via:region_b=escalate:gamma=3, via:mask=random, ar:min_p=0.5, hf-assisted:draft=fixed; "
-        "--suite load: engine specs, SPEC@batch1, generate_batch, roofline",
+        "--suite load: engine specs, SPEC@batch1, generate_batch, roofline; --suite serve: request specs "
+        "(default sd; sd:gamma=3, auto); --suite step: ar, sd, sd-sampled (default all)",
     )
     bench.add_argument("--workload", default="humaneval", help="'humaneval' or a JSONL file of prompts")
     bench.add_argument("--prompts", type=int, default=5, help="number of prompts")
@@ -391,10 +434,71 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument("--rate", type=float, default=1.0, help="poisson arrivals: requests per second")
     load.add_argument("--arrival-seed", type=int, default=0, help="poisson arrivals: seed of the inter-arrival times")
-    load.add_argument("--passes", type=int, default=1, help="passes over every (arrival, concurrency, method)")
+    load.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="passes over every (arrival, concurrency, method); --suite serve: measure every system this many "
+        "times, in process and served alternating, each figure the median of its passes",
+    )
+    serve = bench.add_argument_group("serve suite (--suite serve; also --concurrency, --modes, --passes)")
+    serve.add_argument("--config", default=None, help="serve.yaml (default: the embedded pair, actors backend)")
+    serve.add_argument("--url", default=None, help="use a running endpoint (http://host:port) instead of starting one")
+    serve.add_argument("--backend", default=None, choices=["actors", "local"], help="override the config's backend")
+    serve.add_argument(
+        "--in-process",
+        action="store_true",
+        help="first measure the in-process batched engine (the config's pipeline engine) at the same levels, "
+        "then free it and start the served application",
+    )
+    serve.add_argument(
+        "--guidellm",
+        default=None,
+        help="the guidellm executable (pip install -e .[load], or its own venv): also drive the served endpoint "
+        "with it at the same levels",
+    )
+    serve.add_argument("--guidellm-requests", type=int, default=1, help="guidellm requests per stream and level")
+    serve.add_argument(
+        "--merge-guidellm", default=None, help="a serve results.json whose guidellm figures join these ones"
+    )
+    serve.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        help="before each served pass, record the cores each kind of process keeps busy over this many seconds "
+        "with no request in flight",
+    )
+    quality = bench.add_argument_group("quality suite (--suite quality; also --seeds, --max-tokens, --max-batch)")
+    quality.add_argument("--humaneval", type=int, default=40, help="HumanEval problems (from the first)")
+    quality.add_argument("--stdlib", type=int, default=40, help="standard-library functions (viasd.bench.quality)")
+    quality.add_argument(
+        "--greedy",
+        default="ar;sd;via:alpha1=0.5:alpha2=0.3;via:alpha1=0.7:region_b=escalate;via:rule=staged",
+        help="greedy settings, ';'-separated method specs ('' for none)",
+    )
+    quality.add_argument(
+        "--sampled",
+        default="ar:temperature=1;via:alpha1=0.5:alpha2=0.3:temperature=1;via:rule=staged:temperature=1",
+        help="sampled settings, HumanEval only, with every seed of --seeds (default 0,1; '' for none)",
+    )
+    dimr_cmp = bench.add_argument_group("dimr-compare suite (--suite dimr-compare; also --verifier, --drafter)")
+    dimr_cmp.add_argument(
+        "--artifact",
+        action="append",
+        default=None,
+        help="a DIMR mask artifact to score (repeatable; default: every shipped artifact of --verifier)",
+    )
+    dimr_cmp.add_argument("--heldout-tokens", type=int, default=512, help="held-out HumanEval tokens")
+    dimr_cmp.add_argument("--heldout-start", type=int, default=100, help="first HumanEval problem of the text")
+    dimr_cmp.add_argument("--max-seq-tokens", type=int, default=256, help="tokens per held-out sequence")
+    dimr_cmp.add_argument("--random", type=int, default=5, help="uniformly random masks per ratio (--seed)")
+    step = bench.add_argument_group("step suite (--suite step; also --methods, --dtype)")
+    step.add_argument("--rows", type=int, default=16, help="requests decoding together")
+    step.add_argument("--steps", type=int, default=8, help="timed decode steps per method and run")
+    step.add_argument("--before", default=None, help="another commit measured in the same run (alternating)")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-progress", action="store_true")
-    bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and the plots")
+    bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md (and the plots)")
     _add_engine_args(bench)
     _add_param_args(bench)
     bench.set_defaults(func=cmd_bench)

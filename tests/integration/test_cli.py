@@ -58,6 +58,17 @@ def test_each_command_sizes_the_batch_it_runs_and_the_flag_wins(argv, max_batch,
     assert loaded.value.args[0].max_batch == max_batch
 
 
+def test_bench_help_lists_every_suite_with_one_line_each(capsys):
+    from viasd.cli import SUITES, build_parser
+
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    listed = capsys.readouterr().out.split("suites:\n", 1)[1].strip().splitlines()
+    assert [line.split()[0] for line in listed] == list(SUITES) and all(len(line.split()) > 3 for line in listed)
+    for suite in SUITES:
+        assert build_parser().parse_args(["bench", "--suite", suite]).suite == suite
+
+
 def test_a_bad_concurrency_names_the_field(capsys):
     assert main(["bench", "--suite", "load", "--concurrency", "0,x"]) == 2
     assert "concurrency" in capsys.readouterr().err

@@ -418,6 +418,9 @@ def test_models_by_id_report_max_model_len_and_the_runtime(http, grpc_target, ba
     assert card["id"] == embedded.TEST_MODEL and card["max_model_len"] == MAX_CONTEXT
     runtime = card["viasd"]["runtime"]
     assert runtime["dtype"] == "float32" and runtime["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    capacity, engine = card["viasd"]["capacity"], backend.llm.engine.capacity  # what the KV caches hold
+    assert capacity["max_batch"] == engine.max_batch and capacity["kv_tokens"] == engine.tokens > 0
+    assert card["viasd"]["max_concurrent_requests"] == 2  # the handler's admission
     assert requests.get(f"{http}/v1/models/{ALIAS}", timeout=30).json()["id"] == ALIAS
     r = requests.get(f"{http}/v1/models/nope", timeout=30)
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
@@ -696,12 +699,8 @@ def test_ray_exports_the_same_names_as_the_replica_and_a_vllm_relabel_reads_them
 def test_lm_eval_clients_score_the_served_model_as_the_in_process_engine(http, handler, backend, tmp_path):
     """lm-eval's own local-completions and local-chat-completions clients, on a generate-until task
     over local files: the same answers, document by document, and the same exact match as the task
-    run on the in-process engine (scripts/lm_eval_check.py; docs/lm_eval.json records a run)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from lm_eval_check import in_process_scores, served_scores, task_dir
+    run on the in-process engine (viasd.bench.lmeval; docs/lm_eval.json records a run)."""
+    from viasd.bench.lmeval import in_process_scores, served_scores, task_dir
 
     tasks = task_dir(tmp_path / "tasks")
     served = served_scores(http, handler.name, tasks)
@@ -715,11 +714,7 @@ def test_lm_eval_loglikelihood_task_scores_the_served_model_as_the_in_process_en
     """A multiple-choice (loglikelihood) task through lm-eval's local-completions with its `remote`
     tokenizer (our /tokenizer_info and /tokenize) and echo + logprobs requests: every choice's
     loglikelihood and the accuracy equal the in-process engine's prompt logprobs."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from lm_eval_check import in_process_loglikelihood, max_difference, served_loglikelihood, task_dir
+    from viasd.bench.lmeval import in_process_loglikelihood, max_difference, served_loglikelihood, task_dir
 
     tasks = task_dir(tmp_path / "tasks")
     served = served_loglikelihood(http, handler.name, tasks)
@@ -732,13 +727,9 @@ def test_lm_eval_loglikelihood_task_scores_the_served_model_as_the_in_process_en
 def test_lm_eval_completions_in_batches_of_4_equal_batches_of_1(http, handler, tmp_path, monkeypatch):
     """lm-eval's local-completions sending 4 prompts a request (`batch_size=4`) gets, document by
     document, the answers and loglikelihoods it gets one prompt a request."""
-    import sys
-    from pathlib import Path
-
     from lm_eval.models import api_models
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from lm_eval_check import max_difference, served_loglikelihood, served_scores, task_dir
+    from viasd.bench.lmeval import max_difference, served_loglikelihood, served_scores, task_dir
 
     sizes: list[int] = []  # prompts per HTTP request lm-eval sent
     post = api_models.requests.post

@@ -5,7 +5,7 @@ One pipeline for the module (tiny float32 LLaMA pair with a character-level toke
 template, so that text prompts and chat messages go through real tokenization), supervised the
 way the standalone server supervises it (`Pipeline.supervise`, wired to the health service).
 Every step runs under a timeout; nothing asserts on a duration. The long versions (100 cancel
-cycles, 32 streams for minutes, thousands of fuzz cases) are `scripts/load_test.py` and
+cycles, 32 streams for minutes, thousands of fuzz cases) are `tests/reliability_load.py` and
 `VIASD_FUZZ_EXAMPLES`; docs/RELIABILITY.md has the figures.
 """
 
@@ -1134,17 +1134,13 @@ def test_fuzz_http_completions(aio, http_base, pipeline, llm):
     )
 
 
-# ------------------------------------------------------------------ load (short version of scripts/load_test.py)
+# ------------------------------------------------------------------ load (short version of tests/reliability_load.py)
 
 
 def _load_script():
-    import importlib.util
+    import reliability_load
 
-    spec = importlib.util.spec_from_file_location("viasd_load_test", REPO / "scripts" / "load_test.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (its dataclasses look their module up)
-    spec.loader.exec_module(module)
-    return module
+    return reliability_load
 
 
 def test_concurrent_streams_lose_nothing(aio, server, pipeline, llm):

@@ -1,4 +1,4 @@
-"""The quality evaluation (viasd.bench.quality, scripts/quality_eval.py) on tiny float64 models:
+"""The quality evaluation (viasd.bench.quality, `viasd bench --suite quality`) on tiny float64 models:
 
 * a batched evaluation decodes each prompt as it decodes alone, and a stop sequence cancels the
   request that wrote it;
@@ -9,13 +9,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from viasd.bench.methods import parse_method
-from viasd.bench.quality import Setting, decode_batched, evaluate, markdown, summarize
+from viasd.bench.quality import Setting, decode_batched, evaluate, markdown, settings_from, summarize
 from viasd.bench.workloads import Prompt
 from viasd.config import parse_params
 from viasd.engine import Engine
@@ -74,9 +71,6 @@ def test_agreement_with_ar_counts_the_shared_prefix(tiny_pair):
 
 
 def test_a_lossy_sampled_setting_is_compared_with_its_matched_baseline():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-    from quality_eval import settings_from
-
     base = parse_params(max_tokens=8)
     settings = settings_from("ar:temperature=1;via:alpha1=0.5:alpha2=0.3:temperature=1", (0, 1), base)
     labels = [s.label for s in settings]

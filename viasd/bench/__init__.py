@@ -18,7 +18,9 @@ command), results.md (the tables), one PNG per plot group. Modules: `methods` (t
 suites), `workloads` (HumanEval, JSONL), `runner` (the interleaved loop), `execution` (pass@1 in a
 sandboxed subprocess), `report` (summaries, targets, Markdown), `plots` (matplotlib), `load` (the
 load suite: continuous batching under concurrency against transformers' generate_batch and the
-bare batched forward).
+bare batched forward); the other suites: `serve` with its records `serve_report` (the served API
+against in process), `quality`, `dimr_compare`, `lmeval`, `step` (host work per step, with
+`host_reads`); `tables` renders the published tables (`viasd bench report`).
 """
 
 from __future__ import annotations

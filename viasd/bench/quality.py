@@ -16,6 +16,13 @@ Greedy agreement with `ar` on both corpora: the share of tokens before the first
 (`report.agreement`'s prefix share) and the share of completions identical to `ar`'s after
 truncation at the stop sequences. The sampled setting (temperature 1) runs with several seeds.
 Wall times are recorded per setting and for the whole evaluation.
+
+    viasd bench --suite quality --humaneval 40 --stdlib 40 --out bench-out/quality
+
+(`run_quality_bench`): greedy settings on both corpora, with the loaded mask's calibrated gates
+added when it has them; sampled settings on HumanEval with every seed of --seeds; every lossy
+sampled setting gets its matched baseline. Writes results.json (the raw runs, the summary, the
+command, the commit and the machine) and results.md (the table).
 """
 
 from __future__ import annotations
@@ -31,9 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from viasd.bench.execution import STOP_SEQUENCES, check_many, truncate
-from viasd.bench.methods import Method
+from viasd.bench.methods import Method, matched_baseline, parse_method, split_specs
 from viasd.bench.report import pass_at_1, wilson
-from viasd.bench.workloads import Prompt
+from viasd.bench.workloads import Prompt, humaneval
 from viasd.config import GenerationParams
 from viasd.engine import Engine
 
@@ -342,3 +349,84 @@ def markdown(summary: dict[str, dict], corpora: Sequence[str]) -> str:
             row.append(f"{ag['prefix_share']:.2f} / {ag['identical']:.2f} (n={ag['n']})" if ag else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+#: the suite's default settings: greedy on both corpora, sampled (temperature 1) on HumanEval
+GREEDY = "ar;sd;via:alpha1=0.5:alpha2=0.3;via:alpha1=0.7:region_b=escalate;via:rule=staged"
+SAMPLED = "ar:temperature=1;via:alpha1=0.5:alpha2=0.3:temperature=1;via:rule=staged:temperature=1"
+
+
+def settings_from(spec: str, seeds: tuple[int, ...], base: GenerationParams) -> list[Setting]:
+    """The settings of ';'-separated method specs, each lossy sampled one followed by its matched
+    baseline (same seeds); a greedy setting runs once (seed 0)."""
+    out: dict[str, Setting] = {}
+    for s in split_specs(spec):
+        m = parse_method(s, base)
+        mb = matched_baseline(m, base) if m.lossy and not m.params.greedy else None
+        out.setdefault(m.label, Setting(m, seeds if not m.params.greedy else (0,), mb.label if mb else None))
+        if mb is not None:
+            out.setdefault(mb.label, Setting(mb, seeds))
+    return list(out.values())
+
+
+def run_quality_bench(args, config) -> int:
+    """`viasd bench --suite quality`: load the pair once (`config`), evaluate every setting through
+    one batched engine of `config.max_batch` rows, write `--out`/results.json and results.md."""
+    import json
+    import sys
+    from pathlib import Path
+
+    from viasd.bench import environment
+    from viasd.config import parse_params
+    from viasd.engine import cost_cache_dir
+    from viasd.llm import LLM
+
+    seeds = tuple(int(s) for s in str(args.seeds or "0,1").split(",") if s.strip())
+    max_tokens = int(args.max_tokens) if args.max_tokens is not None else 160
+    base = parse_params(max_tokens=max_tokens)
+    greedy = settings_from(args.greedy, (0,), base) if args.greedy else []
+    sampled = settings_from(args.sampled, seeds, base) if args.sampled else []
+    llm = LLM(config, mask=args.mask)
+    if greedy and llm.engine.gates is not None:  # the mask's calibrated gates, spelled out (viasd.gates)
+        greedy = settings_from(";".join([*(s.label for s in greedy), llm.engine.gates.spec()]), (0,), base)
+    engine = Engine(
+        llm.verifier,
+        llm.drafter,
+        mask=llm.engine.mask,
+        eos_token_ids=llm.engine.eos_token_ids,
+        max_batch=config.max_batch,
+        cost_cache_dir=cost_cache_dir(),
+    )
+    he = humaneval(args.humaneval) if args.humaneval else []
+    lib = stdlib_functions(args.stdlib) if args.stdlib else []
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    corpora = {k: v for k, v in (("humaneval", he), ("stdlib", lib)) if v}
+    res_g = evaluate(engine, llm.tokenizer, greedy, corpora, log=log) if greedy else None
+    res_s = evaluate(engine, llm.tokenizer, sampled, {"humaneval": he}, log=log) if sampled and he else None
+    done = [r for r in (res_g, res_s) if r is not None]
+    summary = {k: v for r in done for k, v in r["summary"].items()}
+    results = {
+        "meta": {
+            "command": getattr(args, "command_line", None) or " ".join(sys.argv),
+            "environment": environment(str(llm.verifier.device)),
+            "runtime": llm.runtime_info(),
+            "mask": {"skipped_layers": list(llm.engine.mask.skipped), "source": llm.mask_source},
+            "max_tokens": max_tokens,
+            "max_batch": config.max_batch,
+            "seeds": list(seeds),
+            "corpora": {"humaneval": [p.id for p in he], "stdlib": [p.id for p in lib]},
+            "wall_seconds": sum(r["wall_seconds"] for r in done),
+        },
+        "summary": summary,
+        "runs": [run for r in done for run in r["runs"]],
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    table = markdown(summary, list(corpora))
+    (out / "results.md").write_text(
+        f"wall time of the whole evaluation: {results['meta']['wall_seconds']:.0f} s\n\n" + table
+    )
+    print(table)
+    print(f"wall time {results['meta']['wall_seconds']:.0f} s; wrote {out}/results.json, results.md", file=sys.stderr)
+    return 0

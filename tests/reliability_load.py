@@ -1,6 +1,8 @@
-"""Load, cancellation and loss check of the served pipeline on tiny models, over loopback gRPC.
+"""Load, cancellation and loss check of the served pipeline on tiny models, over loopback gRPC: the
+long version of tests/integration/test_reliability.py's load test (a helper module of the tests,
+and a command; pytest does not collect it).
 
-    flock /tmp/viasd-heavy.lock .venv/bin/python scripts/load_test.py --streams 32 --duration 90 \
+    flock /tmp/viasd-heavy.lock .venv/bin/python tests/reliability_load.py --streams 32 --duration 90 \
         --cancel-cycles 100 --out load.json
 
 Starts a local Ray, one pipeline (drafter actor + verifier actor, the tiny float32 LLaMA pair of
@@ -271,7 +273,7 @@ def tiny_models(root: Path):
     """The test suite's tiny float32 LLaMA pair (tests/conftest.py), saved under root."""
     import torch
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from conftest import drafter_from, tiny_model
 
     from viasd.config import EngineConfig

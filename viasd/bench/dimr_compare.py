@@ -1,17 +1,18 @@
-"""Score DIMR artifacts against the evenly spaced and random masks on held-out HumanEval text.
+"""`viasd bench --suite dimr-compare`: DIMR mask artifacts scored against the evenly spaced mask and
+uniformly random masks on held-out HumanEval text.
 
-    python scripts/dimr_compare.py viasd/masks/qwen2.5-coder-1.5b-instruct-r0.45.json \
-        --drafter qwen2.5-coder-0.5b-instruct --heldout-tokens 512 --random 5 --out docs/dimr-compare.json
+    viasd bench --suite dimr-compare --artifact viasd/masks/qwen2.5-coder-1.5b-instruct-r0.45.json \
+        --heldout-tokens 512 --random 5 --out bench-out/dimr-compare
 
-For each artifact (same verifier; its fingerprint is checked): every objective of viasd.dimr on
-the held-out text for the searched mask, the evenly spaced mask and `--random` uniformly random
-masks at the same ratio (first and last layer kept). Forward costs for the e2e figures are
-measured once per ratio, after the reference pass. Prints markdown; writes everything as JSON.
+For each artifact (same verifier; its fingerprint is checked; default: every shipped artifact of
+--verifier): every objective of `viasd.dimr` on the held-out text for the searched mask, the evenly
+spaced mask and `--random` uniformly random masks at the same ratio (first and last layer kept).
+With a drafter, forward costs for the e2e figures are measured once per ratio, after the reference
+pass (`--drafter none`: no e2e figures). Writes results.json (every mask's figures) and results.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -19,16 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
-from viasd import dimr
-from viasd.models.loader import load_causal_lm
-from viasd.runtime import LayerMask, MaskedLM
-
 COLUMNS = ("top1", "rkl", "rkl_total", "kl", "tv", "e2e", "paper_cost")
 
 
 def row(values: dict) -> dict:
+    """One mask's figures from `viasd.dimr.evaluate_mask`'s values."""
     out = {k: values[k] for k in ("top1", "rkl", "rkl_total", "kl", "tv") if k in values}
     if "e2e" in values:
         d = values["e2e_detail"]
@@ -47,26 +43,39 @@ def fmt(r: dict) -> str:
     return " | ".join("-" if k not in r else f"{r[k]:.4f}" if k != "rkl_total" else f"{r[k]:.1f}" for k in COLUMNS)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("artifacts", nargs="+")
-    ap.add_argument("--drafter", default=None)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--heldout-tokens", type=int, default=512)
-    ap.add_argument("--heldout-start", type=int, default=100)
-    ap.add_argument("--max-seq-tokens", type=int, default=256)
-    ap.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
-    ap.add_argument("--random", type=int, default=5, help="random masks per ratio")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+def artifact_paths(args) -> list[str]:
+    """The --artifact files, or every shipped artifact of --verifier."""
+    if args.artifact:
+        return list(args.artifact)
+    from importlib import resources
 
-    arts = [(p, dimr.read_artifact(p)) for p in args.artifacts]
-    verifier = arts[0][1].verifier
+    from viasd import dimr
+
+    root = resources.files("viasd.masks")
+    return [str(root / name) for name, art in dimr.shipped_artifacts() if art.verifier == args.verifier]
+
+
+def run_dimr_compare(args) -> int:
+    """Score the masks, print the table, write `--out`/results.json and results.md."""
+    import torch
+
+    from viasd import dimr
+    from viasd.bench import environment
+    from viasd.errors import InvalidParameterError
+    from viasd.models.loader import load_causal_lm
+    from viasd.runtime import LayerMask, MaskedLM
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    paths = artifact_paths(args)
+    if not paths:
+        raise InvalidParameterError("artifact", f"no --artifact given and no shipped artifact for {args.verifier!r}")
+    arts = [(p, dimr.read_artifact(p)) for p in paths]
+    drafter = None if str(args.drafter).lower() in ("none", "") else args.drafter
     t0 = time.perf_counter()
-    model, tok = load_causal_lm(verifier, dtype=args.dtype)
+    model, tok = load_causal_lm(arts[0][1].verifier, dtype=args.dtype, device=args.device)
     vq = MaskedLM(model)
-    vp = MaskedLM(load_causal_lm(args.drafter, dtype=args.dtype)[0]) if args.drafter else None
+    vp = MaskedLM(load_causal_lm(drafter, dtype=args.dtype, device=args.device)[0]) if drafter else None
     cal = dimr.humaneval_calibration(
         tok, start=args.heldout_start, max_tokens=args.heldout_tokens, max_seq_tokens=args.max_seq_tokens
     )
@@ -75,10 +84,11 @@ def main() -> int:
         f"held-out: {cal.description}; cache policy {args.cache_policy}; reference in {time.perf_counter() - t0:.0f}s",
         file=sys.stderr,
     )
-    rng = random.Random(args.seed)
+    rng = random.Random(int(args.seed) if args.seed is not None else 0)
     costs_by_ratio: dict[float, dimr.Costs] = {}
     results = {
-        "command": "python " + " ".join(sys.argv),
+        "command": getattr(args, "command_line", None) or " ".join(sys.argv),
+        "environment": environment(str(model.device)),
         "heldout": cal.to_dict(),
         "cache_policy": args.cache_policy,
         "threads": torch.get_num_threads(),
@@ -110,18 +120,18 @@ def main() -> int:
             entry["random_median"] = med
             lines.append(f"| {art.ratio:g} | median of {len(rand)} random | - | {fmt(med)} |")
         results["ratios"].append(entry)
-    print("\n".join(lines))
     for ratio, cost in costs_by_ratio.items():
         c = cost.to_dict()
-        print(
+        lines.append(
             f"\nr={ratio:g} costs (s): drafter token {c['drafter']:.4f}, slim block {c['slim']:.4f}, "
             f"full block {c['full']:.4f}, full token {c['full_token']:.4f}"
         )
-    print(f"\nthreads {torch.get_num_threads()}; {results['heldout']['description']}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    lines.append(f"\nthreads {torch.get_num_threads()}; {results['heldout']['description']}")
+    table = "\n".join(lines)
+    print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(table + "\n")
+    print(f"wrote {out}/results.json, results.md", file=sys.stderr)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

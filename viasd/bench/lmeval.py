@@ -1,46 +1,37 @@
-"""lm-eval against a via-sd server, beside the same tasks on the in-process engine.
+"""`viasd bench --suite lm-eval`: lm-eval's own clients against a via-sd server, beside the same
+tasks on the in-process engine.
 
-Two tasks over local files, run by lm-eval's own API against a running server and through
+Two tasks over small data files beside this module, run by lm-eval's API against an in-process
+HTTP server (the OpenAI-compatible app over a local pipeline of the engine flags) and through
 `InProcessLM` (the same `viasd.llm.LLM` the server runs) for the reference scores:
 
-* generate-until (`tests/data/lm_eval/qa.jsonl`, short questions with one-word answers; exact
-  match after the first newline), through lm-eval's `local-completions` and
-  `local-chat-completions` clients; greedy, so the served answers must equal the in-process ones;
-* loglikelihood (`tests/data/lm_eval/mc.jsonl`, multiple choice; accuracy), through
-  `local-completions` with lm-eval's `remote` tokenizer (the server's /tokenizer_info, /tokenize)
-  and tokenized requests: each choice is scored from completions `echo` + `logprobs`, the prompt
-  tokens' logprobs under the full verifier. In-process, the same sums come from
-  `prompt_logprobs` (max_tokens 0).
+* generate-until (`lm_eval_qa.jsonl`, short questions with one-word answers; exact match after
+  the first newline), through lm-eval's `local-completions` and `local-chat-completions` clients;
+  greedy, so the served answers must equal the in-process ones;
+* loglikelihood (`lm_eval_mc.jsonl`, multiple choice; accuracy), through `local-completions` with
+  lm-eval's `remote` tokenizer (the server's /tokenizer_info, /tokenize) and tokenized requests:
+  each choice is scored from completions `echo` + `logprobs`, the prompt tokens' logprobs under the
+  full verifier. In-process, the same sums come from `prompt_logprobs` (max_tokens 0).
 
-    python scripts/lm_eval_check.py --out docs/lm_eval.json   # starts its own in-process server
+    viasd bench --suite lm-eval --verifier smollm2-135m-instruct --drafter none --dtype float32 \
+        --threads 1 --out bench-out/lm-eval
 
-`tests/integration/test_front_end.py` runs `served_scores` / `in_process_scores` against its test server.
+`served_scores` / `in_process_scores` (and the loglikelihood pair) also run against any server:
+tests/integration/test_front_end.py runs them against its test server.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
+import functools
 import json
-import platform
-import subprocess
 import sys
-import tempfile
-import threading
 from pathlib import Path
 
-import lm_eval
-import torch
-import yaml
-from lm_eval.api.instance import Instance
-from lm_eval.api.model import TemplateLM
-from lm_eval.tasks import TaskManager
-
 from viasd.config import parse_params
+from viasd.errors import require
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT / "tests" / "data" / "lm_eval" / "qa.jsonl"
-MC_DATA = ROOT / "tests" / "data" / "lm_eval" / "mc.jsonl"
+DATA = Path(__file__).resolve().parent / "lm_eval_qa.jsonl"
+MC_DATA = Path(__file__).resolve().parent / "lm_eval_mc.jsonl"
 TASK = "viasd_qa"
 MC_TASK = "viasd_mc"
 MAX_GEN_TOKS = 8
@@ -87,67 +78,87 @@ def task_dir(where: Path) -> Path:
         "metadata": {"version": 1},
     }
     where.mkdir(parents=True, exist_ok=True)
+    import yaml
+
     (where / f"{TASK}.yaml").write_text(yaml.safe_dump(config))
     (where / f"{MC_TASK}.yaml").write_text(yaml.safe_dump(mc))
     return where
 
 
-class InProcessLM(TemplateLM):
-    """lm-eval's LM over `viasd.llm.LLM`: greedy generate-until (prompts or chat messages) and
-    loglikelihood from the full verifier's prompt logprobs."""
+@functools.cache
+def _in_process_lm_class():
+    """lm-eval's LM over `viasd.llm.LLM` (built on first use: lm-eval is imported only here)."""
+    require("lm_eval", "bench")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
 
-    def __init__(self, llm, chat: bool = False):
-        super().__init__()
-        self.llm = llm
-        self.chat = chat
+    class InProcessLM(TemplateLM):
+        """lm-eval's LM over `viasd.llm.LLM`: greedy generate-until (prompts or chat messages) and
+        loglikelihood from the full verifier's prompt logprobs."""
 
-    @property
-    def tokenizer_name(self) -> str:
-        return "viasd-in-process"
+        def __init__(self, llm, chat: bool = False):
+            super().__init__()
+            self.llm = llm
+            self.chat = chat
 
-    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        return json.dumps(chat_history)  # rendered by the model's template in generate_until, as the server does
+        @property
+        def tokenizer_name(self) -> str:
+            return "viasd-in-process"
 
-    def generate_until(self, requests: list[Instance]) -> list[str]:
-        out = []
-        for request in requests:
-            context, kwargs = request.args
-            until = [s for s in kwargs.get("until", []) if s]
-            messages = json.loads(context) if self.chat else None
-            ids = self.llm.encode(None if self.chat else context, messages)
-            result = self.llm.complete(
-                ids, parse_params(mode="ar", max_tokens=kwargs.get("max_gen_toks", MAX_GEN_TOKS))
-            )
-            text = self.llm.decode(result.token_ids)
-            cut = min([text.index(s) for s in until if s in text], default=len(text))
-            out.append(text[:cut])
-        return out
+        def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+            return json.dumps(chat_history)  # rendered by the model's template in generate_until, as the server does
 
-    @property
-    def eot_token_id(self) -> int:
-        return self.llm.tokenizer.eos_token_id
+        def generate_until(self, requests: list[Instance]) -> list[str]:
+            out = []
+            for request in requests:
+                context, kwargs = request.args
+                until = [s for s in kwargs.get("until", []) if s]
+                messages = json.loads(context) if self.chat else None
+                ids = self.llm.encode(None if self.chat else context, messages)
+                result = self.llm.complete(
+                    ids, parse_params(mode="ar", max_tokens=kwargs.get("max_gen_toks", MAX_GEN_TOKS))
+                )
+                text = self.llm.decode(result.token_ids)
+                cut = min([text.index(s) for s in until if s in text], default=len(text))
+                out.append(text[:cut])
+            return out
 
-    def tok_encode(self, string: str, add_special_tokens: bool = False, **kwargs) -> list[int]:
-        return self.llm.tokenizer.encode(string, add_special_tokens=add_special_tokens)  # as the server's /tokenize
+        @property
+        def eot_token_id(self) -> int:
+            return self.llm.tokenizer.eos_token_id
 
-    def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
-        """Each (context, continuation) scored as the served request is: the sum of the
-        continuation tokens' logprobs, and whether each is the most likely token there."""
-        out = []
-        for _, context, continuation in requests:
-            ids = context + continuation
-            result = self.llm.complete(ids, parse_params(mode="ar", max_tokens=0, prompt_logprobs=1))
-            scored = result.prompt_logprobs[len(context) :]  # [len(continuation)]
-            greedy = all(e.top and e.top[0][0] == e.token_id for e in scored)
-            out.append((sum(e.logprob for e in scored), greedy))
-        return out
+        def tok_encode(self, string: str, add_special_tokens: bool = False, **kwargs) -> list[int]:
+            return self.llm.tokenizer.encode(string, add_special_tokens=add_special_tokens)  # as the server's /tokenize
 
-    def loglikelihood_rolling(self, requests):
-        raise NotImplementedError("no rolling loglikelihood task is run here")
+        def _loglikelihood_tokens(self, requests, **kwargs) -> list[tuple[float, bool]]:
+            """Each (context, continuation) scored as the served request is: the sum of the
+            continuation tokens' logprobs, and whether each is the most likely token there."""
+            out = []
+            for _, context, continuation in requests:
+                ids = context + continuation
+                result = self.llm.complete(ids, parse_params(mode="ar", max_tokens=0, prompt_logprobs=1))
+                scored = result.prompt_logprobs[len(context) :]  # [len(continuation)]
+                greedy = all(e.top and e.top[0][0] == e.token_id for e in scored)
+                out.append((sum(e.logprob for e in scored), greedy))
+            return out
+
+        def loglikelihood_rolling(self, requests):
+            raise NotImplementedError("no rolling loglikelihood task is run here")
+
+    return InProcessLM
+
+
+def InProcessLM(llm, chat: bool = False):  # noqa: N802 (a class, built lazily)
+    """An lm-eval LM over `viasd.llm.LLM`: greedy generate-until and loglikelihood from the full
+    verifier's prompt logprobs."""
+    return _in_process_lm_class()(llm, chat)
 
 
 def _evaluate(model, task: str, tasks: Path, **kwargs) -> dict:
     """lm-eval's own `simple_evaluate` of one of our tasks (every sample logged, no bootstrap)."""
+    lm_eval = require("lm_eval", "bench")
+    from lm_eval.tasks import TaskManager
+
     return lm_eval.simple_evaluate(
         model=model,
         tasks=[task],
@@ -231,21 +242,16 @@ def max_difference(a: dict, b: dict) -> float:
     return max(abs(x - y) for x, y in pairs)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _serve_http(pipeline):
+    """The OpenAI-compatible app over `pipeline` on a free loopback port, in a thread; returns
+    (base URL, the handler, a function that stops the server)."""
+    import threading
+
     import uvicorn
 
     from viasd.cluster.handler import RequestHandler
-    from viasd.cluster.local import LocalPipeline
     from viasd.cluster.openai_api import build_http_app
-    from viasd.cluster.pipeline import PipelineConfig
-    from viasd.models import embedded
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--verifier", default=embedded.TEST_MODEL)
-    ap.add_argument("--out", default=None, help="JSON file for the scores (default: print)")
-    args = ap.parse_args(argv)
-    config = PipelineConfig(engine={"verifier": args.verifier, "drafter": None, "dtype": "float32", "threads": 1})
-    pipeline = asyncio.run(LocalPipeline.start(config))
     handler = RequestHandler(pipeline)
     app = build_http_app()
     app.state.server = handler
@@ -255,35 +261,52 @@ def main(argv: list[str] | None = None) -> None:
     while not server.started:
         threading.Event().wait(0.05)
     port = server.servers[0].sockets[0].getsockname()[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        tasks = task_dir(Path(tmp))
-        base = f"http://127.0.0.1:{port}"
-        served, local = served_scores(base, handler.name, tasks), in_process_scores(pipeline.llm, tasks)
-        served_ll, local_ll = (
-            served_loglikelihood(base, handler.name, tasks),
-            in_process_loglikelihood(pipeline.llm, tasks),
-        )
-    server.should_exit = True
-    thread.join(30)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(30)
+
+    return f"http://127.0.0.1:{port}", handler, stop
+
+
+def run_lm_eval_bench(args, config) -> int:
+    """Both tasks served and in process on the engine `config`; writes `--out`/results.json.
+    Exit status 1 when the served answers differ from the in-process ones."""
+    import asyncio
+    import tempfile
+
+    import torch
+
+    from viasd.bench import environment
+    from viasd.cluster.local import LocalPipeline
+    from viasd.cluster.pipeline import PipelineConfig
+
+    lm_eval = require("lm_eval", "bench")
+    pipeline = asyncio.run(LocalPipeline.start(PipelineConfig(engine=config)))
+    base, handler, stop = _serve_http(pipeline)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tasks = task_dir(Path(tmp))
+            served, local = served_scores(base, handler.name, tasks), in_process_scores(pipeline.llm, tasks)
+            served_ll = served_loglikelihood(base, handler.name, tasks)
+            local_ll = in_process_loglikelihood(pipeline.llm, tasks)
+    finally:
+        stop()
+    package = Path(__file__).resolve().parents[2]
     record = {
-        "command": "python scripts/lm_eval_check.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "commit": commit,
-        "lm_eval": lm_eval.__version__ if hasattr(lm_eval, "__version__") else "0.4.13",
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__,
-        },
+        "command": getattr(args, "command_line", None) or " ".join(sys.argv),
+        "environment": environment(),
+        "lm_eval": getattr(lm_eval, "__version__", None),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "task": {
             "name": TASK,
-            "data": str(DATA.relative_to(ROOT)),
+            "data": DATA.relative_to(package).as_posix(),
             "docs": sum(1 for _ in DATA.open()),
             "output_type": "generate_until",
             "metric": "exact_match",
             "decoding": "greedy, mode ar",
         },
-        "verifier": args.verifier,
+        "verifier": config.verifier,
         "served_model_name": handler.name,
         "served": served,
         "in_process": local,
@@ -291,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         "loglikelihood": {
             "task": {
                 "name": MC_TASK,
-                "data": str(MC_DATA.relative_to(ROOT)),
+                "data": MC_DATA.relative_to(package).as_posix(),
                 "docs": sum(1 for _ in MC_DATA.open()),
                 "output_type": "multiple_choice",
                 "metric": "acc",
@@ -303,10 +326,9 @@ def main(argv: list[str] | None = None) -> None:
         },
     }
     text = json.dumps(record, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
     print(text)
-
-
-if __name__ == "__main__":
-    main()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(text + "\n")
+    print(f"wrote {out}/results.json", file=sys.stderr)
+    return 0 if record["served_equals_in_process"] else 1
