@@ -45,7 +45,16 @@ from torch import nn
 
 from viasd.errors import InvalidParameterError
 
-__all__ = ["TPBackend", "TPGroup", "init_tp", "shard_model", "shutdown_tp", "check_shardable", "free_port"]
+__all__ = [
+    "TPBackend",
+    "TPGroup",
+    "init_tp",
+    "shard_model",
+    "load_shard",
+    "shutdown_tp",
+    "check_shardable",
+    "free_port",
+]
 
 
 class TPBackend(str, Enum):
@@ -250,7 +259,6 @@ def _shard_torch(model: nn.Module, group: TPGroup, *, dtensor_runtime: bool = Fa
 def _localize(linear: nn.Linear, pg, pre_hooks_before: set, hooks_before: set, *, gather: bool) -> None:
     """Swap a parallelized Linear's DTensor weight for its local shard and its DTensor hooks
     for one plain collective (row parallel: all-reduce; column parallel head: all-gather)."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Shard
 
     w = linear.weight
@@ -272,7 +280,15 @@ def _localize(linear: nn.Linear, pg, pre_hooks_before: set, hooks_before: set, *
             linear.bias = None
         else:
             linear.bias = nn.Parameter(linear.bias.to_local(), requires_grad=False)
-    if shard_dim == 1:
+    _collectives(linear, pg, row=shard_dim == 1, bias=bias, gather=gather)
+
+
+def _collectives(linear: nn.Linear, pg, *, row: bool, bias: torch.Tensor | None, gather: bool) -> None:
+    """The collective after a sharded projection: row parallel, all-reduce the partial sums (then
+    add the replicated `bias`); a column-parallel head (`gather`), all-gather the logits."""
+    import torch.distributed as dist
+
+    if row:
 
         def all_reduce(module, args, out):
             dist.all_reduce(out, group=pg)
@@ -287,6 +303,93 @@ def _localize(linear: nn.Linear, pg, pre_hooks_before: set, hooks_before: set, *
             return torch.cat(parts, dim=-1)
 
         linear.register_forward_hook(all_gather)
+
+
+def _chunk(n: int, group: TPGroup) -> slice:
+    """This rank's part of n features: torch.chunk's split, as DTensor's Shard places it."""
+    size = -(-n // group.world_size)
+    return slice(min(group.rank * size, n), min((group.rank + 1) * size, n))
+
+
+def load_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
+    """This rank's shard of a local safetensors checkpoint (torch backend), read slice by slice.
+
+    The model is built on the meta device; each weight is then read from its file with
+    safetensors' `get_slice`, only this rank's rows (column parallel, the head when the
+    vocabulary divides) or columns (row parallel), straight to the rank's device, so no rank holds
+    more than its shards plus the replicated embeddings and norms. The result is the model
+    `shard_model(full, "torch", group)` makes: plain local weights, one collective per row-parallel
+    projection and an all-gather after a sharded head. Joins the group (`init_tp`) first.
+    """
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir = Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    check_shardable(config, group.world_size)
+    index = model_dir / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    if files is None:
+        single = model_dir / "model.safetensors"
+        if not single.exists():
+            raise InvalidParameterError("verifier", f"{model_dir}: no safetensors checkpoint to load shards from")
+        with safe_open(single, framework="pt") as f:
+            files = dict.fromkeys(f.keys(), single.name)
+    if group.world_size > 1:
+        init_tp(group)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).eval()
+    plan = {name: type(style).__name__ for name, style in _layer_plan().items()}  # suffix -> Colwise/Rowwise
+    head_sharded = group.world_size > 1 and model.lm_head.out_features % group.world_size == 0
+    opened: dict = {}
+
+    def read(key: str, part: tuple) -> torch.Tensor:
+        name = files[key]
+        if name not in opened:
+            opened[name] = safe_open(model_dir / name, framework="pt")
+        return opened[name].get_slice(key)[part].to(group.device, dtype)
+
+    for module_name, module in model.named_modules():
+        for attr, param in list(module.named_parameters(recurse=False)):
+            key = f"{module_name}.{attr}"
+            suffix = module_name.split(".", 3)[-1] if module_name.startswith("model.layers.") else module_name
+            style = plan.get(suffix) if group.world_size > 1 else None
+            if module_name == "lm_head" and head_sharded:
+                style = "ColwiseParallel"
+            if key == "lm_head.weight" and key not in files:  # tied: the head is the embedding matrix
+                if not head_sharded:
+                    module.weight = model.model.embed_tokens.weight
+                    continue
+                key = "model.embed_tokens.weight"
+            rows = _chunk(param.shape[0], group)
+            part = (
+                (rows,)
+                if style == "ColwiseParallel"
+                else (slice(None), _chunk(param.shape[1], group))
+                if style == "RowwiseParallel" and attr == "weight"
+                else (slice(None),) * param.ndim
+            )
+            setattr(module, attr, nn.Parameter(read(key, part), requires_grad=False))
+    rotary = model.model.rotary_emb  # (buffers computed at construction: rebuilt on the device)
+    model.model.rotary_emb = type(rotary)(config=config).to(group.device)
+    meta = [n for n, b in model.named_buffers() if b.is_meta]
+    if meta:
+        raise InvalidParameterError("verifier", f"buffers not restored after a sharded load: {meta}")
+    if group.world_size > 1:
+        pg = dist.group.WORLD
+        for layer in model.model.layers:
+            for suffix, style in plan.items():
+                if style == "RowwiseParallel":
+                    linear = layer.get_submodule(suffix)
+                    bias, linear.bias = linear.bias, None
+                    _collectives(linear, pg, row=True, bias=bias, gather=False)
+        if head_sharded:
+            _collectives(model.lm_head, pg, row=False, bias=None, gather=True)
+    return model
 
 
 # ------------------------------------------------------------------------ deepspeed backend
