@@ -2,6 +2,9 @@
 
 viasd generate --mode via "def fib(n):"      stream text, then print the request statistics
 viasd bench --prompts 5 --max-tokens 128     ar / sd / via, HF generate / assisted, matched baselines
+viasd bench --suite load|serve|quality|...   the other suites (`viasd bench --help` lists them)
+viasd bench report [--docs|--check]          the published tables, from the committed result files
+viasd gates ARTIFACT                         calibrate a mask artifact's gates against a quality budget
 viasd models list | fetch NAME... | convert NAME...
 viasd dimr --ratio 0.45 --trials 100 --out mask.json   search the slim verifier's layer mask
 viasd serve [MODEL] [--config serve.yaml]    Ray Serve: OpenAI-compatible HTTP + gRPC, until Ctrl-C
