@@ -26,7 +26,7 @@ from typing import Any
 from viasd.bench.report import ratio
 
 #: the documents whose marked tables `viasd bench report --docs` maintains
-DOCS = ("docs/BENCHMARKS.md",)
+DOCS = ("docs/BENCHMARKS.md", "docs/DIMR.md")
 
 _MARK = re.compile(r"^<!-- table:([a-z0-9_-]+) -->\n(.*?)^<!-- /table:\1 -->$", re.M | re.S)
 
@@ -72,6 +72,8 @@ def dtype(data: dict) -> str:
     runs = data.get("runs") or []
     if runs and isinstance(runs[0], dict) and runs[0].get("dtype"):
         return str(runs[0]["dtype"]).removeprefix("torch.")
+    if isinstance(_meta(data).get("dtype"), str):  # (a mask artifact: the dtype it was searched in)
+        return _meta(data)["dtype"]
     return "not recorded"
 
 
@@ -95,9 +97,11 @@ def source_line(path: str, data: dict) -> str:
         )
         if x
     )
+    link = path.removeprefix("docs/") if path.startswith("docs/") else f"../{path}"  # (from a page in docs/)
     return (
-        f"Source: [`{path}`]({path.removeprefix('docs/')}): `{_meta(data).get('command')}`; "
-        f"commit `{commit(data)}`; CPU capability `{capability(data)}`; dtype `{dtype(data)}`; {machine}."
+        f"Source: [`{path}`]({link}): `{_meta(data).get('command')}`; "
+        f"commit `{commit(data)}`; CPU capability `{capability(data)}`; dtype `{dtype(data)}`"
+        + (f"; {machine}." if machine else ".")
     )
 
 
@@ -488,6 +492,80 @@ def host_work(sources: list[dict]) -> list[str]:
     return lines
 
 
+def _layers(skipped: list[int]) -> str:
+    """Layer indices, compact: an arithmetic run of step > 1 as `a, b, c, ..., z`, else runs of
+    three or more consecutive layers as `a-z`."""
+    steps = {b - a for a, b in zip(skipped, skipped[1:])}
+    if len(skipped) >= 5 and len(steps) == 1 and steps != {1}:
+        return ", ".join(map(str, skipped[:3])) + f", ..., {skipped[-1]}"
+    parts, i = [], 0
+    while i < len(skipped):
+        j = i
+        while j + 1 < len(skipped) and skipped[j + 1] == skipped[j] + 1:
+            j += 1
+        parts += [f"{skipped[i]}-{skipped[j]}"] if j - i >= 2 else [str(x) for x in skipped[i : j + 1]]
+        i = j + 1
+    return ", ".join(parts)
+
+
+def _bold_better(a: str, b: str, a_better: bool) -> tuple[str, str]:
+    return (f"**{a}**", b) if a_better else (a, f"**{b}**")
+
+
+def dimr_heldout(sources: list[dict]) -> list[str]:
+    """A shipped mask artifact's held-out scores: the searched mask against evenly spaced skips."""
+    artifact = sources[0]
+    h = artifact["heldout"]
+    s, e = h["searched"], h["evenly_spaced"]
+    tokens = h["calibration"]["tokens"]
+    rows = [
+        ("skipped layers", _layers(artifact["skipped_layers"]), _layers(e["skipped_layers"])),
+        (
+            "paper's cost `C(z)` (sum) / per token",
+            *_bold_better(
+                f"{s['rkl_total']:.0f} / {s['rkl']:.2f}", f"{e['rkl_total']:.0f} / {e['rkl']:.2f}", s["rkl"] < e["rkl"]
+            ),
+        ),
+        ("KL(q ‖ q'_z) per token", *_bold_better(f"{s['kl']:.2f}", f"{e['kl']:.2f}", s["kl"] < e["kl"])),
+        ("total variation per token", *_bold_better(f"{s['tv']:.3f}", f"{e['tv']:.3f}", s["tv"] < e["tv"])),
+        ("top-1 agreement with q", *_bold_better(f"{s['top1']:.1%}", f"{e['top1']:.1%}", s["top1"] > e["top1"])),
+        (
+            "gate regions A / B / C (greedy drafter, the paper's gates)",
+            " / ".join(f"{x:.2f}" for x in s["e2e_detail"]["regions_abc"]),
+            " / ".join(f"{x:.2f}" for x in e["e2e_detail"]["regions_abc"]),
+        ),
+        ("modelled `e2e` (good tokens/s)", f"{s['e2e']:.2f}", f"{e['e2e']:.2f}"),
+    ]
+    return [*_header([f"held-out, {tokens} tokens", "searched mask", "evenly spread mask"]), *map(_row, rows)]
+
+
+def _mask_cell(m: dict) -> str:
+    """top-1 agreement / the paper's cost per token / escalation rate."""
+    return f"{m['top1']:.1%} / {m['rkl']:.2f} / {m['escalation_rate']:.2f}"
+
+
+def dimr_ratios(sources: list[dict]) -> list[str]:
+    """Every shipped ratio's searched mask against evenly spaced skips and the best of the random
+    masks (by top-1, then cost), on the same held-out tokens; an artifact given as a further
+    source replaces the searched cell of its ratio with its own held-out scores."""
+    compare, *artifacts = sources
+    own = {a["ratio"]: a["heldout"]["searched"] for a in artifacts}
+    rows = []
+    for entry in sorted(compare["ratios"], key=lambda r: (r["ratio"], "e2e" in r["masks"][0]["name"])):
+        searched, even, *randoms = entry["masks"]
+        e2e = "e2e" in searched["name"]
+        if not e2e and entry["ratio"] in own:
+            s = own[entry["ratio"]]
+            searched = {"top1": s["top1"], "rkl": s["rkl"], "escalation_rate": s["e2e_detail"]["escalation_rate"]}
+        best = max(randoms, key=lambda m: (m["top1"], -m["rkl"])) if randoms and not e2e else None
+        cell = _mask_cell(searched)
+        if searched["top1"] > max(m["top1"] for m in [even, *([best] if best else [])]):
+            cell = f"**{cell.split(' / ', 1)[0]}** / {cell.split(' / ', 1)[1]}"
+        label = f"{entry['ratio']:.2f}" + (", `e2e` objective" if e2e else "")
+        rows.append([label, cell, _mask_cell(even), _mask_cell(best) if best else "—"])
+    return [*_header(["ratio", "searched", "evenly spaced", f"best of {len(randoms)} random"]), *map(_row, rows)]
+
+
 SPEED = "docs/benchmarks/cpu/gates-speed/results.json"
 
 TABLES: dict[str, Table] = {
@@ -500,6 +578,12 @@ TABLES: dict[str, Table] = {
         Table("quality", ("docs/benchmarks/quality/greedy/results.json", SPEED), quality),
         Table("quality-sampled", ("docs/benchmarks/quality/sampled/results.json",), quality_sampled),
         Table("host-work", ("docs/benchmarks/cpu/device-step/step-breakdown-avx512.json",), host_work),
+        Table("dimr-heldout", ("viasd/masks/qwen2.5-coder-1.5b-instruct-r0.45.json",), dimr_heldout),
+        Table(
+            "dimr-ratios",
+            ("docs/dimr-compare.json", "viasd/masks/qwen2.5-coder-1.5b-instruct-r0.25.json"),
+            dimr_ratios,
+        ),
     )
 }
 
