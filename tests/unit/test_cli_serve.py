@@ -34,7 +34,8 @@ def test_vllm_flags_set_the_default_pipeline():
 
 def test_no_flags_keep_the_defaults_and_a_config_file_is_read_first(tmp_path):
     default = config_of()
-    assert default.http.port == 8000 and default.grpc.port == 9000 and default.limits.max_concurrent_requests == 4
+    assert default.http.port == 8000 and default.grpc.port == 9000 and default.limits.max_concurrent_requests is None
+    assert default.max_running() == default.pipelines[0].engine.max_batch  # what the engine decodes at once
     yaml = tmp_path / "serve.yaml"
     yaml.write_text("pipelines:\n  - engine: {verifier: from-file, max_batch: 6}\nhttp: {port: 8001}\n")
     c = config_of("--config", str(yaml), "--port", "8002")
