@@ -252,6 +252,7 @@ class _Loaded(NamedTuple):
     tokenizer: object  # (None for a directory without one)
     threads: int
     linears: LinearReport  # what pack_linears packed
+    read: str  # what the rank read of the checkpoint: "its slices" or "every weight"
 
 
 @ray.remote
@@ -321,6 +322,8 @@ class VerifierWorker:
             "context_name": context_name,
             "eos_token_ids": list(loaded.eos),
             "local_q_proj_rows": int(lm.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
+            "weight_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),  # this rank's
+            "checkpoint_read": loaded.read,
             "pid": os.getpid(),
             "threads": loaded.threads,
             "linears": loaded.linears,
@@ -337,24 +340,20 @@ class VerifierWorker:
         tp_backend: str,
         device: str,
     ) -> _Loaded:
-        """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread)."""
-        from viasd.llm import eos_ids, resolve_gates, resolve_mask
-        from viasd.models.loader import load_causal_lm
+        """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread).
+
+        Torch tensor parallelism reads only this rank's slices of the checkpoint (`load_causal_lm_shard`)
+        unless the mask is checked against the weights' fingerprint (a DIMR artifact: every weight
+        is read then, and sharded after); DeepSpeed shards a model loaded on the host."""
+        from viasd.llm import eos_ids, mask_needs_weights, resolve_gates, resolve_mask
+        from viasd.models.loader import load_causal_lm, load_causal_lm_shard
         from viasd.parallel import TPBackend, TPGroup, shard_model
 
         threads = set_threads(config.threads, world_size)
-        # sharded ranks load on the host and move only their shards to the device (shard_model)
-        model, tokenizer = load_causal_lm(
-            config.verifier,
-            dtype=engine_dtype(config, device).dtype,  # the target device's, also where the host loads
-            device=device if world_size == 1 else "cpu",
-            trust_remote_code=config.trust_remote_code,
-        )
-        mask, mask_source = resolve_mask(config, model)  # on the unsharded weights (fingerprint)
-        gates, gates_source = resolve_gates(config, mask)  # what `via` requests choosing none get
-        eos = eos_ids(tokenizer, model)
+        dtype = engine_dtype(config, device).dtype  # the target device's, also where the host loads
+        cuda = device.startswith("cuda")
+        group = None
         if world_size > 1:
-            cuda = device.startswith("cuda")
             group = TPGroup(
                 rank=rank,
                 world_size=world_size,
@@ -363,11 +362,29 @@ class VerifierWorker:
                 backend="nccl" if cuda else "gloo",
                 local_rank=0 if cuda else None,
             )
-            model = shard_model(model, TPBackend(tp_backend), group)
+        sliced = world_size > 1 and TPBackend(tp_backend) == TPBackend.TORCH and not mask_needs_weights(config)
+        if sliced:
+            model, tokenizer = load_causal_lm_shard(
+                config.verifier, group, dtype=dtype, trust_remote_code=config.trust_remote_code
+            )
+        else:  # sharded ranks load on the host and move only their shards to the device (shard_model)
+            model, tokenizer = load_causal_lm(
+                config.verifier,
+                dtype=dtype,
+                device=device if world_size == 1 else "cpu",
+                trust_remote_code=config.trust_remote_code,
+            )
+        mask, mask_source = resolve_mask(config, model)  # (an artifact: on the unsharded weights, fingerprint)
+        gates, gates_source = resolve_gates(config, mask)  # what `via` requests choosing none get
+        eos = eos_ids(tokenizer, model)
+        if world_size > 1:
+            if not sliced:
+                model = shard_model(model, TPBackend(tp_backend), group)
             packed = LinearReport("off: sharded (its linears keep their own kernels)")
         else:
             packed = pack_linears(model, config, device)
-        return _Loaded(MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads, packed)
+        read = "its slices" if sliced else "every weight"
+        return _Loaded(MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads, packed, read)
 
     async def serve(
         self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: dict | None = None

@@ -268,6 +268,16 @@ def resolve_mask(config: EngineConfig, model, mask: str | Path | Sequence[int] |
     return load_mask(None, n, config.skip_ratio), f"evenly spaced, skip ratio {config.skip_ratio:g} ({why})"
 
 
+def mask_needs_weights(config: EngineConfig) -> bool:
+    """Whether resolving the mask checks a DIMR artifact's fingerprint against the verifier's
+    weights (an artifact given, or one shipped for this verifier), so they must all be loaded."""
+    from viasd.dimr import shipped_artifacts
+
+    if isinstance(config.mask, str):
+        return True
+    return config.mask is None and any(a.verifier == config.verifier for _, a in shipped_artifacts())
+
+
 def resolve_gates(
     config: EngineConfig, mask: LayerMask, spec: str | Path | Sequence[int] | None = None
 ) -> tuple[Gates | None, str]:

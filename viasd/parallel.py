@@ -342,7 +342,7 @@ def load_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
     if group.world_size > 1:
         init_tp(group)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     plan = {name: type(style).__name__ for name, style in _layer_plan().items()}  # suffix -> Colwise/Rowwise
     head_sharded = group.world_size > 1 and model.lm_head.out_features % group.world_size == 0
     opened: dict = {}

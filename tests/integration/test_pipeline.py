@@ -894,6 +894,11 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
         assert tp2.info()["tensor_parallel_size"] == 2
         assert tp2.info()["runtime"]["linear_method"].startswith("off: sharded")  # (sharded linears: their own)
         assert tp2.verifier_info["local_q_proj_rows"] * 2 == pipeline.verifier_info["local_q_proj_rows"]  # sharded
+        # torch: each rank read only its slices of the checkpoint (load_shard); DeepSpeed shards a whole
+        # copy (and keeps the embeddings and head whole)
+        assert tp2.verifier_info["checkpoint_read"] == ("its slices" if backend == "torch" else "every weight")
+        share = tp2.verifier_info["weight_bytes"] / pipeline.verifier_info["weight_bytes"]
+        assert share < (0.6 if backend == "torch" else 0.7), share
         for case, params in CASES.items():
             tp1_tokens, tp1 = aio.run(collect(stub, request(PROMPTS[0], **params)))
 

@@ -113,9 +113,55 @@ def load_causal_lm(
     parameters are in the concrete dtype. An engine's tiers resolve at its batch capacity
     (:func:`viasd.precision.engine_dtype`) and pass ``choice.dtype`` here.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     dt = torch_dtype(concrete_dtype(dtype, device))
+    path, config = _checked_dir(spec, dt, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=dt,
+            attn_implementation="sdpa",
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        )
+        tokenizer = _tokenizer_at(path, trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load model {spec!r} from {path}: {exc}") from exc
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None or len(layers) == 0:
+        raise ModelLoadError(f"{type(model).__name__} ({config.model_type}) from {path} has no model.model.layers")
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def load_causal_lm_shard(
+    spec: str, group, *, dtype: str | torch.dtype = "bfloat16", trust_remote_code: bool = False
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """This tensor-parallel rank's shard of a causal LM (`viasd.parallel.load_shard`: only its
+    slices are read from the safetensors files, straight to `group.device`) and the tokenizer;
+    the same checks as `load_causal_lm`."""
+    from viasd.parallel import load_shard
+
+    dt = torch_dtype(concrete_dtype(dtype, group.device))
+    path, _ = _checked_dir(spec, dt, trust_remote_code)
+    try:
+        tokenizer = _tokenizer_at(path, trust_remote_code)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {spec!r} from {path}: {exc}") from exc
+    model = load_shard(path, group, dt)
+    model.requires_grad_(False)
+    return model, tokenizer
+
+
+def _checked_dir(spec: str, dt: torch.dtype, trust_remote_code: bool):
+    """The model's directory and config, refused (ModelLoadError) without safetensors weights or
+    with an architecture MaskedLM cannot run."""
+    from transformers import AutoConfig
+
     path = resolve_model_dir(spec, dt)
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(
@@ -132,25 +178,7 @@ def load_causal_lm(
             f"unsupported architecture: model_type {model_type!r} in {path / 'config.json'}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path,
-            config=config,
-            dtype=dt,
-            attn_implementation="sdpa",
-            use_safetensors=True,
-            trust_remote_code=trust_remote_code,
-        )
-        tokenizer = _tokenizer_at(path, trust_remote_code)
-    except Exception as exc:
-        raise ModelLoadError(f"cannot load model {spec!r} from {path}: {exc}") from exc
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None or len(layers) == 0:
-        raise ModelLoadError(f"{type(model).__name__} ({model_type}) from {path} has no model.model.layers")
-    model.to(device)
-    model.eval()
-    model.requires_grad_(False)
-    return model, tokenizer
+    return path, config
 
 
 def _tokenizer_at(path: Path, trust_remote_code: bool = False) -> PreTrainedTokenizerBase | None:
