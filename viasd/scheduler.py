@@ -387,12 +387,13 @@ class Scheduler:
 
     def kv_blocks_for(self, handle: RequestHandle) -> int:
         """Paged caches: the most blocks a request takes in a tier (0: slot caches), reserved while
-        it runs: its prompt, every token it may generate and one draft block past them, within
-        the context. Any request fits alone (max_seq_len <= kv_blocks * block_size), so reserving
+        it runs: its prompt, every token it may generate and (drafting modes) one draft block past
+        them, within the context. Any request fits alone (max_seq_len <= kv_blocks * block_size), so reserving
         needs no preemption: a request waits until the running ones leave it room."""
         if self.capacity.kv_blocks is None:
             return 0
-        positions = len(handle.prompt) + handle.limits.budget + handle.params.gamma + 2
+        draft = handle.params.gamma + 2 if handle.params.mode != Mode.AR else 1  # (`ar` feeds one token a step)
+        positions = len(handle.prompt) + handle.limits.budget + draft
         if self.max_context is not None:
             positions = min(positions, self.max_context)
         return -(-positions // self.capacity.block_size)

@@ -189,3 +189,27 @@ def test_requests_are_admitted_against_blocks_and_wait_for_them(tiny_pair):
         assert tokens[handle] == alone
     assert engine.scheduler.kv_blocks_reserved == 0
     assert all(s.free_blocks == s.num_blocks for s in stores)
+
+
+def test_one_long_and_31_short_requests_decode_at_once_where_slot_rows_hold_4(tiny_pair):
+    """The budget of 4 slot rows of 256 positions, paged in blocks of 4: one request with a
+    250-token prompt and 31 with 19-token prompts, 4 new tokens each, all decode in the same step
+    (slot rows: 4 at a time, or at max_batch 32 rows of 32 positions the long prompt is refused)."""
+    from viasd.config import parse_params
+    from viasd.errors import InvalidParameterError
+
+    per_token = _engine(tiny_pair, max_batch=1, max_seq_len=8).kv_bytes_per_token
+    gib = 4 * 256 * per_token / 2**30
+    long = [(5 * i) % 90 + 1 for i in range(250)]
+    short = [[3 + i, 7, 11 + i % 5] * 6 + [2] for i in range(31)]
+    params = parse_params(mode="ar", max_tokens=4, ignore_eos=True)
+    slots = _engine(tiny_pair, max_batch=32, kv_cache_gib=gib)
+    with pytest.raises(InvalidParameterError, match="prompt"):
+        slots.submit(long, params)
+    engine = _engine(tiny_pair, max_batch=32, kv_cache_gib=gib, kv_block_size=4, prefill_chunk=1024)
+    handles = [engine.submit(p, params) for p in [long, *short]]
+    most = 0
+    while engine.scheduler.has_work():
+        engine.step()
+        most = max(most, engine.scheduler.num_running)
+    assert most == 32 and all(h.finished and h.error is None for h in handles)
