@@ -271,23 +271,10 @@ async def cancel_cycles(stub, n: int, *, long_tokens: int = 400) -> list[int]:
 
 def tiny_models(root: Path):
     """The test suite's tiny float32 LLaMA pair (tests/conftest.py), saved under root."""
-    import torch
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from conftest import drafter_from, tiny_model
+    from conftest import save_tiny_pair
 
-    from viasd.config import EngineConfig
-
-    verifier = tiny_model("llama", dtype=torch.float32)
-    verifier.save_pretrained(root / "verifier")
-    drafter_from(verifier).save_pretrained(root / "drafter")
-    return EngineConfig(
-        verifier=str(root / "verifier"),
-        drafter=str(root / "drafter"),
-        dtype="float32",
-        mask=(1, 0, 1, 0, 1, 1),
-        threads=1,
-    )
+    return save_tiny_pair(root)
 
 
 async def idle(pipeline, servicer, timeout_s: float = 60.0) -> dict:

@@ -27,11 +27,12 @@ import torch
 from torch import Tensor
 
 from viasd.errors import CapacityError, MaskError
+from viasd.kvstore import KVStore
 
 ZERO_BLOCK = 0  # never allocated: the keys of positions a row does not hold
 
 
-class PagedKVCache:
+class PagedKVCache(KVStore):
     """Keys and values of up to `max_rows` sequences in `num_blocks` blocks of `block_size` positions."""
 
     def __init__(
@@ -44,49 +45,20 @@ class PagedKVCache:
         max_rows: int = 1,
         max_len: int | None = None,
     ):
-        self.layers = tuple(sorted(set(layers)))
-        if any(not 0 <= i < num_layers for i in self.layers):
-            raise MaskError(f"cache layers {self.layers} out of range for a {num_layers}-layer model")
-        if max_rows < 1 or num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"max_rows, num_blocks and block_size must be >= 1: {max_rows}, {num_blocks}, {block_size}"
-            )
-        self.num_layers, self.max_rows, self.max_len = num_layers, max_rows, max_len
+        super().__init__(layers, num_layers, max_rows=max_rows, max_len=max_len)  # _k, _v: [capacity * N, H_kv, D]
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1: {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._k: list[Tensor | None] = [None] * num_layers  # each [capacity * block_size, H_kv, D]
-        self._v: list[Tensor | None] = [None] * num_layers
         self._capacity = 0  # blocks the pools hold (ZERO_BLOCK included)
         self._top = ZERO_BLOCK  # the highest block id taken so far
-        self._len = [[0] * max_rows for _ in range(num_layers)]  # [L][row]
         self._tables: list[list[int]] = [[] for _ in range(max_rows)]
         self._refs = [0] * (num_blocks + 1)
         self._free_blocks = list(range(1, num_blocks + 1))  # a heap: lowest id first
-        self._free_rows = list(range(max_rows))
 
     # ------------------------------------------------------------ rows
 
-    def alloc(self) -> int:
-        """A free row (the lowest), all of its layers at length 0, no blocks."""
-        if not self._free_rows:
-            raise CapacityError("rows", f"all {self.max_rows} cache rows are in use")
-        row = self._free_rows.pop(0)
-        for lens in self._len:
-            lens[row] = 0
-        return row
-
-    def free(self, row: int) -> None:
-        """Give a row and its blocks back."""
-        if row in self._free_rows or not 0 <= row < self.max_rows:
-            raise ValueError(f"row {row} is not allocated")
-        for lens in self._len:
-            lens[row] = 0
-        self._drop(row, 0)
-        self._free_rows.append(row)
-        self._free_rows.sort()
-
-    @property
-    def rows_in_use(self) -> int:
-        return self.max_rows - len(self._free_rows)
+    def _released(self, row: int) -> None:
+        self._drop(row, 0)  # its blocks go back (a shared one when its last holder leaves)
 
     @property
     def free_blocks(self) -> int:
@@ -100,15 +72,7 @@ class PagedKVCache:
         """Blocks that hold `positions` positions."""
         return -(-positions // self.block_size)
 
-    def row(self, row: int):
-        from viasd.runtime import RowCache
-
-        return RowCache(self, row)
-
     # ------------------------------------------------------------ lengths
-
-    def length(self, row: int, layer: int) -> int:
-        return self._len[layer][row]
 
     def crop(self, row: int, length: int, layers: Iterable[int] | None = None) -> None:
         """Roll the given layers (default: all) of a row back to `length`; blocks no layer needs any
@@ -136,20 +100,6 @@ class PagedKVCache:
         slots = self._slots(self._tables[row], self._len[layer][row], self._k[layer].device)  # [n]
         k = self._k[layer][slots].transpose(0, 1)[None]  # [1, H_kv, n, D]
         return k, self._v[layer][slots].transpose(0, 1)[None]
-
-    def nbytes(self, row: int | None = None) -> int:
-        """Bytes of the valid entries of one row (or of all rows)."""
-        total = 0
-        for i in self.layers:
-            k = self._k[i]
-            if k is not None:
-                n = self._len[i][row] if row is not None else sum(self._len[i])
-                total += 2 * k.shape[1] * n * k.shape[2] * k.element_size()
-        return total
-
-    def reserved_bytes(self) -> int:
-        """Bytes of the pools allocated so far (all blocks, held or free)."""
-        return sum(2 * k.numel() * k.element_size() for k in self._k if k is not None)
 
     # ------------------------------------------------------------ forwards
 

@@ -35,63 +35,21 @@ from torch import Tensor, nn
 from viasd import attention
 from viasd.blocks import PagedKVCache
 from viasd.errors import CapacityError, MaskError, ModelLoadError
+from viasd.kvstore import KVStore, RowCache
 
 # config.model_type values whose decoder blocks are model.model.layers with the LLaMA layer API
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3")
 
 
-class SlotKVCache:
+class SlotKVCache(KVStore):
     """Keys and values of up to `max_rows` sequences (rows) for a subset of layers.
 
-    Every (layer, row) has its own valid length. `batch(...)` gives the object a forward hands
-    to transformers' attention modules (`past_key_values.update(k, v, layer_idx)`).
+    Every (layer, row) has its own valid length; storage per layer is `_k[l]`, `_v[l]`
+    [rows_cap, H_kv, len_cap, D]. `batch(...)` gives the object a forward hands to transformers'
+    attention modules (`past_key_values.update(k, v, layer_idx)`).
     """
 
-    def __init__(self, layers: Iterable[int], num_layers: int, *, max_rows: int = 1, max_len: int | None = None):
-        self.layers = tuple(sorted(set(layers)))
-        if any(not 0 <= i < num_layers for i in self.layers):
-            raise MaskError(f"cache layers {self.layers} out of range for a {num_layers}-layer model")
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        self.num_layers = num_layers
-        self.max_rows = max_rows
-        self.max_len = max_len  # None: unbounded (grows as needed)
-        self._k: list[Tensor | None] = [None] * num_layers  # each [rows_cap, H_kv, len_cap, D]
-        self._v: list[Tensor | None] = [None] * num_layers
-        self._len = [[0] * max_rows for _ in range(num_layers)]  # [L][row]
-        self._free = list(range(max_rows))  # free rows, lowest first
-
-    # ------------------------------------------------------------ rows
-
-    def alloc(self) -> int:
-        """A free row (the lowest), all of its layers at length 0."""
-        if not self._free:
-            raise CapacityError("rows", f"all {self.max_rows} cache rows are in use")
-        row = self._free.pop(0)
-        for lens in self._len:
-            lens[row] = 0
-        return row
-
-    def free(self, row: int) -> None:
-        """Give a row back (its contents are left in place and overwritten by the next owner)."""
-        if row in self._free or not 0 <= row < self.max_rows:
-            raise ValueError(f"row {row} is not allocated")
-        for lens in self._len:
-            lens[row] = 0
-        self._free.append(row)
-        self._free.sort()
-
-    @property
-    def rows_in_use(self) -> int:
-        return self.max_rows - len(self._free)
-
-    def row(self, row: int) -> RowCache:
-        return RowCache(self, row)
-
     # ------------------------------------------------------------ lengths
-
-    def length(self, row: int, layer: int) -> int:
-        return self._len[layer][row]
 
     def crop(self, row: int, length: int, layers: Iterable[int] | None = None) -> None:
         """Roll the given layers (default: all of this cache's layers) of a row back to `length`."""
@@ -116,20 +74,6 @@ class SlotKVCache:
             raise MaskError(f"layer {layer} holds no keys yet")
         n = self._len[layer][row]
         return self._k[layer][row : row + 1, :, :n], self._v[layer][row : row + 1, :, :n]
-
-    def nbytes(self, row: int | None = None) -> int:
-        """Bytes of the valid entries of one row (or of all rows)."""
-        total = 0
-        for i in self.layers:
-            k = self._k[i]
-            if k is not None:
-                n = self._len[i][row] if row is not None else sum(self._len[i])
-                total += 2 * k.shape[1] * n * k.shape[3] * k.element_size()
-        return total
-
-    def reserved_bytes(self) -> int:
-        """Bytes of the storage allocated so far (all rows and layers, valid or not)."""
-        return sum(2 * k.numel() * k.element_size() for k in self._k if k is not None)
 
     # ------------------------------------------------------------ forwards
 
@@ -209,41 +153,6 @@ class _BatchWrite:
             k_buf[:, :, : self.span].index_select(0, self.row_index),
             v_buf[:, :, : self.span].index_select(0, self.row_index),
         )
-
-
-@dataclass(frozen=True)
-class RowCache:
-    """One sequence's view of a `SlotKVCache`: its row, with the single-sequence API."""
-
-    store: SlotKVCache | PagedKVCache
-    row: int
-
-    @property
-    def layers(self) -> tuple[int, ...]:
-        return self.store.layers
-
-    def length(self, layer: int) -> int:
-        return self.store.length(self.row, layer)
-
-    def lengths(self) -> dict[int, int]:
-        return {i: self.store.length(self.row, i) for i in self.store.layers}
-
-    def crop(self, length: int, layers: Iterable[int] | None = None) -> None:
-        self.store.crop(self.row, length, layers)
-
-    def kv(self, layer: int) -> tuple[Tensor, Tensor]:
-        return self.store.kv(self.row, layer)
-
-    def copy_from(self, other: RowCache, length: int) -> None:
-        """This row's first `length` positions become `other`'s (same store)."""
-        assert other.store is self.store, "rows of different caches"
-        self.store.copy_row(other.row, self.row, length)
-
-    def nbytes(self) -> int:
-        return self.store.nbytes(self.row)
-
-    def release(self) -> None:
-        self.store.free(self.row)
 
 
 @dataclass(frozen=True)
