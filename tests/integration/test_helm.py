@@ -305,10 +305,25 @@ def test_gpu_worker_holds_tp_ranks_plus_the_drafter(chart, name, tp, gpus):
         assert app_args([rs])["pipelines"][0]["tp_size"] == tp_size
 
 
-def test_fractional_drafter_share_rounds_up_and_cpu_demo_asks_no_gpu(chart):
+@pytest.mark.parametrize(
+    "tp, rank_share, drafter_share, devices",
+    [
+        (4, 1, 0.5, 5),  # whole-GPU ranks: the drafter's half needs a device of its own
+        (8, 0.8, 0.2, 8),  # eight 0.8 ranks take eight devices; the drafter's 0.2 fits beside one
+        (8, 0.8, 0.3, 9),  # ... and 0.3 does not
+        (2, 0.5, 0.5, 2),  # two ranks share a device, the drafter takes another
+        (2, 0.4, 0.2, 1),  # everything on one device
+        (2, 2, 1, 5),  # two devices a rank
+    ],
+)
+def test_worker_gpus_are_what_ray_packs_the_bundles_on(chart, tp, rank_share, drafter_share, devices):
     v = preset("values-llama2-70b.yaml")
-    v["serve"]["pipelines"][0]["drafter_gpus"] = 0.5  # drafter beside a rank: 4.5 -> 5 devices
-    assert container(pod_specs(one(render(chart, v), "RayService"))["worker"])["resources"]["limits"][GPU] == 5
+    p = v["serve"]["pipelines"][0]
+    p.update(tp_size=tp, verifier_gpus_per_rank=rank_share, drafter_gpus=drafter_share)
+    assert container(pod_specs(one(render(chart, v), "RayService"))["worker"])["resources"]["limits"][GPU] == devices
+
+
+def test_cpu_demo_asks_no_gpu(chart):
     rs = one(render(chart, preset("values-cpu-demo.yaml")), "RayService")
     for template in pod_specs(rs).values():
         res = container(template)["resources"]

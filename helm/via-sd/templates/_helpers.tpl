@@ -44,14 +44,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
 {{/*
-GPUs of one worker pod = one whole pipeline: tp_size verifier ranks x verifier_gpus_per_rank + drafter_gpus,
-rounded up (a fractional drafter share still needs a whole device in Kubernetes).
+GPUs of one worker pod = one whole pipeline, as Ray places its bundles: each bundle's share must fit on one
+device, so floor(1 / v) verifier ranks of share v go on a device (ceil(tp_size / that) devices; a share over 1
+takes that many whole devices per rank), and the drafter's share d fits in what the last rank device leaves
+(1 - its ranks x v) or takes ceil(d) more devices. TP=8 at v = 0.8, d = 0.2: 8 devices, not ceil(6.6) = 7.
 */}}
 {{- define "via-sd.workerGPUs" -}}
 {{- $p := include "via-sd.pipeline" . | fromJson }}
 {{- $tp := int (default 1 $p.tp_size) }}
-{{- $g := addf (mulf $tp (default 0 $p.verifier_gpus_per_rank)) (default 0 $p.drafter_gpus) }}
-{{- ceil $g | int }}
+{{- $v := float64 (default 0 $p.verifier_gpus_per_rank) }}
+{{- $d := float64 (default 0 $p.drafter_gpus) }}
+{{- $devices := 0 }}
+{{- $free := 0.0 }}
+{{- if gt $v 1.0 }}
+{{- $devices = mul $tp (ceil $v | int) }}
+{{- else if gt $v 0.0 }}
+{{- $k := floor (addf (divf 1.0 $v) 0.000000001) | int }}
+{{- $devices = div (add $tp (sub $k 1)) $k }}
+{{- $last := sub $tp (mul (sub $devices 1) $k) }}
+{{- $free = subf 1.0 (mulf $last $v) }}
+{{- end }}
+{{- if gt $d (addf $free 0.000000001) }}
+{{- $devices = add $devices (ceil $d | int) }}
+{{- end }}
+{{- $devices }}
 {{- end }}
 
 {{/*
