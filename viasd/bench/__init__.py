@@ -38,7 +38,7 @@ from typing import Any
 
 from viasd.bench.load import run_load
 from viasd.bench.methods import Group, Method, matched_baseline, parse_method, parse_methods, suite_methods
-from viasd.bench.report import markdown, summarize, targets
+from viasd.bench.report import markdown, summarize, targets, write_results
 from viasd.bench.runner import Bench
 from viasd.bench.workloads import Prompt, humaneval, load_jsonl, load_workload
 from viasd.config import EngineConfig, GenerationParams
@@ -106,8 +106,7 @@ def write_outputs(results: dict, out: str | Path, *, plots: bool = True) -> list
             results.setdefault("meta", {})["plot_error"] = f"{type(exc).__name__}: {exc}"
         files += pngs
         md += "\n" + "\n".join(f"![{p}]({p})" for p in pngs) + "\n"
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "results.md").write_text(md)
+    write_results(out, results, md)
     return files
 
 

@@ -13,12 +13,12 @@ pass (`--drafter none`: no e2e figures). Writes results.json (every mask's figur
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
+
+from viasd.bench.report import write_results
 
 COLUMNS = ("top1", "rkl", "rkl_total", "kl", "tv", "e2e", "paper_cost")
 
@@ -129,9 +129,6 @@ def run_dimr_compare(args) -> int:
     lines.append(f"\nthreads {torch.get_num_threads()}; {results['heldout']['description']}")
     table = "\n".join(lines)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(table + "\n")
+    out = write_results(args.out, results, table + "\n")
     print(f"wrote {out}/results.json, results.md", file=sys.stderr)
     return 0

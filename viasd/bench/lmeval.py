@@ -27,6 +27,7 @@ import json
 import sys
 from pathlib import Path
 
+from viasd.bench.report import write_results
 from viasd.config import parse_params
 from viasd.errors import require
 
@@ -325,10 +326,7 @@ def run_lm_eval_bench(args, config) -> int:
             "max_abs_difference": max_difference(served_ll, local_ll),
         },
     }
-    text = json.dumps(record, indent=1)
-    print(text)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(text + "\n")
+    print(json.dumps(record, indent=1))
+    out = write_results(args.out, record)
     print(f"wrote {out}/results.json", file=sys.stderr)
     return 0 if record["served_equals_in_process"] else 1

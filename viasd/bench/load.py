@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import math
 import random
 import shlex
@@ -52,6 +51,7 @@ import torch
 
 from viasd import model_thread
 from viasd.bench.methods import Method, parse_method, split_specs
+from viasd.bench.report import write_results
 from viasd.bench.runner import Bench, RSSSampler, _quiet_transformers, _sync
 from viasd.bench.workloads import Prompt
 from viasd.config import GenerationParams, Mode, parse_params
@@ -896,8 +896,7 @@ def write_load_outputs(results: dict, out: str | Path, *, plots: bool = True) ->
         except Exception as exc:  # a plot is not worth the numbers: say so and keep them
             results["meta"]["plot_error"] = f"{type(exc).__name__}: {exc}"
             md += f"\nPlot failed: {results['meta']['plot_error']}\n"
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    (out / "results.md").write_text(md)
+    write_results(out, results, md)
     return files
 
 

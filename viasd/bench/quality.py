@@ -39,7 +39,7 @@ from typing import Any
 
 from viasd.bench.execution import STOP_SEQUENCES, check_many, truncate
 from viasd.bench.methods import Method, matched_baseline, parse_method, split_specs
-from viasd.bench.report import pass_at_1, wilson
+from viasd.bench.report import pass_at_1, wilson, write_results
 from viasd.bench.workloads import Prompt, humaneval
 from viasd.config import GenerationParams
 from viasd.engine import Engine
@@ -372,9 +372,7 @@ def settings_from(spec: str, seeds: tuple[int, ...], base: GenerationParams) -> 
 def run_quality_bench(args, config) -> int:
     """`viasd bench --suite quality`: load the pair once (`config`), evaluate every setting through
     one batched engine of `config.max_batch` rows, write `--out`/results.json and results.md."""
-    import json
     import sys
-    from pathlib import Path
 
     from viasd.bench import environment
     from viasd.config import parse_params
@@ -420,12 +418,9 @@ def run_quality_bench(args, config) -> int:
         "summary": summary,
         "runs": [run for r in done for run in r["runs"]],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     table = markdown(summary, list(corpora))
-    (out / "results.md").write_text(
-        f"wall time of the whole evaluation: {results['meta']['wall_seconds']:.0f} s\n\n" + table
+    out = write_results(
+        args.out, results, f"wall time of the whole evaluation: {results['meta']['wall_seconds']:.0f} s\n\n" + table
     )
     print(table)
     print(f"wall time {results['meta']['wall_seconds']:.0f} s; wrote {out}/results.json, results.md", file=sys.stderr)

@@ -22,9 +22,11 @@ Definitions (every figure is recomputed from the raw runs stored beside it in re
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 COUNTERS = (
@@ -428,3 +430,13 @@ def markdown(results: dict, summary: dict, tgt: list[dict] | None = None) -> str
             bits.append(f"decodes exactly like {m['alias_of']} at these settings: not run twice")
         lines.append(f"* `{m['label']}`: " + "; ".join(bits))
     return "\n".join(lines) + "\n"
+
+
+def write_results(out: str | Path, results: dict, markdown: str | None = None) -> Path:
+    """A suite's results.json (and, given, results.md) in directory `out`, made if needed; `out`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if markdown is not None:
+        (out / "results.md").write_text(markdown)
+    return out

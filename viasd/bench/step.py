@@ -212,11 +212,10 @@ def run_step_bench(args) -> int:
     finally:
         if worktree is not None:
             subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(worktree)], check=False)
+    from viasd.bench.report import write_results  # (not at the top: the measuring side loads this file by path)
+
     table = markdown_table(record)
     print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
-    (out / "results.md").write_text(table + "\n")
+    out = write_results(args.out, record, table + "\n")
     print(f"wrote {out}/results.json, results.md", file=sys.stderr)
     return 0
