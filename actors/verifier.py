@@ -3,15 +3,19 @@
     engine (ServedExecutor) --gRPC--> rank 0: VerifierServicer --.remote()--> ranks 1..N-1
                                       every rank: VerifierRank (viasd.executor.VerifyWorker)
 
-Every rank loads the verifier, resolves the slim verifier's mask on the unsharded weights (so
-a DIMR mask's fingerprint check sees the real model), then shards it with
-`viasd.parallel.shard_model` (rank, world size and rendezvous handed explicitly; TP backend
-"torch" or "deepspeed"; N = 1 is no TP). Every rank ends a forward with the same full logits,
-so sampling, the gate and the acceptance rules run unchanged, and identically, on every rank.
+Every rank loads its shard of the verifier (TP backend "torch": only its slices of the
+checkpoint, `viasd.parallel.load_shard`; "deepspeed": the whole model, then
+`viasd.parallel.shard_model`; rank, world size and rendezvous handed explicitly; N = 1 is no TP)
+and resolves the slim verifier's mask (a DIMR artifact checked against the checkpoint files, or
+against the whole weights when it cannot be). Every rank ends a forward with the same full
+logits, so sampling, the gate and the greedy checks run identically on every rank. Only rank 0
+holds the drafter's probability rows: it decides the sampled checks and broadcasts the
+verdicts within the group (`viasd.parallel.VerdictBroadcast`); the others consume the same
+random draws, so their streams stay in step.
 
 Lockstep: rank 0 numbers each call (one phase of an engine step over every row of it: Prefill,
-Verify, Release), sends it to ranks 1..N-1 with that number and runs it itself at the same
-time. Each rank executes its calls in number order on its model thread
+Verify, Release), sends it to ranks 1..N-1 with that number (token ids, plans and p's shape: no
+probability rows) and runs it itself at the same time. Each rank executes its calls in number order on its model thread
 (`viasd.actors.rpc.InOrder`), so all ranks run identical batched forwards, with identical
 inputs and identical random streams (the request's verifier seed), and reach every collective
 together. With `check_ranks`, rank 0 compares every rank's outcome with its own and fails the
@@ -58,7 +62,7 @@ from viasd.gates import Gates
 from viasd.metrics import RequestStats
 from viasd.precision import LinearReport, engine_dtype
 from viasd.runtime import LayerMask, MaskedLM
-from viasd.sessions import Outcome
+from viasd.sessions import Absent, Outcome
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import logprobs_to_proto
@@ -95,22 +99,11 @@ class VerifierRank:
     def prefill(self, batch: PrefillBatch) -> dict:
         return prefill([self.worker], batch)
 
-    def verify(self, rows: list[tuple[str, list[int], bytes | None, str]], times: StepTimes | None = None) -> list:
-        """One step over every row (key, draft, p as DraftProbs bytes or None, plan): the worker's
-        verify phase; a row whose p does not decode fails alone. `times` (rank 0) gets the
-        forwards and each row's work."""
-        out: list = [None] * len(rows)
-        decoded: list[tuple[int, VerifyRow]] = []
-        for i, (key, draft, probs, plan) in enumerate(rows):
-            try:
-                p = decode_probs(ipb.DraftProbs.FromString(probs)) if probs else None  # [k, V] or None
-                decoded.append((i, VerifyRow(key, draft, p, plan)))
-            except InvalidParameterError as exc:
-                out[i] = exc
-        results = self.worker.verify([row for _, row in decoded], times or StepTimes())
-        for (i, _), result in zip(decoded, results):
-            out[i] = result
-        return out
+    def verify(self, rows: list[VerifyRow], times: StepTimes | None = None) -> list:
+        """One step over every row: the worker's verify phase (a follower's rows carry `Absent`
+        for p: rank 0 shares the sampled verdicts). `times` (rank 0) gets the forwards and each
+        row's work."""
+        return self.worker.verify(rows, times or StepTimes())
 
     def release(self, keys: list[str]) -> list[RequestStats | None]:
         return [self.worker.release(key) for key in keys]
@@ -169,10 +162,10 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         self.followers = list(followers)  # Ray handles of VerifierWorker ranks 1..N-1
         self.check_ranks = check_ranks
 
-    async def _lockstep(self, op: str, *args, local_args: tuple = ()):
+    async def _lockstep(self, op: str, *args, local_args: tuple = (), follower_args: tuple | None = None):
         work = self.core.work
         seq = work.number()
-        refs = [f.call.remote(seq, op, *args) for f in self.followers]
+        refs = [f.call.remote(seq, op, *(args if follower_args is None else follower_args)) for f in self.followers]
         local = work.enqueue(seq, getattr(self.core, op), *args, *local_args)  # no await since number(): no gap
         calls = [local, *(_future(ref) for ref in refs)]
         if refs:  # a dead rank fails the call at once: rank 0 may wait forever in a collective with it
@@ -207,15 +200,27 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
 
     @rpc
     async def Verify(self, request: ipb.VerifyBatch, context) -> ipb.VerifyReply:
-        """One step over every row of the batch, on every rank in lockstep."""
+        """One step over every row of the batch, on every rank in lockstep. Only this rank decodes
+        the drafter's p (a row whose p does not decode fails alone, on no rank); the others get
+        its shape (`Absent`) and the sampled verdicts (`viasd.parallel.VerdictBroadcast`)."""
         t0 = time.perf_counter()
-        rows = [
-            (r.request_id, list(r.draft), r.probs.SerializeToString() if r.HasField("probs") else None, r.plan)
-            for r in request.rows
-        ]
+        results: list = [None] * len(request.rows)
+        rows, where = [], []
+        for i, r in enumerate(request.rows):
+            try:
+                p = decode_probs(r.probs) if r.HasField("probs") else None  # [k, V] or None
+            except InvalidParameterError as exc:
+                results[i] = exc
+                continue
+            rows.append(VerifyRow(r.request_id, list(r.draft), p, r.plan))
+            where.append(i)
+        shapes = [row._replace(probs=Absent(tuple(row.probs.shape))) if row.probs is not None else row for row in rows]
         times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
+        for i, result in zip(where, await self._lockstep("verify", rows, local_args=(times,), follower_args=(shapes,))):
+            results[i] = result
         answers = []
-        for (key, *_), result in zip(rows, await self._lockstep("verify", rows, local_args=(times,))):
+        for r, result in zip(request.rows, results):
+            key = r.request_id
             if isinstance(result, Exception):
                 answers.append(ipb.Verdict(request_id=key, error=row_error(result)))
                 continue
@@ -307,6 +312,10 @@ class VerifierWorker:
             cost_cache_dir=str(cost_cache_dir()),
             cores=cores_lock(device, loaded.threads, world_size),
         )
+        if world_size > 1:  # rank 0 decides sampled checks from the drafter's p; the others receive verdicts
+            from viasd.parallel import VerdictBroadcast
+
+            self.core.worker.verdicts = VerdictBroadcast(rank)
         self._tokenizer = loaded.tokenizer if rank == 0 else None
         return {
             "rank": rank,
@@ -343,10 +352,11 @@ class VerifierWorker:
         """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread).
 
         Torch tensor parallelism reads only this rank's slices of the checkpoint (`load_causal_lm_shard`)
-        unless the mask is checked against the weights' fingerprint (a DIMR artifact: every weight
-        is read then, and sharded after); DeepSpeed shards a model loaded on the host."""
+        unless a DIMR artifact that applies was not searched on these files (its checkpoint
+        fingerprint): then every weight is read, its fingerprint checked, and sharded after.
+        DeepSpeed shards a model loaded on the host."""
         from viasd.llm import eos_ids, mask_needs_weights, resolve_gates, resolve_mask
-        from viasd.models.loader import load_causal_lm, load_causal_lm_shard
+        from viasd.models.loader import load_causal_lm, load_causal_lm_shard, resolve_model_dir
         from viasd.parallel import TPBackend, TPGroup, shard_model
 
         threads = set_threads(config.threads, world_size)
@@ -362,7 +372,10 @@ class VerifierWorker:
                 backend="nccl" if cuda else "gloo",
                 local_rank=0 if cuda else None,
             )
-        sliced = world_size > 1 and TPBackend(tp_backend) == TPBackend.TORCH and not mask_needs_weights(config)
+        checkpoint = resolve_model_dir(config.verifier, dtype)
+        sliced = (
+            world_size > 1 and TPBackend(tp_backend) == TPBackend.TORCH and not mask_needs_weights(config, checkpoint)
+        )
         if sliced:
             model, tokenizer = load_causal_lm_shard(
                 config.verifier, group, dtype=dtype, trust_remote_code=config.trust_remote_code
@@ -374,7 +387,7 @@ class VerifierWorker:
                 device=device if world_size == 1 else "cpu",
                 trust_remote_code=config.trust_remote_code,
             )
-        mask, mask_source = resolve_mask(config, model)  # (an artifact: on the unsharded weights, fingerprint)
+        mask, mask_source = resolve_mask(config, model, checkpoint=checkpoint)  # (an artifact: files or weights)
         gates, gates_source = resolve_gates(config, mask)  # what `via` requests choosing none get
         eos = eos_ids(tokenizer, model)
         if world_size > 1:

@@ -223,6 +223,8 @@ def cmd_dimr(args: argparse.Namespace) -> int:
         rkl_beta=args.rkl_beta,
         costs=Costs(*_floats(args.costs)) if args.costs else None,
         dtype=args.dtype,
+        device=args.device,
+        devices=args.devices,
         plot=args.plot,
         progress=not args.no_progress,
         command=args.command_line,
@@ -515,7 +517,17 @@ def build_parser() -> argparse.ArgumentParser:
     dimr = sub.add_parser("dimr", help="search the slim verifier's layer mask offline (DIMR), write a JSON artifact")
     dimr.add_argument("--verifier", default=EngineConfig.model_fields["verifier"].default, help="full verifier q")
     dimr.add_argument("--drafter", default=None, help="drafter p (needed by --objective e2e and e2e figures)")
-    dimr.add_argument("--dtype", default="bfloat16")
+    dimr.add_argument("--dtype", default="bfloat16", help="weights' dtype in the search (auto: the engine's choice)")
+    dimr_where = dimr.add_mutually_exclusive_group()
+    dimr_where.add_argument(
+        "--device", default=None, help="cpu (default), cuda or cuda:N: load the models straight onto this device"
+    )
+    dimr_where.add_argument(
+        "--devices",
+        default=None,
+        help="spread the verifier's layers over several devices (a model larger than one GPU): "
+        "N (cuda:0..N-1), all, or a list such as cuda:0,cuda:1",
+    )
     dimr.add_argument("--threads", type=int, default=None)
     dimr.add_argument("--ratio", type=float, default=0.45, help="skip ratio r: round(r * L) layers skipped")
     dimr.add_argument("--sweep", default=None, help="comma-separated ratios, one mask each (e.g. 0.25,0.35,0.45,0.55)")

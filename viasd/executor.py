@@ -44,6 +44,7 @@ from viasd.sessions import (
     DraftSession,
     Forward,
     Outcome,
+    VerdictShare,
     VerifySession,
     drive,
     execute,
@@ -302,6 +303,7 @@ class VerifyWorker(_Side):
         self.full_store = capacity.new_store(lm)
         self.slim_store = capacity.new_store(lm, mask)  # (the separate policy only)
         self.sessions: dict[str, VerifySession] = {}
+        self.verdicts: VerdictShare | None = None  # a tensor-parallel rank's (viasd.parallel.VerdictBroadcast)
 
     def open(self, key: str, prompt: list[int], params: GenerationParams, seed: int) -> None:
         self._new(key)
@@ -334,7 +336,7 @@ class VerifyWorker(_Side):
                 index[row.key] = i
             except InvalidParameterError as exc:
                 out[i] = exc
-        for key, outcome in drive(steps, observe=times.observe, timing=times.work).items():
+        for key, outcome in drive(steps, observe=times.observe, timing=times.work, verdicts=self.verdicts).items():
             self.sessions[key].commit(outcome)
             out[index[key]] = outcome
         return out

@@ -113,14 +113,19 @@ class StopStrings:
 
 
 def load_mask(
-    spec: str | Path | Sequence[int] | None, num_layers: int, skip_ratio: float = 0.45, model=None
+    spec: str | Path | Sequence[int] | None,
+    num_layers: int,
+    skip_ratio: float = 0.45,
+    model=None,
+    checkpoint: str | Path | None = None,
 ) -> LayerMask:
     """A layer mask from a z-vector, a comma list of skipped layers ("3,5,9"), or a JSON file.
 
     The JSON file is a DIMR artifact (`viasd dimr`; it has a "schema_version": its layer count
-    and, when `model` (the verifier's transformers model) is given, its model fingerprint must
-    match the verifier, else MaskError), or a plain {"skipped_layers": [...], "num_layers": L}
-    or {"z": [0/1 per layer]}. None gives the evenly spaced placeholder mask.
+    and, when `checkpoint` (the verifier's directory) or `model` (the verifier's transformers
+    model) is given, the files' or the weights' fingerprint must match (`check_artifact`), else
+    MaskError), or a plain {"skipped_layers": [...], "num_layers": L} or {"z": [0/1 per layer]}.
+    None gives the evenly spaced placeholder mask.
     """
     if spec is None:
         return LayerMask.evenly_spaced(skip_ratio, num_layers)
@@ -138,7 +143,7 @@ def load_mask(
         if "schema_version" in data:  # a DIMR artifact: checked against the loaded verifier
             from viasd.dimr import check_artifact, parse_artifact
 
-            return check_artifact(parse_artifact(data, spec), model, num_layers, source=spec)
+            return check_artifact(parse_artifact(data, spec), model, num_layers, source=spec, checkpoint=checkpoint)
         if "z" in data:
             return LayerMask.from_z(data["z"], num_layers)
         if data.get("num_layers", num_layers) != num_layers:
@@ -248,34 +253,54 @@ class LLM:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
-def resolve_mask(config: EngineConfig, model, mask: str | Path | Sequence[int] | None = None) -> tuple[LayerMask, str]:
+def resolve_mask(
+    config: EngineConfig,
+    model,
+    mask: str | Path | Sequence[int] | None = None,
+    checkpoint: str | Path | None = None,
+) -> tuple[LayerMask, str]:
     """The slim verifier's mask and where it came from: the argument, the config, the shipped
     DIMR mask of a built-in verifier at this skip ratio (fingerprint checked), else evenly spaced.
 
-    ``model`` is the verifier's (unsharded) transformers model. Used by :class:`LLM` and by the
-    verifier actors, so a served pipeline runs the mask an in-process one would.
+    ``model`` is the verifier's transformers model: whole, unless ``checkpoint``'s files are those
+    the artifact was searched on (`mask_needs_weights` is False), when only its layer count is
+    read. Used by :class:`LLM` and by the verifier actors, so a served pipeline runs the mask an
+    in-process one would.
     """
     n = len(model.model.layers)
     spec = mask if mask is not None else config.mask
     if spec is not None:
-        where = f"file {spec}" if isinstance(spec, (str, Path)) and str(spec).endswith(".json") else f"given {spec}"
-        return load_mask(spec, n, config.skip_ratio, model=model), where
+        where = f"file {spec}" if _is_file(spec) else f"given {spec}"
+        return load_mask(spec, n, config.skip_ratio, model=model, checkpoint=checkpoint), where
     from viasd.dimr import shipped_mask
 
-    shipped, why = shipped_mask(config.verifier, config.skip_ratio, model)
+    shipped, why = shipped_mask(config.verifier, config.skip_ratio, model, checkpoint=checkpoint)
     if shipped is not None:
         return shipped, why
     return load_mask(None, n, config.skip_ratio), f"evenly spaced, skip ratio {config.skip_ratio:g} ({why})"
 
 
-def mask_needs_weights(config: EngineConfig) -> bool:
-    """Whether resolving the mask checks a DIMR artifact's fingerprint against the verifier's
-    weights (an artifact given, or one shipped for this verifier), so they must all be loaded."""
-    from viasd.dimr import shipped_artifacts
+def mask_needs_weights(config: EngineConfig, checkpoint: str | Path) -> bool:
+    """Whether resolving the mask must check a DIMR artifact against the verifier's whole weights:
+    an artifact applies (the file given, or those shipped for this verifier) that was not
+    searched on the files in `checkpoint` (`viasd.dimr.files_match`). False: a rank may load
+    only its slices."""
+    from viasd.dimr import files_match, parse_artifact, shipped_artifacts
 
-    if isinstance(config.mask, str):
-        return True
-    return config.mask is None and any(a.verifier == config.verifier for _, a in shipped_artifacts())
+    if config.mask is not None:
+        if not _is_file(config.mask):
+            return False
+        try:
+            data = json.loads(Path(config.mask).read_text())
+        except (OSError, json.JSONDecodeError):
+            return True  # (resolving it reports the error)
+        return "schema_version" in data and not files_match(parse_artifact(data, config.mask), checkpoint)
+    shipped = [a for _, a in shipped_artifacts() if a.verifier == config.verifier]
+    return not all(files_match(a, checkpoint) for a in shipped)
+
+
+def _is_file(spec) -> bool:
+    return isinstance(spec, (str, Path)) and str(spec).endswith(".json")
 
 
 def resolve_gates(

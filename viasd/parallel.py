@@ -21,6 +21,11 @@ Backends behind one call, :func:`shard_model`:
   (AutoTP), the process group handed over through an ``mpu`` object. float32 / bfloat16 / float16.
 * ``TPBackend.NONE``: the model unchanged (every rank holds all weights).
 
+Sampled acceptance: only rank 0 holds the drafter's probability rows p; it decides each batched
+sampled check and broadcasts the verdicts ([B, 3] integers) within the group
+(:class:`VerdictBroadcast`), while the other ranks consume the same random draws, so every rank
+commits the same tokens and keeps the same random streams.
+
 Ranks are handed their group explicitly (:class:`TPGroup`); nothing here reads torchrun's
 environment, so the same code serves Ray actors, ``torch.multiprocessing`` workers and torchrun.
 The environment DeepSpeed reads (``LOCAL_SIZE``, ``RANK``, ``MASTER_ADDR``, ...) is *written* from
@@ -44,10 +49,12 @@ import torch
 from torch import nn
 
 from viasd.errors import InvalidParameterError
+from viasd.sessions import VerdictShare
 
 __all__ = [
     "TPBackend",
     "TPGroup",
+    "VerdictBroadcast",
     "init_tp",
     "shard_model",
     "load_shard",
@@ -137,6 +144,27 @@ def init_tp(group: TPGroup, timeout: datetime.timedelta = datetime.timedelta(min
         world_size=group.world_size,
         timeout=timeout,
     )
+
+
+class VerdictBroadcast(VerdictShare):
+    """Sampled `Check` verdicts from rank 0 to the other ranks of the live process group
+    (`torch.distributed.broadcast` of [B, 3] int64 on the group's device: 24 B a row), so no
+    follower needs the drafter's probability rows (`viasd.sessions.VerdictShare`)."""
+
+    def __init__(self, rank: int):
+        self.leader = rank == 0
+
+    def lead(self, verdicts: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.broadcast(verdicts.contiguous(), src=0)
+
+    def follow(self, rows: int, device: torch.device) -> torch.Tensor:
+        import torch.distributed as dist
+
+        verdicts = torch.empty(rows, 3, dtype=torch.long, device=device)  # [B, 3]
+        dist.broadcast(verdicts, src=0)
+        return verdicts
 
 
 def shutdown_tp() -> None:
@@ -345,13 +373,17 @@ def load_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     plan = {name: type(style).__name__ for name, style in _layer_plan().items()}  # suffix -> Colwise/Rowwise
     head_sharded = group.world_size > 1 and model.lm_head.out_features % group.world_size == 0
-    opened: dict = {}
 
     def read(key: str, part: tuple) -> torch.Tensor:
-        name = files[key]
-        if name not in opened:
-            opened[name] = safe_open(model_dir / name, framework="pt")
-        return opened[name].get_slice(key)[part].to(group.device, dtype)
+        """This rank's part of one tensor, copied out of its file (safetensors maps the file and
+        slices a view of the whole tensor; the mapping goes when the view does), so at any time a
+        rank holds its copied parts plus at most one tensor's pages of the checkpoint."""
+        with safe_open(model_dir / files[key], framework="pt") as f:
+            view = f.get_slice(key)[part]
+            out = torch.empty(view.shape, dtype=dtype, device=group.device)
+            out.copy_(view)
+            del view
+        return out
 
     for module_name, module in model.named_modules():
         for attr, param in list(module.named_parameters(recurse=False)):

@@ -366,6 +366,15 @@ def verify_rows(
     return BatchVerdict(num_accepted=num_accepted, token=sample_rows(law, greedy, generators), bonus=bonus)
 
 
+def skip_verify_draws(lengths: Sequence[int], generators: Sequence[torch.Generator | None], device) -> None:
+    """Consume exactly the random draws `verify_rows` makes for sampled blocks of these lengths
+    (T_b acceptance uniforms, then one for the committed token, from each block's generator, in
+    the same calls), without computing a verdict: a tensor-parallel rank that is handed the
+    verdict (`viasd.sessions.VerdictShare`) keeps its streams where the deciding rank's are."""
+    uniforms(generators, lengths, device)
+    uniforms(generators, [1] * len(lengths), device)
+
+
 def verify_greedy(target: Tensor, draft: Tensor, lengths: Sequence[int]) -> BatchVerdict:
     """`verify_rows` for greedy blocks, from the verifier's argmax alone: target [M + B] long is
     argmax q_t for every q row of the ragged layout, draft [M]. Accept while x~_j == target_j;

@@ -53,6 +53,7 @@ from viasd.rules import (
     gate_ratio,
     gate_rows,
     rule_from_params,
+    skip_verify_draws,
     verify_greedy,
     verify_rows,
 )
@@ -154,6 +155,33 @@ class Score:
     tokens: list[int]
     k: int
     tier: str
+
+
+@dataclass(frozen=True)
+class Absent:
+    """Draft probabilities p [rows, V] this process does not hold, only their shape: on a
+    tensor-parallel follower, whose `Check` verdicts rank 0 decides and shares (`VerdictShare`)."""
+
+    shape: tuple[int, int]
+
+    def __getitem__(self, rows: slice) -> Absent:  # (a block checked from position `start` on)
+        return Absent((len(range(*rows.indices(self.shape[0]))), self.shape[1]))
+
+
+class VerdictShare:
+    """How the ranks of a tensor-parallel group agree on sampled `Check` verdicts without every
+    rank holding the drafter's p: the leader (rank 0) decides each batched call and `lead`s its
+    verdicts [B, 3] to the others, which `follow` (receive them) after consuming the same random
+    draws (`rules.skip_verify_draws`). Every rank holds the same logits, so greedy checks, gates
+    and draws need no sharing. Implementations: `viasd.parallel.VerdictBroadcast`."""
+
+    leader: bool = True
+
+    def lead(self, verdicts: Tensor) -> None:  # [B, 3] long
+        raise NotImplementedError
+
+    def follow(self, rows: int, device: torch.device) -> Tensor:  # -> [rows, 3] long
+        raise NotImplementedError
 
 
 # A step generator: yields Forwards and the requests above, is sent their answers, returns its result.
@@ -264,11 +292,17 @@ def settle() -> None:
         record(lap.seconds)
 
 
-def drive(generators: dict, *, observe: Observer | None = None, timing: dict | None = None) -> dict:
+def drive(
+    generators: dict,
+    *,
+    observe: Observer | None = None,
+    timing: dict | None = None,
+    verdicts: VerdictShare | None = None,
+) -> dict:
     """Run step generators together (key -> generator); return key -> result. `timing` (key ->
     seconds) accumulates the host time each generator takes between its forwards, and its share
     of the batched requests (sampling, the gate, the rules: the per-row work the planner prices,
-    viasd.costs).
+    viasd.costs). `verdicts`: a tensor-parallel rank's share of sampled `Check` verdicts.
 
     Each round answers, over every generator waiting for it, the first of:
       1. `Draw`, `Check` and `Gate` requests: one batched call per kind (on the device);
@@ -290,7 +324,8 @@ def drive(generators: dict, *, observe: Observer | None = None, timing: dict | N
         forwards = [k for k, x in pending.items() if isinstance(x, Forward)]  # (the rest: Read, Score)
         if asks:
             answers = {}
-            for kind, answer in ((Draw, _draw), (Check, _check), (Gate, _gate)):
+            check = _check if verdicts is None else lambda asks: _check(asks, verdicts)
+            for kind, answer in ((Draw, _draw), (Check, check), (Gate, _gate)):
                 keys = [k for k in asks if isinstance(pending[k], kind)]
                 if keys:
                     t0 = time.perf_counter()
@@ -343,10 +378,11 @@ def _draw(asks: list[Draw]) -> list[tuple[Tensor, Tensor | None]]:
     return out
 
 
-def _check(asks: list[Check]) -> list[tuple[Tensor, Tensor | None]]:
+def _check(asks: list[Check], share: VerdictShare | None = None) -> list[tuple[Tensor, Tensor | None]]:
     """Every `Check` at once over the ragged blocks: greedy blocks compare the draft with the
     argmax of the verifier's logits (`rules.verify_greedy`; no distribution is built, the answer's
-    q is None), the others run their rules on their sampler's distributions (`rules.verify_rows`)."""
+    q is None), the others run their rules on their sampler's distributions (`rules.verify_rows`;
+    on a follower of `share`, rank 0's verdicts, p unread)."""
     out: list = [None] * len(asks)
     for greedy, idx in _by_greed(asks):
         group = [asks[i] for i in idx]
@@ -354,18 +390,37 @@ def _check(asks: list[Check]) -> list[tuple[Tensor, Tensor | None]]:
         logits = _penalised(group, _rows([a.logits for a in group]), [n + 1 for n in lengths])  # [M + B, V]
         draft = torch.cat([a.draft for a in group])  # [M]
         if greedy:
-            v, q = verify_greedy(logits.argmax(dim=-1), draft, lengths), [None] * len(group)
+            verdicts, q = _stacked(verify_greedy(logits.argmax(dim=-1), draft, lengths)), [None] * len(group)
         else:
             samplers = [a.sampler for a, n in zip(group, lengths) for _ in range(n + 1)]
             probs = batch_probs(logits, samplers)  # [M + B, V]
-            p = torch.cat([a.p.to(device=probs.device, dtype=probs.dtype) for a in group])  # [M, V]
-            rules, gens = [a.rule for a in group], [a.generator for a in group]
-            v = verify_rows(rules, p, probs, draft, lengths, [False] * len(group), gens)
-            q = probs.split([n + 1 for n in lengths])
-        verdicts = torch.stack([v.num_accepted, v.token, v.bonus.long()], dim=-1)  # [B, 3]
+            verdicts, q = _sampled_verdicts(group, probs, draft, lengths, share), probs.split([n + 1 for n in lengths])
         for i, answer in zip(idx, zip(verdicts.unbind(0), q)):
             out[i] = answer
     return out
+
+
+def _sampled_verdicts(
+    group: list[Check], probs: Tensor, draft: Tensor, lengths: list[int], share: VerdictShare | None
+) -> Tensor:
+    """[B, 3] verdicts of sampled blocks (q = probs [M + B, V], draft [M]): decided here by their
+    rules against p (`rules.verify_rows`), or, on a follower of `share`, rank 0's, received after
+    consuming the same random draws."""
+    generators = [a.generator for a in group]
+    if share is not None and not share.leader:
+        skip_verify_draws(lengths, generators, probs.device)
+        return share.follow(len(group), probs.device)
+    p = torch.cat([a.p.to(device=probs.device, dtype=probs.dtype) for a in group])  # [M, V]
+    rules = [a.rule for a in group]
+    verdicts = _stacked(verify_rows(rules, p, probs, draft, lengths, [False] * len(group), generators))
+    if share is not None:
+        share.lead(verdicts)
+    return verdicts
+
+
+def _stacked(v) -> Tensor:
+    """A `rules.BatchVerdict` as [B, 3] long: accepted count, committed token, bonus as 0/1."""
+    return torch.stack([v.num_accepted, v.token, v.bonus.long()], dim=-1)
 
 
 def _gate(asks: list[Gate]) -> list[Tensor]:

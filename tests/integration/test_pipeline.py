@@ -878,15 +878,35 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
 
 
 @pytest.mark.parametrize("backend", ["torch", "deepspeed"])
-def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeline, llm, backend):
-    from viasd.cluster.pipeline import Pipeline
+def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeline, llm, backend, tmp_path):
+    """TP=2 (torch: each rank reads its slices, the mask a DIMR artifact checked against the
+    checkpoint files; deepspeed: whole copies sharded) serves what TP=1 does, alone and batched."""
+    import json
 
+    from viasd.cluster.pipeline import Pipeline
+    from viasd.models.loader import checkpoint_fingerprint
+
+    config = engine_config
     if backend == "deepspeed":
         import deepspeed  # noqa: F401  (a declared dependency: missing is a broken install, not a skip)
+    else:  # the TP=1 pipeline's mask, as an artifact searched on these files (no weights fingerprint fits)
+        artifact = {
+            "schema_version": 1,
+            "model_fingerprint": "0" * 64,
+            "checkpoint_fingerprint": checkpoint_fingerprint(engine_config.verifier),
+            "num_layers": pipeline.verifier_info["num_layers"],
+            "skipped_layers": pipeline.verifier_info["skipped_layers"],
+            "ratio": engine_config.skip_ratio,
+            "objective": {"name": "rkl"},
+            "trials": 1,
+            "seconds": 0.0,
+        }
+        (tmp_path / "mask.json").write_text(json.dumps(artifact))
+        config = engine_config.model_copy(update={"mask": str(tmp_path / "mask.json")})
     _, _, stub = server
     t0 = time.perf_counter()
     tp2 = aio.run(
-        Pipeline.start(_pipeline_config(engine_config, name=f"tiny-tp2-{backend}", tp_size=2, tp_backend=backend)),
+        Pipeline.start(_pipeline_config(config, name=f"tiny-tp2-{backend}", tp_size=2, tp_backend=backend)),
         timeout=240,
     )
     print(f"\nTP=2 ({backend}) pipeline up in {time.perf_counter() - t0:.1f}s")
@@ -897,6 +917,8 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
         # torch: each rank read only its slices of the checkpoint (load_shard); DeepSpeed shards a whole
         # copy (and keeps the embeddings and head whole)
         assert tp2.verifier_info["checkpoint_read"] == ("its slices" if backend == "torch" else "every weight")
+        mask_source = tp2.verifier_info["mask_source"]
+        assert mask_source.startswith("file") if backend == "torch" else mask_source.startswith("given")
         share = tp2.verifier_info["weight_bytes"] / pipeline.verifier_info["weight_bytes"]
         assert share < (0.6 if backend == "torch" else 0.7), share
         for case, params in CASES.items():
@@ -973,6 +995,137 @@ def test_rank_disagreement_is_detected(aio, llm):
 
     err = aio.run(run())
     assert err.code() == grpc.StatusCode.INTERNAL and "verifier ranks disagree on verify" in err.details()
+
+
+def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, llm, engine_config):
+    """Tensor parallelism without the drafter's p on the followers: rank 0 decodes p, decides every
+    sampled check and shares the verdicts ([B, 3] integers); a follower gets token ids, plans and
+    p's shape only, consumes the same random draws, and commits the same tokens (check_ranks
+    compares every outcome) over several steps of sampled sd, via and staged rows beside greedy
+    and `ar` ones, so its random streams never part from rank 0's."""
+    import pickle
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from viasd.actors.rpc import encode_probs
+    from viasd.llm import LLM
+    from viasd.sessions import Absent, VerdictShare
+    from viasd.v1 import internal_pb2 as ipb
+    from viasd.v1 import internal_pb2_grpc
+
+    class Share(VerdictShare):
+        """`VerdictBroadcast` within one process: a queue from the leader's thread to the follower's."""
+
+        def __init__(self, verdicts: queue.Queue, leader: bool):
+            self.verdicts, self.leader, self.followed = verdicts, leader, 0
+
+        def lead(self, verdicts):
+            self.verdicts.put(verdicts.clone())
+
+        def follow(self, rows, device):
+            self.followed += rows
+            verdicts = self.verdicts.get(timeout=30)
+            assert verdicts.shape == (rows, 3)
+            return verdicts.to(device)
+
+    class Follower:
+        """A VerifierWorker handle (`call.remote(seq, op, *args)`) on its own model and thread; it
+        records what crosses to it."""
+
+        def __init__(self, share):
+            self.core, _ = _verifier(LLM(engine_config))
+            self.core.worker.verdicts = share
+            self.call, self.received = self, []
+            self.thread = ThreadPoolExecutor(1)
+
+        def remote(self, seq, op, *args):
+            self.received.append((op, args))
+            fn = getattr(self.core, op)
+            return asyncio.wrap_future(self.thread.submit(lambda: _comparable(op, fn(*args))))
+
+    from viasd.actors.verifier import _comparable
+
+    shared = queue.Queue()
+    follower = Follower(Share(shared, leader=False))
+    vocab = llm.verifier.vocab_size
+    keys = {
+        "sd": dict(mode="sd", gamma=3, temperature=1.0, seed=3),
+        "via": dict(VIA, temperature=0.9, seed=4),
+        "staged": dict(VIA, rule="staged", temperature=1.0, seed=5),
+        "greedy": dict(mode="sd", gamma=3),
+        "ar": dict(mode="ar", temperature=1.0, seed=6),
+    }
+    g = torch.Generator().manual_seed(0)
+
+    def row(key, step):
+        if key == "ar" or (key in ("sd", "via") and step % 2):  # (an empty block decodes one token: a Draw)
+            return ipb.VerifyRow(request_id=key)
+        p = torch.softmax(torch.randn(3, vocab, generator=g) * 2, dim=-1)  # [3, V]
+        draft = torch.multinomial(p, 1, generator=g)[:, 0]  # [3]
+        probs = None if key == "greedy" else encode_probs(p)
+        return ipb.VerifyRow(request_id=key, draft=draft.tolist(), probs=probs, plan="")
+
+    async def run():
+        rank, servicer = _verifier(llm, [follower])
+        rank.worker.verdicts = Share(shared, leader=True)
+        server, ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
+        try:
+            stub = internal_pb2_grpc.VerifierServiceStub(ch)
+            await stub.Prefill(_prefill([_open(k, PROMPTS[0], **params) for k, params in keys.items()]), timeout=30)
+            batches = []
+            for step in range(6):
+                batch = ipb.VerifyBatch(rows=[row(k, step) for k in keys])
+                reply = await stub.Verify(batch, timeout=30)
+                assert [r.error.code for r in reply.rows] == [""] * len(keys)
+                batches.append(batch)
+            await stub.Release(ipb.ReleaseBatch(request_ids=list(keys)))
+            return batches
+        finally:
+            await ch.close()
+            await server.stop(None)
+
+    batches = aio.run(run())
+    # every verdict rank 0 shared was used (a staged row checks twice a step); draws on the same
+    # streams after them (the empty blocks) agreed, so the follower consumed what rank 0 did
+    assert shared.empty() and follower.core.worker.verdicts.followed >= 6 * 2 + 3
+    verifies = [args for op, args in follower.received if op == "verify"]
+    assert len(verifies) == 6
+    for (rows,), batch in zip(verifies, batches):
+        assert [r.key for r in rows] == list(keys)
+        assert all(not isinstance(r.probs, (torch.Tensor, bytes)) for r in rows)  # no probability rows crossed
+        sampled = [r.request_id for r in batch.rows if r.HasField("probs")]
+        assert {r.key: r.probs for r in rows if r.probs is not None} == dict.fromkeys(sampled, Absent((3, vocab)))
+        sent = len(pickle.dumps(rows))
+        dense = sum(len(r.probs.data) for r in batch.rows if r.HasField("probs"))  # what crossed before
+        assert sent < 2048 and dense == len(sampled) * 3 * vocab * 4, (sent, dense)
+
+
+def test_the_follower_bytes_table_is_what_the_arguments_pickle_to():
+    """docs/TENSOR_PARALLEL.md's table of what crosses to a follower per step (16 sampled rows of
+    5 drafts over Qwen's vocabulary): the pickled Verify arguments with p as the wire carried it
+    before, with p's shape (`Absent`) now, and the [16, 3] int64 verdicts broadcast."""
+    import pickle
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from viasd.actors.rpc import encode_probs
+    from viasd.executor import VerifyRow
+    from viasd.sessions import Absent
+
+    vocab, k, rows = 151_936, 5, 16
+    g = torch.Generator().manual_seed(0)
+    keys, draft = [f"req-{i:04d}-abcdef" for i in range(rows)], list(range(100, 100 + k))
+    probs = [encode_probs(torch.softmax(torch.randn(k, vocab, generator=g), -1)).SerializeToString() for _ in keys]
+    before = len(pickle.dumps([(key, draft, p, "") for key, p in zip(keys, probs)], protocol=5))
+    after = len(pickle.dumps([VerifyRow(key, list(draft), Absent((k, vocab)), "") for key in keys], protocol=5))
+    broadcast = torch.empty(rows, 3, dtype=torch.long).nbytes
+    doc = (Path(__file__).parents[2] / "docs" / "TENSOR_PARALLEL.md").read_text()
+    table = [int(n.replace(",", "")) for n in re.findall(r"^\| [^|]+ \| ([\d,]+) \|$", doc, re.M)]
+    assert table == [before, after, broadcast]
 
 
 def test_actor_threads_default_to_the_nodes_cores_over_the_ranks(monkeypatch):

@@ -31,6 +31,7 @@ from viasd.rules import (
     leading,
     output_distribution,
     rule_from_params,
+    skip_verify_draws,
     three_tier_mixture,
     verify,
     verify_batch,
@@ -264,6 +265,23 @@ def test_verify_rows_equals_each_block_alone():
                 alone.token,
                 alone.bonus,
             ), (seed, b)
+
+
+def test_skip_verify_draws_consumes_exactly_what_verify_rows_draws():
+    """A tensor-parallel follower handed rank 0's verdicts (skip_verify_draws) leaves every block's
+    stream where verify_rows leaves it, a stream shared by neighbouring blocks included."""
+    lengths = [3, 1, 4, 2]
+    shared = torch.Generator().manual_seed(7)
+    for seed in range(5):
+        streams = [torch.Generator().manual_seed(seed * 10 + b) for b in range(3)]
+        gens = [*streams, streams[-1]]  # (the last two blocks draw from one stream, as n > 1 samples can)
+        twins = [torch.Generator().set_state(g.get_state()) for g in streams]
+        p = torch.cat([dist(40 + b, n, V) for b, n in enumerate(lengths)])  # [M, V]
+        q = torch.cat([dist(50 + b, n + 1, V) for b, n in enumerate(lengths)])  # [M + B, V]
+        draft = torch.multinomial(p, 1, generator=shared)[:, 0]  # [M]
+        verify_rows([Lossless()] * 4, p, q, draft, lengths, [False] * 4, gens)
+        skip_verify_draws(lengths, [*twins, twins[-1]], "cpu")
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(streams, twins)), seed
 
 
 def test_zero_mass_residual_falls_back_to_q():

@@ -25,8 +25,9 @@ the result is a versioned JSON artifact (`build_artifact`, `MaskArtifact`) tied 
 Modules, one job each: `space` (how many layers, which are free), `calibration` (the text),
 `reference` (q's log-probabilities once; q'_z under a cache policy), `objectives` (RKL, KL, TV,
 top-1, e2e), `search` (`MaskSearch`: proposals, successive halving), `artifact` (the versioned
-JSON, the fingerprint check, shipped masks), `report` (tables, plots), `run` (`run_dimr`, the
-`viasd dimr` command). This package re-exports their public names.
+JSON, the fingerprint check, shipped masks), `report` (tables, plots), `placement` (the device,
+or the verifier's layers over several GPUs), `run` (`run_dimr`, the `viasd dimr` command). This
+package re-exports their public names.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from viasd.dimr.artifact import (  # noqa: F401
     MaskArtifact,
     build_artifact,
     check_artifact,
+    files_match,
     load_artifact_mask,
     parse_artifact,
     read_artifact,
@@ -60,13 +62,23 @@ from viasd.dimr.objectives import (  # noqa: F401
     Top1Objective,
     TVObjective,
     evaluate_mask,
+    host_sums,
     make_objective,
     measure_costs,
     rkl_per_position,
 )
+from viasd.dimr.placement import (  # noqa: F401
+    PlacedLM,
+    Placement,
+    load_placed,
+    parse_device,
+    parse_devices,
+    split_layers,
+)
 from viasd.dimr.reference import (  # noqa: F401
     Reference,
     build_reference,
+    separate_policy_logits,
     shared_policy_logits,
     slim_logprobs,
 )
@@ -104,6 +116,7 @@ __all__ = [
     "token_calibration",
     "Reference",
     "build_reference",
+    "separate_policy_logits",
     "shared_policy_logits",
     "slim_logprobs",
     "Costs",
@@ -115,9 +128,16 @@ __all__ = [
     "TVObjective",
     "Top1Objective",
     "evaluate_mask",
+    "host_sums",
     "make_objective",
     "measure_costs",
     "rkl_per_position",
+    "PlacedLM",
+    "Placement",
+    "load_placed",
+    "parse_device",
+    "parse_devices",
+    "split_layers",
     "MaskSearch",
     "SearchResult",
     "SearchSettings",
@@ -132,6 +152,7 @@ __all__ = [
     "MaskArtifact",
     "build_artifact",
     "check_artifact",
+    "files_match",
     "load_artifact_mask",
     "parse_artifact",
     "read_artifact",

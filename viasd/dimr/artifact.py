@@ -38,6 +38,12 @@ class MaskArtifact(BaseModel):
         "without their dtype): the same weights loaded in another dtype (dtype auto: float32 where bf16 is "
         "emulated) still match. Absent in older artifacts: then only model_fingerprint matches.",
     )
+    checkpoint_fingerprint: str | None = Field(
+        None,
+        description="viasd.models.loader.checkpoint_fingerprint of the verifier's safetensors files, when it "
+        "was loaded from a directory: a tensor-parallel rank that reads only its slices checks the mask "
+        "against the files (the same value at any TP size). Absent: the weights are checked after a whole load.",
+    )
     num_layers: int = Field(ge=1, description="Decoder layers of the verifier.")
     skipped_layers: list[int] = Field(description="Layers the slim verifier skips (z_l = 0).")
     ratio: float = Field(ge=0.0, lt=1.0, description="Requested skip ratio r; len(skipped_layers) = round(r L).")
@@ -75,7 +81,8 @@ def build_artifact(
     dtype: str | None = None,
     extra: dict[str, Any] | None = None,
 ) -> MaskArtifact:
-    """The artifact of a search (fingerprint from the verifier's config and weights)."""
+    """The artifact of a search (fingerprints from the verifier's config and weights, and from its
+    checkpoint files when `verifier_name` names a local directory or a built-in model)."""
     from viasd import __version__
     from viasd.models.loader import model_fingerprint, weights_fingerprint
 
@@ -87,6 +94,7 @@ def build_artifact(
     fields = {
         "model_fingerprint": model_fingerprint(verifier.model),
         "weights_fingerprint": weights_fingerprint(verifier.model),
+        "checkpoint_fingerprint": _files_fingerprint(verifier_name, verifier.dtype),
         "num_layers": verifier.num_layers,
         "skipped_layers": list(result.mask.skipped),
         "ratio": result.ratio,
@@ -115,6 +123,20 @@ def build_artifact(
             "evenly_spaced": {"skipped_layers": list(result.baseline.skipped), "value": result.baseline.value}
         }
     return MaskArtifact(**fields)
+
+
+def _files_fingerprint(verifier_name: str | None, dtype) -> str | None:
+    """The checkpoint fingerprint of the directory `verifier_name` resolves to (None when it names
+    none: a model built in memory, or a Hugging Face id no longer in the local cache)."""
+    from viasd.errors import ModelLoadError
+    from viasd.models.loader import checkpoint_fingerprint, resolve_model_dir
+
+    if verifier_name is None:
+        return None
+    try:
+        return checkpoint_fingerprint(resolve_model_dir(verifier_name, dtype))
+    except ModelLoadError:
+        return None
 
 
 def save_artifact(artifact: MaskArtifact, path: str | Path) -> Path:
@@ -151,13 +173,19 @@ def read_artifact(path: str | Path) -> MaskArtifact:
 
 
 def check_artifact(
-    artifact: MaskArtifact, model, num_layers: int | None = None, source: str = "mask artifact"
+    artifact: MaskArtifact,
+    model,
+    num_layers: int | None = None,
+    source: str = "mask artifact",
+    checkpoint: str | Path | None = None,
 ) -> LayerMask:
     """The artifact's mask if it was searched on this verifier; MaskError (field 'mask') otherwise.
 
-    `model` is the verifier's transformers model (or a MaskedLM); None skips the fingerprint check.
-    The weights must be those searched on: the same dtype (model_fingerprint), or the same values
-    loaded in another dtype (weights_fingerprint, when the artifact records it).
+    `checkpoint` is the directory the verifier was loaded from: when its files are those searched
+    on (`files_match`), the weights are not read. Otherwise `model`, the verifier's transformers
+    model (or a MaskedLM), must hold the weights searched on: the same dtype (model_fingerprint),
+    or the same values loaded in another dtype (weights_fingerprint, when the artifact records
+    it). With neither, only the layer count is checked.
     """
     from viasd.models.loader import model_fingerprint, weights_fingerprint
 
@@ -171,7 +199,9 @@ def check_artifact(
             f"{source} is for a {artifact.num_layers}-layer verifier but the loaded verifier has {num_layers} layers; "
             f"search a mask for this model with `viasd dimr`"
         )
-    if model is not None:
+    if checkpoint is not None and files_match(artifact, checkpoint):
+        pass  # the very files it was searched on
+    elif model is not None:
         fp = model_fingerprint(model)
         same_weights = (
             artifact.weights_fingerprint is not None and weights_fingerprint(model) == artifact.weights_fingerprint
@@ -184,10 +214,30 @@ def check_artifact(
                 f"loaded verifier's {fp[:12]} ({dtype}); a mask is tied to the weights it was searched on: "
                 f"run `viasd dimr` for this verifier"
             )
+    elif checkpoint is not None:
+        raise MaskError(
+            f"{source} was not searched on the checkpoint in {checkpoint}: "
+            + (
+                "the artifact records no checkpoint fingerprint"
+                if artifact.checkpoint_fingerprint is None
+                else f"its files' fingerprint differs from the artifact's {artifact.checkpoint_fingerprint[:12]}"
+            )
+            + "; load the whole verifier to check its weights, or run `viasd dimr` for these files"
+        )
     try:
         return artifact.mask
     except MaskError as exc:
         raise MaskError(f"{source}: {exc.message}") from None
+
+
+def files_match(artifact: MaskArtifact, checkpoint: str | Path) -> bool:
+    """Whether the artifact was searched on the checkpoint files in this directory
+    (`checkpoint_fingerprint`; False when the artifact records none)."""
+    from viasd.models.loader import checkpoint_fingerprint
+
+    return artifact.checkpoint_fingerprint is not None and (
+        checkpoint_fingerprint(checkpoint) == artifact.checkpoint_fingerprint
+    )
 
 
 def load_artifact_mask(path: str | Path, model=None, num_layers: int | None = None) -> LayerMask:
@@ -212,8 +262,11 @@ def shipped_artifacts() -> list[tuple[str, MaskArtifact]]:
     return out
 
 
-def shipped_mask(verifier_name: str, skip_ratio: float, model) -> tuple[LayerMask | None, str]:
-    """The shipped DIMR mask for this verifier and skip ratio, checked against the loaded model.
+def shipped_mask(
+    verifier_name: str, skip_ratio: float, model, checkpoint: str | Path | None = None
+) -> tuple[LayerMask | None, str]:
+    """The shipped DIMR mask for this verifier and skip ratio, checked against the loaded model
+    (or its checkpoint files: `check_artifact`).
 
     Matches artifacts whose `verifier` is `verifier_name` and that skip as many layers as
     round(skip_ratio * L). Returns (mask, description), or (None, why not) when there is none
@@ -230,7 +283,7 @@ def shipped_mask(verifier_name: str, skip_ratio: float, model) -> tuple[LayerMas
         return None, f"no shipped DIMR mask for {verifier_name} at skip ratio {skip_ratio:g}"
     name, art = candidates[0]
     try:
-        mask = check_artifact(art, model, L, source=f"viasd/masks/{name}")
+        mask = check_artifact(art, model, L, source=f"viasd/masks/{name}", checkpoint=checkpoint)
     except MaskError as exc:
         return None, f"shipped DIMR mask not used: {exc.message}"
     return mask, f"DIMR mask viasd/masks/{name} ({art.objective.get('name')}, {art.trials} trials)"

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from viasd.dimr.placement import synchronize
 from viasd.dimr.reference import Reference, slim_logprobs
 from viasd.errors import InvalidParameterError
 from viasd.gates import cycle
@@ -58,13 +59,19 @@ _ROW_CHUNK = 64  # positions per chunk when reducing over the vocabulary (bounds
 
 
 class Objective:
-    """A mask score. `stats` returns sums over one sequence; `value` turns summed stats into the score."""
+    """A mask score. `stats` returns sums over one sequence; `value` turns summed stats into the score.
+
+    A sum in `stats` is a number or a 0-d float64 tensor on the logits' device: a caller adds
+    them up over sequences where they are and reads them back once (`host_sums`) when it needs
+    the value, so scoring a mask on a GPU does not wait for the device after every sequence.
+    `value` takes host numbers.
+    """
 
     name: str = ""
     direction: str = "minimize"  # or "maximize"
     needs_drafter: bool = False
 
-    def stats(self, logp: Tensor, ref: Reference, index: int) -> dict[str, float]:
+    def stats(self, logp: Tensor, ref: Reference, index: int) -> dict[str, float | Tensor]:
         raise NotImplementedError
 
     def value(self, sums: dict[str, float]) -> float:
@@ -79,6 +86,25 @@ class Objective:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in self.params().items())})"
+
+
+def host_sums(sums: dict[str, float | Tensor]) -> dict[str, float]:
+    """`sums` as Python floats, the tensors among them read back in one device-to-host copy
+    (one wait for the device); float64, so the sum of float32 per-sequence sums is exactly what
+    adding their Python floats gives."""
+    keys = [k for k, v in sums.items() if isinstance(v, Tensor)]
+    out = {k: float(v) for k, v in sums.items() if not isinstance(v, Tensor)}
+    if keys:
+        dev = sums[keys[0]].device
+        values = torch.stack([sums[k].reshape(()).to(dev, torch.float64) for k in keys]).tolist()  # [K] -> host
+        out.update(zip(keys, values))
+    return {k: out[k] for k in sums}
+
+
+def add_sums(acc: dict[str, float | Tensor], stats: dict[str, float | Tensor]) -> None:
+    """acc[k] += stats[k] for every k, where the values are (on the device for tensors)."""
+    for k, v in stats.items():
+        acc[k] = acc.get(k, 0.0) + v
 
 
 def _row_chunks(logp: Tensor, logq: Tensor):
@@ -116,8 +142,8 @@ class RKLObjective(Objective):
             raise InvalidParameterError("rkl_beta", f"must be in (0, 1], got {self.beta}")
 
     def stats(self, logp, ref, index):
-        r = rkl_per_position(logp, ref.logq[index], self.alpha, self.beta)
-        return {"sum": float(r.sum()), "n": float(r.shape[0])}
+        r = rkl_per_position(logp, ref.logq[index], self.alpha, self.beta)  # [T]
+        return {"sum": r.sum().double(), "n": float(r.shape[0])}
 
     def params(self):
         return {"alpha": self.alpha, "beta": self.beta}
@@ -132,7 +158,7 @@ class KLObjective(Objective):
     def stats(self, logp, ref, index):
         total = 0.0
         for lp, lq in _row_chunks(logp, ref.logq[index]):
-            total += float((lq.exp() * (lq - lp)).sum())
+            total = total + (lq.exp() * (lq - lp)).sum().double()  # 0-d, on the device
         return {"sum": total, "n": float(logp.shape[0])}
 
 
@@ -145,7 +171,7 @@ class TVObjective(Objective):
     def stats(self, logp, ref, index):
         total = 0.0
         for lp, lq in _row_chunks(logp, ref.logq[index]):
-            total += 0.5 * float((lq.exp() - lp.exp()).abs().sum())
+            total = total + 0.5 * (lq.exp() - lp.exp()).abs().sum().double()  # 0-d, on the device
         return {"sum": total, "n": float(logp.shape[0])}
 
 
@@ -156,8 +182,8 @@ class Top1Objective(Objective):
     direction = "maximize"
 
     def stats(self, logp, ref, index):
-        agree = (logp.argmax(-1) == ref.qtop[index]).sum()
-        return {"sum": float(agree), "n": float(logp.shape[0])}
+        agree = (logp.argmax(-1) == ref.qtop[index]).sum()  # 0-d, on the device
+        return {"sum": agree.double(), "n": float(logp.shape[0])}
 
 
 @dataclass(frozen=True)
@@ -192,13 +218,15 @@ class E2EObjective(Objective):
             raise InvalidParameterError("gamma", f"must be >= 1, got {self.gamma}")
 
     def stats(self, logp, ref, index):
+        """Host sums: the cycle model runs on the host, one device-to-host copy per sequence."""
         if ref.draft is None:
             raise InvalidParameterError("drafter", "the e2e objective needs a drafter (build_reference(..., drafter=))")
         d, g = ref.draft[index], ref.qtop[index]  # [T], [T]
         s = logp.argmax(-1)  # [T]
         r = (logp.gather(-1, d[:, None]).squeeze(-1) - logp.amax(-1)).exp()  # [T] q'(d) / max q'
-        regions = regions_from_ratio(r, self.alpha1, self.alpha2, rewrite=self.rewrite).tolist()
-        ok, slim_ok = (d == g).tolist(), (s == g).tolist()
+        regions_t = regions_from_ratio(r, self.alpha1, self.alpha2, rewrite=self.rewrite)  # [T] long
+        regions, ok_i, slim_i = torch.stack([regions_t, (d == g).long(), (s == g).long()]).tolist()  # [3, T] -> host
+        ok, slim_ok = [bool(x) for x in ok_i], [bool(x) for x in slim_i]
         c = self.costs
         gm = self.gamma
         out = dict.fromkeys(("good", "committed", "cost", "cycles", "escalations", "sd_tokens", "sd_cost"), 0.0)
@@ -271,7 +299,8 @@ def measure_costs(
     """Wall time of the forwards a cycle makes, each after `context` cached positions.
 
     The four forwards are timed in interleaved rounds (after one warm-up round) and each cost is
-    the minimum over `repeats` rounds: the least-disturbed figure on a shared machine.
+    the minimum over `repeats` rounds: the least-disturbed figure on a shared machine. On a GPU
+    each timed forward ends when every device of its model has finished it (`synchronize`).
     """
     ctx = torch.arange(context + gamma + 1) % verifier.vocab_size  # [context + gamma + 1]
     kinds = {
@@ -284,12 +313,14 @@ def measure_costs(
     for name, (lm, m, _) in kinds.items():
         caches[name] = lm.new_cache(m)
         lm.forward(ctx[:context], 0, caches[name], m)
+        synchronize(lm)
     best = dict.fromkeys(kinds, float("inf"))
     for r in range(repeats + 1):
         for name, (lm, m, n) in kinds.items():
             caches[name].crop(context)
             t0 = time.perf_counter()
             lm.forward(ctx[context : context + n], context, caches[name], m)
+            synchronize(lm)
             if r:  # round 0 warms up
                 best[name] = min(best[name], time.perf_counter() - t0)
     return Costs(**best)
@@ -298,15 +329,15 @@ def measure_costs(
 def evaluate_mask(
     verifier: MaskedLM, ref: Reference, mask: LayerMask, objectives: Sequence[Objective]
 ) -> dict[str, Any]:
-    """Every objective's value for one mask over the whole reference (one slim forward per sequence)."""
-    sums: list[dict[str, float]] = [{} for _ in objectives]
+    """Every objective's value for one mask over the whole reference (one slim forward per
+    sequence; the sums read back from the device once per objective, at the end)."""
+    sums: list[dict[str, float | Tensor]] = [{} for _ in objectives]
     for i in range(len(ref.tokens)):
         logp = slim_logprobs(verifier, ref, i, mask)
         for acc, obj in zip(sums, objectives):
-            for k, v in obj.stats(logp, ref, i).items():
-                acc[k] = acc.get(k, 0.0) + v
+            add_sums(acc, obj.stats(logp, ref, i))
     out: dict[str, Any] = {}
-    for acc, obj in zip(sums, objectives):
+    for acc, obj in zip((host_sums(a) for a in sums), objectives):
         out[obj.name] = obj.value(acc)
         if obj.name == "rkl":
             out["rkl_total"] = acc["sum"]  # the paper's C(z), a sum over positions

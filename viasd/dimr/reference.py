@@ -10,7 +10,11 @@ Masks are scored under the cache policy the service uses (docs/ARCHITECTURE.md, 
             [q's K/V ; q'_z's K/V] (`shared_policy_logits`; equal to the block-by-block loop).
 
 The reference holds q's log-probabilities and, for `shared`, its keys/values; for e2e, the
-drafter's greedy tokens.
+drafter's greedy tokens. On a GPU everything a trial reads stays on the device: the token ids
+on the verifier's input device (`Reference.inputs`), q's log-probabilities, argmaxes and the
+drafter's tokens where the logits come out (the head's device), q's keys/values beside each
+layer. A trial's forward then copies nothing from the host and waits for nothing
+(`slim_logprobs`).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 from torch import Tensor
 
 from viasd.dimr.calibration import Calibration
-from viasd.errors import InvalidParameterError
+from viasd.errors import InvalidParameterError, MaskError
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -29,13 +33,14 @@ from viasd.runtime import LayerMask, MaskedLM
 class Reference:
     """What every trial compares against, computed once."""
 
-    tokens: list[Tensor]  # [T_i] long, one per calibration sequence
+    tokens: list[Tensor]  # [T_i] long, one per calibration sequence (host)
     logq: list[Tensor]  # [T_i, V] log q_t, the full model's next-token log-probabilities
     qtop: list[Tensor]  # [T_i] argmax q_t (lowest id on ties)
     cache_policy: str = "separate"
     block: int = 6  # shared policy: q' block length (gamma + 1)
     kv: list[dict[int, tuple[Tensor, Tensor]]] | None = None  # shared: q's K/V per layer, [1, H_kv, T_i, D] each
     draft: list[Tensor] | None = None  # e2e: the drafter's greedy token at every position, [T_i]
+    inputs: list[Tensor] | None = None  # the tokens on the verifier's input device, [T_i] (None: moved per use)
 
     @property
     def lengths(self) -> list[int]:
@@ -60,10 +65,11 @@ def build_reference(
     gamma: int = 5,
     drafter: MaskedLM | None = None,
 ) -> Reference:
-    """Full-model log-probabilities (and K/V for `shared`, drafter tokens when a drafter is given)."""
+    """Full-model log-probabilities (and K/V for `shared`, drafter tokens when a drafter is given),
+    each on the device the verifier gives it (module docstring)."""
     if cache_policy not in ("separate", "shared"):
         raise InvalidParameterError("cache_policy", f"must be 'separate' or 'shared', got {cache_policy!r}")
-    ref = Reference([], [], [], cache_policy=cache_policy, block=gamma + 1)
+    ref = Reference([], [], [], cache_policy=cache_policy, block=gamma + 1, inputs=[])
     if cache_policy == "shared":
         ref.kv = []
     if drafter is not None:
@@ -75,12 +81,13 @@ def build_reference(
         cache = verifier.new_cache() if cache_policy == "shared" else None
         logits = verifier.forward(tok, 0, cache)  # [T, V]
         ref.tokens.append(tok)
+        ref.inputs.append(tok.to(verifier.device))
         ref.logq.append(logits.log_softmax(-1))  # [T, V]
         ref.qtop.append(logits.argmax(-1))  # [T]
         if cache is not None:
             ref.kv.append({i: tuple(x.clone() for x in cache.kv(i)) for i in verifier.all_layers})
         if drafter is not None:
-            ref.draft.append(drafter.forward(tok, 0).argmax(-1))  # [T]
+            ref.draft.append(drafter.forward(tok, 0).argmax(-1).to(logits.device))  # [T]
     return ref
 
 
@@ -120,11 +127,29 @@ def shared_policy_logits(
     return lm.head(hidden)  # [T, V]
 
 
+@torch.inference_mode()
+def separate_policy_logits(lm: MaskedLM, tokens: Tensor, mask: LayerMask) -> Tensor:
+    """Logits [T, V] of q'_z over one sequence from position 0 with no cache: what
+    `lm.forward(tokens, 0, None, mask)` returns (the same operations), from token ids already on
+    the device: no host-to-device copy, so nothing waits for the device's queued work."""
+    assert tokens.ndim == 1, f"tokens must be [T], got {tuple(tokens.shape)}"
+    if mask.num_layers != lm.num_layers:
+        raise MaskError(f"mask has {mask.num_layers} entries but the model has {lm.num_layers} layers")
+    dev = lm.device
+    t = tokens.shape[0]
+    positions = torch.arange(t, device=dev)[None]  # [1, T]
+    attn_mask = (positions[0][None, None, :] <= positions[:, :, None])[:, None] if t > 1 else None  # [1, 1, T, T]
+    hidden = lm.embed(tokens.to(dev)[None])  # [1, T, H]
+    hidden = lm.run_layers(hidden, positions, attn_mask, None, mask.kept)  # [1, T, H]
+    return lm.head(hidden)  # [T, V]
+
+
 def slim_logprobs(verifier: MaskedLM, ref: Reference, index: int, mask: LayerMask) -> Tensor:
-    """log q'_z [T_i, V] over calibration sequence `index`, under the reference's cache policy."""
-    tok = ref.tokens[index]
+    """log q'_z [T_i, V] over calibration sequence `index`, under the reference's cache policy,
+    on the device the logits come out on (where `ref.logq` is)."""
+    tok = ref.inputs[index] if ref.inputs is not None else ref.tokens[index]
     if ref.cache_policy == "shared":
         logits = shared_policy_logits(verifier, tok, ref.kv[index], mask, ref.block)
     else:
-        logits = verifier.forward(tok, 0, None, mask)  # [T, V]
+        logits = separate_policy_logits(verifier, tok, mask)  # [T, V]
     return logits.log_softmax(-1)

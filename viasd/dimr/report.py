@@ -36,11 +36,17 @@ def summary_table(result: SearchResult, top: int = 5) -> str:
     return "\n".join(lines)
 
 
-def table4(rows: Sequence[tuple[str, float, int]]) -> str:
-    """The paper's Table 4 layout: (model pair, seconds, CPU threads) -> wall time and core-hours."""
-    lines = ["| Model | Wall-clock Time | CPU core-hours |", "| --- | --- | --- |"]
+def table4(rows: Sequence[tuple[str, float, int]], gpus: int = 0) -> str:
+    """The paper's Table 4 layout: (model pair, seconds, CPU threads) -> wall time and core-hours;
+    with `gpus` (the search held that many GPUs) GPU-hours instead of core-hours."""
+    unit = "GPU-hours" if gpus else "CPU core-hours"
+    lines = [f"| Model | Wall-clock Time | {unit} |", "| --- | --- | --- |"]
     for name, seconds, threads in rows:
-        lines.append(f"| {name} | {seconds / 60:.1f} min | {seconds * threads / 3600:.2f} h ({threads} threads) |")
+        if gpus:
+            used = f"{seconds * gpus / 3600:.2f} h ({gpus} GPU{'s' if gpus > 1 else ''})"
+        else:
+            used = f"{seconds * threads / 3600:.2f} h ({threads} threads)"
+        lines.append(f"| {name} | {seconds / 60:.1f} min | {used} |")
     return "\n".join(lines)
 
 

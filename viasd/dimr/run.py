@@ -13,6 +13,7 @@ import torch
 from viasd.dimr.artifact import MaskArtifact, build_artifact, save_artifact
 from viasd.dimr.calibration import file_calibration, humaneval_calibration
 from viasd.dimr.objectives import OBJECTIVES, Costs, evaluate_mask, make_objective, measure_costs
+from viasd.dimr.placement import PlacedLM, Placement, load_placed, search_devices
 from viasd.dimr.reference import build_reference
 from viasd.dimr.report import heldout_table, plot_trials, summary_table, table4
 from viasd.dimr.search import search_mask
@@ -61,6 +62,8 @@ def run_dimr(
     rkl_beta: float = 1.0,
     costs: Costs | None = None,
     dtype: str = "bfloat16",
+    device: str | None = None,
+    devices: str | None = None,
     plot: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
@@ -72,6 +75,13 @@ def run_dimr(
     HumanEval text (problems from `heldout_start`) with every objective and stores the figures
     in the artifact under "heldout". `costs` replaces the measured forward costs of the e2e
     objective (for reproducible e2e runs on a busy machine).
+
+    Where it runs (`viasd.dimr.placement`): `device` (`cpu`, `cuda`, `cuda:N`) loads the models
+    straight onto one device in `dtype` (``auto``: the engine's choice for that device);
+    `devices` (`N` GPUs, `all`, or a list such as `cuda:0,cuda:1`) spreads the verifier's layers
+    over several, the drafter on the first; neither: the CPU, as `load_causal_lm` loads it.
+    Both are checked before anything loads (InvalidParameterError naming the flag). The artifact
+    records the placement; the mask does not depend on it beyond the arithmetic of each device.
     """
     from viasd.models.loader import load_causal_lm
 
@@ -81,12 +91,20 @@ def run_dimr(
         )
     if objective == "e2e" and drafter is None:
         raise InvalidParameterError("drafter", "the e2e objective needs --drafter")
+    targets, flag = search_devices(device, devices)
     fixed_costs = costs
     t_all = time.perf_counter()
-    model, tokenizer = load_causal_lm(verifier, dtype=dtype)
-    vq = MaskedLM(model)
-    vp = MaskedLM(load_causal_lm(drafter, dtype=dtype)[0]) if drafter else None
+    if targets == (torch.device("cpu"),):  # the host, as the engine loads it
+        model, tokenizer = load_causal_lm(verifier, dtype=dtype)
+        placement = Placement.spread(targets, len(model.model.layers))
+        vq = MaskedLM(model)
+        vp = MaskedLM(load_causal_lm(drafter, dtype=dtype)[0]) if drafter else None
+    else:
+        model, tokenizer, placement = load_placed(verifier, targets, dtype=dtype, flag=flag)
+        vq = PlacedLM(model)
+        vp = PlacedLM(load_placed(drafter, targets[:1], dtype=dtype, flag=flag)[0]) if drafter else None
     load_s = time.perf_counter() - t_all
+    echo(f"[dimr] verifier ({str(vq.dtype).removeprefix('torch.')}) on {placement.describe()}")
     if calibration == "humaneval":
         calib = humaneval_calibration(
             tokenizer, start=calib_start, max_tokens=calib_tokens, max_seq_tokens=max_seq_tokens
@@ -152,7 +170,11 @@ def run_dimr(
         )
         # the search's wall time: forward costs, trials, and the reference pass (once, on the first ratio)
         seconds = time.perf_counter() - t_ratio + (ref_s if ratio == ratios[0] else 0.0)
-        extra: dict[str, Any] = {"command": command, "reference_seconds": round(ref_s, 3)}
+        extra: dict[str, Any] = {
+            "command": command,
+            "reference_seconds": round(ref_s, 3),
+            "placement": placement.as_dict(),
+        }
         if held is not None:
             held_cal, held_ref = held
             objs = [
@@ -184,7 +206,7 @@ def run_dimr(
             cache_policy=cache_policy,
             verifier_name=verifier,
             drafter_name=drafter,
-            dtype=dtype,
+            dtype=str(vq.dtype).removeprefix("torch."),  # the concrete dtype (`auto` resolved)
             extra=extra,
         )
         path = save_artifact(art, _default_out(out, ratio, sweep))
@@ -204,5 +226,6 @@ def run_dimr(
                 torch.get_num_threads(),
             )
         )
-    echo("\n" + table4(rows))
+    gpus = len({d for d in placement.devices if d.type == "cuda"})
+    echo("\n" + table4(rows, gpus=gpus))
     return artifacts

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from viasd.dimr.objectives import Objective, RKLObjective
+from viasd.dimr.objectives import Objective, RKLObjective, add_sums, host_sums
 from viasd.dimr.reference import Reference, slim_logprobs
 from viasd.dimr.space import evenly_spaced_skips, normalize_keep, num_skipped
 from viasd.errors import InvalidParameterError, MaskError, require
@@ -222,27 +222,31 @@ class MaskSearch:
     # ------------------------------------------------------------------ scoring
 
     def score(self, rec: TrialRecord) -> None:
-        """Score rec.skipped sequence by sequence; stop at a rung where it is not in the best 1/eta."""
+        """Score rec.skipped sequence by sequence; stop at a rung where it is not in the best 1/eta.
+
+        The per-sequence sums stay on the device (`Objective.stats`); the host reads them once
+        at each rung and once at the end, so on a GPU the forwards of a trial queue back to back
+        (the e2e objective reads once per sequence)."""
         obj, ref, s = self.objective, self.ref, self.settings
         mask = LayerMask.from_skipped(rec.skipped, self.num_layers)
-        sums: dict[str, float] = {}
+        sums: dict[str, Any] = {}
         for n_done, i in enumerate(range(len(ref.tokens)), 1):
-            for key, v in obj.stats(slim_logprobs(self.verifier, ref, i, mask), ref, i).items():
-                sums[key] = sums.get(key, 0.0) + v
+            add_sums(sums, obj.stats(slim_logprobs(self.verifier, ref, i, mask), ref, i))
             rec.tokens += ref.lengths[i]
             if n_done in self.ends:
                 r = self.ends.index(n_done)
-                loss = obj.loss(obj.value(sums))
+                value = obj.value(host_sums(sums))  # one device-to-host read per rung
+                loss = obj.loss(value)
                 earlier = sorted(
                     obj.loss(p.rung_values[r]) for p in self.records if not p.duplicate and len(p.rung_values) > r
                 )
-                rec.rung_values.append(obj.value(sums))
+                rec.rung_values.append(value)
                 if len(earlier) >= s.min_rung_trials:
                     cutoff = earlier[max(0, math.ceil(len(earlier) / s.eta) - 1)]
                     if loss > cutoff:
                         rec.pruned = True
                         return
-        rec.value = obj.value(sums)
+        rec.value = obj.value(host_sums(sums))
 
     def trial(self, o: int) -> TrialRecord:
         """Propose, score (or reuse a duplicate's score) and tell the study about trial o."""

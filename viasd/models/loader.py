@@ -1,7 +1,8 @@
 """Loading causal language models: built-in names or local Hugging Face directories.
 
 :func:`load_causal_lm` is the one entry point the engine uses to get a model and its tokenizer.
-:func:`model_fingerprint` ties artifacts computed for a model (layer masks) to that model.
+:func:`model_fingerprint` ties artifacts computed for a model (layer masks) to that model;
+:func:`checkpoint_fingerprint` ties them to its files, read by any rank without loading them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "checkpoint_fingerprint",
     "load_causal_lm",
     "load_tokenizer",
     "model_fingerprint",
@@ -51,6 +53,8 @@ _VOLATILE_CONFIG_KEYS = (
     "return_dict",
 )
 _FINGERPRINT_BYTES = 4096
+#: Windows of _FINGERPRINT_BYTES a checkpoint fingerprint reads of each tensor, evenly spaced.
+_CHECKPOINT_WINDOWS = 8
 
 
 def resolve_model_dir(spec: str, dtype: str | torch.dtype = "bfloat16", device: str = "cpu") -> Path:
@@ -217,6 +221,58 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     on the bf16 weights holds for their float32 load (`dtype: auto` picks float32 where bf16 is
     emulated), while other weights give another fingerprint."""
     return _fingerprint(model, as_bf16=True)
+
+
+def checkpoint_fingerprint(model_dir: str | Path) -> str:
+    """A sha256 identifying a safetensors checkpoint as stored, read without loading it.
+
+    Hashes config.json (without entries about how it was loaded) and, for every tensor in name
+    order whatever file holds it, its name, stored dtype and shape and `_CHECKPOINT_WINDOWS`
+    evenly spaced windows of `_FINGERPRINT_BYTES` of its data (all of it when smaller), located
+    through each file's header: about 32 KiB read per tensor (~25 MB for a 70B checkpoint). Every
+    reader gets the same value -- each tensor-parallel rank at any TP size, any load dtype -- so a
+    rank that loads only its slices can still check a layer mask against the weights it was
+    searched on. Another config, tensor, shape, stored dtype or value in a window gives another
+    fingerprint; re-splitting the same tensors into other files does not.
+    """
+    import struct
+
+    model_dir = Path(model_dir)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} has no *.safetensors weights to fingerprint")
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {model_dir / 'config.json'}: {exc}") from exc
+    for key in _VOLATILE_CONFIG_KEYS:
+        config.pop(key, None)
+    tensors = {}  # name -> (file, absolute data start, end, dtype, shape)
+    for path in files:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))  # the safetensors layout: u64 header length, JSON header, data
+            header = json.loads(f.read(size))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                begin, end = entry["data_offsets"]
+                tensors[name] = (path, 8 + size + begin, 8 + size + end, entry["dtype"], tuple(entry["shape"]))
+    h = hashlib.sha256(b"viasd-checkpoint-v1\0")
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    handles: dict = {}
+    try:
+        for name in sorted(tensors):
+            path, begin, end, dtype, shape = tensors[name]
+            h.update(f"\0{name}\0{dtype}\0{shape}\0".encode())
+            f = handles.get(path) or handles.setdefault(path, path.open("rb"))
+            span = max(end - begin - _FINGERPRINT_BYTES, 0)
+            starts = sorted({begin + span * i // (_CHECKPOINT_WINDOWS - 1) for i in range(_CHECKPOINT_WINDOWS)})
+            for start in starts:
+                f.seek(start)
+                h.update(f.read(min(_FINGERPRINT_BYTES, end - start)))
+    finally:
+        for f in handles.values():
+            f.close()
+    return h.hexdigest()
 
 
 def _fingerprint(model: PreTrainedModel, as_bf16: bool) -> str:
