@@ -4,12 +4,15 @@ Helm's own engine (helm-python-sdk: Helm v4's Go library) lints and renders the 
 objects are checked with kubernetes-validate (strict: unknown fields refused); the RayService against
 KubeRay's RayService schema (tests/data/kuberay-rayservice-v1.schema.yaml, core types from
 kubernetes-validate); serveConfigV2 against Ray Serve's own ServeDeploySchema; the application's args
-against the real ServeConfig and through the real `app_builder`. No cluster, no Docker, no Ray started.
+against the real ServeConfig and through the real `app_builder`. The GPU presets' sizing (docs/KUBERNETES.md,
+"GPU sizing") is recomputed from their models' shapes, built by transformers on the meta device, and the engine's
+own cache arithmetic. No cluster, no Docker, no Ray started, no weights.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import http.server
 import importlib.util
 import json
@@ -17,6 +20,7 @@ import re
 import shutil
 import threading
 from concurrent import futures
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,7 +33,8 @@ from referencing import Registry, Resource
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "via-sd"
-PRESETS = ["values-llama2-70b.yaml", "values-qwen-72b.yaml", "values-cpu-demo.yaml"]
+GPU_PRESETS = ["values-llama2-70b.yaml", "values-qwen-72b.yaml", "values-llama31-70b.yaml"]
+PRESETS = [*GPU_PRESETS, "values-cpu-demo.yaml"]
 KUBE_VERSION = "1.30"  # the oldest Kubernetes the schemas are checked against (Chart.yaml: >= 1.25)
 GPU = "nvidia.com/gpu"
 
@@ -287,18 +292,19 @@ def test_values_yaml_serve_block_equals_cluster_serve_yaml_pipeline():
 # ---------------------------------------------------------------- GPUs, ports, probes, autoscaling
 
 
-@pytest.mark.parametrize("name,tp,gpus", [("values-llama2-70b.yaml", 4, 5), ("values-qwen-72b.yaml", 4, 5)])
-def test_gpu_worker_holds_tp_ranks_plus_the_drafter(chart, name, tp, gpus):
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_worker_holds_the_whole_pipeline_on_one_node(chart, name):
+    """tp_size ranks of 0.8 GPU take a GPU each and the drafter's 0.2 goes beside one of them: tp_size GPUs."""
     values = preset(name)
     (p,) = values["serve"]["pipelines"]
-    assert p["tp_size"] == tp and p["verifier_gpus_per_rank"] == 1 and p["drafter_gpus"] == 1
-    for tp_size in (tp, 2, 8):  # the 141 GB card variant (TP=2), and a larger group
+    assert (p["tp_size"], p["verifier_gpus_per_rank"], p["drafter_gpus"]) == (NODE_GPUS, 0.8, 0.2)
+    for tp_size in (NODE_GPUS, 4, 2):  # the same shares on smaller groups
         v = copy.deepcopy(values)
         v["serve"]["pipelines"][0]["tp_size"] = tp_size
         rs = one(render(chart, v), "RayService")
         pods = pod_specs(rs)
         res = container(pods["worker"])["resources"]
-        assert res["limits"][GPU] == res["requests"][GPU] == tp_size + p["drafter_gpus"]
+        assert res["limits"][GPU] == res["requests"][GPU] == tp_size
         head = container(pods["head"])["resources"]
         assert GPU not in head.get("limits", {}) and GPU not in head.get("requests", {})
         assert rs["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
@@ -328,6 +334,231 @@ def test_cpu_demo_asks_no_gpu(chart):
     for template in pod_specs(rs).values():
         res = container(template)["resources"]
         assert GPU not in res.get("limits", {}) and GPU not in res.get("requests", {})
+
+
+# ---------------------------------------------------------------- GPU sizing of the presets (docs/KUBERNETES.md)
+
+GB, GiB, KiB = 10**9, 2**30, 2**10
+NODE_GPUS = 8  # a pipeline's GPUs: one node of eight 80 GB cards
+CARD = 80 * GB  # an A100 / H100 80GB (they hold 79.6-80 GiB: the difference is margin)
+RANK_RESERVE = 5 * GB  # a verifier rank's CUDA context, NCCL buffers, activations, full-vocabulary logits
+DRAFTER_RESERVE = 3 * GB  # the drafter process's
+PROCESS_HOST = 4 * GB  # host memory of a model process: Python, torch, CUDA and NCCL state
+RAY_HOST = 8 * GB  # raylet, dashboard agent, Serve's proxy and the replica
+REQUEST = 4096  # positions of a 4k-token request: prompt, output and draft block
+SHARDED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}  # split across the ranks
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A model as its config.json describes it; `params`: the published count."""
+
+    arch: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context: int  # max_position_embeddings
+    tied: bool  # tie_word_embeddings
+    params: float
+
+
+#: The presets' models, by their directory under /models (the Hugging Face repository's name).
+MODELS = {
+    "Llama-2-70b-chat-hf": Shape("llama", 8192, 28672, 80, 64, 8, 32000, 4096, False, 69e9),
+    "Llama-2-7b-chat-hf": Shape("llama", 4096, 11008, 32, 32, 32, 32000, 4096, False, 6.7e9),
+    "Qwen2.5-72B-Instruct": Shape("qwen2", 8192, 29568, 80, 64, 8, 152064, 32768, False, 72.7e9),
+    "Qwen2.5-7B-Instruct": Shape("qwen2", 3584, 18944, 28, 28, 4, 152064, 32768, False, 7.6e9),
+    "Llama-3.1-70B-Instruct": Shape("llama", 8192, 28672, 80, 64, 8, 128256, 131072, False, 70.6e9),
+    "Llama-3.2-1B-Instruct": Shape("llama", 2048, 8192, 16, 32, 8, 128256, 131072, True, 1.24e9),
+}
+
+
+@functools.cache
+def meta_model(name: str):
+    """MODELS[name] built by transformers on the meta device (shapes only, no memory) as a MaskedLM."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    from viasd.runtime import MaskedLM
+
+    s = MODELS[name]
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config}[s.arch](
+        hidden_size=s.hidden,
+        intermediate_size=s.intermediate,
+        num_hidden_layers=s.layers,
+        num_attention_heads=s.heads,
+        num_key_value_heads=s.kv_heads,
+        vocab_size=s.vocab,
+        max_position_embeddings=s.context,
+        tie_word_embeddings=s.tied,
+    )
+    with torch.device("meta"):
+        return MaskedLM(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16))
+
+
+def rank_weight_bytes(lm, tp: int) -> int:
+    """What a rank holds after `viasd.parallel.load_shard`: 1/tp of every layer's projections and of the head
+    (when the vocabulary divides), the embedding and the norms whole."""
+    head_split = lm.vocab_size % tp == 0
+    total = 0
+    for name, p in lm.model.named_parameters():
+        split = (".layers." in name and name.split(".")[-2] in SHARDED) or (name == "lm_head.weight" and head_split)
+        total += p.numel() * p.element_size() // (tp if split else 1)
+    if lm.lm_head.weight is lm.embed.weight and head_split:  # tied: a sharded head of its own, read from the embedding
+        total += lm.lm_head.weight.numel() * lm.lm_head.weight.element_size() // tp
+    return total
+
+
+def preset_sizing(values: dict) -> dict:
+    """A GPU preset's sizing from its models' shapes and the engine's own arithmetic: KV bytes a position costs each
+    actor (as actors/verifier.py and actors/drafter.py count them), the KV budget each actor gets (kv_cache_gib: what
+    the GPU the drafter shares with a rank leaves, halved, in whole GiB), the blocks it buys (viasd.engine.kv_capacity)
+    and the 4k-token requests they hold on the actor holding the fewest, under either cache policy."""
+    import torch
+
+    from viasd.config import CachePolicy
+    from viasd.engine import kv_bytes_per_token, kv_capacity
+    from viasd.runtime import LayerMask
+
+    (p,) = values["serve"]["pipelines"]
+    e, tp = p["engine"], p["tp_size"]
+    q, d = meta_model(Path(e["verifier"]).name), meta_model(Path(e["drafter"]).name)
+    mask = LayerMask.evenly_spaced(e["skip_ratio"], q.num_layers)
+    w_rank = rank_weight_bytes(q, tp)
+    w_drafter = sum(x.numel() * x.element_size() for x in d.model.parameters())
+    per_token = {pol: kv_bytes_per_token(q, None, mask, CachePolicy(pol)) // tp for pol in ("separate", "shared")}
+    drafter_token = d.kv_bytes_per_token()
+    budget_gib = int((CARD - RANK_RESERVE - DRAFTER_RESERVE - w_rank - w_drafter) / 2 // GiB)
+
+    def requests(token_bytes: int, lm) -> int:
+        _, _, blocks = kv_capacity(
+            token_bytes,
+            torch.device("cpu"),
+            max_batch=e["max_batch"],
+            max_seq_len=None,
+            kv_cache_gib=budget_gib,
+            model_context=min(lm.config.max_position_embeddings, e["max_context"]),
+            max_context=e["max_context"],
+            block_size=e["kv_block_size"],
+        )
+        return blocks // -(-REQUEST // e["kv_block_size"])
+
+    host = tp * (w_rank + PROCESS_HOST) + w_drafter + PROCESS_HOST + RAY_HOST
+    return {
+        "q": q,
+        "d": d,
+        "w_rank": w_rank,
+        "w_drafter": w_drafter,
+        "per_token": per_token,
+        "drafter_token": drafter_token,
+        "budget_gib": budget_gib,
+        "requests": {pol: min(requests(per_token[pol], q), requests(drafter_token, d)) for pol in per_token},
+        "host_gib": -(-host // (8 * GiB)) * 8,  # rounded up to 8 GiB
+        "rank_gpu": w_rank + budget_gib * GiB + RANK_RESERVE,
+        "shared_gpu": w_rank + w_drafter + 2 * budget_gib * GiB + RANK_RESERVE + DRAFTER_RESERVE,
+    }
+
+
+def sizing_rows(name: str) -> dict[str, str]:
+    """Preset `name`'s column of the docs' table, as computed."""
+    values = preset(name)
+    s = preset_sizing(values)
+    e = values["serve"]["pipelines"][0]["engine"]
+    tok = s["per_token"]
+    return {
+        "models under /models: q / p": f"`{Path(e['verifier']).name}` / `{Path(e['drafter']).name}`",
+        "GPUs per pod (one node)": str(NODE_GPUS),
+        "host memory per pod": f"{s['host_gib']} GiB",
+        "weights per GPU: a rank / the drafter": f"{s['w_rank'] / GB:.1f} / {s['w_drafter'] / GB:.1f} GB",
+        "KV per position, a rank: separate / shared": f"{tok['separate'] // KiB} / {tok['shared'] // KiB} KiB",
+        "KV per position, the drafter": f"{s['drafter_token'] // KiB} KiB",
+        "`kv_cache_gib` (each actor)": str(s["budget_gib"]),
+        "KV per GPU: a rank's / the shared one": f"{s['budget_gib']} / {2 * s['budget_gib']} GiB",
+        "GPU in use: a rank's / the shared one": f"{s['rank_gpu'] / GB:.1f} / {s['shared_gpu'] / GB:.1f} GB",
+        "concurrent 4k requests: separate / shared": f"{s['requests']['separate']} / {s['requests']['shared']}",
+    }
+
+
+def docs_sizing_table(text: str) -> dict[str, dict[str, str]]:
+    """The presets' table in docs/KUBERNETES.md's "GPU sizing": {row label: {preset file: cell}}."""
+    lines = text.split("\n## GPU sizing", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|") and "`values-" in line)
+    rows = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    header, _rule, *body = rows
+    files = [c.strip("`") for c in header[1:]]
+    return {row[0]: dict(zip(files, row[1:], strict=True)) for row in body}
+
+
+def sizing_mismatches(text: str) -> list[str]:
+    """Every cell of the docs' table that differs from the computed sizing."""
+    table = docs_sizing_table(text)
+    out = []
+    for name in GPU_PRESETS:
+        rows = sizing_rows(name)
+        out += [f"rows {sorted(set(table) ^ set(rows))}"] if set(table) != set(rows) else []
+        for label, cell in rows.items():
+            if table.get(label, {}).get(name) != cell:
+                out.append(f"{name}, {label}: docs {table.get(label, {}).get(name)!r}, computed {cell!r}")
+    return out
+
+
+@pytest.mark.parametrize("name", GPU_PRESETS)
+def test_gpu_preset_fits_one_node_as_sized(chart, name):
+    """The preset's models (their published sizes, shardable, one vocabulary) fit one node of 80 GB cards, and the
+    rendered release asks for what the sizing computes: 8 GPUs, the host memory, the KV budget, the concurrency."""
+    from viasd.cluster.serve_config import parse_serve_config
+    from viasd.parallel import check_shardable
+
+    values = preset(name)
+    s = preset_sizing(values)
+    e = values["serve"]["pipelines"][0]["engine"]
+    for lm, model in ((s["q"], e["verifier"]), (s["d"], e["drafter"])):
+        count = sum(p.numel() for p in lm.model.parameters())
+        assert count == pytest.approx(MODELS[Path(model).name].params, rel=0.01), model
+    check_shardable(s["q"].config, NODE_GPUS)
+    assert s["q"].vocab_size == s["d"].vocab_size  # cluster/pipeline.py refuses a pair that differs
+    assert s["rank_gpu"] <= CARD and s["shared_gpu"] <= CARD
+    docs = render(chart, values)
+    res = container(pod_specs(one(docs, "RayService"))["worker"])["resources"]
+    assert res["limits"][GPU] == res["requests"][GPU] == NODE_GPUS
+    assert res["limits"]["memory"] == res["requests"]["memory"] == f"{s['host_gib']}Gi"
+    config = parse_serve_config(app_args(docs))
+    p = config.pipelines[0]
+    assert p.tp_size == NODE_GPUS and p.tp_backend == "torch" and p.engine.mask is None  # ranks read their slices
+    assert NODE_GPUS * p.verifier_cpus_per_rank + p.drafter_cpus + config.ray.replica_num_cpus <= float(
+        res["limits"]["cpu"]
+    )  # the placement group's CPUs fit the pod (Ray's num-cpus)
+    assert p.engine.kv_cache_gib == s["budget_gib"] and p.engine.max_context >= REQUEST
+    assert p.engine.max_batch == s["requests"][p.engine.cache_policy.value] == config.limits.max_concurrent_requests
+    assert config.autoscaling.target_ongoing_requests <= config.limits.max_concurrent_requests
+
+
+def test_docs_gpu_sizing_table_is_the_presets_arithmetic():
+    text = (ROOT / "docs" / "KUBERNETES.md").read_text()
+    assert sizing_mismatches(text) == []
+    # a number changed in the table is caught
+    line = next(line for line in text.splitlines() if line.startswith("| concurrent 4k requests"))
+    wrong = re.sub(r"\| (\d+)", lambda m: f"| {int(m.group(1)) + 1}", line, count=1)
+    assert wrong != line and sizing_mismatches(text.replace(line, wrong))
+    # the model shapes the docs list are the ones computed with
+    shapes = re.findall(r"^\| `([^`]+)` \| (\d+) \| (\d+) × (\d+) \| ([\d,]+) \| ([\d.e]+) \|$", text, re.M)
+    assert {name for name, *_ in shapes} == set(MODELS)
+    for name, layers, kv_heads, head_dim, vocab, params in shapes:
+        s = MODELS[name]
+        assert (int(layers), int(kv_heads), int(head_dim), int(vocab.replace(",", "")), float(params)) == (
+            s.layers,
+            s.kv_heads,
+            s.hidden // s.heads,
+            s.vocab,
+            s.params,
+        ), name
 
 
 @pytest.mark.parametrize("http_port,grpc_port,route", [(8000, 9000, "/"), (8100, 9100, "/llm")])
@@ -564,7 +795,7 @@ def test_model_storage_pvc_and_object_store(chart):
     worker = pod_specs(one(docs, "RayService"))["worker"]
     (init,) = worker["spec"]["initContainers"]
     env = {e["name"]: e["value"] for e in init["env"]}
-    assert env == {"MODEL_URI": "s3://my-bucket/models/qwen2-72b", "MODEL_DIR": "/models"}
+    assert env == {"MODEL_URI": "s3://my-bucket/models/qwen2.5-72b", "MODEL_DIR": "/models"}
     assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
     assert "initContainers" not in pod_specs(one(docs, "RayService"))["head"]["spec"]
 
