@@ -16,6 +16,12 @@ Random-weight models of real shapes (no downloads, no Ray), built on the device:
    and through the bare transformers forward (one token a row after a 128-token prompt), the
    weight-read roofline (bytes a decode step must read / HBM bandwidth), and the full engine
    step's committed tokens/s in ``ar`` and ``sd`` (greedy, gamma 5).
+4. ``shard_load``: a random bf16 checkpoint of LLaMA2-70B's layer shapes (two of its 80 layers,
+   its embeddings and head, in several safetensors files) is written to a scratch directory, and
+   tensor-parallel rank 0 of 8 reads its slices straight to the device (``viasd.parallel.read_shard``),
+   cold (the files dropped from the page cache) and warm: seconds, the bytes it holds against
+   the checkpoint's, its peak host memory above the start and the device's peak allocation;
+   the seconds for all 80 layers extrapolated by bytes.
 
 Every section checks the time left (``--budget-s``) and records ``"skipped": "time budget"``
 rather than overrun; one that raises records its error and the next one runs. The JSON goes to
@@ -58,6 +64,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import platform
 import random
 import statistics
@@ -116,6 +123,7 @@ LLAMA_PAIR = Pair(
     Shape(4096, 32, 32, 8, 14336, 128256, 5e5),  # Llama-3.1-8B
     Shape(2048, 16, 32, 8, 8192, 128256, 5e5),  # Llama-3.2-1B
 )
+LLAMA2_70B = Shape(8192, 80, 64, 8, 28672, 32000, 1e4)  # the shard_load section's layer shapes
 TINY_QWEN_PAIR = Pair("tiny-qwen2", "qwen2", Shape(64, 6, 4, 2, 128, 512, 1e6), Shape(32, 2, 2, 1, 64, 512, 1e6))
 TINY_LLAMA_PAIR = Pair("tiny-llama", "llama", Shape(64, 4, 4, 2, 128, 512, 5e5), Shape(32, 2, 2, 1, 64, 512, 5e5))
 
@@ -137,6 +145,9 @@ class Plan:
     reps: int
     engine_steps: int
     throughput_dtype: str
+    shard_shape: Shape  # shard_load: the checkpoint's shapes (its `layers` are the model's; `shard_layers` are written)
+    shard_layers: int
+    shard_tp: int
 
 
 FULL = Plan(
@@ -153,6 +164,9 @@ FULL = Plan(
     reps=20,
     engine_steps=12,
     throughput_dtype="bfloat16",
+    shard_shape=LLAMA2_70B,
+    shard_layers=2,
+    shard_tp=8,
 )
 TINY = Plan(
     exact_pair=TINY_QWEN_PAIR,
@@ -168,6 +182,9 @@ TINY = Plan(
     reps=3,
     engine_steps=3,
     throughput_dtype="float32",
+    shard_shape=Shape(64, 80, 8, 8, 256, 512, 1e4),
+    shard_layers=2,
+    shard_tp=8,
 )
 
 
@@ -635,6 +652,122 @@ def throughput_pair(pair: Pair, plan: Plan, device: str, hbm_gbps: float | None,
     return out  # (the models go with this frame; the caller frees the memory)
 
 
+# ------------------------------------------------------------------ one rank's shard of a 70B checkpoint
+
+
+def status_bytes(field: str) -> int | None:
+    """A /proc/self/status figure in bytes (VmRSS, VmHWM), None where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return None
+
+
+def reset_peak_rss() -> bool:
+    """Restart VmHWM from the current resident size (Linux: clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def write_checkpoint(shape: Shape, layers: int, directory: Path, device: str, file_bytes: int = 2 << 30) -> int:
+    """A random bf16 LLaMA checkpoint of `shape` with `layers` layers in safetensors files of at
+    most `file_bytes` (and its index, its config), flushed to disk; returns its tensors' bytes."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    config = hf_config("llama", Shape(**{**asdict(shape), "layers": layers}), 4096)
+    with torch.device("meta"):
+        names = {n: tuple(p.shape) for n, p in LlamaForCausalLM(config).named_parameters()}
+    directory.mkdir(parents=True, exist_ok=True)
+    config.save_pretrained(directory)
+    weight_map, part, size, total, index = {}, {}, 0, 0, 0
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def flush():
+        nonlocal part, size, index
+        if part:
+            name = f"model-{index:05d}.safetensors"
+            save_file(part, directory / name)
+            weight_map.update(dict.fromkeys(part, name))
+            part, size, index = {}, 0, index + 1
+
+    for name, dims in names.items():
+        t = torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(torch.bfloat16).cpu()
+        if size + t.nbytes > file_bytes:
+            flush()
+        part[name], size, total = t, size + t.nbytes, total + t.nbytes
+    flush()
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    for f in directory.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            os.fsync(fh.fileno())
+    return total
+
+
+def drop_page_cache(directory: Path) -> bool:
+    """Ask the kernel to drop the files' clean pages (the next read comes from the disk)."""
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    for f in directory.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return True
+
+
+def shard_load(plan: Plan, device: str) -> dict:
+    """Rank 0 of `plan.shard_tp` reading its slices of a `plan.shard_layers`-layer checkpoint of
+    `plan.shard_shape` (section 4 of the module docstring)."""
+    import tempfile
+
+    from viasd.parallel import TPGroup, read_shard
+
+    cuda = device.startswith("cuda")
+    shape, layers, tp = plan.shard_shape, plan.shard_layers, plan.shard_tp
+    group = TPGroup(rank=0, world_size=tp, backend="nccl" if cuda else "gloo", local_rank=0 if cuda else None)
+    with tempfile.TemporaryDirectory(prefix="viasd-shard-") as tmp:
+        directory = Path(tmp)
+        t0 = time.perf_counter()
+        checkpoint = write_checkpoint(shape, layers, directory, device)
+        rec = {"shape": asdict(shape), "layers_written": layers, "tp": tp, "checkpoint_bytes": checkpoint}
+        rec["write_seconds"] = time.perf_counter() - t0
+        for run in ("cold", "warm"):
+            rec[f"{run}_page_cache_dropped"] = drop_page_cache(directory) if run == "cold" else False
+            free_memory(device)
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            start, reset = status_bytes("VmRSS"), reset_peak_rss()
+            sync(device)
+            t0 = time.perf_counter()
+            model = read_shard(directory, group, torch.bfloat16)
+            sync(device)
+            rec[f"{run}_seconds"] = time.perf_counter() - t0
+            peak = status_bytes("VmHWM")
+            rec[f"{run}_host_peak_bytes"] = peak - start if reset and peak is not None and start else None
+            rec[f"{run}_device_peak_bytes"] = torch.cuda.max_memory_allocated() if cuda else None
+            rec["rank_weight_bytes"] = param_bytes(model)
+            del model
+    rec["rank_share"] = rec["rank_weight_bytes"] / checkpoint
+    per_layer = 2 * (  # bf16: q, o; k, v; gate, up, down
+        2 * shape.hidden * shape.hidden
+        + 2 * shape.hidden * shape.kv_heads * (shape.hidden // shape.heads)
+        + 3 * shape.hidden * shape.intermediate
+    )
+    full = checkpoint + (shape.layers - layers) * per_layer
+    rec["full_checkpoint_bytes"] = full
+    rec["full_cold_seconds_estimate"] = rec["cold_seconds"] * full / checkpoint
+    rec["cold_gb_per_s"] = checkpoint / rec["cold_seconds"] / 1e9  # (the checkpoint's bytes over the read's time)
+    return rec
+
+
 def rounded(value):
     """Floats to 4 significant digits, all the way down (measurements, not identities)."""
     if isinstance(value, float):
@@ -697,6 +830,10 @@ def run(args) -> dict:
             )
             free_memory(device)
             save()
+    if "shard_load" in sections:
+        doc["shard_load"] = guarded("shard_load", lambda: shard_load(plan, device)) if budget.has(60) else SKIPPED
+        free_memory(device)
+        save()
     doc["environment"]["wall_seconds"] = round(budget.elapsed(), 2)
     save()
     return doc
@@ -709,7 +846,7 @@ def main() -> int:
     ap.add_argument("--out", help="also write the JSON document here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall seconds the sections may take")
     ap.add_argument("--hbm-gbps", type=float, default=H200_HBM_GBPS, help="HBM bandwidth for the roofline, GB/s")
-    ap.add_argument("--sections", default="exactness,host_reads,throughput", help="comma-separated")
+    ap.add_argument("--sections", default="exactness,host_reads,throughput,shard_load", help="comma-separated")
     ap.add_argument("--commit", help="the commit of this tree, recorded where it has no .git (device copies)")
     args = ap.parse_args()
     args.plan = TINY if args.tiny else FULL

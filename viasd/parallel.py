@@ -58,6 +58,7 @@ __all__ = [
     "init_tp",
     "shard_model",
     "load_shard",
+    "read_shard",
     "shutdown_tp",
     "check_shardable",
     "free_port",
@@ -342,17 +343,42 @@ def _chunk(n: int, group: TPGroup) -> slice:
 def load_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
     """This rank's shard of a local safetensors checkpoint (torch backend), read slice by slice.
 
+    Joins the group (`init_tp`), reads this rank's weights (`read_shard`) and installs the
+    collectives: the result is the model `shard_model(full, "torch", group)` makes: plain local
+    weights, one all-reduce per row-parallel projection and an all-gather after a sharded head.
+    """
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    check_shardable(AutoConfig.from_pretrained(model_dir), group.world_size)  # (before any rendezvous)
+    if group.world_size > 1:
+        init_tp(group)
+    model = read_shard(model_dir, group, dtype)
+    if group.world_size > 1:
+        pg = dist.group.WORLD
+        for layer in model.model.layers:
+            for suffix, style in _plan_styles().items():
+                if style == "RowwiseParallel":
+                    linear = layer.get_submodule(suffix)
+                    bias, linear.bias = linear.bias, None
+                    _collectives(linear, pg, row=True, bias=bias, gather=False)
+        if _head_sharded(model, group):
+            _collectives(model.lm_head, pg, row=False, bias=None, gather=True)
+    return model
+
+
+def read_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
+    """Rank `group.rank`'s weights of a local safetensors checkpoint, read without joining any group
+    (no collectives installed: `load_shard` adds them; alone, this measures what a rank loads).
+
     The model is built on the meta device; each weight is then read from its file with
     safetensors' `get_slice`, only this rank's rows (column parallel, the head when the
     vocabulary divides) or columns (row parallel), straight to the rank's device, so no rank holds
-    more than its shards plus the replicated embeddings and norms. The result is the model
-    `shard_model(full, "torch", group)` makes: plain local weights, one collective per row-parallel
-    projection and an all-gather after a sharded head. Joins the group (`init_tp`) first.
+    more than its shards plus the replicated embeddings and norms.
     """
     import json
     from pathlib import Path
 
-    import torch.distributed as dist
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -367,12 +393,10 @@ def load_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
             raise InvalidParameterError("verifier", f"{model_dir}: no safetensors checkpoint to load shards from")
         with safe_open(single, framework="pt") as f:
             files = dict.fromkeys(f.keys(), single.name)
-    if group.world_size > 1:
-        init_tp(group)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
-    plan = {name: type(style).__name__ for name, style in _layer_plan().items()}  # suffix -> Colwise/Rowwise
-    head_sharded = group.world_size > 1 and model.lm_head.out_features % group.world_size == 0
+    plan = _plan_styles()  # suffix -> Colwise/Rowwise
+    head_sharded = _head_sharded(model, group)
 
     def read(key: str, part: tuple) -> torch.Tensor:
         """This rank's part of one tensor, copied out of its file (safetensors maps the file and
@@ -411,17 +435,17 @@ def load_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
     meta = [n for n, b in model.named_buffers() if b.is_meta]
     if meta:
         raise InvalidParameterError("verifier", f"buffers not restored after a sharded load: {meta}")
-    if group.world_size > 1:
-        pg = dist.group.WORLD
-        for layer in model.model.layers:
-            for suffix, style in plan.items():
-                if style == "RowwiseParallel":
-                    linear = layer.get_submodule(suffix)
-                    bias, linear.bias = linear.bias, None
-                    _collectives(linear, pg, row=True, bias=bias, gather=False)
-        if head_sharded:
-            _collectives(model.lm_head, pg, row=False, bias=None, gather=True)
     return model
+
+
+def _plan_styles() -> dict[str, str]:
+    """A decoder layer's projections (suffix) -> "ColwiseParallel" / "RowwiseParallel"."""
+    return {name: type(style).__name__ for name, style in _layer_plan().items()}
+
+
+def _head_sharded(model: nn.Module, group: TPGroup) -> bool:
+    """Whether the head is split by rows (the vocabulary divides the world size) or replicated."""
+    return group.world_size > 1 and model.lm_head.out_features % group.world_size == 0
 
 
 # ------------------------------------------------------------------------ deepspeed backend

@@ -23,7 +23,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert json.loads(res.stdout) == doc
-    assert {"environment", "exactness", "host_reads", "throughput"} <= doc.keys()
+    assert {"environment", "exactness", "host_reads", "throughput", "shard_load"} <= doc.keys()
 
     env = doc["environment"]
     assert env["device"] == "cpu" and env["torch"] and env["cpu_capability"] and env["wall_seconds"] > 0
@@ -52,3 +52,9 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
             assert rec["roofline"]["weight_bytes"] > 0
             for name in ("forward_batch", "transformers", "engine_ar", "engine_sd"):
                 assert rec[name]["tokens_per_s"] > 0, name
+
+    shard = doc["shard_load"]  # rank 0 of 8 read its slices of a 2-layer checkpoint of 80-layer shapes
+    assert "error" not in shard, shard.get("traceback")
+    assert shard["tp"] == 8 and shard["layers_written"] == 2 and shard["cold_seconds"] > 0
+    assert 1 / 8 < shard["rank_share"] < 0.5  # its eighth of the layers and the head, the embedding whole
+    assert shard["full_checkpoint_bytes"] > 20 * shard["checkpoint_bytes"]  # (78 more layers)
