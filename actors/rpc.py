@@ -361,11 +361,11 @@ class InOrder:
     """Runs blocking calls (model forwards) on the process's model thread (viasd.model_thread), in
     the order of their sequence numbers.
 
-    The verifier's rank 0 numbers every call (`number`) and hands the same number to the other
-    ranks; each rank executes its calls in that order, whatever order Ray delivers them in, so
-    all ranks reach their collectives in the same order. `enqueue` registers a call
-    synchronously (no await between numbering and registering, so a cancelled caller cannot
-    leave a gap), and a call whose caller gave up still runs: the other ranks run it too. With
+    The verifier's rank 0 numbers every call (`number`) and runs them in that order, sending
+    each to the other ranks as it starts (viasd.actors.verifier.lead), so all ranks reach their
+    collectives in the same order. `enqueue` registers a call synchronously (no await between
+    numbering and registering, so a cancelled caller cannot leave a gap), and a call whose caller
+    gave up still runs: the other ranks run it too. With
     `cores` (`cores_lock`) each call holds the node's cores lock while it runs, unless submitted
     as `exclusive=False` (work that may as well run beside another process's).
     """

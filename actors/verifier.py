@@ -1,6 +1,6 @@
 """The verifier group: q (and q' = q masked) on N tensor-parallel Ray actors, served over gRPC.
 
-    engine (ServedExecutor) --gRPC--> rank 0: VerifierServicer --.remote()--> ranks 1..N-1
+    engine (ServedExecutor) --gRPC--> rank 0: VerifierServicer --ControlChannel--> ranks 1..N-1 (follow)
                                       every rank: VerifierRank (viasd.executor.VerifyWorker)
 
 Every rank loads its shard of the verifier (TP backend "torch": only its slices of the
@@ -14,17 +14,21 @@ verdicts within the group (`viasd.parallel.VerdictBroadcast`); the others consum
 random draws, so their streams stay in step.
 
 Lockstep: rank 0 numbers each call (one phase of an engine step over every row of it: Prefill,
-Verify, Release), sends it to ranks 1..N-1 with that number (token ids, plans and p's shape: no
-probability rows) and runs it itself at the same time. Each rank executes its calls in number order on its model thread
-(`viasd.actors.rpc.InOrder`), so all ranks run identical batched forwards, with identical
-inputs and identical random streams (the request's verifier seed), and reach every collective
-together. With `check_ranks`, rank 0 compares every rank's outcome with its own and fails the
-call (INTERNAL) if they differ. Logits never leave a rank: the reply is the committed tokens.
+Verify, Release) and runs them in that order on its model thread (`viasd.actors.rpc.InOrder`);
+each one first goes to ranks 1..N-1 over `torch.distributed` (`viasd.parallel.ControlChannel`:
+token ids, plans and p's shape, no probability rows), which run it on their model threads in the
+order received (`follow`), so all ranks run identical batched forwards, with identical inputs and
+identical random streams (the request's verifier seed), and reach every collective together.
+Each rank then sends back what it committed; with `check_ranks`, rank 0 compares it with its own
+and fails the call (INTERNAL) if they differ. A follower that dies ends its `follow` Ray call,
+which fails rank 0's call at once (PeerUnavailable: the pipeline rebuilds the group). Logits
+never leave a rank: the reply is the committed tokens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -68,6 +72,9 @@ from viasd.v1 import internal_pb2_grpc
 from viasd.v1.convert import logprobs_to_proto
 
 log = logging.getLogger("viasd.actors.verifier")
+
+#: How long a stopping rank waits for its loop (or rank 0 for the STOP to go out) before it leaves.
+STOP_WAIT_S = 10.0
 
 
 class VerifierRank:
@@ -121,17 +128,39 @@ class VerifierRank:
         self.work.shutdown()
 
 
-def _future(ref) -> asyncio.Future:
-    """An asyncio future of a Ray ObjectRef (or of anything awaitable, e.g. a test's stand-in)."""
-    return asyncio.wrap_future(ref.future()) if hasattr(ref, "future") else asyncio.ensure_future(ref)
+#: What rank 0 sends the other ranks when it stops.
+STOP = None
 
 
-def _actor_died(exc: BaseException | None) -> bool:
-    if exc is None:
-        return False
-    from ray.exceptions import RayActorError
+class Failed(NamedTuple):
+    """A rank's call that raised (what it sends back instead of its result)."""
 
-    return isinstance(exc, RayActorError)
+    error: str
+
+
+def lead(channel, op: str, sent: tuple, fn, args: tuple):
+    """Rank 0, on its model thread: send call `op` (with `sent`, what the other ranks need of its
+    arguments) to the other ranks, run it here as fn(*args), and gather what they made of it:
+    (this rank's result, the others' `_comparable` results or `Failed`, in rank order)."""
+    channel.send((op, sent))
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        channel.gather(Failed(repr(exc)))  # (the others wait in this gather too)
+        raise
+    return result, channel.gather(_comparable(op, result))
+
+
+def follow(core: VerifierRank, channel) -> None:
+    """Ranks 1..N-1, on the model thread: run every call rank 0 sends (`lead`), in the order it
+    sends them, and send back what must agree, until it sends STOP."""
+    while (call := channel.receive()) is not STOP:
+        op, args = call
+        try:
+            out = _comparable(op, getattr(core, op)(*args))
+        except Exception as exc:  # noqa: BLE001 - rank 0 reports it (it did not fail: a bug)
+            out = Failed(repr(exc))
+        channel.gather(out)
 
 
 def _comparable(op: str, result):
@@ -155,34 +184,33 @@ def _comparable(op: str, result):
 
 
 class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
-    """Rank 0's VerifierService: runs every call on itself and, in lockstep, on the other ranks."""
+    """Rank 0's VerifierService: runs every call on itself and, in lockstep, on the other ranks
+    (`channel`: `viasd.parallel.ControlChannel`; `loops`: futures of their `follow` loops, which
+    end only when a rank stops or dies)."""
 
-    def __init__(self, core: VerifierRank, followers=(), *, check_ranks: bool = True):
+    def __init__(self, core: VerifierRank, channel=None, loops=(), *, check_ranks: bool = True):
         self.core = core
-        self.followers = list(followers)  # Ray handles of VerifierWorker ranks 1..N-1
+        self.channel = channel
+        self.loops = list(loops)
         self.check_ranks = check_ranks
 
     async def _lockstep(self, op: str, *args, local_args: tuple = (), follower_args: tuple | None = None):
         work = self.core.work
         seq = work.number()
-        refs = [f.call.remote(seq, op, *(args if follower_args is None else follower_args)) for f in self.followers]
-        local = work.enqueue(seq, getattr(self.core, op), *args, *local_args)  # no await since number(): no gap
-        calls = [local, *(_future(ref) for ref in refs)]
-        if refs:  # a dead rank fails the call at once: rank 0 may wait forever in a collective with it
-            await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
-            for rank, call in enumerate(calls[1:], start=1):
-                if call.done() and _actor_died(call.exception()):
-                    raise PeerUnavailable(f"verifier rank {rank} is down ({type(call.exception()).__name__})")
-        results = await asyncio.gather(*calls, return_exceptions=True)
-        mine, others = results[0], results[1:]
-        for rank, other in enumerate(others, start=1):  # (rank 0's collective may fail first: the peer is gone)
-            if _actor_died(other if isinstance(other, BaseException) else None):
-                raise PeerUnavailable(f"verifier rank {rank} is down ({type(other).__name__})")
-        if isinstance(mine, BaseException):
-            raise mine
+        if self.channel is None:
+            return await work.enqueue(seq, getattr(self.core, op), *args, *local_args)
+        sent = args if follower_args is None else follower_args
+        local = work.enqueue(seq, lead, self.channel, op, sent, getattr(self.core, op), (*args, *local_args))
+        # a dead rank fails the call at once: rank 0 may wait forever in a collective with it
+        await asyncio.wait([local, *self.loops], return_when=asyncio.FIRST_COMPLETED)
+        for rank, loop in enumerate(self.loops, start=1):
+            if loop.done():
+                why = type(loop.exception()).__name__ if loop.exception() else "its loop ended"
+                raise PeerUnavailable(f"verifier rank {rank} is down ({why})")
+        mine, others = await local  # (rank 0's own error is raised here)
         for rank, other in enumerate(others, start=1):
-            if isinstance(other, BaseException):
-                raise RuntimeError(f"verifier rank {rank} failed where rank 0 did not: {other}") from other
+            if isinstance(other, Failed):
+                raise RuntimeError(f"verifier rank {rank} failed where rank 0 did not: {other.error}")
             if self.check_ranks and _comparable(op, mine) != other:
                 raise RuntimeError(
                     f"verifier ranks disagree on {op}: rank 0 {_comparable(op, mine)}, rank {rank} {other}"
@@ -258,6 +286,7 @@ class _Loaded(NamedTuple):
     threads: int
     linears: LinearReport  # what pack_linears packed
     read: str  # what the rank read of the checkpoint: "its slices" or "every weight"
+    channel: object  # rank 0's calls to the others (viasd.parallel.ControlChannel); None without TP
 
 
 @ray.remote
@@ -269,6 +298,8 @@ class VerifierWorker:
         self.server: grpc.aio.Server | None = None
         self.rank = 0
         self._tokenizer = None
+        self.channel = None  # rank 0's calls to the others (viasd.parallel.ControlChannel), under TP
+        self._following: asyncio.Future | None = None  # ranks 1..N-1: their `follow` loop
 
     async def rendezvous(self) -> dict:
         """Rank 0's node address and a free port on it, for the process group's tcp:// store."""
@@ -316,6 +347,7 @@ class VerifierWorker:
             from viasd.parallel import VerdictBroadcast
 
             self.core.worker.verdicts = VerdictBroadcast(rank)
+            self.channel = loaded.channel
         self._tokenizer = loaded.tokenizer if rank == 0 else None
         return {
             "rank": rank,
@@ -357,7 +389,7 @@ class VerifierWorker:
         DeepSpeed shards a model loaded on the host."""
         from viasd.llm import eos_ids, mask_needs_weights, resolve_gates, resolve_mask
         from viasd.models.loader import load_causal_lm, load_causal_lm_shard, resolve_model_dir
-        from viasd.parallel import TPBackend, TPGroup, shard_model
+        from viasd.parallel import ControlChannel, TPBackend, TPGroup, shard_model
 
         threads = set_threads(config.threads, world_size)
         dtype = engine_dtype(config, device).dtype  # the target device's, also where the host loads
@@ -397,14 +429,19 @@ class VerifierWorker:
         else:
             packed = pack_linears(model, config, device)
         read = "its slices" if sliced else "every weight"
-        return _Loaded(MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads, packed, read)
+        channel = ControlChannel(rank, world_size) if world_size > 1 else None  # (every rank at once: collective)
+        return _Loaded(
+            MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads, packed, read, channel
+        )
 
     async def serve(
         self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: dict | None = None
     ) -> str:
         """Rank 0: start VerifierService (mutual TLS with `tls`, an InternalTLS), driving
-        `followers` (ranks 1..N-1); return its address."""
-        servicer = VerifierServicer(self.core, followers, check_ranks=check_ranks)
+        `followers` (the handles of ranks 1..N-1, each following in its `follow` loop); return
+        its address."""
+        loops = [asyncio.wrap_future(f.follow.remote().future()) for f in followers]
+        servicer = VerifierServicer(self.core, self.channel, loops, check_ranks=check_ranks)
         self.server, port = await start_server(
             lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s), host, tls=internal_tls(tls)
         )
@@ -412,12 +449,13 @@ class VerifierWorker:
         log.info("verifier rank 0 serving on %s with %d follower rank(s)", address, len(followers))
         return address
 
-    async def call(self, seq: int, op: str, *args):
-        """Ranks 1..N-1: run rank 0's call number `seq` in number order; return what must agree."""
-        if op not in ("prefill", "verify", "release", "costs"):
-            raise ValueError(f"unknown verifier operation {op!r}")
-        result = await self.core.work.enqueue(seq, getattr(self.core, op), *args)
-        return _comparable(op, result)
+    async def follow(self) -> None:
+        """Ranks 1..N-1: run rank 0's calls on the model thread until it stops (`follow`); a
+        rank that dies ends this call with an error, which is how rank 0 learns it."""
+        self._following = asyncio.get_running_loop().run_in_executor(
+            model_thread.executor(), follow, self.core, self.channel
+        )
+        await self._following
 
     async def tokenizer(self):
         """Rank 0: the verifier's tokenizer (None for a directory without one), for the serving
@@ -428,11 +466,21 @@ class VerifierWorker:
         return len(self.core.sessions) if self.core else 0
 
     async def stop(self) -> None:
+        """Stop serving; rank 0 releases the other ranks from their loops (STOP), and a rank
+        leaves the group once its loop has ended (one still waiting in a collective is killed)."""
         if self.server is not None:
             await self.server.stop(grace=1.0)
             self.server = None
+        ended = True
+        if self.channel is not None and self.rank == 0 and self.core is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.core.work.submit(self.channel.send, STOP), STOP_WAIT_S)
+        if self._following is not None:
+            done, _ = await asyncio.wait([self._following], timeout=STOP_WAIT_S)
+            ended = bool(done)
         if self.core is not None:
             self.core.shutdown()
-        from viasd.parallel import shutdown_tp
+        if ended:
+            from viasd.parallel import shutdown_tp
 
-        shutdown_tp()
+            shutdown_tp()

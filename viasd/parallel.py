@@ -55,6 +55,7 @@ __all__ = [
     "TPBackend",
     "TPGroup",
     "VerdictBroadcast",
+    "ControlChannel",
     "init_tp",
     "shard_model",
     "load_shard",
@@ -166,6 +167,43 @@ class VerdictBroadcast(VerdictShare):
         verdicts = torch.empty(rows, 3, dtype=torch.long, device=device)  # [B, 3]
         dist.broadcast(verdicts, src=0)
         return verdicts
+
+
+class ControlChannel:
+    """Rank 0's calls to the other ranks of the live group: each call is broadcast to them
+    (`send` / `receive`: the pickled object, `torch.distributed.broadcast_object_list`) and what
+    each rank made of it gathered back (`gather`), over a gloo group of its own whose waits never
+    time out: a rank idles in `receive` for as long as the server has no work, and a dead peer is
+    noticed by whoever started the ranks (their process handles), not by a collective timeout.
+    Every rank builds it at once, right after joining the group (`dist.new_group` is collective)."""
+
+    def __init__(self, rank: int, world_size: int):
+        import torch.distributed as dist
+
+        self.rank, self.world_size = rank, world_size
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=365))
+
+    def send(self, obj) -> None:
+        """Rank 0: `obj` to every other rank."""
+        import torch.distributed as dist
+
+        dist.broadcast_object_list([obj], src=0, group=self.group)
+
+    def receive(self):
+        """Ranks 1..N-1: the next object rank 0 sends."""
+        import torch.distributed as dist
+
+        box = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
+
+    def gather(self, obj) -> list | None:
+        """Every rank's `obj` to rank 0: ranks 1..N-1's in rank order there, None elsewhere."""
+        import torch.distributed as dist
+
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0, group=self.group)
+        return out[1:] if out is not None else None
 
 
 def shutdown_tp() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 import time
 
 import grpc
@@ -522,11 +523,49 @@ def test_a_batched_propose_reports_its_forwards_and_each_rows_work(aio, llm):
     assert rows_left == 0
 
 
-def _verifier(llm, followers=(), **kw):
+def _verifier(llm, channel=None, loops=(), **kw):
     from viasd.actors.verifier import VerifierRank, VerifierServicer
 
     rank = VerifierRank(llm.verifier, llm.engine.mask, "separate", _capacity(), **kw)
-    return rank, VerifierServicer(rank, followers, check_ranks=True)
+    return rank, VerifierServicer(rank, channel, loops, check_ranks=True)
+
+
+class _Channel:
+    """`viasd.parallel.ControlChannel` between rank 0 and one follower rank in two threads of this
+    process (queues), recording what crosses to the follower."""
+
+    def __init__(self):
+        import queue
+
+        self.down, self.up, self.sent = queue.Queue(), queue.Queue(), []
+
+    def send(self, obj):
+        self.sent.append(obj)
+        self.down.put(obj)
+
+    def receive(self):
+        return self.down.get(timeout=60)
+
+    def gather(self, obj):
+        if threading.current_thread() is self.follower_thread:
+            self.up.put(obj)
+            return None
+        return [self.up.get(timeout=60)]
+
+    def start(self, core):
+        """The follower's loop (`viasd.actors.verifier.follow`) on its own thread: its future."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from viasd.actors.verifier import follow
+
+        pool = ThreadPoolExecutor(1)
+        self.follower_thread = pool.submit(threading.current_thread).result()
+        return asyncio.wrap_future(pool.submit(follow, core, self))
+
+    def stop(self):
+        from viasd.actors.verifier import STOP
+
+        self.down.put(STOP)
 
 
 def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
@@ -954,32 +993,26 @@ def test_tp2_pipeline_equals_tp1(ray_session, aio, engine_config, server, pipeli
 # ------------------------------------------------------------------ lockstep checks (no Ray)
 
 
-def test_rank_disagreement_is_detected(aio, llm):
+def test_rank_disagreement_is_detected(aio, llm, engine_config):
     """Rank 0 compares every rank's outcome with its own: a rank on another random stream (a bug
     that lockstep must never hide) fails the call with INTERNAL instead of streaming rank 0's tokens."""
-    from viasd.actors.verifier import _comparable
+    from viasd.actors.verifier import VerifierRank
+    from viasd.llm import LLM
     from viasd.v1 import internal_pb2 as ipb
     from viasd.v1 import internal_pb2_grpc
 
-    class Follower:
-        """Stands in for a VerifierWorker handle: `call.remote(seq, op, *args)`, seeds shifted by one."""
+    follower, _ = _verifier(LLM(engine_config))
 
-        def __init__(self):
-            self.core, _ = _verifier(llm)
-            self.call = self
+    def shifted(batch):  # seeds shifted by one
+        return VerifierRank.prefill(
+            follower, dataclasses.replace(batch, opens=[o._replace(seed=o.seed + 1) for o in batch.opens])
+        )
 
-        def remote(self, seq, op, *args):
-            if op == "prefill":
-                batch = args[0]
-                args = (dataclasses.replace(batch, opens=[o._replace(seed=o.seed + 1) for o in batch.opens]),)
-
-            async def run():
-                return _comparable(op, await self.core.work.enqueue(seq, getattr(self.core, op), *args))
-
-            return asyncio.ensure_future(run())
+    follower.prefill = shifted
+    channel = _Channel()
 
     async def run():
-        _, servicer = _verifier(llm, [Follower()])
+        _, servicer = _verifier(llm, channel, [channel.start(follower)])
         server, ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
         try:
             stub = internal_pb2_grpc.VerifierServiceStub(ch)
@@ -990,6 +1023,7 @@ def test_rank_disagreement_is_detected(aio, llm):
             await stub.Release(ipb.ReleaseBatch(request_ids=["r"]))
             return err.value
         finally:
+            channel.stop()
             await ch.close()
             await server.stop(None)
 
@@ -1005,7 +1039,6 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
     and `ar` ones, so its random streams never part from rank 0's."""
     import pickle
     import queue
-    from concurrent.futures import ThreadPoolExecutor
 
     import torch
 
@@ -1030,25 +1063,10 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
             assert verdicts.shape == (rows, 3)
             return verdicts.to(device)
 
-    class Follower:
-        """A VerifierWorker handle (`call.remote(seq, op, *args)`) on its own model and thread; it
-        records what crosses to it."""
-
-        def __init__(self, share):
-            self.core, _ = _verifier(LLM(engine_config))
-            self.core.worker.verdicts = share
-            self.call, self.received = self, []
-            self.thread = ThreadPoolExecutor(1)
-
-        def remote(self, seq, op, *args):
-            self.received.append((op, args))
-            fn = getattr(self.core, op)
-            return asyncio.wrap_future(self.thread.submit(lambda: _comparable(op, fn(*args))))
-
-    from viasd.actors.verifier import _comparable
-
     shared = queue.Queue()
-    follower = Follower(Share(shared, leader=False))
+    follower, _ = _verifier(LLM(engine_config))  # (its own model: the two ranks run at once)
+    follower.worker.verdicts = Share(shared, leader=False)
+    channel = _Channel()
     vocab = llm.verifier.vocab_size
     keys = {
         "sd": dict(mode="sd", gamma=3, temperature=1.0, seed=3),
@@ -1068,7 +1086,7 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
         return ipb.VerifyRow(request_id=key, draft=draft.tolist(), probs=probs, plan="")
 
     async def run():
-        rank, servicer = _verifier(llm, [follower])
+        rank, servicer = _verifier(llm, channel, [channel.start(follower)])
         rank.worker.verdicts = Share(shared, leader=True)
         server, ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
         try:
@@ -1083,29 +1101,31 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
             await stub.Release(ipb.ReleaseBatch(request_ids=list(keys)))
             return batches
         finally:
+            channel.stop()
             await ch.close()
             await server.stop(None)
 
     batches = aio.run(run())
     # every verdict rank 0 shared was used (a staged row checks twice a step); draws on the same
     # streams after them (the empty blocks) agreed, so the follower consumed what rank 0 did
-    assert shared.empty() and follower.core.worker.verdicts.followed >= 6 * 2 + 3
-    verifies = [args for op, args in follower.received if op == "verify"]
-    assert len(verifies) == 6
+    assert shared.empty() and follower.worker.verdicts.followed >= 6 * 2 + 3
+    assert [op for op, _ in channel.sent] == ["prefill", *["verify"] * 6, "release"]  # what crossed, in order
+    verifies = [args for op, args in channel.sent if op == "verify"]
     for (rows,), batch in zip(verifies, batches):
         assert [r.key for r in rows] == list(keys)
         assert all(not isinstance(r.probs, (torch.Tensor, bytes)) for r in rows)  # no probability rows crossed
         sampled = [r.request_id for r in batch.rows if r.HasField("probs")]
         assert {r.key: r.probs for r in rows if r.probs is not None} == dict.fromkeys(sampled, Absent((3, vocab)))
-        sent = len(pickle.dumps(rows))
+        sent = len(pickle.dumps(("verify", (rows,))))  # (the channel's message: op and arguments)
         dense = sum(len(r.probs.data) for r in batch.rows if r.HasField("probs"))  # what crossed before
         assert sent < 2048 and dense == len(sampled) * 3 * vocab * 4, (sent, dense)
 
 
 def test_the_follower_bytes_table_is_what_the_arguments_pickle_to():
     """docs/TENSOR_PARALLEL.md's table of what crosses to a follower per step (16 sampled rows of
-    5 drafts over Qwen's vocabulary): the pickled Verify arguments with p as the wire carried it
-    before, with p's shape (`Absent`) now, and the [16, 3] int64 verdicts broadcast."""
+    5 drafts over Qwen's vocabulary): the Verify call's arguments with p as Ray pickled them
+    before, the call with p's shape (`Absent`) as the control channel pickles it now, and the
+    [16, 3] int64 verdicts broadcast."""
     import pickle
     import re
     from pathlib import Path
@@ -1120,8 +1140,9 @@ def test_the_follower_bytes_table_is_what_the_arguments_pickle_to():
     g = torch.Generator().manual_seed(0)
     keys, draft = [f"req-{i:04d}-abcdef" for i in range(rows)], list(range(100, 100 + k))
     probs = [encode_probs(torch.softmax(torch.randn(k, vocab, generator=g), -1)).SerializeToString() for _ in keys]
-    before = len(pickle.dumps([(key, draft, p, "") for key, p in zip(keys, probs)], protocol=5))
-    after = len(pickle.dumps([VerifyRow(key, list(draft), Absent((k, vocab)), "") for key in keys], protocol=5))
+    before = len(pickle.dumps([(key, draft, p, "") for key, p in zip(keys, probs)], protocol=5))  # (Ray's)
+    shapes = [VerifyRow(key, list(draft), Absent((k, vocab)), "") for key in keys]
+    after = len(pickle.dumps(("verify", (shapes,))))  # what ControlChannel.send pickles (broadcast_object_list)
     broadcast = torch.empty(rows, 3, dtype=torch.long).nbytes
     doc = (Path(__file__).parents[2] / "docs" / "TENSOR_PARALLEL.md").read_text()
     table = [int(n.replace(",", "")) for n in re.findall(r"^\| [^|]+ \| ([\d,]+) \|$", doc, re.M)]
