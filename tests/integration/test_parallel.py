@@ -512,8 +512,8 @@ def _memory_worker(model_dir: str, rank: int, port: int, results) -> None:
 
 
 def test_a_ranks_host_memory_while_loading_is_its_share_of_the_checkpoint(tmp_path):
-    """Each of two ranks loading a 200 MB checkpoint (and running a forward) peaks at its share of
-    the weights plus at most one whole tensor of the file and a fixed 32 MB: it copies its
+    """Each of two ranks loading a 500 MB checkpoint (and running a forward) peaks under 0.6x of it:
+    at its share of the weights plus at most one whole tensor of the file and a fixed 32 MB: it copies its
     slices out and never keeps the file mapped (a view of the mapped file would page in every
     row-parallel tensor whole: 0.79x of the checkpoint measured that way)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -522,14 +522,15 @@ def test_a_ranks_host_memory_while_loading_is_its_share_of_the_checkpoint(tmp_pa
         vocab_size=VOCAB,
         hidden_size=1024,
         intermediate_size=4096,
-        num_hidden_layers=3,
+        num_hidden_layers=8,
         num_attention_heads=8,
         num_key_value_heads=4,
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="80MB")
+    LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="200MB")
     checkpoint = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     largest = 1024 * 4096 * 4  # an MLP projection, float32
     for rank, out in run_ranks(_memory_worker, (str(tmp_path),)).items():
         assert out["weights"] < 0.55 * checkpoint, (rank, out)
         assert out["peak"] <= checkpoint / WORLD + largest + 32 * 2**20, (rank, out, checkpoint)
+        assert out["peak"] < 0.6 * checkpoint, (rank, out, checkpoint)
