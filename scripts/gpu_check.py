@@ -15,7 +15,8 @@ Random-weight models of real shapes (no downloads, no Ray), built on the device:
    bf16, at 1 / 8 / 32 / 64 rows: the verifier's decode tokens/s through ``MaskedLM.forward_batch``
    and through the bare transformers forward (one token a row after a 128-token prompt), the
    weight-read roofline (bytes a decode step must read / HBM bandwidth), and the full engine
-   step's committed tokens/s in ``ar`` and ``sd`` (greedy, gamma 5).
+   step's committed tokens/s in ``ar`` and ``sd`` (greedy, gamma 5), with slot caches and with
+   paged ones (blocks of 16 positions).
 4. ``shard_load``: a random bf16 checkpoint of LLaMA2-70B's layer shapes (two of its 80 layers,
    its embeddings and head, in several safetensors files) is written to a scratch directory, and
    tensor-parallel rank 0 of 8 reads its slices straight to the device (``viasd.parallel.read_shard``),
@@ -86,6 +87,7 @@ LOGIT_STD = 5.0  # std of the head's logits over an embedding-dominated hidden s
 RESIDUAL_SHARE = 0.05
 H200_HBM_GBPS = 4800.0
 GAMMA = 5
+PAGED_BLOCK = 16  # positions a KV block, for the paged-cache engine rates
 
 
 @dataclass(frozen=True)
@@ -365,12 +367,22 @@ def acceptance(stats) -> float | None:
     return sum(s.num_accepted_tokens for s in stats) / drafted if drafted else None
 
 
-def new_engine(verifier, drafter, rows: int, max_seq_len: int, prefill_chunk: int = 512):
+def new_engine(verifier, drafter, rows: int, max_seq_len: int, prefill_chunk: int = 512, block_size: int | None = None):
+    """An engine over the pair: slot caches of `rows` x `max_seq_len`, or (`block_size`) paged
+    caches of as many blocks."""
     from viasd.engine import Engine
     from viasd.runtime import LayerMask
 
     mask = LayerMask.evenly_spaced(0.45, verifier.num_layers)
-    return Engine(verifier, drafter, mask=mask, max_batch=rows, max_seq_len=max_seq_len, prefill_chunk=prefill_chunk)
+    return Engine(
+        verifier,
+        drafter,
+        mask=mask,
+        max_batch=rows,
+        max_seq_len=max_seq_len,
+        prefill_chunk=prefill_chunk,
+        kv_block_size=block_size,
+    )
 
 
 # ------------------------------------------------------------------ sections
@@ -583,14 +595,22 @@ def roofline(model, lm, rows: int, plan: Plan, hbm_gbps: float | None) -> dict:
     return {"weight_bytes": weights, "kv_bytes": kv, "max_tokens_per_s": rows / ((weights + kv) / (hbm_gbps * 1e9))}
 
 
-def engine_rate(verifier, drafter, mode: str, rows: int, plan: Plan, device: str) -> dict:
+def engine_rate(
+    verifier, drafter, mode: str, rows: int, plan: Plan, device: str, block_size: int | None = None
+) -> dict:
     """Committed tokens/s of full engine steps, greedy, every row decoding (after the prefill
-    and one more step), the device synchronised around the timed steps."""
+    and one more step), the device synchronised around the timed steps; slot caches, or paged
+    ones of `block_size` positions a block."""
     from viasd.config import parse_params
 
     max_tokens = (plan.engine_steps + 4) * (GAMMA + 1) + 8
     engine = new_engine(
-        verifier, drafter, rows, plan.prompt_len + max_tokens + 2 * GAMMA + 8, prefill_chunk=rows * plan.prompt_len
+        verifier,
+        drafter,
+        rows,
+        plan.prompt_len + max_tokens + 2 * GAMMA + 8,
+        prefill_chunk=rows * plan.prompt_len,
+        block_size=block_size,
     )
     params = parse_params(mode=mode, max_tokens=max_tokens, temperature=0.0, gamma=GAMMA)
     handles = [engine.submit(p, params) for p in random_prompts([plan.prompt_len] * rows, verifier.vocab_size, rows)]
@@ -642,6 +662,8 @@ def throughput_pair(pair: Pair, plan: Plan, device: str, hbm_gbps: float | None,
             ("transformers", lambda: transformers_decode(verifier, rows, plan, device)),
             ("engine_ar", lambda: engine_rate(vlm, dlm, "ar", rows, plan, device)),
             ("engine_sd", lambda: engine_rate(vlm, dlm, "sd", rows, plan, device)),
+            ("engine_ar_paged", lambda: engine_rate(vlm, dlm, "ar", rows, plan, device, PAGED_BLOCK)),
+            ("engine_sd_paged", lambda: engine_rate(vlm, dlm, "sd", rows, plan, device, PAGED_BLOCK)),
         )
         for name, measure in measures:
             rec[name] = measure() if budget.has(20) else SKIPPED

@@ -50,7 +50,14 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         for rec in pair["rows"].values():
             assert rec["roofline"]["max_tokens_per_s"] is None  # no bandwidth on CPU
             assert rec["roofline"]["weight_bytes"] > 0
-            for name in ("forward_batch", "transformers", "engine_ar", "engine_sd"):
+            for name in (
+                "forward_batch",
+                "transformers",
+                "engine_ar",
+                "engine_sd",
+                "engine_ar_paged",
+                "engine_sd_paged",
+            ):
                 assert rec[name]["tokens_per_s"] > 0, name
 
     shard = doc["shard_load"]  # rank 0 of 8 read its slices of a 2-layer checkpoint of 80-layer shapes
