@@ -75,6 +75,9 @@ log = logging.getLogger("viasd.actors.verifier")
 
 #: How long a stopping rank waits for its loop (or rank 0 for the STOP to go out) before it leaves.
 STOP_WAIT_S = 10.0
+#: How long rank 0, its call failed, waits to learn whether a peer died (its collectives notice
+#: first; Ray reports the death within about a second).
+PEER_DEATH_S = 10.0
 
 
 class VerifierRank:
@@ -203,6 +206,8 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         local = work.enqueue(seq, lead, self.channel, op, sent, getattr(self.core, op), (*args, *local_args))
         # a dead rank fails the call at once: rank 0 may wait forever in a collective with it
         await asyncio.wait([local, *self.loops], return_when=asyncio.FIRST_COMPLETED)
+        if local.done() and local.exception() is not None:  # (a collective fails as a peer dies: is one dead?)
+            await asyncio.wait(self.loops, timeout=PEER_DEATH_S, return_when=asyncio.FIRST_COMPLETED)
         for rank, loop in enumerate(self.loops, start=1):
             if loop.done():
                 why = type(loop.exception()).__name__ if loop.exception() else "its loop ended"
