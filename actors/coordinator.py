@@ -10,7 +10,8 @@ The phases of a step, each one call per backend (requests opened before a backen
 keep the one they were opened on):
 
     prefill   Prefill(opens, prompt chunks, copies) to the verifier and, for the requests that
-              draft, to the drafter, at once
+              draft, to the drafter, at once; a preempted request's chunk to position 0 frees
+              its blocks on each side (its sessions stay), its later chunks recompute them
     propose   Propose(rows) to the drafter; each row carries the outcomes its drafter has not
               committed (an `auto` row planned `ar` sends nothing: its drafter commits what it
               missed with its next Propose)

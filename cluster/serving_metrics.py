@@ -197,6 +197,13 @@ SPECS = (
         "verify_transport (the rest of each round trip).",
         ("model_name", "phase"),
     ),
+    Spec(
+        "num_preemptions",
+        "counter",
+        "Preemptions of requests for KV blocks (paged caches: the request's blocks freed, its caches recomputed "
+        "when it resumes), counted when the request ends.",
+        _M,
+    ),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
     Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
     Spec(
@@ -398,6 +405,7 @@ class ServingMetrics:
         generated = sum(s.generated_tokens for s in known)
         self._counter("generation_tokens", generated)
         self._observe("request_generation_tokens", generated)
+        self._counter("num_preemptions", sum(s.preemptions for s in known))
         for stats in known:
             self._record_counters(stats)
 

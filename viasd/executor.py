@@ -6,8 +6,9 @@ executor runs the phases of a step, each over every row that takes part and at m
 
     prefill(batch)  open the sessions of admitted requests on fresh cache rows of every tier they
                     use, feed prompt chunks (the drafter's only when asked: `auto` feeds it when a
-                    plan drafts), copy n > 1 samples' prefilled rows from their leader; returns
-                    the prompt logprobs each chunk scored
+                    plan drafts) or roll preempted requests' caches back to nothing, copy n > 1
+                    samples' prefilled rows from their leader; returns the prompt logprobs each
+                    chunk scored
     propose(rows)   every drafting row's block: its drafter commits what it has not seen, catches
                     up when it lags, drafts k tokens (one batched forward per round)
     verify(rows)    every row's block checked by its plan's rule, or one token decoded: its
@@ -104,8 +105,12 @@ class Open(NamedTuple):
 
 
 class PrefillChunk(NamedTuple):
-    """Feed the prompt of `key` up to position `upto` (exclusive) to every verifier tier, and to
-    its drafter when `drafter`."""
+    """Every verifier tier of `key` (and its drafter, when `drafter`) comes to hold the first `upto`
+    positions of the request's sequence: the prompt, or for a resumed request the prompt and the
+    tokens committed before it was preempted. A tier holding fewer feeds up to there; one holding
+    as many or more rolls back to there (viasd.sessions._Tier.prefill): a chunk to 0 gives back
+    every KV block the request holds and keeps its sessions, random streams and counters
+    (preemption; the chunks that resume it recompute the caches)."""
 
     key: str
     upto: int

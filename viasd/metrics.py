@@ -67,6 +67,7 @@ class RequestStats:
     prefill_seconds: float = 0.0
     plans: dict[str, int] = field(default_factory=dict)  # `auto`: steps per plan ("ar", "sd:k=3", ...)
     queue_seconds: float = 0.0  # from submission to admission into the batch
+    preemptions: int = 0  # times the scheduler preempted it for KV blocks (paged caches; recomputed on resume)
     kv_bytes: int = 0  # valid keys/values the request held in every tier when it finished
 
     def count_accepted(self, positions: range) -> None:

@@ -2,11 +2,16 @@
 of its mode, on an executor (viasd.executor: the models in this process, or the served actors).
 
     step():
-      1. admit      waiting requests take free cache rows, and with paged caches the blocks they can
-                    take (FIFO; a full engine queues, never fails);
-      2. prefill    admitted requests open their sessions; prompts go through every tier they use,
-                    at most `prefill_chunk` prompt tokens per step in all (chunked prefill); the
-                    samples of an n > 1 request copy sample 0's rows;
+      0. preempt    paged caches: every running request must be able to grow by what this step may
+                    append in every tier; while the blocks they need exceed the cache's, the one
+                    admitted last is preempted: its blocks go back, it waits at the head of the
+                    queue with what it has produced, and is resumed by recomputing its caches;
+      1. admit      waiting requests take free cache rows, and with paged caches the blocks their
+                    sequence and one step's growth need (FIFO; a full engine queues, never fails);
+      2. prefill    admitted requests open their sessions (resumed ones kept theirs); prompts (and
+                    resumed requests' committed tokens) go through every tier they use, at most
+                    `prefill_chunk` tokens per step in all (chunked prefill); the samples of an
+                    n > 1 request copy sample 0's rows; preempted requests' caches roll back to 0;
       3. plan       every row's plan this step: its own mode's, or the planner's for `auto` rows;
       4. propose    one propose phase over the drafting rows (one batched drafter forward per
                     round; a row leaves when its block ends: confidence stop, n-gram, adaptive gamma);
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import random
 import threading
 import time
@@ -38,7 +44,7 @@ from dataclasses import dataclass
 
 from viasd.config import GenerationParams, Mode, Proposer
 from viasd.costs import CostModel, StepTimes
-from viasd.errors import BackendError, InvalidParameterError
+from viasd.errors import BackendError, CapacityError, InvalidParameterError
 from viasd.executor import (
     Capacity,
     Copy,
@@ -57,7 +63,9 @@ from viasd.sessions import Outcome, drafter_lag, sample_seed
 
 log = logging.getLogger("viasd.scheduler")
 
-__all__ = ["Capacity", "Chunk", "GenerationResult", "RequestHandle", "RequestLimits", "Scheduler"]
+__all__ = ["Capacity", "Chunk", "GenerationResult", "RequestHandle", "RequestLimits", "Scheduler", "step_growth"]
+
+KV_WATERMARK = 0.01  # paged caches: the share of blocks admission keeps free while requests run (their growth's slack)
 
 
 @dataclass
@@ -140,6 +148,17 @@ def check_request(
 def resolve_seed(params: GenerationParams) -> int:
     """The request's seed, or a fresh random one when it has none."""
     return params.seed if params.seed is not None else random.SystemRandom().randrange(2**63)
+
+
+def step_growth(params: GenerationParams) -> int:
+    """Positions past its committed sequence a request's caches may hold during one step, in any
+    tier: `ar` feeds its last token (1); a drafting mode a block of up to gamma tokens, the bonus
+    and the staged rule's corrected token (gamma + 2), and with `overlap` the next block drafted
+    ahead beside the verification (gamma more). A cache holds no more from the step before: each
+    step commits at least one token."""
+    if params.mode == Mode.AR:
+        return 1
+    return 2 * params.gamma + 2 if params.overlap else params.gamma + 2
 
 
 def draft_length(gamma: int, remaining: int, seq_len: int, max_context: int | None) -> int:
@@ -236,7 +255,8 @@ class _Running:
     handle: RequestHandle
     seq: list[int]  # the prompt and the committed tokens
     drafts: bool  # it has a drafter side that works (every mode but `ar`, until a served drafter fails)
-    fed: int = 0  # prompt positions prefilled (the prompt but its last token: done)
+    target: int  # positions to prefill before it decodes: the prompt but its last token (resumed: the sequence's)
+    fed: int = 0  # positions prefilled (`target`: done)
     opened: bool = False  # its sessions exist on the executor
     estimates: Estimates | None = None  # `auto`: what each plan buys this request (viasd.planner)
     leader: _Running | None = None  # n > 1: the sample whose prefill this one copies
@@ -250,7 +270,7 @@ class _Running:
 
     @property
     def prefilled(self) -> bool:
-        return self.fed >= len(self.handle.prompt) - 1
+        return self.fed >= self.target
 
 
 class Scheduler:
@@ -258,6 +278,17 @@ class Scheduler:
 
     `drafter_fallback`: a row whose drafter failed (served: its actor is down) goes on as `ar`
     (its verifier side is consistent) instead of failing.
+
+    Paged caches (`capacity.kv_blocks`): the scheduler counts for each running request the most
+    blocks it holds in a tier through its next step (`kv_blocks_for`: its sequence and one step's
+    growth) and keeps their sum (`kv_blocks_needed`) within the blocks each tier has, so no forward
+    ever finds its pool full. Admission takes the head of the queue while the sum leaves a small
+    watermark free; before each step, while the sum exceeds the blocks, the request admitted last
+    is preempted (vLLM's recompute preemption). A preempted request keeps its sessions on the
+    executor (its random streams, drafter state and counters go on as if it had never stopped)
+    and gives back every block (a prefill chunk to 0); resumed from the head of the queue, its
+    prompt and committed tokens are prefilled again and it decodes on: its tokens are the ones it
+    would have produced. A request that cannot fit alone is refused at submission (CapacityError).
     """
 
     def __init__(
@@ -272,13 +303,16 @@ class Scheduler:
     ):
         self.executor = executor
         self.capacity = capacity
-        self.kv_blocks_reserved = 0  # paged caches: the blocks the running requests may take (`kv_blocks_for`)
+        self.kv_watermark = math.ceil(KV_WATERMARK * capacity.kv_blocks) if capacity.kv_blocks else 0
+        self.preemptions = 0  # requests preempted so far (paged caches)
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = capacity.max_seq_len  # the context a request may fill (`context_name` names its limit)
         self.context_name = context_name
         self.drafter_fallback = drafter_fallback
         self._waiting: deque[RequestHandle] = deque()
-        self._running: list[_Running] = []
+        self._running: list[_Running] = []  # in the order they were admitted (or resumed)
+        self._suspended: dict[RequestHandle, _Running] = {}  # preempted, waiting in the queue with their sessions
+        self._preempted: list[_Running] = []  # preempted this step: their caches roll back in its prefill phase
         self._left: list[_Running] = []  # left this step: their rows are released at its end
         self._lock = threading.Lock()  # guards _waiting and cancellation; steps run one at a time (Engine.thread)
         # engine-wide running estimates: the prior of new `auto` requests
@@ -304,6 +338,7 @@ class Scheduler:
             proposes=self.executor.proposes,
             context_name=self.context_name,
         )
+        self._check_fits_alone(prompt, params)
         samples = [params]
         if params.n > 1:
             seed = resolve_seed(params)
@@ -318,6 +353,23 @@ class Scheduler:
         with self._lock:
             self._waiting.extend(handles)
         return handles[0]
+
+    def _check_fits_alone(self, prompt: list[int], params: GenerationParams) -> None:
+        """Paged caches: a request whose last step may need more blocks than a tier has is refused
+        (CapacityError naming `kv_blocks`); any other one runs, alone if it must."""
+        blocks = self.capacity.kv_blocks
+        if blocks is None:
+            return
+        budget = (
+            params.max_tokens if self.max_context is None else min(params.max_tokens, self.max_context - len(prompt))
+        )
+        most = self.kv_blocks_for(len(prompt) + max(0, budget - 1), params)
+        if most > blocks:
+            raise CapacityError(
+                "kv_blocks",
+                f"a prompt of {len(prompt)} tokens with max_tokens {params.max_tokens} may hold {most} KV blocks "
+                f"of {self.capacity.block_size} positions; each tier has {blocks}",
+            )
 
     def cancel(self, handle: RequestHandle) -> None:
         """Stop a request: it leaves at the next step boundary and frees its rows."""
@@ -337,6 +389,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         with self._lock:
             return len(self._waiting)
+
+    @property
+    def num_preempted(self) -> int:
+        """Preempted requests waiting to resume (counted in `num_waiting` too)."""
+        return len(self._suspended)
 
     @property
     def cost_model(self) -> CostModel | None:
@@ -362,15 +419,17 @@ class Scheduler:
         """
         self._retire_cancelled()
         self._release()  # (the cancelled ones' rows: free before admitting in their place)
+        self._preempt()
         batch = self._admit()
         try:
             self._prefill(batch)
             return self._finish_scored() + self._decode()
         except BaseException as exc:
-            for r in list(self._running):
+            for r in [*self._running, *self._preempted]:  # (a preempted one's caches may not have rolled back)
                 self._fail(r, exc)
             raise
         finally:
+            self._preempted = []
             self._release()
 
     def reap(self) -> None:
@@ -381,42 +440,100 @@ class Scheduler:
 
     def _retire_cancelled(self) -> None:
         with self._lock:
+            cancelled = [h for h in self._waiting if h.cancelled]
             self._waiting = deque(h for h in self._waiting if not h.cancelled)
+        for handle in cancelled:  # a preempted one still holds its sessions
+            r = self._suspended.pop(handle, None)
+            if r is not None and r.opened:
+                self._left.append(r)
         for r in [r for r in self._running if r.handle.cancelled]:
             self._leave(r)
 
-    def kv_blocks_for(self, handle: RequestHandle) -> int:
-        """Paged caches: the most blocks a request takes in a tier (0: slot caches), reserved while
-        it runs: its prompt, every token it may generate and (drafting modes) one draft block past
-        them, within the context. Any request fits alone (max_seq_len <= kv_blocks * block_size), so reserving
-        needs no preemption: a request waits until the running ones leave it room."""
+    # ---------------------------------------------------------------- KV blocks: admission and preemption
+
+    def kv_blocks_for(self, seq_len: int, params: GenerationParams) -> int:
+        """Paged caches: the most blocks a request whose sequence (prompt and committed tokens) is
+        `seq_len` long holds in any one tier through its next step (0: slot caches): its sequence
+        and one step's growth (`step_growth`), within a row's positions. An upper bound, CoW
+        included: n > 1 samples sharing prompt blocks count them each."""
         if self.capacity.kv_blocks is None:
             return 0
-        draft = handle.params.gamma + 2 if handle.params.mode != Mode.AR else 1  # (`ar` feeds one token a step)
-        positions = len(handle.prompt) + handle.limits.budget + draft
-        if self.max_context is not None:
-            positions = min(positions, self.max_context)
+        positions = seq_len + step_growth(params)
+        if self.capacity.max_seq_len is not None:
+            positions = min(positions, self.capacity.max_seq_len)
         return -(-positions // self.capacity.block_size)
 
+    def _blocks(self, r: _Running) -> int:
+        return self.kv_blocks_for(len(r.seq), r.handle.params)
+
+    @property
+    def kv_blocks_needed(self) -> int:
+        """Paged caches: the blocks the running requests may hold in a tier through the next step
+        (the sum of `kv_blocks_for`): every tier's pool holds at most this many in use."""
+        return sum(self._blocks(r) for r in self._running)
+
+    def _preempt(self) -> None:
+        """Paged caches: while the running requests' next step may need more blocks than a tier
+        has, preempt the one admitted (or resumed) last; the first one always fits alone."""
+        blocks = self.capacity.kv_blocks
+        if blocks is None:
+            return
+        needed = self.kv_blocks_needed
+        while needed > blocks and len(self._running) > 1:
+            r = self._running[-1]
+            needed -= self._blocks(r)
+            self._suspend(r)
+
+    def _suspend(self, r: _Running) -> None:
+        """Preempt a running request: its caches roll back to nothing in this step's prefill phase
+        (its sessions stay open), and it waits at the head of the queue to be resumed by
+        prefilling its prompt and committed tokens again."""
+        self._running.remove(r)
+        r.fed, r.target, r.leader = 0, len(r.seq) - 1, None
+        r.handle.stats.preemptions += 1
+        self.preemptions += 1
+        self._suspended[r.handle] = r
+        if r.opened:
+            self._preempted.append(r)
+        with self._lock:
+            self._waiting.appendleft(r.handle)
+        log.debug("request %s preempted with %d tokens in its sequence", r.key, len(r.seq))
+
+    def _fits(self, handle: RequestHandle, needed: int) -> bool:
+        """Paged caches: whether the head of the queue may join running requests that need `needed`
+        blocks: its own (its prompt, or resumed its sequence, and one step's growth) leave the
+        watermark free, or nothing runs (a request that fits alone always runs)."""
+        blocks = self.capacity.kv_blocks
+        if blocks is None:
+            return True
+        r = self._suspended.get(handle)
+        own = self.kv_blocks_for(len(r.seq) if r is not None else len(handle.prompt), handle.params)
+        return needed + own <= blocks - (self.kv_watermark if self._running else 0)
+
     def _admit(self) -> PrefillBatch:
-        """Waiting requests, first come first served, into free rows (and, paged, free blocks);
-        the prefill batch opens them."""
+        """Waiting requests, first come first served, into free rows (and, paged, free blocks:
+        `_fits`; none in a step that preempted); preempted ones, at the head of the queue, resume
+        with their sessions; the prefill batch opens the others."""
         admitted = []
-        while len(self._running) < self.capacity.max_batch:
+        needed = self.kv_blocks_needed
+        while len(self._running) < self.capacity.max_batch and not self._preempted:
             with self._lock:
-                if not self._waiting:
-                    break
-                blocks = self.kv_blocks_for(self._waiting[0])
-                if self.capacity.kv_blocks is not None and self.kv_blocks_reserved + blocks > self.capacity.kv_blocks:
-                    break  # the head of the queue waits for blocks
+                if not self._waiting or not self._fits(self._waiting[0], needed):
+                    break  # (the head of the queue waits for blocks)
                 handle = self._waiting.popleft()
-                self.kv_blocks_reserved += blocks
+            resumed = self._suspended.pop(handle, None)
+            if resumed is not None:
+                self._running.append(resumed)
+                admitted.append(resumed)
+                needed += self._blocks(resumed)
+                continue
             handle.stats.queue_seconds = time.perf_counter() - handle.submitted
             params = handle.params
             r = _Running(
                 handle,
                 list(handle.prompt),
                 drafts=params.mode != Mode.AR and self.executor.proposes,
+                target=len(handle.prompt) - 1,
                 estimates=Estimates(self.estimates) if params.mode == Mode.AUTO else None,
                 prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
             )
@@ -424,27 +541,35 @@ class Scheduler:
                 r.leader = next((x for x in self._running if x.handle is handle.samples[0]), None)
             self._running.append(r)
             admitted.append(r)
-        for r in admitted:  # `auto`: with the batch they join known (a sample: as its leader, whose prefill it copies)
+            needed += self._blocks(r)
+        new = [r for r in admitted if not r.opened]
+        for r in new:  # `auto`: with the batch they join known (a sample: as its leader, whose prefill it copies)
             if r.handle.params.mode == Mode.AUTO:
                 model = self.executor.has_drafter and r.handle.params.proposer != Proposer.NGRAM
                 r.feed_drafter = r.leader.feed_drafter if r.leader else model and self._drafts_at_once(r)
-        opens = [
-            Open(r.key, r.handle.prompt, r.handle.params, resolve_seed(r.handle.params), r.drafts) for r in admitted
-        ]
+        opens = [Open(r.key, r.handle.prompt, r.handle.params, resolve_seed(r.handle.params), r.drafts) for r in new]
         return PrefillBatch(opens=opens)
 
     def _leave(self, r: _Running) -> None:
         """The request leaves the batch; its rows are released at the end of the step."""
         self._running.remove(r)
-        self.kv_blocks_reserved -= self.kv_blocks_for(r.handle)
         r.handle.finished = True
         if r.opened:
             self._left.append(r)
 
     def _fail(self, r: _Running, exc: BaseException) -> None:
+        """The request fails (running, or preempted and waiting to resume) and leaves."""
         if r in self._running:
             r.handle.error = exc
             self._leave(r)
+        elif self._suspended.get(r.handle) is r:
+            del self._suspended[r.handle]
+            with self._lock:
+                if r.handle in self._waiting:
+                    self._waiting.remove(r.handle)
+            r.handle.error, r.handle.finished = exc, True
+            if r.opened:
+                self._left.append(r)
 
     def _release(self) -> None:
         """Free the rows of the requests that left this step; each side's counters join their stats."""
@@ -460,12 +585,13 @@ class Scheduler:
         """Chunked prefill: the prompt but its last token, at most prefill_chunk tokens per step;
         n > 1 samples copy their leader's rows once it is prefilled."""
         budget = self.capacity.prefill_chunk
+        batch.chunks += [PrefillChunk(r.key, 0, r.drafts) for r in self._preempted]  # (before any forward)
         for r in self._running:
             if r.leader is not None and r.leader not in self._running:
-                r.leader = None  # sample 0 has left: this sample prefills itself
+                r.leader = None  # sample 0 has left (or was preempted): this sample prefills itself
             if r.prefilled or r.leader is not None or budget <= 0:
                 continue
-            upto = min(len(r.handle.prompt) - 1, r.fed + budget)
+            upto = min(r.target, r.fed + budget)
             # an `auto` request's drafter catches up when a plan drafts, unless planned to draft at once (viasd.planner)
             batch.chunks.append(PrefillChunk(r.key, upto, r.drafts and r.feed_drafter))
             budget -= upto - r.fed
@@ -478,7 +604,7 @@ class Scheduler:
         for r in self._running:
             r.opened = r.opened or r.key in opening
         results = self.executor.prefill(batch)
-        for r in list(self._running):
+        for r in [*self._running, *self._preempted]:
             result = results.get(r.key)
             if isinstance(result, BaseException):
                 self._row_failed(r, result)
@@ -487,7 +613,7 @@ class Scheduler:
         for r in copies:
             if r.prompt_logprobs is not None:
                 r.prompt_logprobs = list(r.leader.prompt_logprobs)
-            r.fed, r.leader = len(r.handle.prompt) - 1, None
+            r.fed, r.leader = r.target, None
 
     def _finish_scored(self) -> list[tuple[RequestHandle, Chunk]]:
         """Prefilled requests with no tokens to generate (max_tokens 0: prompt logprobs only) end here."""
@@ -512,7 +638,7 @@ class Scheduler:
         """A row that failed alone: its drafter (it goes on as `ar`, with `drafter_fallback`) or
         its verifier (it fails)."""
         drafter = isinstance(exc, BackendError) and exc.component == "drafter"
-        if drafter and self.drafter_fallback and r in self._running:
+        if drafter and self.drafter_fallback and (r in self._running or self._suspended.get(r.handle) is r):
             log.warning("request %s: drafter failed (%s); continuing as 'ar'", r.key, exc)
             r.drafts = False
             r.handle.stats.drafter_fallback = True

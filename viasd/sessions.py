@@ -221,12 +221,22 @@ class _Tier:
         return fwd
 
     def prefill(
-        self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats, logits: bool = False
+        self, seq: Sequence[int], upto: int, budget: int, stats: RequestStats, score_from: int | None = None
     ) -> Forward | None:
-        """A prefill chunk: feed seq[pos : min(upto, pos + budget)], with no logits or (`logits`)
-        the logits of every fed position (None when done)."""
-        end = min(upto, self.pos + budget)
-        return self.ask(seq[:end], end - self.pos if logits else 0, stats) if end > self.pos else None
+        """A prefill chunk: the tier comes to hold the first `upto` positions of `seq`. Below them it
+        feeds seq[pos : min(upto, len(seq), pos + budget)], with no logits or (`score_from`) the
+        logits of the fed positions from `score_from` on; at or past them it rolls back to `upto`
+        and feeds nothing (its cache drops what it held further: a chunk to 0 gives back every
+        block of the row, which is how a preempted request frees its caches). None: no forward."""
+        if upto <= self.pos:
+            self.pos = upto
+            self.cache.crop(upto, self.layers)
+            return None
+        end = min(upto, len(seq), self.pos + budget)
+        if end <= self.pos:
+            return None
+        scored = 0 if score_from is None else max(0, end - max(self.pos, score_from))
+        return self.ask(seq[:end], scored, stats)
 
 
 # ---------------------------------------------------------------- driving step generators
@@ -839,6 +849,8 @@ class VerifySession(_Session):
             self.slim = _Tier("slim", lm, slim_cache if slim_cache is not None else lm.new_cache(mask), mask)
         self.tiers = [t for t in (self.slim, self.full) if t is not None]
         self.seq = list(prompt)
+        self.prompt_len = len(prompt)
+        self.scored = 0  # prompt positions whose logprobs a prefill chunk returned (prompt_logprobs)
         self.sampler = Sampler.from_params(params)
         self.penalties = Penalties.for_request(params, prompt, lm.vocab_size, lm.device)
         self.rule = rule_from_params(params)
@@ -846,10 +858,15 @@ class VerifySession(_Session):
         self.stats = stats
 
     def prefill_steps(self, upto: int, budget: int) -> list[Forward]:
-        """Prefill q (and q' under the separate policy). Under the shared policy q' reads q's
-        keys/values of the prompt for the layers it keeps: its position follows q's."""
-        scoring = self.params.prompt_logprobs is not None  # the full tier returns the logits of what it prefills
-        full = self.full.prefill(self.seq, upto, budget, self.stats, logits=scoring)
+        """Prefill q (and q' under the separate policy), or roll them back (`_Tier.prefill`). Under
+        the shared policy q' reads q's keys/values of the prompt for the layers it keeps: its
+        position follows q's. With prompt logprobs, the full tier returns the logits of the prompt
+        positions it feeds that no chunk scored before (a preempted request's recomputed prefill
+        scores nothing twice)."""
+        scoring = self.params.prompt_logprobs is not None and self.scored < self.prompt_len - 1
+        full = self.full.prefill(self.seq, upto, budget, self.stats, score_from=self.scored if scoring else None)
+        if full is not None and full.num_logits:
+            self.scored = full.start + len(full)
         slim = None
         if self.slim is not None and not self.shared:
             slim = self.slim.prefill(self.seq, upto, budget, self.stats)
@@ -858,11 +875,17 @@ class VerifySession(_Session):
         return [f for f in (slim, full) if f is not None]
 
     def prefilled(self, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
-        """Prompt logprobs: the logits of positions start..start+T-1 score prompt tokens start+1..start+T."""
+        """Prompt logprobs: the logits of the last num_logits fed positions i score prompt tokens i + 1."""
         if not forward.num_logits or self.params.prompt_logprobs is None:
             return []
-        scored = self.seq[forward.start + 1 : forward.start + 1 + forward.num_logits]
+        first = forward.start + len(forward) - forward.num_logits
+        scored = self.seq[first + 1 : first + 1 + forward.num_logits]
         return token_logprobs(logits, scored, self.params.prompt_logprobs)
+
+    def copy_prefill(self, leader: VerifySession) -> None:
+        """As for every side; the prompt counts as scored (the scheduler copies the leader's logprobs)."""
+        super().copy_prefill(leader)
+        self.scored = len(self.seq) - 1
 
     def _context(self, block: Sequence[int] | Tensor = (), first: int = 0) -> Penalised | None:
         """The logits the request samples from: penalised given self.seq + block[:t] for row t."""

@@ -351,20 +351,24 @@ def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
 
 
 def test_a_paged_pipeline_equals_in_process_slots(ray_session, aio, engine_config, llm):
-    """Actors on paged caches (kv_block_size 4): the mixed waves equal the in-process run on slot
-    caches token for token; the scheduler admits against the least of the actors' blocks; every
-    block comes back."""
+    """Actors on paged caches (kv_block_size 4) with a budget of about 36 blocks on the verifier:
+    the mixed waves run out of blocks, requests are preempted (each actor's caches roll back, the
+    sessions stay) and resumed by a recomputing prefill, and every output equals the in-process
+    run on slot caches token for token; the scheduler admits against the least of the actors'
+    blocks; every block comes back."""
     from viasd.cluster.pipeline import Pipeline
 
-    paged = engine_config.model_copy(update={"kv_block_size": 4})
+    gib = 30 * 4 * llm.engine.kv_bytes_per_token / 2**30  # (each actor's budget for its own tiers)
+    paged = engine_config.model_copy(update={"kv_block_size": 4, "kv_cache_gib": gib})
     p = aio.run(Pipeline.start(_pipeline_config(paged, name="tiny-paged")), timeout=240)
     try:
-        capacity = p.coordinator.engine.scheduler.capacity
+        scheduler = p.coordinator.engine.scheduler
+        capacity = scheduler.capacity
         blocks = [i["kv_blocks"] for i in (p.verifier_info, p.drafter_info)]
         assert capacity.block_size == 4 and capacity.kv_blocks == min(blocks) > 0
         served = aio.run(served_waves(p.coordinator, BATCH_WAVES, "paged-wave"))
         assert served == in_process_batched(llm, BATCH_WAVES)
-        assert p.coordinator.engine.scheduler.kv_blocks_reserved == 0
+        assert scheduler.preemptions > 0 and scheduler.kv_blocks_needed == 0
         assert aio.run(p.session_counts()) == {"drafter": 0, "verifier": [0]}
     finally:
         aio.run(p.shutdown())

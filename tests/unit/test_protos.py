@@ -158,6 +158,7 @@ def test_stats_round_trip():
         time_to_first_token=0.01,
         total_seconds=1.5,
         drafter_fallback=True,
+        preemptions=2,
     )
     msg = pb.RequestStats.FromString(stats_to_proto(s).SerializeToString())
     assert msg.mean_acceptance_length == pytest.approx(19 / 5)

@@ -115,6 +115,7 @@ _STATS_INTS = (
     "full_accepted",
     "prefill_forwards",
     "kv_bytes",
+    "preemptions",
 )
 
 
