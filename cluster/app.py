@@ -96,7 +96,7 @@ class PipelineDeployment:
             self.pipeline,
             default_params=self.config.default_params,
             metrics=metrics,
-            max_concurrent_requests=self.config.max_running(pc.name),
+            max_concurrent_requests=running_limit(self.config, pc.name, self.pipeline),
             max_queued_requests=limits.max_queued_requests,
             max_tokens_default=limits.max_tokens_default,
         )
@@ -240,6 +240,23 @@ def deployment_options(config: ServeConfig, pipeline: str | None = None) -> dict
         "graceful_shutdown_timeout_s": limits.drain_timeout_s,
         "ray_actor_options": {"num_cpus": config.ray.replica_num_cpus},
     }
+
+
+def running_limit(config: ServeConfig, name: str, pipeline: Backend) -> int:
+    """The started pipeline's admission limit (`ServeConfig.max_running`), logged with what its
+    KV caches hold, as vLLM logs its maximum concurrency."""
+    capacity = pipeline.info().get("capacity") or {}
+    running = config.max_running(name, capacity.get("concurrency"))
+    logger.info(
+        "pipeline %r: KV caches hold %s positions (%s requests of %s positions at once); max_concurrent_requests %d%s",
+        name,
+        capacity.get("kv_tokens"),
+        capacity.get("concurrency"),
+        capacity.get("max_seq_len"),
+        running,
+        " (limits.max_concurrent_requests)" if config.limits.max_concurrent_requests else "",
+    )
+    return running
 
 
 def build_app(config: ServeConfig, pipeline: str | None = None):

@@ -75,8 +75,9 @@ class Limits(BaseModel):
         None,
         ge=1,
         le=4096,
-        description="Requests one replica decodes at once; more wait in its queue. Default: its engine's "
-        "max_batch, the requests its KV caches hold at once (with paged caches the scheduler also waits for blocks).",
+        description="Requests one replica decodes at once; more wait in its queue. Default: the requests of a "
+        "full context its KV caches hold at once (its engine's max_batch rows; with paged caches, at most what its "
+        "blocks hold), logged at start and shown on /v1/models.",
     )
     max_queued_requests: int = Field(
         16,
@@ -257,10 +258,11 @@ class ServeConfig(BaseModel):
     def default_pipeline(self) -> str:
         return self.default_model or self.pipelines[0].name
 
-    def max_running(self, name: str | None = None) -> int:
+    def max_running(self, name: str | None = None, concurrency: int | None = None) -> int:
         """Requests a replica of pipeline `name` decodes at once: limits.max_concurrent_requests, else
-        the pipeline engine's max_batch."""
-        return self.limits.max_concurrent_requests or self.pipeline(name).engine.max_batch
+        `concurrency` (once the pipeline has started: the full-context requests its KV caches hold,
+        `Capacity.concurrency`), else the engine's max_batch (an upper bound: its rows)."""
+        return self.limits.max_concurrent_requests or concurrency or self.pipeline(name).engine.max_batch
 
     def pipeline(self, name: str | None = None) -> PipelineConfig:
         name = name or self.default_pipeline

@@ -196,8 +196,11 @@ async def _main(args: argparse.Namespace) -> None:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
         # one handler per pipeline; every handler and both transports share one admission and one drain
-        # default: what every pipeline's engine decodes at once (its max_batch), together
-        running = limits.max_concurrent_requests or sum(c.engine.max_batch for c in configs)
+        # default: the full-context requests every pipeline's KV caches hold at once, together
+        running = limits.max_concurrent_requests or sum(
+            (p.info().get("capacity") or {}).get("concurrency") or c.engine.max_batch
+            for c, p in zip(configs, pipelines.values())
+        )
         admission, calls = Admission(running, limits.max_queued_requests), Calls()
         handlers = {
             name: RequestHandler(

@@ -74,9 +74,20 @@ class Capacity:
             return self.kv_blocks * self.block_size
         return self.max_batch * (self.max_seq_len or 0)
 
+    @property
+    def concurrency(self) -> int:
+        """Requests of a full context (`max_seq_len` positions) the caches hold at once: the rows,
+        or (paged) as many as the blocks hold, at most the rows and at least 1 (vLLM's "maximum
+        concurrency" figure). Shorter requests run more at once, up to the rows: the scheduler
+        admits against the blocks they hold."""
+        if self.kv_blocks is None or self.max_seq_len is None:
+            return self.max_batch
+        return max(1, min(self.max_batch, self.kv_blocks // -(-self.max_seq_len // self.block_size)))
+
     def describe(self) -> dict:
-        """For /v1/models and the start-up log: rows, positions per request, blocks, tokens in all."""
-        return {**dataclasses.asdict(self), "kv_tokens": self.tokens}
+        """For /v1/models and the start-up log: rows, positions per request, blocks, tokens in all,
+        full-context requests at once."""
+        return {**dataclasses.asdict(self), "kv_tokens": self.tokens, "concurrency": self.concurrency}
 
     def new_store(self, lm: MaskedLM, mask: LayerMask | None = None):
         """A tier's cache of this capacity: max_batch rows of max_seq_len positions, or (paged)

@@ -420,6 +420,7 @@ def test_models_by_id_report_max_model_len_and_the_runtime(http, grpc_target, ba
     assert runtime["dtype"] == "float32" and runtime["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     capacity, engine = card["viasd"]["capacity"], backend.llm.engine.capacity  # what the KV caches hold
     assert capacity["max_batch"] == engine.max_batch and capacity["kv_tokens"] == engine.tokens > 0
+    assert capacity["concurrency"] == engine.concurrency  # full-context requests at once
     assert card["viasd"]["max_concurrent_requests"] == 2  # the handler's admission
     assert requests.get(f"{http}/v1/models/{ALIAS}", timeout=30).json()["id"] == ALIAS
     r = requests.get(f"{http}/v1/models/nope", timeout=30)

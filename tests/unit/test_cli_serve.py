@@ -42,6 +42,36 @@ def test_no_flags_keep_the_defaults_and_a_config_file_is_read_first(tmp_path):
     assert c.pipeline().engine.verifier == "from-file" and c.pipeline().engine.max_batch == 6 and c.http.port == 8002
 
 
+def test_the_default_admission_limit_is_what_the_kv_caches_hold_at_full_context(caplog):
+    """A replica admits, by default, the full-context requests its started pipeline's caches hold
+    (Capacity.concurrency: the rows, or what the blocks hold), logs it, and an explicit
+    limits.max_concurrent_requests still wins."""
+    import logging
+
+    from viasd.cluster.app import running_limit
+    from viasd.executor import Capacity
+
+    class Started:  # a started pipeline's info
+        def __init__(self, capacity):
+            self.capacity = capacity
+
+        def info(self):
+            return {"capacity": self.capacity.describe()}
+
+    slots = Capacity(max_batch=8, max_seq_len=4096)
+    paged = Capacity(max_batch=64, max_seq_len=4096, block_size=16, kv_blocks=256 * 10 + 255)  # 10 of 4096
+    assert (slots.concurrency, paged.concurrency) == (8, 10)
+    assert Capacity(max_batch=4, max_seq_len=4096, block_size=16, kv_blocks=256 * 10).concurrency == 4  # rows
+    assert Capacity(max_batch=4, max_seq_len=4096, block_size=16, kv_blocks=100).concurrency == 1  # one always runs
+    default = config_of()
+    with caplog.at_level(logging.INFO, logger="viasd.serve"):
+        assert running_limit(default, default.pipeline().name, Started(paged)) == 10
+    assert "10 requests of 4096 positions at once" in caplog.text
+    assert running_limit(default, default.pipeline().name, Started(slots)) == 8
+    explicit = default.model_copy(update={"limits": default.limits.model_copy(update={"max_concurrent_requests": 3})})
+    assert running_limit(explicit, explicit.pipeline().name, Started(paged)) == 3
+
+
 def test_speculative_config_maps_to_the_drafter_and_the_default_params():
     c = config_of("m", "--speculative-config", '{"model": "d", "num_speculative_tokens": 3}')
     assert c.pipeline().engine.drafter == "d" and c.default_params["gamma"] == 3
