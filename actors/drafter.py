@@ -43,7 +43,8 @@ from viasd.config import MAX_GAMMA, EngineConfig, Proposer
 from viasd.costs import CostModel, StepTimes, profile_tiers
 from viasd.errors import InvalidParameterError
 from viasd.executor import Capacity, DraftWorker, prefill
-from viasd.precision import LinearReport, engine_dtype, optimize_linears
+from viasd.precision import LinearReport, engine_dtype
+from viasd.quant import engine_linears
 from viasd.runtime import MaskedLM
 from viasd.sessions import drive, settle, to_host
 from viasd.v1 import internal_pb2 as ipb
@@ -175,13 +176,12 @@ def _log_failure(done) -> None:
         log.warning("drafting ahead failed: %s", done.exception())
 
 
-def pack_linears(model, config: EngineConfig, device: str) -> LinearReport:
-    """The prepacked CPU linears the in-process engine uses (`EngineConfig.packed_linears`,
-    viasd.precision), so that a served request runs the kernels of an in-process one; what was
-    packed (reported with the runtime in /v1/models: packing stops where memory runs short)."""
-    if not config.packed_linears:
-        return LinearReport("off")
-    return optimize_linears(model, engine_dtype(config, device).dtype, device)
+def pack_linears(model, config: EngineConfig, device: str, spec: str | None = None) -> LinearReport:
+    """The quantized (`EngineConfig.quantization`, viasd.quant; `spec`: the model's name or
+    directory) and prepacked CPU linears (`EngineConfig.packed_linears`, viasd.precision) the
+    in-process engine uses, so that a served request runs the kernels of an in-process one; what was
+    done (reported with the runtime in /v1/models: packing stops where memory runs short)."""
+    return engine_linears(model, config, device, spec, engine_dtype(config, device).dtype)
 
 
 def set_threads(threads: int | None, ranks: int) -> int:
@@ -232,7 +232,7 @@ class DrafterActor:
                 device=device,
                 trust_remote_code=config.trust_remote_code,
             )
-            packed = pack_linears(model, config, device)  # (before MaskedLM takes the modules)
+            packed = pack_linears(model, config, device, config.drafter)  # (before MaskedLM takes the modules)
             return MaskedLM(model), threads, packed
 
         lm, threads, packed = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)

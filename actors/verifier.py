@@ -432,7 +432,7 @@ class VerifierWorker:
                 model = shard_model(model, TPBackend(tp_backend), group)
             packed = LinearReport("off: sharded (its linears keep their own kernels)")
         else:
-            packed = pack_linears(model, config, device)
+            packed = pack_linears(model, config, device, config.verifier)
         read = "its slices" if sliced else "every weight"
         channel = ControlChannel(rank, world_size) if world_size > 1 else None  # (every rank at once: collective)
         return _Loaded(

@@ -19,15 +19,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 VOCAB = 96
 
 
-def tiny_model(arch: str = "llama", layers: int = 6, dtype: torch.dtype = torch.float64, seed: int = 0):
+def tiny_model(
+    arch: str = "llama",
+    layers: int = 6,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    hidden: int = 48,
+    intermediate: int = 96,
+):
     """A small random decoder-only LM of the given architecture, in eval mode."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
     cfg = cfg_cls(
         vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=96,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -40,6 +40,13 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
         default=EngineConfig.model_fields["dtype"].default,
         help="auto (what runs fastest on this device), bfloat16, float16, float32 or float64",
     )
+    g.add_argument(
+        "--quantization",
+        default=EngineConfig.model_fields["quantization"].default,
+        choices=["none", "int8", "int4", "auto"],
+        help="weight-only quantization of the linears on CPU: int8, int4 (a scale and a minimum per 32 weights), "
+        "auto (int4 for the built-in models where it is faster here) or none",
+    )
     g.add_argument("--mask", default=None, help="q' layer mask: JSON file or comma list of skipped layers")
     g.add_argument("--skip-ratio", type=float, default=0.45, help="skip ratio of the placeholder mask")
     g.add_argument("--cache-policy", default="separate", choices=["separate", "shared"])
@@ -69,6 +76,7 @@ def _engine_config(args: argparse.Namespace, max_batch: int) -> EngineConfig:
         verifier=args.verifier,
         drafter=None if str(args.drafter).lower() == "none" else args.drafter,
         dtype=args.dtype,
+        quantization=args.quantization,
         skip_ratio=args.skip_ratio,
         cache_policy=args.cache_policy,
         gates=args.gates,
@@ -327,6 +335,7 @@ def serve_config_from_args(args: argparse.Namespace):
         (spec.get("model"), engine, "drafter"),
         (args.drafter, engine, "drafter"),
         (args.dtype, engine, "dtype"),
+        (args.quantization, engine, "quantization"),
         (args.max_model_len, engine, "max_context"),
         (args.max_num_seqs, engine, "max_batch"),
         (args.max_num_seqs, config.setdefault("limits", {}), "max_concurrent_requests"),
@@ -624,6 +633,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (max_batch)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (max_context)")
     serve.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
+    serve.add_argument("--quantization", "-q", default=None, help="none, int8, int4 or auto (quantization)")
     serve.add_argument("--served-model-name", default=None, help="the name requests and /v1/models use")
     serve.add_argument("--api-key", default=None, help="require this bearer token on the HTTP API")
     serve.add_argument("--host", default=None, help="address the HTTP proxy binds (0.0.0.0 in a container)")

@@ -7,7 +7,7 @@ pydantic, so the light client install can validate a request before it touches t
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -419,6 +419,15 @@ class EngineConfig(BaseModel):
         description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."
         "optimize_linears): faster small-batch matmuls for one more copy of the weights in memory. bf16 on a "
         "CPU without native bf16 gets mixed kernels: a float32 copy runs the products of a few rows or more.",
+    )
+    quantization: Literal["none", "int8", "int4", "auto"] = Field(
+        "auto",
+        description="Weight-only quantization of the models' linears on CPU (viasd.quant): int8 (per output "
+        "channel) or int4 (a scale and a minimum per 32 weights), quantized at load; products of a few rows run "
+        "the integer kernels, larger ones a dense copy where it is faster (with packed_linears); a built-in model "
+        "from its GGUF file's own blocks. auto: int4 for a built-in model (its weights ship 4-bit) in bfloat16 / "
+        "float16 on a CPU where int4 beats the dense kernel, else none. none: the weights as loaded "
+        "(docs/QUANTIZATION.md).",
     )
     prefill_chunk: int = Field(
         512,

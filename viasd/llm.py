@@ -21,7 +21,8 @@ from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
 from viasd.gates import Gates, gates_from_artifact
 from viasd.metrics import RequestStats, TokenLogprob
-from viasd.precision import LinearReport, engine_dtype, kernels, optimize_linears
+from viasd.precision import engine_dtype, kernels
+from viasd.quant import engine_linears
 from viasd.runtime import LayerMask, MaskedLM
 
 
@@ -178,17 +179,17 @@ class LLM:
         layer_mask, self.mask_source = self._mask(mask, model)  # (fingerprint of the weights as loaded)
         gates, self.gates_source = resolve_gates(config, layer_mask, mask)
 
-        def pack(m):  # prepacked CPU kernels (viasd.precision), before MaskedLM takes the modules
-            return optimize_linears(m, dtype, config.device) if config.packed_linears else LinearReport("off")
+        def pack(m, spec):  # quantized (viasd.quant) and prepacked (viasd.precision), before MaskedLM takes them
+            return engine_linears(m, config, config.device, spec, dtype)
 
-        reports = [pack(model)]
+        reports = [pack(model, config.verifier)]
         self.verifier = MaskedLM(model)
         self.drafter = None
         if config.drafter:
             drafter = load_causal_lm(
                 config.drafter, dtype=dtype, device=config.device, trust_remote_code=config.trust_remote_code
             )[0]
-            reports.append(pack(drafter))
+            reports.append(pack(drafter, config.drafter))
             self.drafter = MaskedLM(drafter)
         self.kernels = kernels(reports)
         self.engine = Engine(
@@ -208,7 +209,8 @@ class LLM:
         )
 
     def runtime_info(self) -> dict:
-        """How this engine runs here: the dtype choice (and why), the CPU capability, the kernels."""
+        """How this engine runs here: the dtype choice (and why), the CPU capability, the kernels
+        (and the weight quantization of each model, viasd.quant)."""
         return {**self.dtype_choice.as_dict(), **self.kernels}
 
     def _mask(self, mask, model) -> tuple[LayerMask, str]:

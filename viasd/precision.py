@@ -491,6 +491,7 @@ class LinearReport:
     skipped: dict[str, str] = field(default_factory=dict)
     extra_bytes: int = 0
     from_rows: int | None = None  # mixed: the rows from which a product runs in packed float32
+    quantization: dict[str, Any] | None = None  # viasd.quant: the choice and what quantize_model did
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -499,23 +500,30 @@ class LinearReport:
             "linears_skipped": dict(self.skipped),
             "linear_extra_bytes": self.extra_bytes,
             "linear_mixed_from_rows": self.from_rows,
+            "quantization": self.quantization,
         }
 
 
 def kernels(reports: list[LinearReport]) -> dict[str, Any]:
     """The linears of several models, as ``/v1/models`` and the stats report them: the method of
-    the first (the verifier's) and its mixed kernels' ``from_rows``, and what was packed in all."""
-    return {
+    the first (the verifier's) and its mixed kernels' ``from_rows``, and what was packed in all;
+    ``quantization``: the weight quantization of each (the verifier's first, viasd.quant), where
+    any was asked for."""
+    out = {
         "linear_method": reports[0].method if reports else "off",
         "linears_swapped": sum(len(r.swapped) for r in reports),
         "linear_extra_bytes": sum(r.extra_bytes for r in reports),
         "linear_mixed_from_rows": reports[0].from_rows if reports else None,
     }
+    if any(r.quantization for r in reports):
+        out["quantization"] = [r.quantization for r in reports]
+    return out
 
 
 def linear_kernels(model) -> dict[str, int]:
     """How many linears of ``model`` run each kernel: ``plain`` (``nn.Linear``), ``packed`` (a
-    packed copy in the weight's dtype) or ``mixed@<from_rows>`` (what a cost profile depends on)."""
+    packed copy in the weight's dtype), ``mixed@<from_rows>`` or a quantized linear's
+    ``kernel_name`` (``int4g32@<dense_from>``, viasd.quant): what a cost profile depends on."""
     from torch import nn
 
     cls, counts = packed_linear_class(), Counter()
@@ -525,6 +533,8 @@ def linear_kernels(model) -> dict[str, int]:
         elif type(mod) is cls:
             mixed = mod.packed_weight.dtype != mod.weight.dtype
             counts[f"mixed@{mod.from_rows}" if mixed else "packed"] += 1
+        elif isinstance(getattr(mod, "kernel_name", None), str):
+            counts[mod.kernel_name] += 1
     return dict(sorted(counts.items()))
 
 

@@ -1,0 +1,786 @@
+"""Weight-only quantized linears: int8 per output channel, int4 group-wise, on CPU.
+
+A decoding step of one request reads every weight of the model once: at batch 1 it runs at the
+speed weights come from memory, and only fewer bytes per weight make it faster. A quantized
+linear keeps its weight in 8 or 4 bits and computes ``y = x W^T + b`` with activations in the
+model's dtype (bfloat16, float16 or float32), the weight widened inside the kernel.
+
+The maths (``W`` is ``[N, K]``: N output channels, K inputs; ``q`` the stored integers):
+
+* **int8**, symmetric per output channel: ``W[n, k] = q[n, k] * s[n]``, ``q`` in -127..127,
+  ``s[n] = max_k |W[n, k]| / 127``. Rounding to nearest: ``|W - W_q| <= s[n] / 2``.
+* **int4**, asymmetric per group of ``g`` consecutive inputs (g = 32 by default, the group of
+  GGUF's Q4_K): ``W[n, k] = q[n, k] * s[n, j] + m[n, j]``, ``j = k // g``, ``q`` in 0..15; a
+  scale ``s`` and a minimum ``m`` per group. From float weights: ``m`` the group's minimum,
+  ``s = (max - min) / 15``, ``|W - W_q| <= s / 2``. GGUF's Q4_K blocks have exactly this form
+  (``s = d * scale``, ``m = -dmin * min``), so they map without requantizing
+  (:mod:`viasd.quant_gguf`).
+
+Kernels (measured per shape and row count on this machine, ``docs/benchmarks/cpu/quant/``):
+
+* ``int8``: ``torch._weight_int8pack_mm(x [M, K], q [N, K], s [N])``;
+* ``int4``: ``torch._weight_int4pack_mm_for_cpu(x [M, K], packed, g, sz [K/g, N, 2])`` on the
+  weight packed once by ``torch._convert_weight_to_int4pack_for_cpu`` (a layout of this CPU's
+  vector width: packed weights are built at load, never stored); it computes
+  ``(q - 8) * s + z`` with ``z = m + 8 s``.
+* ``dense``: a copy of the dequantized weight in the activation dtype, oneDNN-prepacked where
+  oneDNN has kernels for it (what :func:`viasd.precision.optimize_linears` runs for plain
+  linears).
+
+The integer kernels read a quarter (int4) or half (int8) of bf16's bytes, but their cost grows
+with every row: they win the products of a few rows, the dense kernel the rest (a 16-row step,
+a verified block of several requests, a prompt). So each :class:`QuantizedLinear` runs the
+integer kernel below ``dense_from`` rows and the dense copy from there: :func:`quantize_model`
+times both on the first linear of each shape at :data:`PROBE_ROWS` rows (:func:`probe_dense_from`,
+the weights read from memory as in a decoding step; once per shape, dtype and thread count in a
+process, and kept per machine in the cache by an engine) and keeps a dense copy only where it
+wins some row count (2 bytes a weight in bf16; memory permitting: ``keep_free_bytes``). Without it
+(``dense=False``) every product runs the integer kernel. Both kernels compute with the same
+dequantized weights: the dense copy is ``(q - 8) * s + z`` with the very scales the integer
+kernel uses (rounded to the activation dtype), rounded once more to that dtype. In float32 the
+two agree to float32 rounding; in bf16 within bf16's (tests/unit/test_quant.py states the
+tolerances).
+
+In bf16 the scales and zeros the int4 kernel reads are bf16: its weight deviates from the
+float32 dequantization by at most ``|q - 8| * |s| * 2^-9 + |z| * 2^-9`` (one rounding of each);
+int8's scale, by ``|W| * 2^-9``.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "INT4_GROUP",
+    "PROBE_ROWS",
+    "SCHEMES",
+    "QuantChoice",
+    "QuantReport",
+    "QuantizedWeight",
+    "kernel_dtypes",
+    "probe_dense_from",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_model",
+    "engine_linears",
+    "quantized_linear",
+    "quantized_linear_class",
+    "resolve_quantization",
+]
+
+#: What ``EngineConfig.quantization`` may name.
+SCHEMES = ("none", "int8", "int4", "auto")
+#: Inputs per int4 group by default: GGUF Q4_K's sub-block.
+INT4_GROUP = 32
+#: Group sizes the CPU int4 kernel takes.
+INT4_GROUPS = (32, 64, 128, 256)
+#: Rows at which probe_dense_from times the integer and the dense kernel, ascending: a step of a
+#: few requests, a verified block of gamma + 1 = 6, up to batches and prompt chunks.
+PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+#: Rounds of each probe (after one warm-up): as many as PROBE_BUDGET_S seconds allow, within these.
+PROBE_REPEATS = (3, 40)
+PROBE_BUDGET_S = 0.5
+#: Keep this share of the machine's memory free when adding dense copies (as optimize_linears).
+DENSE_KEEP_FREE_FRACTION = 0.15
+
+
+def kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """Activation dtypes the CPU integer kernels take."""
+    import torch
+
+    return (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# quantized weights, in a portable form
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized ``[N, K]`` weight in a portable form (no kernel layout).
+
+    ``scheme`` ``int8``: ``q`` int8 ``[N, K]``, ``scale`` float32 ``[N]``, ``W = q * scale[:, None]``.
+    ``scheme`` ``int4``: ``q`` uint8 ``[N, K]`` (one value 0..15 a byte), ``scale`` and ``min``
+    float32 ``[N, K / group]``, ``W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group]``.
+    """
+
+    scheme: str
+    q: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None = None
+    group: int | None = None
+    source: str = "quantized at load"  # where the integers came from (viasd.quant_gguf: a GGUF's blocks)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``W`` ``[N, K]``, computed in float32 (``dtype``: then cast; default float32)."""
+        import torch
+
+        if self.scheme == "int8":
+            w = self.q.float() * self.scale[:, None]  # [N, K]
+        else:
+            n, k = self.shape
+            qg = self.q.float().reshape(n, k // self.group, self.group)  # [N, K/g, g]
+            w = (qg * self.scale[..., None] + self.min[..., None]).reshape(n, k)
+        return w if dtype is None or dtype == torch.float32 else w.to(dtype)
+
+    def nbytes(self, dtype_bytes: int = 2) -> int:
+        """Bytes the kernels hold: the integers (int4: two a byte) and the scales (and zeros) in
+        an activation dtype of ``dtype_bytes``."""
+        n, k = self.shape
+        if self.scheme == "int8":
+            return n * k + n * dtype_bytes
+        return n * k // 2 + 2 * self.scale.numel() * dtype_bytes
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-channel int8 of ``w`` ``[N, K]``: ``s = max|w| / 127`` a row, ``q = round(w / s)``."""
+    import torch
+
+    wf = w.detach().float()  # [N, K]
+    scale = (wf.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+    q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight("int8", q, scale)
+
+
+def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> QuantizedWeight:
+    """Asymmetric int4 of ``w`` ``[N, K]`` per group of ``group`` inputs: ``m`` = the group's
+    minimum, ``s = (max - min) / 15``, ``q = round((w - m) / s)`` in 0..15."""
+    import torch
+
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4: {k} inputs are not a multiple of the group size {group}")
+    wg = w.detach().float().reshape(n, k // group, group)  # [N, K/g, g]
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [N, K/g]
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: q = 0, W = min
+    q = torch.round((wg - lo[..., None]) / safe[..., None]).clamp_(0, 15).to(torch.uint8).reshape(n, k)
+    return QuantizedWeight("int4", q, scale, lo, group)
+
+
+# ------------------------------------------------------------------------------------------------
+# the module
+
+
+def _dense_ok(dtype) -> bool:
+    """oneDNN can prepack a dense weight of ``dtype`` on this CPU."""
+    import torch
+
+    from viasd.precision import _onednn_bf16_enabled
+
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_bf16_enabled())
+
+
+def _quantized_linear_class():
+    import torch
+    from torch import nn
+
+    class QuantizedLinear(nn.Module):
+        """A weight-only quantized ``nn.Linear`` (see the module docstring for the maths).
+
+        Buffers (built at load for this CPU; not meant to be saved): int8 ``qweight`` int8
+        ``[N, K]`` and ``scales`` ``[N]``; int4 ``qweight`` uint8 ``[N, K/2]`` in the CPU kernel's
+        packed layout and ``scales_zeros`` ``[K/g, N, 2]``; scales in ``dtype``, the activations'
+        dtype. ``dense``: the dequantized weight in ``dtype`` (oneDNN-prepacked where it can be),
+        run by products of ``dense_from`` rows or more; None: every product runs the integer
+        kernel. ``bias`` stays the original parameter.
+        """
+
+        def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
+            super().__init__()
+            if dtype not in kernel_dtypes():
+                raise ValueError(f"quantized linears run float32 / bfloat16 / float16 activations, not {dtype}")
+            self.out_features, self.in_features = qw.shape
+            self.scheme, self.group, self.dtype = qw.scheme, qw.group, dtype
+            self.bias = bias
+            self.dense_from: int | None = None
+            self.register_buffer("dense", None, persistent=False)
+            self.dense_packed = False
+            if qw.scheme == "int8":
+                self.register_buffer("qweight", qw.q.contiguous(), persistent=False)  # [N, K] int8
+                self.register_buffer("scales", qw.scale.to(dtype), persistent=False)  # [N]
+            elif qw.scheme == "int4":
+                n, k = qw.shape
+                if qw.group not in INT4_GROUPS or k % qw.group or n % 16:
+                    raise ValueError(f"int4 kernel: group {qw.group} of {INT4_GROUPS}, K % group == 0, N % 16 == 0")
+                packed = torch._convert_weight_to_int4pack_for_cpu(qw.q.to(torch.int32), 1)  # [N, K/2] uint8
+                self.register_buffer("qweight", packed, persistent=False)
+                scale = qw.scale.to(dtype)  # [N, K/g]: the kernel's own rounding of s and z
+                zero = (qw.min + 8 * qw.scale).to(dtype)
+                self.register_buffer(
+                    "scales_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous(), persistent=False
+                )
+            else:
+                raise ValueError(f"unknown quantization scheme {qw.scheme!r}")
+
+        # -------------------------------------------------------------- kernels
+
+        def int_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+            """``x2 [M, K] -> [M, N]`` by the integer kernel (no bias)."""
+            if self.scheme == "int8":
+                return torch._weight_int8pack_mm(x2, self.qweight, self.scales)
+            return torch._weight_int4pack_mm_for_cpu(x2, self.qweight, self.group, self.scales_zeros)
+
+        def dense_weight(self) -> torch.Tensor:
+            """The weight the integer kernel computes with, ``[N, K]`` in ``dtype``, read back
+            from its own buffers: exact in float32; in bf16 / fp16, the kernel's float32 weight
+            rounded once. Runs the integer kernel on the identity (K rows, a slice at a time):
+            for checks, slow on large layers."""
+            k = self.in_features
+            cols = []
+            for start in range(0, k, 256):
+                eye = torch.eye(k, dtype=self.dtype)[start : start + 256]  # [r, K]
+                cols.append(self.int_matmul(eye))  # [r, N] = W^T rows
+            return torch.cat(cols).t().contiguous()
+
+        def set_dense(self, w: torch.Tensor | None, from_rows: int | None) -> int:
+            """Run products of ``from_rows`` rows or more on ``w`` ``[N, K]`` (``dtype``; None:
+            drop the dense copy); bytes the copy holds."""
+            if w is None or from_rows is None:
+                self.dense, self.dense_from, self.dense_packed = None, None, False
+                return 0
+            w = w.to(self.dtype).contiguous()
+            self.dense_packed = _dense_ok(self.dtype)
+            self.dense = torch.ops.mkldnn._reorder_linear_weight(w, None) if self.dense_packed else w
+            self.dense_from = from_rows
+            return w.numel() * w.element_size()
+
+        def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
+            if self.dense_packed:
+                return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
+            return nn.functional.linear(x, self.dense, self.bias)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+            rows = x.numel() // self.in_features
+            if self.dense is not None and rows >= self.dense_from and x.dtype == self.dtype:
+                return self.dense_matmul(x)
+            x2 = x.reshape(rows, self.in_features)  # [M, K]
+            if x2.dtype != self.dtype:  # (the kernels take the dtype of their scales)
+                y = self.int_matmul(x2.to(self.dtype)).to(x.dtype)
+            else:
+                y = self.int_matmul(x2.contiguous())
+            y = y.reshape(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+
+        @property
+        def kernel_name(self) -> str:
+            """What a cost profile depends on: ``int4g32``, ``int8``, with ``@dense_from``."""
+            name = f"int4g{self.group}" if self.scheme == "int4" else "int8"
+            return f"{name}@{self.dense_from}" if self.dense is not None else name
+
+        def extra_repr(self) -> str:
+            group = f", group={self.group}" if self.scheme == "int4" else ""
+            return (
+                f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"scheme={self.scheme}{group}, dtype={self.dtype}, dense_from={self.dense_from}"
+            )
+
+    return QuantizedLinear
+
+
+@functools.cache
+def quantized_linear_class():
+    """The :class:`QuantizedLinear` class (built on first use: torch is imported lazily)."""
+    return _quantized_linear_class()
+
+
+def __getattr__(name: str):
+    if name == "QuantizedLinear":
+        return quantized_linear_class()
+    raise AttributeError(name)
+
+
+def quantized_linear(qw: QuantizedWeight, bias=None, dtype=None, dense: bool | int = False):
+    """A :class:`QuantizedLinear` of ``qw`` (``dtype`` default bfloat16). ``dense``: an int, the
+    rows from which the dense copy runs (True: 1, every product); False: none."""
+    import torch
+
+    mod = quantized_linear_class()(qw, bias, dtype or torch.bfloat16)
+    if dense is not False:
+        mod.set_dense(_dense_of(qw, mod), int(dense))
+    return mod
+
+
+def _dense_of(qw: QuantizedWeight, mod, chunk: int = 256) -> torch.Tensor:
+    """The dense copy of ``mod`` (built from ``qw``) ``[N, K]`` in ``mod.dtype``: the weight the
+    integer kernel computes with, ``q * s`` (int8) or ``(q - 8) * s + z`` (int4) in float32 from
+    the scales as it reads them (rounded to ``mod.dtype``), then rounded once to ``mod.dtype``;
+    ``chunk`` rows at a time (the float32 temporaries stay in the caches)."""
+    import torch
+
+    n, k = qw.shape
+    out = torch.empty(n, k, dtype=mod.dtype)
+    if qw.scheme == "int8":
+        scale = mod.scales.float()  # [N]
+    else:
+        scale, zero = mod.scales_zeros.float().transpose(0, 1).unbind(-1)  # [N, K/g] each
+    for r in range(0, n, chunk):
+        rows = slice(r, min(n, r + chunk))
+        if qw.scheme == "int8":
+            w = qw.q[rows].float().mul_(scale[rows, None])
+        else:
+            w = qw.q[rows].float().sub_(8).reshape(-1, k // qw.group, qw.group)
+            w = w.mul_(scale[rows, :, None]).add_(zero[rows, :, None]).reshape(-1, k)
+        out[rows] = w
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the row count from which the dense copy runs
+
+
+def _best_seconds(runners: dict[Any, Callable[[], Any]], repeats: tuple[int, int] | int) -> dict[Any, float]:
+    """Best wall seconds of each runner over interleaved rounds (viasd.precision's way: a pause of
+    the machine slows one round of every runner, not every round of one); ``repeats`` (lo, hi):
+    as many rounds as PROBE_BUDGET_S allows after a first timed one, within them."""
+    from viasd.precision import _best_interleaved
+
+    if isinstance(repeats, int):
+        return _best_interleaved(runners, repeats)
+    lo, hi = repeats
+    first = _best_interleaved(runners, 1)
+    rounds = int(min(hi, max(lo, PROBE_BUDGET_S / max(sum(first.values()), 1e-9))))
+    rest = _best_interleaved(runners, rounds)
+    return {key: min(first[key], rest[key]) for key in runners}
+
+
+def last_level_cache_bytes() -> int:
+    """This CPU's largest cache (sysfs on Linux; 32 MiB where it does not say)."""
+    import glob
+
+    sizes = []
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            text = open(path).read().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1:], 0))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=32 << 20)
+
+
+#: The probes cycle through copies of a layer holding this many times the last-level cache.
+RING_CACHES = 4
+RING_MAX = 64
+
+
+def _ring(mod) -> list:
+    """``mod`` and copies of its buffers (shallow module copies), enough that they hold
+    RING_CACHES times the last-level cache (at most RING_MAX): a probe that cycles through them
+    reads its weights from memory, as a decoding step does (every other layer's weights pass
+    through the caches before a layer comes round again), not from a cache that one repeated
+    product keeps warm."""
+    import copy
+
+    held = sum(b.numel() * b.element_size() for b in mod.buffers())
+    count = min(RING_MAX, max(1, -(-RING_CACHES * last_level_cache_bytes() // max(held, 1))))
+    ring = [mod]
+    for _ in range(count - 1):
+        c = copy.copy(mod)
+        c._buffers = {k: (None if v is None else v.clone()) for k, v in mod._buffers.items()}
+        ring.append(c)
+    return ring
+
+
+def _cycling(it, method: str, x) -> Callable[[], Any]:
+    """A runner calling ``method(x)`` on the next module of ``it`` (an ``itertools.cycle`` over a
+    ring that every runner of a probe shares: two calls in a row never read the same copy)."""
+    return lambda: getattr(next(it), method)(x)
+
+
+def probe_dense_from(
+    mod, rows: tuple[int, ...] = PROBE_ROWS, repeats: tuple[int, int] | int = PROBE_REPEATS
+) -> tuple[int | None, dict]:
+    """Time ``mod``'s integer kernel against its dense copy (which it must hold) at ``rows`` rows
+    (random activations, interleaved, best of ``repeats`` rounds, the weights read from memory:
+    :func:`_ring`): the fewest rows from which the dense kernel is faster at every probed count
+    (None: at none, or not at the most rows), and the seconds by ``int@M`` / ``dense@M``."""
+    import itertools
+
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    ring = itertools.cycle(_ring(mod))
+    runners = {}
+    for m in rows:
+        x = torch.randn(m, mod.in_features, generator=g).to(mod.dtype)  # [M, K]
+        runners[f"int@{m}"] = _cycling(ring, "int_matmul", x)
+        runners[f"dense@{m}"] = _cycling(ring, "dense_matmul", x)
+    seconds = _best_seconds(runners, repeats)
+    del ring, runners
+    from_rows = None
+    for m in reversed(rows):
+        if seconds[f"dense@{m}"] >= seconds[f"int@{m}"]:
+            break
+        from_rows = m
+    return from_rows, seconds
+
+
+#: (scheme, group, K, N, dtype, threads) -> (dense_from, seconds): one probe per shape a process.
+_PROBES: dict[tuple, tuple[int | None, dict]] = {}
+#: Bumped when the probe measures differently: older cached probes are measured again.
+PROBE_METHOD = 1
+
+
+def _probe_file(cache_dir, key: tuple, rows: tuple[int, ...]):
+    """Where the probe of ``key`` on this machine is cached under ``cache_dir`` (what it depends
+    on: the shape, scheme, dtype, threads, the CPU and torch), and that key as JSON."""
+    import hashlib
+    import json
+    import platform
+    from pathlib import Path
+
+    import torch
+
+    from viasd.precision import cpu_bf16_flags
+
+    scheme, group, k, n, dtype, threads = key
+    full = {
+        "scheme": scheme,
+        "group": group,
+        "shape": [k, n],
+        "dtype": str(dtype).removeprefix("torch."),
+        "threads": threads,
+        "rows": list(rows),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_flags": sorted(cpu_bf16_flags()),
+        "cpu": _cpu_model() or platform.machine(),
+        "llc": last_level_cache_bytes(),
+        "torch": torch.__version__,
+        "method": PROBE_METHOD,
+    }
+    digest = hashlib.sha256(json.dumps(full, sort_keys=True).encode()).hexdigest()[:20]
+    return Path(cache_dir) / f"probe-{digest}.json", full
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _cached_probe(mod, key: tuple, rows: tuple[int, ...], cache_dir) -> tuple[int | None, dict]:
+    """:func:`probe_dense_from` of ``mod``, once per ``key`` in a process and, with ``cache_dir``,
+    once per machine (a JSON file a probe; a damaged one is measured again)."""
+    import json
+
+    if key in _PROBES:
+        return _PROBES[key]
+    path = full = None
+    if cache_dir is not None:
+        path, full = _probe_file(cache_dir, key, rows)
+        try:
+            data = json.loads(path.read_text())
+            if data["key"] == full:
+                _PROBES[key] = data["dense_from"], data["seconds"]
+                return _PROBES[key]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    _PROBES[key] = probe_dense_from(mod, rows)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": full, "dense_from": _PROBES[key][0], "seconds": _PROBES[key][1]}))
+            tmp.replace(path)
+        except OSError:
+            pass
+    return _PROBES[key]
+
+
+def _reset_cache() -> None:
+    """Forget the probes (tests)."""
+    _PROBES.clear()
+    _auto_cpu.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# whole models
+
+
+@dataclass
+class QuantReport:
+    """What :func:`quantize_model` did: ``quantized`` linear names by kernel, ``skipped`` with the
+    reason, ``bytes`` the quantized weights hold, ``dense_bytes`` the dense copies,
+    ``dense_from`` the probed rows by shape ``KxN`` (None: no dense copy), ``probe_seconds``."""
+
+    scheme: str
+    group: int | None = None
+    quantized: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    bytes: int = 0
+    replaced_bytes: int = 0
+    dense_bytes: int = 0
+    dense_from: dict[str, int | None] = field(default_factory=dict)
+    probe_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+    sources: dict[str, str] = field(default_factory=dict)  # name -> QuantizedWeight.source
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "scheme": self.scheme,
+            "group": self.group,
+            "linears": len(self.quantized),
+            "kernels": dict(sorted(_count(self.quantized.values()).items())),
+            "sources": dict(sorted(_count(self.sources.values()).items())),
+            "skipped": dict(self.skipped),
+            "bytes": self.bytes,
+            "replaced_bytes": self.replaced_bytes,
+            "dense_bytes": self.dense_bytes,
+            "dense_from_rows": dict(self.dense_from),
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def _count(values) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+def _targets(model, include_lm_head: bool, report: QuantReport) -> list[tuple[str, Any]]:
+    """The ``nn.Linear`` modules of the decoder layers, and the LM head unless excluded or tied
+    to the input embeddings (its weight must stay dense for the embedding lookups)."""
+    from torch import nn
+
+    out = []
+    for name, mod in model.named_modules():
+        if type(mod) is not nn.Linear:
+            continue
+        if name.split(".")[-1] == "lm_head":
+            emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            if not include_lm_head:
+                report.skipped[name] = "lm_head excluded"
+                continue
+            if emb is not None and emb.weight is mod.weight:
+                report.skipped[name] = "tied to the input embeddings"
+                continue
+        elif ".layers." not in f".{name}":
+            report.skipped[name] = "not in a decoder layer"
+            continue
+        out.append((name, mod))
+    return out
+
+
+def quantize_model(
+    model,
+    scheme: str,
+    *,
+    group: int = INT4_GROUP,
+    include_lm_head: bool = True,
+    dense: bool = True,
+    keep_free_bytes: int | None = None,
+    weights: Callable[[str, Any], QuantizedWeight | None] | None = None,
+    probe_rows: tuple[int, ...] = PROBE_ROWS,
+    probe_cache=None,
+) -> QuantReport:
+    """Replace the ``nn.Linear`` modules of ``model``'s decoder layers (and its LM head, unless
+    ``include_lm_head`` is off or it is tied to the embeddings) by :class:`QuantizedLinear`, in
+    place, on CPU. ``scheme``: ``int8`` or ``int4`` (``group`` inputs a group).
+
+    ``weights(name, linear)``: the quantized weight of a linear from elsewhere (a GGUF file's own
+    blocks, :mod:`viasd.quant_gguf`), or None to quantize it here by ``scheme``.
+
+    ``dense``: keep a dense copy for the products of many rows where :func:`probe_dense_from`
+    finds it faster (probed on the first linear of each shape; 2 bytes a weight in bf16), unless
+    it would leave less than ``keep_free_bytes`` free (default DENSE_KEEP_FREE_FRACTION of the
+    machine's memory); ``probe_cache``: a directory where the probes are kept per machine (None:
+    probed in each process). Activations run in the model's dtype (float32, bfloat16 or float16).
+    A linear the kernels cannot take (int4: K not a multiple of ``group``, N not of 16) stays
+    ``nn.Linear``, with the reason in ``skipped``.
+    """
+    import torch
+
+    from viasd.precision import cpu_memory
+
+    if scheme not in ("int8", "int4"):
+        raise ValueError(f"quantize_model: scheme must be int8 or int4, got {scheme!r}")
+    t0 = time.perf_counter()
+    report = QuantReport(scheme, group if scheme == "int4" else None)
+    free, total = cpu_memory()
+    keep = int(DENSE_KEEP_FREE_FRACTION * total) if keep_free_bytes is None else keep_free_bytes
+    threads = torch.get_num_threads()
+    for name, lin in _targets(model, include_lm_head, report):
+        w = lin.weight
+        if w.device.type != "cpu":
+            report.skipped[name] = f"weight on {w.device}: the integer kernels run on CPU"
+            continue
+        if w.dtype not in kernel_dtypes():
+            report.skipped[name] = f"weight is {w.dtype}: the kernels take float32 / bfloat16 / float16"
+            continue
+        n, k = w.shape
+        qw = weights(name, lin) if weights is not None else None
+        if qw is None:
+            if scheme == "int4" and (k % group or n % 16):
+                report.skipped[name] = f"int4: K={k} not a multiple of {group} or N={n} not of 16"
+                continue
+            qw = quantize_int8(w) if scheme == "int8" else quantize_int4(w, group)
+            if weights is not None:
+                qw.source = "quantized at load (no source tensor matched the loaded weight)"
+        with torch.no_grad():
+            mod = quantized_linear_class()(qw, lin.bias, w.dtype)
+        size, qw_source = qw.nbytes(w.element_size()), qw.source
+        if dense:
+            key = (qw.scheme, qw.group, k, n, w.dtype, threads)
+            dense_bytes = n * k * w.element_size()
+            from_rows, seconds = None, {}
+            if free - report.dense_bytes - dense_bytes >= keep:
+                if key not in _PROBES:
+                    mod.set_dense(_dense_of(qw, mod), 1)
+                from_rows, seconds = _cached_probe(mod, key, probe_rows, probe_cache)
+            shape = f"{qw.scheme}:{k}x{n}"
+            report.probe_seconds.setdefault(shape, seconds)
+            if from_rows is not None and free - report.dense_bytes - dense_bytes < keep:
+                report.skipped[f"{name}.dense"] = "memory: no dense copy, the integer kernel runs every product"
+                from_rows = None
+            report.dense_from.setdefault(shape, from_rows)
+            report.dense_bytes += mod.set_dense(_dense_of(qw, mod) if from_rows else None, from_rows)
+        del qw
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, mod)
+        report.quantized[name] = mod.kernel_name
+        report.sources[name] = qw_source
+        report.bytes += size
+        report.replaced_bytes += w.numel() * w.element_size()
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+# ------------------------------------------------------------------------------------------------
+# the engine option
+
+
+@dataclass(frozen=True)
+class QuantChoice:
+    """The weight quantization a model is served with, and why.
+
+    ``scheme``: ``none``, ``int8`` or ``int4``; ``requested``: ``EngineConfig.quantization``;
+    ``reason``: ``requested``, ``auto-int4`` (a built-in model, whose weights ship in 4 bits, on
+    a CPU where the int4 kernel wins a one-row product), or why ``auto`` or the request is not
+    applied (``auto-not-builtin``, ``auto-dtype``, ``auto-device``, ``auto-slower``, ``device``,
+    ``dtype``). ``probe_seconds``: ``auto``'s one-row probe."""
+
+    scheme: str
+    requested: str
+    reason: str
+    probe_seconds: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "quantization": self.scheme,
+            "quantization_requested": self.requested,
+            "quantization_reason": self.reason,
+            "quantization_probe_seconds": dict(self.probe_seconds),
+        }
+
+
+#: The product auto times: one row through a 1536 -> 8960 projection (viasd.precision's).
+AUTO_PROBE = (1536, 8960)
+#: auto quantizes when the int4 kernel's one-row product takes at most this share of the dense one's.
+AUTO_MAX_RATIO = 0.8
+
+
+@functools.cache
+def _auto_cpu(dtype_name: str) -> tuple[bool, dict[str, float]]:
+    """Whether the int4 kernel beats the dense (prepacked where it can be) kernel on a one-row
+    :data:`AUTO_PROBE` product in ``dtype_name`` here, by :data:`AUTO_MAX_RATIO`, the weights read
+    from memory (:func:`_ring`); the seconds."""
+    import itertools
+
+    import torch
+
+    k, n = AUTO_PROBE
+    dt = getattr(torch, dtype_name)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) / k**0.5  # [N, K]
+    ring = itertools.cycle(_ring(quantized_linear(quantize_int4(w), dtype=dt, dense=1)))
+    x = torch.randn(1, k, generator=g).to(dt)  # [1, K]
+    seconds = _best_seconds(
+        {"int4@1": _cycling(ring, "int_matmul", x), "dense@1": _cycling(ring, "dense_matmul", x)}, PROBE_REPEATS
+    )
+    return seconds["int4@1"] <= AUTO_MAX_RATIO * seconds["dense@1"], seconds
+
+
+def resolve_quantization(requested: str, device: str, dtype: str, builtin: bool) -> QuantChoice:
+    """The scheme a model loaded in ``dtype`` on ``device`` is served with for ``requested``
+    (``EngineConfig.quantization``); ``builtin``: it is a built-in model (its weights ship as a
+    quantized GGUF).
+
+    ``int8`` / ``int4`` are applied on CPU in float32 / bfloat16 / float16 (elsewhere: ``none``,
+    with the reason). ``auto`` is ``int4`` for a built-in model in bfloat16 / float16 on a CPU
+    where the int4 kernel's one-row product takes at most AUTO_MAX_RATIO of the dense kernel's
+    (:func:`_auto_cpu`, once per process), else ``none``: other checkpoints are quantized only
+    when asked, float32 and float64 are the exactness dtypes, and CUDA has no integer kernel
+    here."""
+    if requested not in SCHEMES:
+        from viasd.errors import InvalidParameterError
+
+        raise InvalidParameterError("quantization", f"must be one of {', '.join(SCHEMES)}, got {requested!r}")
+    kind = str(device).split(":", 1)[0]
+    if requested == "none":
+        return QuantChoice("none", requested, "requested")
+    if requested != "auto":
+        if kind != "cpu":
+            return QuantChoice("none", requested, "device")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            return QuantChoice("none", requested, "dtype")
+        return QuantChoice(requested, requested, "requested")
+    if kind != "cpu":
+        return QuantChoice("none", requested, "auto-device")
+    if not builtin:
+        return QuantChoice("none", requested, "auto-not-builtin")
+    if dtype not in ("bfloat16", "float16"):
+        return QuantChoice("none", requested, "auto-dtype")
+    wins, seconds = _auto_cpu(dtype)
+    return QuantChoice("int4" if wins else "none", requested, "auto-int4" if wins else "auto-slower", seconds)
+
+
+def engine_linears(model, config, device: str, spec: str | None, dtype: str):
+    """Prepare the linears of ``model`` (loaded from ``spec``, a built-in name or a directory, in
+    ``dtype``) as an engine of ``config`` (an :class:`~viasd.config.EngineConfig`) runs them on
+    ``device``: quantized by :func:`resolve_quantization` of ``config.quantization`` (a built-in
+    model from its GGUF file's own blocks, :mod:`viasd.quant_gguf`; dense copies for many-row
+    products only with ``config.packed_linears``), then the remaining plain linears
+    prepacked (:func:`viasd.precision.optimize_linears`, with ``packed_linears``). Returns the
+    :class:`~viasd.precision.LinearReport`, its ``quantization`` the choice and what was done
+    (None where none was asked for). Call it before :class:`~viasd.runtime.MaskedLM` takes the
+    modules, and after anything that checks the weights' fingerprint (a DIMR mask)."""
+    from viasd.models.embedded import BUILTIN_MODELS
+    from viasd.precision import LinearReport, optimize_linears
+
+    choice = resolve_quantization(config.quantization, device, dtype, spec in BUILTIN_MODELS)
+    done = None
+    if choice.scheme != "none":
+        weights = None
+        if spec in BUILTIN_MODELS:  # served from its own GGUF quantization (viasd.quant_gguf)
+            from viasd.quant_gguf import cached_gguf, gguf_weights
+
+            weights = gguf_weights(cached_gguf(spec), choice.scheme, model.config)
+        from viasd.models.embedded import cache_root
+
+        done = quantize_model(
+            model, choice.scheme, dense=config.packed_linears, weights=weights, probe_cache=cache_root() / "quant"
+        ).as_dict()
+    linears = optimize_linears(model, dtype, device) if config.packed_linears else LinearReport("off")
+    if config.quantization != "none":
+        linears.quantization = {**choice.as_dict(), **(done or {})}
+    return linears
