@@ -153,6 +153,7 @@ SUITES = {
     "dimr-compare": "DIMR mask artifacts against the evenly spaced and random masks on held-out text",
     "lm-eval": "lm-eval's clients against a local server, beside the same tasks in process",
     "step": "where a batched decode step's time goes: forwards, host work, host reads (--before REV)",
+    "quant": "weight-only quantization: int8 / int4 kernels against bf16, GGUF mapping errors, end to end",
 }
 
 
@@ -182,6 +183,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from viasd.bench.step import run_step_bench
 
         return run_step_bench(args)
+    if args.suite == "quant":
+        from viasd.bench.quant import run_quant_bench
+
+        return run_quant_bench(args)
     from viasd.bench import run_bench
 
     return run_bench(args, _engine_config(args, max_batch=1), _params(args, ignore_eos=True))  # one at a time
@@ -510,6 +515,22 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--rows", type=int, default=16, help="requests decoding together")
     step.add_argument("--steps", type=int, default=8, help="timed decode steps per method and run")
     step.add_argument("--before", default=None, help="another commit measured in the same run (alternating)")
+    quant = bench.add_argument_group("quant suite (--suite quant; also --dtype for the gguf part, auto: bfloat16)")
+    quant.add_argument("--parts", default=None, help="comma-separated parts: kernels, gguf, e2e (default all)")
+    quant.add_argument(
+        "--kernel-shapes",
+        default=None,
+        help="kernels: linear shapes of the 1.5B verifier (default q_o_proj,k_v_proj,gate_up_proj,down_proj,lm_head)",
+    )
+    quant.add_argument("--kernel-rows", default=None, help="kernels: comma-separated row counts (default 1,2,4,8,16)")
+    quant.add_argument("--kernel-budget-s", type=float, default=2.0, help="kernels: seconds of rounds per shape and M")
+    quant.add_argument("--gguf-models", default=None, help="gguf: built-in models (default the embedded pair)")
+    quant.add_argument("--gguf-scheme", default="int4", choices=["int4", "int8"], help="gguf: the mapping checked")
+    quant.add_argument(
+        "--e2e-quantization", default=None, help="e2e: quantizations, one process each (default none,int8,int4)"
+    )
+    quant.add_argument("--e2e-tokens", type=int, default=48, help="e2e: generated tokens n of a timed request")
+    quant.add_argument("--e2e-repeats", type=int, default=2, help="e2e: runs of each measurement (the best counts)")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md (and the plots)")
@@ -518,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     bench_sub = bench.add_subparsers(dest="bench_command", metavar="{report}")
     report = bench_sub.add_parser("report", help="the published tables, from the committed result files (docs/)")
-    report.add_argument("--docs", action="store_true", help="rewrite the marked tables of docs/BENCHMARKS.md")
+    report.add_argument("--docs", action="store_true", help="rewrite the marked tables of the documents in docs/")
     report.add_argument("--check", action="store_true", help="exit 1 when a marked table differs from its files")
     report.add_argument("--root", default=".", help="the repository root (default: the current directory)")
     report.set_defaults(func=cmd_bench_report)

@@ -169,3 +169,23 @@ def test_layer_lists_are_compact_and_a_changed_mask_score_changes_the_dimr_table
     _edit(tmp_path / "docs/dimr-compare.json", lambda d: d["ratios"][3]["masks"][0].update(top1=0.4))
     after = tables.render("dimr-ratios", tmp_path)
     assert "| 0.35 | 40.0% / 2.61 / 0.68 |" in after  # no longer the best: not bold
+
+
+def test_the_quantization_tables_follow_their_files(tmp_path):
+    """docs/QUANTIZATION.md's tables: the committed files' figures, and a changed run changes them."""
+    for name in ("quant-e2e", "quant-gguf", "quant-kernels"):
+        _copy_sources(tmp_path, name)
+    e2e = tables.render("quant-e2e", tmp_path)
+    assert "| int4 (int4: `requested`) | 28.6 | 67.1 (2.03x) | 57.0 (1.28x) | 20% | 72.3 (0.95x) | 1.13 / 3.09 |" in e2e
+    assert "| `qwen2.5-coder-0.5b-instruct` | Q8_0 | 13 | int8 (gguf Q8_0 -> int8) | 0.0017 | 0.50 |" in tables.render(
+        "quant-gguf", tmp_path
+    )
+    assert "| lm_head 1536 -> 151936 | 1 | 23.35 | 16.20 | 12.58 |" in tables.render("quant-kernels", tmp_path)
+    assert "commit `f747b46 (uncommitted changes)`; CPU capability `AVX512`" in e2e.splitlines()[0]
+
+    def slower_none(data):
+        data["runs"][0]["ar_1_s_per_token"] *= 2  # the baseline: every ratio of ar doubles
+
+    _edit(tmp_path / "docs/benchmarks/cpu/quant/e2e.json", slower_none)
+    after = tables.render("quant-e2e", tmp_path)
+    assert "| int4 (int4: `requested`) | 28.6 | 67.1 (4.07x) |" in after and "| 272.9 | 73.2 |" in after

@@ -26,7 +26,7 @@ from typing import Any
 from viasd.bench.report import ratio
 
 #: the documents whose marked tables `viasd bench report --docs` maintains
-DOCS = ("docs/BENCHMARKS.md", "docs/DIMR.md")
+DOCS = ("docs/BENCHMARKS.md", "docs/DIMR.md", "docs/QUANTIZATION.md")
 
 _MARK = re.compile(r"^<!-- table:([a-z0-9_-]+) -->\n(.*?)^<!-- /table:\1 -->$", re.M | re.S)
 
@@ -49,6 +49,16 @@ def _environment(data: dict) -> dict:
     env = _meta(data).get("environment")
     if env is None and data.get("runs"):
         env = data["runs"][0].get("environment")
+    meta = _meta(data)
+    if env is None and meta.get("commit"):  # (a file that records its commit and machine at the top)
+        env = {
+            "git_commit": meta["commit"],
+            "git_dirty": meta.get("dirty"),
+            "cpu_capability": meta.get("cpu_capability"),
+            "cpu": meta.get("cpu_model"),
+            "cpu_count": meta.get("cores"),
+            "torch": meta.get("torch"),
+        }
     return env or {}
 
 
@@ -72,6 +82,15 @@ def dtype(data: dict) -> str:
     runs = data.get("runs") or []
     if runs and isinstance(runs[0], dict) and runs[0].get("dtype"):
         return str(runs[0]["dtype"]).removeprefix("torch.")
+    if runs and isinstance(runs[0], dict) and (runs[0].get("runtime") or {}).get("dtype"):
+        return runs[0]["runtime"]["dtype"]  # (quant e2e: the engine's runtime info)
+    if _meta(data).get("activations"):  # (quant kernels: the activations' dtype)
+        return _meta(data)["activations"]
+    for part in ("e2e", "kernels", "gguf"):  # (a `--suite quant` record: its first part's)
+        sub = _meta(data).get(part)
+        sub = sub[0] if isinstance(sub, list) and sub else sub
+        if isinstance(sub, dict):
+            return dtype(sub)
     if isinstance(_meta(data).get("dtype"), str):  # (a mask artifact: the dtype it was searched in)
         return _meta(data)["dtype"]
     return "not recorded"
@@ -566,6 +585,203 @@ def dimr_ratios(sources: list[dict]) -> list[str]:
     return [*_header(["ratio", "searched", "evenly spaced", f"best of {len(randoms)} random"]), *map(_row, rows)]
 
 
+# ------------------------------------------------------------------ weight quantization (`--suite quant`)
+
+
+def _part(data: dict, key: str) -> list[dict]:
+    """A quant part's records: a `viasd bench --suite quant` results.json holds them under `key`
+    (``gguf``: a list, one per model); a committed per-part file is its own record."""
+    if key in data or "parts" in data:
+        value = data.get(key) or []
+        return value if isinstance(value, list) else [value]
+    return [data]
+
+
+def _gb(n: int | None) -> str:
+    return "-" if not n else f"{n / 1e9:.2f}"
+
+
+def quant_gguf(sources: list[dict]) -> list[str]:
+    """Built-in models' quantized linears against their GGUF files' own dequantized values."""
+    checks = [c for data in sources for c in _part(data, "gguf")]
+    dtypes = sorted({c["dtype"] for c in checks})
+    lines = _header(
+        [
+            "model",
+            "GGUF type",
+            "tensors",
+            "served as",
+            "max abs error of the weights",
+            "over the int8 step",
+            f"in the kernel, {' / '.join(dtypes)}: max abs (of the row's max)",
+            "loaded weight equal",
+        ],
+        right=4,
+    )
+    for c in checks:
+        for gtype, e in c["by_gguf_type"].items():
+            int8 = any(m.startswith("int8") for m in e["mapped_to"])
+            lines.append(
+                _row(
+                    [
+                        f"`{c['model']}`",
+                        gtype,
+                        str(e["tensors"]),
+                        "; ".join(e["mapped_to"]),
+                        "0" if e["max_abs_error"] == 0 else f"{e['max_abs_error']:.4f}",
+                        f"{e['max_error_over_step']:.2f}" if int8 else "-",
+                        f"{e['kernel_max_abs_error']:.4f} ({e['kernel_max_rel_error']:.2%})",
+                        "yes" if e["loaded_equal"] else "NO",
+                    ]
+                )
+            )
+    lines += [
+        "",
+        f"Mapping `{'` / `'.join(sorted({c['scheme'] for c in checks}))}`. "
+        + " ".join(
+            f"[`{p}`]({p.removeprefix('docs/')}): `{_meta(d).get('command')}`; commit `{commit(d)}`; "
+            f"CPU capability `{capability(d)}`."
+            for p, d in zip(QUANT_GGUF[1:], sources[1:])
+        ),
+    ]
+    return lines
+
+
+#: the kernels of the short table, and the row counts shown
+QUANT_KERNELS = {
+    "bf16": "bf16",
+    "bf16_packed": "bf16 packed",
+    "int8": "int8",
+    "int4_g32": "int4 g32",
+    "int4_g128": "int4 g128",
+    "torchao_int8": "torchao int8",
+    "torchao_int4_g32": "torchao int4 g32",
+}
+QUANT_ROWS = (1, 4, 16)
+QUANT_SHAPES = {
+    "q_o_proj": "q / o",
+    "k_v_proj": "k / v",
+    "gate_up_proj": "gate / up",
+    "down_proj": "down",
+    "lm_head": "lm_head",
+}
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return f"{ms:.3f}" if ms < 10 else f"{ms:.2f}" if ms < 100 else f"{ms:.1f}"
+
+
+def _times(results: list[dict], kernel: str) -> str:
+    """min-max over every (shape, M) of a kernel's best time over bf16's."""
+    r = [x["kernels"][kernel]["best_s"] / x["kernels"]["bf16"]["best_s"] for x in results if kernel in x["kernels"]]
+    return f"{min(r):.1f}-{max(r):.1f}" if r else "-"
+
+
+def quant_kernels(sources: list[dict]) -> list[str]:
+    """Quantized matmul kernels against bf16: best milliseconds at a few row counts."""
+    rec = _part(sources[0], "kernels")[0]
+    results = rec["results"]
+    kernels = [k for k in QUANT_KERNELS if any(k in x["kernels"] for x in results)]
+    lines = _header(["shape (K -> N)", "M", *(QUANT_KERNELS[k] for k in kernels)], right=len(kernels) + 1)
+    shape = None
+    for x in results:
+        if x["M"] not in QUANT_ROWS:
+            continue
+        name = "" if x["shape"] == shape else f"{QUANT_SHAPES.get(x['shape'], x['shape'])} {x['K']} -> {x['N']}"
+        shape = x["shape"]
+        lines.append(
+            _row([name, str(x["M"]), *(_ms(x["kernels"][k]["best_s"]) if k in x["kernels"] else "-" for k in kernels)])
+        )
+    ao = rec.get("torchao") or {}
+    rows = sorted({x["M"] for x in results})
+    lines += [
+        "",
+        f"Best of the interleaved rounds, milliseconds, {rec.get('activations')} activations, "
+        f"{rec.get('cores')} cores ({rec.get('cpu_model')}), torch {rec.get('torch')}, "
+        + (f"torchao {ao['version']}" if ao.get("available") else "torchao not installed")
+        + f". Over every shape and M of the file ({', '.join(map(str, rows))}): the int4 weight dequantized at "
+        f"every call (`int4_dequant_g32`) takes {_times(results, 'int4_dequant_g32')} times a bf16 product; "
+        f"the int8 weight widened a slice at a time (`int8_chunked`), {_times(results, 'int8_chunked')} times.",
+    ]
+    return lines
+
+
+def quant_e2e(sources: list[dict]) -> list[str]:
+    """Greedy decoding on the embedded pair per weight quantization, one process each."""
+    rec = _part(sources[0], "e2e")[0]
+    runs = rec["runs"]
+    base = next((r for r in runs if r["quantization"] == "none"), None)
+
+    def vs(r: dict, key: str, per_token: bool) -> str:
+        if base is None or r is base:
+            return ""
+        x = base[key] / r[key] if per_token else r[key] / base[key]
+        return f" ({x:.2f}x)"
+
+    lines = _header(
+        [
+            "quantization",
+            "load (s)",
+            "`ar`, batch 1 (ms a token)",
+            "`sd`, batch 1 (ms a token)",
+            "`sd` tokens equal to `ar`'s",
+            "`ar`, 16 requests (tokens/s)",
+            "verifier GB: integers / dense copies",
+        ],
+        right=6,
+    )
+    for r in runs:
+        rt = r.get("runtime") or {}
+        quant = rt.get("quantization") or []
+        if quant:
+            v = quant[0]
+            how = f"{v['quantization']}: `{v['quantization_reason']}`"
+            mem = f"{_gb(v.get('bytes'))} / {_gb(v.get('dense_bytes'))}"
+        else:
+            how = f"{rt.get('dtype')}, `{rt.get('linear_method')}`"
+            mem = "-"
+        lines.append(
+            _row(
+                [
+                    f"{r['quantization']} ({how})",
+                    f"{r['load_s']:.1f}",
+                    f"{r['ar_1_s_per_token'] * 1e3:.1f}{vs(r, 'ar_1_s_per_token', True)}",
+                    f"{r['sd_1_s_per_token'] * 1e3:.1f}{vs(r, 'sd_1_s_per_token', True)}",
+                    f"{r['sd_agrees_with_ar']:.0%}",
+                    f"{r['ar_16_tokens_per_s']:.1f}{vs(r, 'ar_16_tokens_per_s', False)}",
+                    mem,
+                ]
+            )
+        )
+    extra = base and (base.get("runtime") or {}).get("linear_extra_bytes")
+    lines += [
+        "",
+        f"n = {rec['tokens']} tokens, best of {rec['repeats']}; in brackets, against `none`. "
+        + (f"`none` holds {_gb(extra)} GB of prepacked copies (both models). " if extra else "")
+        + "The runtime info (`quantization`) of each run is in the file.",
+    ]
+    return lines
+
+
+def quant_markdown(record: dict) -> str:
+    """results.md of `viasd bench --suite quant`: the tables of the parts it ran."""
+    out = [f"Command: `{record.get('command')}`; commit `{commit(record)}`; CPU capability `{capability(record)}`."]
+    for key, title, render_ in (
+        ("kernels", "Kernels", quant_kernels),
+        ("gguf", "GGUF mapping", lambda s: quant_gguf(s)[:-2]),
+        ("e2e", "End to end", quant_e2e),
+    ):
+        if record.get(key):
+            out += ["", f"### {title}", "", *render_([record])]
+    return "\n".join(out) + "\n"
+
+
+QUANT = "docs/benchmarks/cpu/quant/"
+QUANT_GGUF = tuple(
+    f"{QUANT}gguf-check-{m}.json" for m in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
+)
+
 SPEED = "docs/benchmarks/cpu/gates-speed/results.json"
 
 TABLES: dict[str, Table] = {
@@ -584,6 +800,9 @@ TABLES: dict[str, Table] = {
             ("docs/dimr-compare.json", "viasd/masks/qwen2.5-coder-1.5b-instruct-r0.25.json"),
             dimr_ratios,
         ),
+        Table("quant-gguf", QUANT_GGUF, quant_gguf),
+        Table("quant-kernels", (f"{QUANT}kernels.json",), quant_kernels),
+        Table("quant-e2e", (f"{QUANT}e2e.json",), quant_e2e),
     )
 }
 
