@@ -456,7 +456,7 @@ def _probe_file(cache_dir, key: tuple, rows: tuple[int, ...]):
         "rows": list(rows),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "bf16_flags": sorted(cpu_bf16_flags()),
-        "cpu": _cpu_model() or platform.machine(),
+        "cpu": cpu_model() or platform.machine(),
         "llc": last_level_cache_bytes(),
         "torch": torch.__version__,
         "method": PROBE_METHOD,
@@ -465,7 +465,8 @@ def _probe_file(cache_dir, key: tuple, rows: tuple[int, ...]):
     return Path(cache_dir) / f"probe-{digest}.json", full
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), None where there is none."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

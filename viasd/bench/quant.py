@@ -187,6 +187,8 @@ def run_kernels(rows: list[int], shapes: list[str], budget_s: float) -> dict:
     """The kernels part: every kernel at every (shape, M)."""
     import torch
 
+    from viasd.quant import cpu_model
+
     torchao: dict = {"available": False}
     try:
         import torchao as ao
@@ -211,24 +213,13 @@ def run_kernels(rows: list[int], shapes: list[str], budget_s: float) -> dict:
         "torchao": torchao,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cores": os.cpu_count(),
         "threads": torch.get_num_threads(),
         "activations": "bfloat16",
         "budget_s": budget_s,
         "results": results,
     }
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 # ------------------------------------------------------------------ gguf
