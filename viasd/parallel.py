@@ -414,23 +414,19 @@ def read_shard(model_dir, group: TPGroup, dtype: torch.dtype) -> nn.Module:
     vocabulary divides) or columns (row parallel), straight to the rank's device, so no rank holds
     more than its shards plus the replicated embeddings and norms.
     """
-    import json
     from pathlib import Path
 
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from viasd.models.loader import weight_map
+
     model_dir = Path(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     check_shardable(config, group.world_size)
-    index = model_dir / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.exists() else None
-    if files is None:
-        single = model_dir / "model.safetensors"
-        if not single.exists():
-            raise InvalidParameterError("verifier", f"{model_dir}: no safetensors checkpoint to load shards from")
-        with safe_open(single, framework="pt") as f:
-            files = dict.fromkeys(f.keys(), single.name)
+    files = weight_map(model_dir)
+    if not files:
+        raise InvalidParameterError("verifier", f"{model_dir}: no safetensors checkpoint to load shards from")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     plan = _plan_styles()  # suffix -> Colwise/Rowwise

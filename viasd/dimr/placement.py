@@ -23,10 +23,8 @@ host never holds the model, only one tensor at a time.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -207,20 +205,6 @@ def _cuda_free(devices: Sequence[torch.device]) -> dict[str, int]:
     return {str(d): torch.cuda.mem_get_info(d)[0] for d in dict.fromkeys(devices) if d.type == "cuda"}
 
 
-def _weight_map(path: Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name of a checkpoint directory."""
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    out: dict[str, str] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            out.update(dict.fromkeys(f.keys(), file.name))
-    return out
-
-
 def load_placed(
     spec: str,
     devices: Sequence[torch.device],
@@ -243,13 +227,13 @@ def load_placed(
     from transformers import AutoModelForCausalLM
 
     from viasd.models.embedded import concrete_dtype, torch_dtype
-    from viasd.models.loader import _checked_dir, _tokenizer_at
+    from viasd.models.loader import _checked_dir, _tokenizer_at, weight_map
 
     devices = tuple(devices)
     dt = torch_dtype(concrete_dtype(dtype, str(devices[0])))
     path, config = _checked_dir(spec, dt, trust_remote_code)
     try:
-        files = _weight_map(path)
+        files = weight_map(path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(
                 config, dtype=dt, attn_implementation="sdpa", trust_remote_code=trust_remote_code

@@ -27,6 +27,7 @@ __all__ = [
     "load_tokenizer",
     "model_fingerprint",
     "resolve_model_dir",
+    "weight_map",
     "weights_fingerprint",
 ]
 
@@ -221,6 +222,22 @@ def weights_fingerprint(model: PreTrainedModel) -> str:
     on the bf16 weights holds for their float32 load (`dtype: auto` picks float32 where bf16 is
     emulated), while other weights give another fingerprint."""
     return _fingerprint(model, as_bf16=True)
+
+
+def weight_map(model_dir: str | Path) -> dict[str, str]:
+    """Tensor name -> the safetensors file (its name in `model_dir`) that holds it: the index's
+    `weight_map`, else every *.safetensors file's keys; {} when there is no safetensors file."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        return json.loads(index.read_text())["weight_map"]
+    out: dict[str, str] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            out.update(dict.fromkeys(f.keys(), file.name))
+    return out
 
 
 def checkpoint_fingerprint(model_dir: str | Path) -> str:
