@@ -23,6 +23,13 @@ Random-weight models of real shapes (no downloads, no Ray), built on the device:
    cold (the files dropped from the page cache) and warm: seconds, the bytes it holds against
    the checkpoint's, its peak host memory above the start and the device's peak allocation;
    the seconds for all 80 layers extrapolated by bytes.
+5. ``fp8``: the linears of one LLaMA2-70B layer as a tensor-parallel rank of 8 holds them (q / k / v
+   / o, gate / up / down slices; and the whole gate projection, 8192 -> 28672), in bf16 against
+   fp8 (``viasd.quant``'s ``Fp8Linear``: float8_e4m3fn weights with a scale per output channel,
+   activations quantized per token, ``torch._scaled_mm``) at 1 to 512 rows: median seconds by CUDA
+   events, the fp8 output's largest deviation from the bf16 weights' float32 product (relative to
+   that product's largest value), and the bytes each holds. On a device below compute capability
+   8.9 the section records why it did not run.
 
 Every section checks the time left (``--budget-s``) and records ``"skipped": "time budget"``
 rather than overrun; one that raises records its error and the next one runs. The JSON goes to
@@ -150,6 +157,9 @@ class Plan:
     shard_shape: Shape  # shard_load: the checkpoint's shapes (its `layers` are the model's; `shard_layers` are written)
     shard_layers: int
     shard_tp: int
+    fp8_shape: Shape  # fp8: the layer whose linears (as rank 0 of fp8_tp holds them) are timed
+    fp8_tp: int
+    fp8_rows: tuple[int, ...]
 
 
 FULL = Plan(
@@ -169,6 +179,9 @@ FULL = Plan(
     shard_shape=LLAMA2_70B,
     shard_layers=2,
     shard_tp=8,
+    fp8_shape=LLAMA2_70B,
+    fp8_tp=8,
+    fp8_rows=(1, 8, 32, 64, 512),
 )
 TINY = Plan(
     exact_pair=TINY_QWEN_PAIR,
@@ -187,6 +200,9 @@ TINY = Plan(
     shard_shape=Shape(64, 80, 8, 8, 256, 512, 1e4),
     shard_layers=2,
     shard_tp=8,
+    fp8_shape=Shape(256, 2, 8, 8, 512, 512, 1e4),
+    fp8_tp=2,
+    fp8_rows=(1, 4),
 )
 
 
@@ -790,6 +806,77 @@ def shard_load(plan: Plan, device: str) -> dict:
     return rec
 
 
+def event_seconds(fn, *, reps: int, warmup: int, device: str) -> float:
+    """Median seconds of `fn()` over `reps` calls after `warmup`: CUDA events around each call on
+    a GPU (device time, no host sync inside the timing), wall time elsewhere."""
+    if not device.startswith("cuda"):
+        return median_seconds(fn, reps=reps, warmup=warmup, device=device)
+    for _ in range(warmup):
+        fn()
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in pairs:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) / 1e3 for start, end in pairs)
+
+
+def fp8_linears(shape: Shape, tp: int) -> dict[str, tuple[int, int]]:
+    """One decoder layer's linears as rank 0 of `tp` holds them, name -> (N, K), and the whole
+    gate projection."""
+    head_dim = shape.hidden // shape.heads
+    kv = shape.kv_heads * head_dim
+    return {
+        f"q_proj/{tp}": (shape.hidden // tp, shape.hidden),
+        f"k_proj/{tp}": (max(kv // tp, head_dim), shape.hidden),
+        f"o_proj/{tp}": (shape.hidden, shape.hidden // tp),
+        f"gate_proj/{tp}": (shape.intermediate // tp, shape.hidden),
+        f"down_proj/{tp}": (shape.hidden, shape.intermediate // tp),
+        "gate_proj": (shape.intermediate, shape.hidden),
+    }
+
+
+def fp8(plan: Plan, device: str) -> dict:
+    """bf16 against fp8 linears of one layer (section 5 of the module docstring)."""
+    from viasd.quant import FP8_CAPABILITY, fp8_linear_class, quantize_fp8
+
+    if device.startswith("cuda"):
+        capability = torch.cuda.get_device_capability(torch.device(device))
+        if capability < FP8_CAPABILITY:
+            return {"skipped": f"compute capability {capability[0]}.{capability[1]} < 8.9: no fp8 _scaled_mm"}
+    g = torch.Generator(device=device).manual_seed(0)
+    rec = {
+        "shape": asdict(plan.fp8_shape),
+        "tp": plan.fp8_tp,
+        "kernel": "torch._scaled_mm, row-wise scales",
+        "linears": {},
+    }
+    for name, (n, k) in fp8_linears(plan.fp8_shape, plan.fp8_tp).items():
+        w = (torch.randn(n, k, generator=g, device=device) / math.sqrt(k)).to(torch.bfloat16)  # [N, K]
+        mod = fp8_linear_class()(quantize_fp8(w), None)
+        lin = {"n": n, "k": k, "bf16_bytes": w.numel() * 2, "fp8_bytes": mod.qweight.numel() + 4 * n, "rows": {}}
+        for m in plan.fp8_rows:
+            x = torch.randn(m, k, generator=g, device=device).to(torch.bfloat16)  # [M, K]
+            ref = x.float() @ w.float().t()  # [M, N]
+            with torch.no_grad():
+                y = mod(x)
+                bf16_s = event_seconds(
+                    lambda: torch.nn.functional.linear(x, w), reps=plan.reps, warmup=plan.warmup, device=device
+                )
+                fp8_s = event_seconds(lambda: mod(x), reps=plan.reps, warmup=plan.warmup, device=device)
+            lin["rows"][str(m)] = {
+                "bf16_seconds": bf16_s,
+                "fp8_seconds": fp8_s,
+                "speedup": bf16_s / fp8_s,
+                "rel_err": ((y.float() - ref).abs().max() / ref.abs().max()).item(),
+            }
+        rec["linears"][name] = lin
+        w = mod = None  # (freed before the next linear)
+        free_memory(device)
+    return rec
+
+
 def rounded(value):
     """Floats to 4 significant digits, all the way down (measurements, not identities)."""
     if isinstance(value, float):
@@ -856,6 +943,10 @@ def run(args) -> dict:
         doc["shard_load"] = guarded("shard_load", lambda: shard_load(plan, device)) if budget.has(60) else SKIPPED
         free_memory(device)
         save()
+    if "fp8" in sections:
+        doc["fp8"] = guarded("fp8", lambda: fp8(plan, device)) if budget.has(30 if not args.tiny else 5) else SKIPPED
+        free_memory(device)
+        save()
     doc["environment"]["wall_seconds"] = round(budget.elapsed(), 2)
     save()
     return doc
@@ -868,7 +959,7 @@ def main() -> int:
     ap.add_argument("--out", help="also write the JSON document here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall seconds the sections may take")
     ap.add_argument("--hbm-gbps", type=float, default=H200_HBM_GBPS, help="HBM bandwidth for the roofline, GB/s")
-    ap.add_argument("--sections", default="exactness,host_reads,throughput,shard_load", help="comma-separated")
+    ap.add_argument("--sections", default="exactness,host_reads,throughput,shard_load,fp8", help="comma-separated")
     ap.add_argument("--commit", help="the commit of this tree, recorded where it has no .git (device copies)")
     args = ap.parse_args()
     args.plan = TINY if args.tiny else FULL

@@ -60,6 +60,7 @@ __all__ = [
     "shard_model",
     "load_shard",
     "read_shard",
+    "quantize_shard",
     "shutdown_tp",
     "check_shardable",
     "free_port",
@@ -480,6 +481,98 @@ def _plan_styles() -> dict[str, str]:
 def _head_sharded(model: nn.Module, group: TPGroup) -> bool:
     """Whether the head is split by rows (the vocabulary divides the world size) or replicated."""
     return group.world_size > 1 and model.lm_head.out_features % group.world_size == 0
+
+
+# ------------------------------------------------------------------------ quantized shards
+
+
+def quantize_shard(model: nn.Module, scheme: str, group: TPGroup, *, int4_group: int | None = None, **kw):
+    """Quantize this rank's slices of a model sharded by the torch backend (`load_shard`,
+    `shard_model`) with `scheme` (`int8`, `int4`, `fp8`; `viasd.quant.quantize_model`, whose keywords
+    `kw` passes on), so that the ranks together compute what the unsharded model quantized by the
+    same scheme computes: every rank's integers and scales are the slices of the unsharded ones.
+
+    * Column-parallel slices (q/k/v, gate/up, a split head) hold whole output channels and every
+      input: quantized here, they are the unsharded quantization's rows.
+    * Row-parallel slices (o_proj, down_proj) hold K / W inputs of every channel. int8's scale is
+      a channel's max |W| over all K (fp8's too): each rank's maxima go through one all-reduce (MAX) over the
+      group before any rank quantizes. int4's groups run along K: a slice must start and end on a
+      group boundary (K / W a multiple of the group), else `InvalidParameterError` (`quantization`).
+    * int4 takes a linear whose N is a multiple of 16: a linear the unsharded model quantizes must
+      keep that in its slice, else the same error (a rank cannot run what the others run).
+    * A head tied to the embeddings stays dense, as unsharded; fp8 keeps every head dense.
+
+    Collectives installed on a projection (its forward hooks) move to its quantized module. Every
+    rank calls this at once. Returns the `viasd.quant.QuantReport`.
+    """
+    import torch.distributed as dist
+
+    from viasd.quant import INT4_GROUP, quantize_fp8, quantize_int8, quantize_model
+
+    if scheme not in ("int8", "int4", "fp8"):
+        raise InvalidParameterError(
+            "quantization", f"a tensor-parallel rank quantizes int8 or int4 or fp8, not {scheme!r}"
+        )
+    g = int4_group or INT4_GROUP
+    world = group.world_size
+    rows = {
+        f"model.layers.{i}.{suffix}"
+        for i in range(len(model.model.layers))
+        for suffix, style in _plan_styles().items()
+        if style == "RowwiseParallel"
+    }
+    cols = {
+        f"model.layers.{i}.{suffix}"
+        for i in range(len(model.model.layers))
+        for suffix, style in _plan_styles().items()
+        if style == "ColwiseParallel"
+    }
+    vocab = model.lm_head.out_features  # (the full vocabulary: a split head's module keeps it)
+    head_split = world > 1 and tuple(model.lm_head.weight.shape)[0] * world == vocab
+    if head_split:
+        cols.add("lm_head")
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if scheme == "int4":
+        for name in sorted(rows | cols):
+            if name == "lm_head" and tied:
+                continue
+            n, k = model.get_submodule(name).weight.shape  # this rank's [N, K]
+            full_n, full_k = (n, k * world) if name in rows else (n * world, k)
+            if full_k % g or full_n % 16:
+                continue  # unsharded, int4 skips it too
+            if k % g or n % 16:
+                raise InvalidParameterError(
+                    "quantization",
+                    f"int4 at tensor-parallel size {world}: {name} is [{full_n}, {full_k}], a rank's slice "
+                    f"[{n}, {k}]; a slice must hold whole groups of {g} inputs and a multiple of 16 outputs",
+                )
+    absmax: dict[str, torch.Tensor] = {}
+    if scheme in ("int8", "fp8") and world > 1:  # the row-parallel channels' max |W| over all K: one all-reduce
+        names = sorted(rows)
+        local = [model.get_submodule(name).weight.detach().abs().amax(1).float() for name in names]  # [N] each
+        flat = torch.cat(local)  # [sum N]
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        absmax = dict(zip(names, flat.split([t.numel() for t in local])))
+
+    def weights(name, linear):
+        if scheme == "int8":
+            return quantize_int8(linear.weight, absmax.get(name))
+        n, k = linear.weight.shape
+        return None if n % 16 or k % 16 else quantize_fp8(linear.weight, absmax.get(name))  # (None: skipped)
+
+    report = quantize_model(
+        model,
+        scheme,
+        group=g,
+        include_lm_head=scheme != "fp8" and not (tied and head_split),
+        weights=None if scheme == "int4" else weights,
+        **kw,
+    )
+    if tied and head_split and scheme != "fp8":
+        report.skipped["lm_head"] = "tied to the input embeddings"
+    if head_split and hasattr(model.lm_head, "kernel_name"):
+        model.lm_head.out_features = vocab  # (the logits after its all-gather: MaskedLM's vocab_size)
+    return report
 
 
 # ------------------------------------------------------------------------ deepspeed backend

@@ -1,4 +1,8 @@
-"""Weight-only quantized linears: int8 per output channel, int4 group-wise, on CPU.
+"""Quantized linears: weight-only int8 per output channel and int4 group-wise on CPU; fp8 on CUDA.
+
+(fp8, :class:`Fp8Linear`: float8_e4m3fn weights with a scale per output channel and activations
+quantized per token as they run, ``torch._scaled_mm``; compute capability 8.9 or more. The rest of
+this docstring is about the CPU kernels.)
 
 A decoding step of one request reads every weight of the model once: at batch 1 it runs at the
 speed weights come from memory, and only fewer bytes per weight make it faster. A quantized
@@ -66,17 +70,19 @@ __all__ = [
     "QuantizedWeight",
     "kernel_dtypes",
     "probe_dense_from",
+    "quantize_fp8",
     "quantize_int4",
     "quantize_int8",
     "quantize_model",
     "engine_linears",
+    "fp8_linear_class",
     "quantized_linear",
     "quantized_linear_class",
     "resolve_quantization",
 ]
 
 #: What ``EngineConfig.quantization`` may name.
-SCHEMES = ("none", "int8", "int4", "auto")
+SCHEMES = ("none", "int8", "int4", "fp8", "auto")
 #: Inputs per int4 group by default: GGUF Q4_K's sub-block.
 INT4_GROUP = 32
 #: Group sizes the CPU int4 kernel takes.
@@ -109,6 +115,7 @@ class QuantizedWeight:
     ``scheme`` ``int8``: ``q`` int8 ``[N, K]``, ``scale`` float32 ``[N]``, ``W = q * scale[:, None]``.
     ``scheme`` ``int4``: ``q`` uint8 ``[N, K]`` (one value 0..15 a byte), ``scale`` and ``min``
     float32 ``[N, K / group]``, ``W[n, k] = q[n, k] * scale[n, k // group] + min[n, k // group]``.
+    ``scheme`` ``fp8``: ``q`` float8_e4m3fn ``[N, K]``, ``scale`` float32 ``[N]``, ``W = q * scale[:, None]``.
     """
 
     scheme: str
@@ -126,7 +133,7 @@ class QuantizedWeight:
         """``W`` ``[N, K]``, computed in float32 (``dtype``: then cast; default float32)."""
         import torch
 
-        if self.scheme == "int8":
+        if self.scheme in ("int8", "fp8"):
             w = self.q.float() * self.scale[:, None]  # [N, K]
         else:
             n, k = self.shape
@@ -138,19 +145,44 @@ class QuantizedWeight:
         """Bytes the kernels hold: the integers (int4: two a byte) and the scales (and zeros) in
         an activation dtype of ``dtype_bytes``."""
         n, k = self.shape
+        if self.scheme == "fp8":
+            return n * k + n * 4  # (float32 scales)
         if self.scheme == "int8":
             return n * k + n * dtype_bytes
         return n * k // 2 + 2 * self.scale.numel() * dtype_bytes
 
 
-def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
-    """Symmetric per-channel int8 of ``w`` ``[N, K]``: ``s = max|w| / 127`` a row, ``q = round(w / s)``."""
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantizedWeight:
+    """Symmetric per-channel int8 of ``w`` ``[N, K]``: ``s = max|w| / 127`` a row, ``q = round(w / s)``.
+
+    ``absmax`` ``[N]``: each row's ``max|W|`` over the whole weight when ``w`` is a slice of its
+    inputs (a row-parallel tensor-parallel shard), so that the slice gets the unsliced weight's scales.
+    """
     import torch
 
     wf = w.detach().float()  # [N, K]
-    scale = (wf.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+    amax = wf.abs().amax(1) if absmax is None else absmax.float()  # [N]
+    scale = (amax / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
     q = torch.round(wf / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight("int8", q, scale)
+
+
+#: The largest float8_e4m3fn value: a channel's max |W| maps to it.
+FP8_MAX = 448.0
+
+
+def quantize_fp8(w: torch.Tensor, absmax: torch.Tensor | None = None) -> QuantizedWeight:
+    """float8_e4m3fn of ``w`` ``[N, K]`` per output channel: ``s = max|w| / 448`` a row,
+    ``q = fp8(w / s)`` rounded to nearest (3 mantissa bits: ``|W - W_q| <= 2^-4 |W| + 2^-10 s``,
+    the second term where ``w / s`` falls among fp8's subnormals, below 2^-6). ``absmax`` ``[N]``:
+    the rows' max |W| over the whole weight when ``w`` is a slice of its inputs (as ``quantize_int8``)."""
+    import torch
+
+    wf = w.detach().float()  # [N, K]
+    amax = wf.abs().amax(1) if absmax is None else absmax.float()  # [N]
+    scale = (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+    q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight("fp8", q, scale)
 
 
 def quantize_int4(w: torch.Tensor, group: int = INT4_GROUP) -> QuantizedWeight:
@@ -272,7 +304,7 @@ def _quantized_linear_class():
                 y = self.int_matmul(x2.to(self.dtype)).to(x.dtype)
             else:
                 y = self.int_matmul(x2.contiguous())
-            y = y.reshape(*x.shape[:-1], self.out_features)
+            y = y.reshape(*x.shape[:-1], -1)  # [..., N] (out_features may name a gathered head's N)
             return y if self.bias is None else y + self.bias
 
         @property
@@ -297,9 +329,67 @@ def quantized_linear_class():
     return _quantized_linear_class()
 
 
+def _fp8_linear_class():
+    import torch
+    from torch import nn
+
+    class Fp8Linear(nn.Module):
+        """An ``nn.Linear`` with its weight in float8_e4m3fn and a scale per output channel, run by
+        ``torch._scaled_mm`` (CUDA, compute capability 8.9 or more; also on CPU in recent torch).
+
+        ``qweight`` float8_e4m3fn ``[N, K]`` row-major: its transpose is the column-major ``[K, N]``
+        operand ``_scaled_mm`` takes; ``wscale`` float32 ``[1, N]``. Each call quantizes its
+        activations dynamically, one scale per row (token): ``x_q = fp8(x / a)``, ``a = max|x| / 448``
+        a row, ``[M, 1]``; then ``y = (x_q @ q^T) * a * s`` in one kernel. Per-token, not one scale
+        for the tensor: a per-channel weight scale is ``_scaled_mm``'s row-wise mode, which takes a
+        row-wise activation scale, needs no calibration, and keeps one outlier token from flattening
+        the others. Outputs in bfloat16 (what the row-wise kernel writes everywhere), then in the
+        activations' dtype; ``bias`` (the original parameter) is added after. K and N must be
+        multiples of 16.
+        """
+
+        def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None):
+            super().__init__()
+            if qw.scheme != "fp8":
+                raise ValueError(f"Fp8Linear takes an fp8 weight, not {qw.scheme!r}")
+            self.out_features, self.in_features = qw.shape
+            if self.out_features % 16 or self.in_features % 16:
+                raise ValueError(f"fp8 kernel: K and N multiples of 16, not {qw.shape}")
+            self.scheme, self.group = "fp8", None
+            self.bias = bias
+            self.register_buffer("qweight", qw.q.contiguous(), persistent=False)  # [N, K] float8_e4m3fn
+            self.register_buffer("wscale", qw.scale.float().reshape(1, -1).contiguous(), persistent=False)  # [1, N]
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
+            x2 = x.reshape(-1, self.in_features)  # [M, K]
+            amax = x2.abs().amax(1, keepdim=True).float()  # [M, 1]
+            ascale = (amax / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)  # [M, 1]
+            xq = (x2.float() / ascale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [M, K] row-major
+            y = torch._scaled_mm(xq, self.qweight.t(), ascale, self.wscale, out_dtype=torch.bfloat16)  # [M, N]
+            y = y.to(x.dtype).reshape(*x.shape[:-1], -1)
+            return y if self.bias is None else y + self.bias
+
+        @property
+        def kernel_name(self) -> str:
+            return "fp8"
+
+        def extra_repr(self) -> str:
+            return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, scheme=fp8"
+
+    return Fp8Linear
+
+
+@functools.cache
+def fp8_linear_class():
+    """The :class:`Fp8Linear` class (built on first use: torch is imported lazily)."""
+    return _fp8_linear_class()
+
+
 def __getattr__(name: str):
     if name == "QuantizedLinear":
         return quantized_linear_class()
+    if name == "Fp8Linear":
+        return fp8_linear_class()
     raise AttributeError(name)
 
 
@@ -595,7 +685,9 @@ def quantize_model(
 ) -> QuantReport:
     """Replace the ``nn.Linear`` modules of ``model``'s decoder layers (and its LM head, unless
     ``include_lm_head`` is off or it is tied to the embeddings) by :class:`QuantizedLinear`, in
-    place, on CPU. ``scheme``: ``int8`` or ``int4`` (``group`` inputs a group).
+    place, on CPU. ``scheme``: ``int8`` or ``int4`` (``group`` inputs a group); or ``fp8``:
+    :class:`Fp8Linear` modules wherever the weights are (the engine asks for it on CUDA only; no
+    dense copies: one kernel runs every row count; K and N multiples of 16).
 
     ``weights(name, linear)``: the quantized weight of a linear from elsewhere (a GGUF file's own
     blocks, :mod:`viasd.quant_gguf`), or None to quantize it here by ``scheme``.
@@ -612,8 +704,8 @@ def quantize_model(
 
     from viasd.precision import cpu_memory
 
-    if scheme not in ("int8", "int4"):
-        raise ValueError(f"quantize_model: scheme must be int8 or int4, got {scheme!r}")
+    if scheme not in ("int8", "int4", "fp8"):
+        raise ValueError(f"quantize_model: scheme must be int8 or int4 (CPU) or fp8, got {scheme!r}")
     t0 = time.perf_counter()
     report = QuantReport(scheme, group if scheme == "int4" else None)
     free, total = cpu_memory()
@@ -621,7 +713,7 @@ def quantize_model(
     threads = torch.get_num_threads()
     for name, lin in _targets(model, include_lm_head, report):
         w = lin.weight
-        if w.device.type != "cpu":
+        if w.device.type != "cpu" and scheme != "fp8":
             report.skipped[name] = f"weight on {w.device}: the integer kernels run on CPU"
             continue
         if w.dtype not in kernel_dtypes():
@@ -633,13 +725,19 @@ def quantize_model(
             if scheme == "int4" and (k % group or n % 16):
                 report.skipped[name] = f"int4: K={k} not a multiple of {group} or N={n} not of 16"
                 continue
-            qw = quantize_int8(w) if scheme == "int8" else quantize_int4(w, group)
+            if scheme == "fp8" and (k % 16 or n % 16):
+                report.skipped[name] = f"fp8: K={k} or N={n} not a multiple of 16"
+                continue
+            qw = {"int8": quantize_int8, "fp8": quantize_fp8}.get(scheme, lambda w: quantize_int4(w, group))(w)
             if weights is not None:
                 qw.source = "quantized at load (no source tensor matched the loaded weight)"
         with torch.no_grad():
-            mod = quantized_linear_class()(qw, lin.bias, w.dtype)
+            if scheme == "fp8":
+                mod = fp8_linear_class()(qw, lin.bias)
+            else:
+                mod = quantized_linear_class()(qw, lin.bias, w.dtype)
         size, qw_source = qw.nbytes(w.element_size()), qw.source
-        if dense:
+        if dense and scheme != "fp8":  # (fp8's one kernel runs every row count)
             key = (qw.scheme, qw.group, k, n, w.dtype, threads)
             dense_bytes = n * k * w.element_size()
             from_rows, seconds = None, {}
@@ -655,6 +753,7 @@ def quantize_model(
             report.dense_from.setdefault(shape, from_rows)
             report.dense_bytes += mod.set_dense(_dense_of(qw, mod) if from_rows else None, from_rows)
         del qw
+        _carry_hooks(lin, mod)  # (a tensor-parallel shard's collectives)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, mod)
@@ -664,6 +763,22 @@ def quantize_model(
         report.replaced_bytes += w.numel() * w.element_size()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+def _carry_hooks(old, new) -> None:
+    """Give ``new`` the forward hooks of ``old``, the module it replaces (a tensor-parallel
+    projection's all-reduce or all-gather, viasd.parallel)."""
+    for attr in _HOOK_DICTS:
+        getattr(new, attr).update(getattr(old, attr))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -678,7 +793,8 @@ class QuantChoice:
     ``reason``: ``requested``, ``auto-int4`` (a built-in model, whose weights ship in 4 bits, on
     a CPU where the int4 kernel wins a one-row product), or why ``auto`` or the request is not
     applied (``auto-not-builtin``, ``auto-dtype``, ``auto-device``, ``auto-slower``, ``device``,
-    ``dtype``). ``probe_seconds``: ``auto``'s one-row probe."""
+    ``dtype``; on a tensor-parallel rank ``auto-tensor-parallel``, ``tensor-parallel-backend``:
+    :func:`engine_linears`). ``probe_seconds``: ``auto``'s one-row probe."""
 
     scheme: str
     requested: str
@@ -731,14 +847,19 @@ def resolve_quantization(requested: str, device: str, dtype: str, builtin: bool)
     where the int4 kernel's one-row product takes at most AUTO_MAX_RATIO of the dense kernel's
     (:func:`_auto_cpu`, once per process), else ``none``: other checkpoints are quantized only
     when asked, float32 and float64 are the exactness dtypes, and CUDA has no integer kernel
-    here."""
-    if requested not in SCHEMES:
-        from viasd.errors import InvalidParameterError
+    here. ``fp8`` is applied on a CUDA device of compute capability 8.9 or more in bfloat16 /
+    float16 / float32 and refused anywhere else (:class:`~viasd.errors.InvalidParameterError`
+    naming ``quantization``: never a silent fallback)."""
+    from viasd.errors import InvalidParameterError
 
+    if requested not in SCHEMES:
         raise InvalidParameterError("quantization", f"must be one of {', '.join(SCHEMES)}, got {requested!r}")
     kind = str(device).split(":", 1)[0]
     if requested == "none":
         return QuantChoice("none", requested, "requested")
+    if requested == "fp8":
+        _check_fp8(device, dtype)
+        return QuantChoice("fp8", requested, "requested")
     if requested != "auto":
         if kind != "cpu":
             return QuantChoice("none", requested, "device")
@@ -755,7 +876,37 @@ def resolve_quantization(requested: str, device: str, dtype: str, builtin: bool)
     return QuantChoice("int4" if wins else "none", requested, "auto-int4" if wins else "auto-slower", seconds)
 
 
-def engine_linears(model, config, device: str, spec: str | None, dtype: str):
+#: The compute capability from which CUDA runs ``torch._scaled_mm`` on fp8 (Ada, Hopper and later).
+FP8_CAPABILITY = (8, 9)
+
+
+def _check_fp8(device: str, dtype: str) -> None:
+    """Refuse ``quantization: fp8`` (InvalidParameterError naming the field) off a CUDA device of
+    compute capability FP8_CAPABILITY or more, or for a dtype other than bfloat16 / float16 / float32."""
+    import torch
+
+    from viasd.errors import InvalidParameterError
+
+    if str(device).split(":", 1)[0] != "cuda":
+        raise InvalidParameterError(
+            "quantization",
+            f"fp8 runs on CUDA devices (compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}), and this "
+            f"engine's device is {device}; on CPU use int8 or int4",
+        )
+    if not torch.cuda.is_available():
+        raise InvalidParameterError("quantization", f"fp8 needs a CUDA device, and torch sees none ({device})")
+    capability = torch.cuda.get_device_capability(torch.device(device))
+    if capability < FP8_CAPABILITY:
+        raise InvalidParameterError(
+            "quantization",
+            f"fp8 needs compute capability >= {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]}; {device} has "
+            f"{capability[0]}.{capability[1]}",
+        )
+    if dtype not in ("bfloat16", "float16", "float32"):
+        raise InvalidParameterError("quantization", f"fp8 takes bfloat16 / float16 / float32 activations, not {dtype}")
+
+
+def engine_linears(model, config, device: str, spec: str | None, dtype: str, *, tp=None, tp_backend: str = "torch"):
     """Prepare the linears of ``model`` (loaded from ``spec``, a built-in name or a directory, in
     ``dtype``) as an engine of ``config`` (an :class:`~viasd.config.EngineConfig`) runs them on
     ``device``: quantized by :func:`resolve_quantization` of ``config.quantization`` (a built-in
@@ -764,24 +915,45 @@ def engine_linears(model, config, device: str, spec: str | None, dtype: str):
     prepacked (:func:`viasd.precision.optimize_linears`, with ``packed_linears``). Returns the
     :class:`~viasd.precision.LinearReport`, its ``quantization`` the choice and what was done
     (None where none was asked for). Call it before :class:`~viasd.runtime.MaskedLM` takes the
-    modules, and after anything that checks the weights' fingerprint (a DIMR mask)."""
-    from viasd.models.embedded import BUILTIN_MODELS
+    modules, and after anything that checks the weights' fingerprint (a DIMR mask).
+
+    ``tp``: the :class:`~viasd.parallel.TPGroup` of a tensor-parallel rank whose model is sharded
+    (``tp_backend``). With the torch backend each rank quantizes its own slices
+    (:func:`viasd.parallel.quantize_shard`: the ranks together compute what the unsharded model
+    quantized alike computes) and its other linears keep their kernels; DeepSpeed's sharded
+    linears are not quantized (reason ``tensor-parallel-backend``), nor does ``auto`` quantize a
+    built-in model's ranks (``auto-tensor-parallel``: its GGUF blocks are not sliced)."""
+    from viasd.models.embedded import BUILTIN_MODELS, cache_root
+    from viasd.parallel import TPBackend, quantize_shard
     from viasd.precision import LinearReport, optimize_linears
 
-    choice = resolve_quantization(config.quantization, device, dtype, spec in BUILTIN_MODELS)
+    sharded = tp is not None and tp.world_size > 1
+    builtin = spec in BUILTIN_MODELS
+    choice = resolve_quantization(config.quantization, device, dtype, builtin)
+    if sharded and choice.scheme != "none" and TPBackend(tp_backend) != TPBackend.TORCH:
+        choice = QuantChoice("none", config.quantization, "tensor-parallel-backend")
+    elif sharded and choice.reason == "auto-int4":
+        choice = QuantChoice("none", config.quantization, "auto-tensor-parallel", choice.probe_seconds)
     done = None
-    if choice.scheme != "none":
+    if choice.scheme != "none" and sharded:
+        done = quantize_shard(
+            model, choice.scheme, tp, dense=config.packed_linears, probe_cache=cache_root() / "quant"
+        ).as_dict()
+    elif choice.scheme == "fp8":  # (the head stays in the model's dtype: the logits are not rounded to bf16)
+        done = quantize_model(model, "fp8", include_lm_head=False, dense=False).as_dict()
+    elif choice.scheme != "none":
         weights = None
-        if spec in BUILTIN_MODELS:  # served from its own GGUF quantization (viasd.quant_gguf)
+        if builtin:  # served from its own GGUF quantization (viasd.quant_gguf)
             from viasd.quant_gguf import cached_gguf, gguf_weights
 
             weights = gguf_weights(cached_gguf(spec), choice.scheme, model.config)
-        from viasd.models.embedded import cache_root
-
         done = quantize_model(
             model, choice.scheme, dense=config.packed_linears, weights=weights, probe_cache=cache_root() / "quant"
         ).as_dict()
-    linears = optimize_linears(model, dtype, device) if config.packed_linears else LinearReport("off")
+    if sharded:  # (a sharded projection's collectives are hooks on its module: not swapped for a packed one)
+        linears = LinearReport("off: sharded (its other linears keep their own kernels)")
+    else:
+        linears = optimize_linears(model, dtype, device) if config.packed_linears else LinearReport("off")
     if config.quantization != "none":
         linears.quantization = {**choice.as_dict(), **(done or {})}
     return linears

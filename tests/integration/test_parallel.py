@@ -534,3 +534,108 @@ def test_a_ranks_host_memory_while_loading_is_its_share_of_the_checkpoint(tmp_pa
         assert out["weights"] < 0.55 * checkpoint, (rank, out)
         assert out["peak"] <= checkpoint / WORLD + largest + 32 * 2**20, (rank, out, checkpoint)
         assert out["peak"] < 0.6 * checkpoint, (rank, out, checkpoint)
+
+
+# ------------------------------------------------------------------ quantized shards
+
+
+def _quantizable(intermediate: int = 128):
+    """A tiny random Qwen2 (q/k/v biases) whose every linear int4 takes, sharded at TP=2 too:
+    K = 64 / 128 (row-parallel slices 32 / 64, whole groups of 32), N = 64 / 32 / 128 / 96 (slices of
+    multiples of 16)."""
+    return tiny_model("qwen2", dtype=torch.float32, hidden=64, intermediate=intermediate)
+
+
+def _slice_of(full: torch.Tensor, name: str, group: TPGroup) -> torch.Tensor:
+    """This rank's part of an unsharded ``[N, K]`` weight: its columns (row parallel), else its rows."""
+    from viasd.parallel import _chunk
+
+    if name.endswith(("o_proj", "down_proj")):
+        return full[:, _chunk(full.shape[1], group)]
+    return full[_chunk(full.shape[0], group)]
+
+
+def _quantized_shard_worker(model_dir: str, rank: int, port: int, results) -> None:
+    """Load this rank's shard, quantize its slices (int8, int4); compare with the unsharded model
+    quantized alike: the weights each kernel computes with, the logits, greedy tokens."""
+    try:
+        from viasd import quant as Q
+        from viasd.config import parse_params
+        from viasd.engine import Engine
+        from viasd.parallel import load_shard, quantize_shard
+        from viasd.runtime import LayerMask, MaskedLM
+
+        torch.set_num_threads(1)
+        group = TPGroup(rank=rank, world_size=WORLD, master_port=port)
+        cls = Q.quantized_linear_class()
+        out = {}
+        for scheme in ("int8", "int4"):
+            loaded = load_shard(model_dir, group, torch.float32)
+            report = quantize_shard(loaded, scheme, group, dense=False)  # (the integer kernels, every product)
+            ref_model = _quantizable()  # what was saved
+            plain = MaskedLM(_quantizable())
+            drafter = MaskedLM(drafter_from(ref_model))  # (unquantized: the verifier's quantization is checked)
+            Q.quantize_model(ref_model, scheme, dense=False)
+            weights = [
+                _maxdiff(mod.dense_weight(), _slice_of(ref_model.get_submodule(name).dense_weight(), name, group))
+                for name, mod in loaded.named_modules()
+                if isinstance(mod, cls)
+            ]
+            ref, lm = MaskedLM(ref_model), MaskedLM(loaded)
+            x = torch.randint(0, lm.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+            mask = LayerMask.from_skipped(SKIPPED, lm.num_layers)
+            r = {
+                "quantized": len(report.quantized),
+                "weights": weights,
+                "full": _maxdiff(lm.forward(x, 0), ref.forward(x, 0)),
+                "masked": _maxdiff(lm.forward(x, 0, mask=mask), ref.forward(x, 0, mask=mask)),
+                "vs_plain": _maxdiff(lm.forward(x, 0), plain.forward(x, 0)),
+            }
+            for mode, kw in (("ar", dict(mode="ar", max_tokens=16)), ("sd", dict(mode="sd", max_tokens=16, gamma=3))):
+                params = parse_params(**kw)
+                r[f"tokens_{mode}"] = (
+                    Engine(lm, drafter, mask=mask).complete(PROMPT, params).token_ids,
+                    Engine(ref, drafter, mask=mask).complete(PROMPT, params).token_ids,
+                )
+            out[scheme] = r
+        results.put((rank, out))
+    except BaseException:
+        results.put((rank, traceback.format_exc()))
+    finally:
+        shutdown_tp()
+
+
+def test_quantized_ranks_equal_the_unsharded_quantized_model(tmp_path):
+    """int8 and int4 at TP=2, each rank quantizing its own slices of a checkpoint saved as several
+    files: its integers and scales are the slices of the unsharded model's (int8's row-parallel
+    scales through the all-reduce of the channels' maxima), so the weights every kernel computes
+    with are equal bit for bit, the logits within float32's rounding of the split sums, and greedy
+    `ar` and `sd` give TP=1's tokens (float32)."""
+    _quantizable().save_pretrained(tmp_path, max_shard_size="60KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) >= 2
+    got = run_ranks(_quantized_shard_worker, (str(tmp_path),))
+    for rank, out in got.items():
+        for scheme, r in out.items():
+            assert r["quantized"] == 6 * 7 + 1, (rank, scheme)  # every projection and the head
+            assert len(r["weights"]) == 6 * 7 + 1 and max(r["weights"]) == 0, (rank, scheme, r["weights"])
+            assert r["full"] < 1e-5 and r["masked"] < 1e-5, (rank, scheme, r)
+            assert r["vs_plain"] > 1e-3, (rank, scheme, r)  # (quantized: the test can see it)
+            for mode in ("ar", "sd"):
+                tp, single = r[f"tokens_{mode}"]
+                assert tp == single and len(tp) == 16, (rank, scheme, mode)
+
+
+def test_int4_slices_must_hold_whole_groups(tmp_path):
+    """int4 at TP=2 with down_proj's K = 160: a rank's slice (80 inputs) would split a group of 32:
+    refused, naming the field, before any collective; int8 has no groups."""
+    from viasd.parallel import quantize_shard, read_shard
+
+    _quantizable(intermediate=160).save_pretrained(tmp_path)
+    group = TPGroup(rank=1, world_size=2, master_port=free_port())  # (read without joining: no peer)
+    model = read_shard(tmp_path, group, torch.float32)
+    with pytest.raises(InvalidParameterError) as err:
+        quantize_shard(model, "int4", group, dense=False)
+    assert err.value.field == "quantization" and "model.layers.0.mlp.down_proj" in err.value.message
+    assert "[64, 160]" in err.value.message and "[64, 80]" in err.value.message
+    with pytest.raises(InvalidParameterError, match="int8 or int4"):
+        quantize_shard(model, "int2", group)

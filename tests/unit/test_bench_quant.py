@@ -121,3 +121,146 @@ def test_the_e2e_child_is_a_module_entry_point(monkeypatch, capsys):
 def test_a_suite_record_without_a_part_renders_no_rows_of_it(key):
     record = {"command": "viasd bench --suite quant", "parts": ["gguf"], "gguf": []}
     assert tables._part(record, key) == []
+
+
+def _llamacpp_run(system: str, rnd: int, scale: float) -> dict:
+    """A child's record of the llamacpp part: 2 prompts, n = 4 tokens after the first."""
+    systems = ["llama.cpp"] if system == "llama.cpp" else ["ar", "auto"]
+    per_token = {"llama.cpp": 0.1, "ar": 0.08, "auto": 0.05}
+    results = []
+    for i in range(2):
+        for s in systems:
+            r = {"system": s, "prompt": i, "t_1": 0.5, "t_n": 0.5 + 4 * per_token[s] * scale}
+            r["tokens"] = [1, 2, 3, 4, 5] if s != "auto" or i else [1, 2, 9, 4, 5]
+            if s == "llama.cpp":
+                r.update(t_p_eval_ms=100.0, n_p_eval=10, t_eval_ms=400.0, n_eval=4)
+            results.append(r)
+    run = {"system": "via-sd" if system != "llama.cpp" else "llama.cpp", "round": rnd, "results": results}
+    if system == "llama.cpp":
+        run.update(llama_cpp="0.3.0", system_info="AVX512 = 1", gguf="v.gguf", gguf_sha256="ab", threads=2)
+    else:
+        quant = [{"quantization": "int4", "quantization_reason": "auto-int4"}]
+        run.update(quantization="auto", threads=2, runtime={"dtype": "bfloat16", "quantization": quant})
+    return run
+
+
+def test_llamacpp_summary_and_table_from_a_fixture_record():
+    """The llamacpp part's figures and table, on a record such as the part writes (no llama_cpp needed)."""
+    runs = [_llamacpp_run(s, i, scale) for i, scale in ((0, 1.0), (1, 1.25)) for s in ("llama.cpp", "via-sd")]
+    summary = quant.llamacpp_summary(runs, tokens=4)
+    assert list(summary) == ["llama.cpp", "ar", "auto"]
+    ll, auto = summary["llama.cpp"], summary["auto"]
+    assert ll["decode_tokens_per_s"]["rounds"] == pytest.approx([10.0, 8.0])  # 2 x 4 tokens / 2 x 0.4 s
+    assert ll["decode_tokens_per_s"]["aa_spread"] == pytest.approx(2 / 9)
+    assert ll["wall_tokens_per_s"]["rounds"] == pytest.approx([10 / 1.8, 10 / 2.0])  # (1 + 4) per prompt, prefill in
+    assert (ll["llama_eval_tokens_per_s"], ll["llama_prompt_tokens_per_s"]) == pytest.approx((10.0, 100.0))
+    assert auto["vs_llama_cpp"]["decode_tokens_per_s"] == pytest.approx(2.0)
+    assert auto["tokens_equal_to_llama_cpp"] == [2, 5] and summary["ar"]["tokens_equal_to_llama_cpp"] == [5, 5]
+    record = {
+        "command": "viasd bench --suite quant --parts llamacpp",
+        "parts": ["llamacpp"],
+        "llamacpp": {
+            "tokens": 4,
+            "threads": 2,
+            "quantization": "auto",
+            "rounds": 2,
+            "prompts": ["a", "b"],
+            "prompt_ids": [[1], [1, 2]],
+            "order": [r["system"] for r in runs],
+            "llama_cpp": {"available": True, "llama_cpp": "0.3.0", "gguf": "v.gguf"},
+            "runtime": runs[1]["runtime"],
+            "runs": runs,
+            "summary": summary,
+        },
+    }
+    lines = tables.quant_llamacpp([record])
+    assert lines[2] == "| llama.cpp, plain decoding | 10.00 / 8.00 | 22.2% | 9.00 | 1.00x | 5.28 | 1.00x | - |"
+    assert lines[4].startswith("| via-sd `auto` | 20.00 / 16.00 | 22.2% | 18.00 | 2.00x | ") and lines[4].endswith(
+        " | 2, 5 of 5 |"
+    )
+    assert "its own counters: 10.00 tokens/s decoding, 100 tokens/s on the prompts (1-2 tokens)" in lines[-1]
+    assert "verifier served int4 (`auto-int4`)" in lines[-1]
+    assert tables.dtype(record) == "bfloat16"
+    assert "### Beside llama.cpp" in tables.quant_markdown(record)
+
+
+def test_the_llamacpp_part_alternates_its_children_and_records_a_missing_llama_cpp(tmp_path, monkeypatch):
+    spawned = []
+
+    def run_child(cmd):
+        system = cmd[cmd.index("--child") + 1]
+        spawned.append((system, json.loads(cmd[cmd.index("--prompt-ids") + 1]), cmd[cmd.index("--quantization") + 1]))
+        return _llamacpp_run("llama.cpp" if system == "llamacpp" else "via-sd", 0, 1.0)
+
+    monkeypatch.setattr(quant, "run_child", run_child)
+    monkeypatch.setattr(quant, "llamacpp_prompt_ids", lambda n: [[7] * (i + 1) for i in range(n)])
+    monkeypatch.setattr(quant, "llama_cpp_installed", lambda: True)
+    out = tmp_path / "l"
+    argv = ["bench", "--suite", "quant", "--parts", "llamacpp", "--llamacpp-prompts", "2", "--llamacpp-tokens", "4"]
+    assert main([*argv, "--quantization", "int4", "--out", str(out)]) == 0
+    assert [s for s, _, _ in spawned] == ["llamacpp", "viasd", "llamacpp", "viasd"]  # ABAB
+    assert all(ids == [[7], [7, 7]] and q == "int4" for _, ids, q in spawned)
+    res = json.loads((out / "results.json").read_text())["llamacpp"]
+    assert res["order"] == ["llama.cpp", "via-sd", "llama.cpp", "via-sd"] and res["llama_cpp"]["available"]
+    assert res["summary"]["auto"]["vs_llama_cpp"]["decode_tokens_per_s"] == pytest.approx(2.0)
+    assert "### Beside llama.cpp" in (out / "results.md").read_text()
+
+    monkeypatch.setattr(quant, "llama_cpp_installed", lambda: False)
+    spawned.clear()
+    assert main([*argv, "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())["llamacpp"]
+    assert not res["llama_cpp"]["available"] and "llama-cpp-python" in res["llama_cpp"]["error"] and not spawned
+    assert "Not measured: llama_cpp is not installed" in (out / "results.md").read_text()
+
+
+def test_the_llamacpp_children_are_module_entry_points(monkeypatch, capsys):
+    cmd = quant.llamacpp_child_command("viasd", [[1, 2]], 5, 2, "auto")
+    assert cmd[:5] == [sys.executable, "-m", "viasd.bench.quant", "--child", "viasd"]
+    monkeypatch.setattr(quant, "viasd_one", lambda ids, tokens, q: {"ids": ids, "n": tokens, "q": q})
+    monkeypatch.setattr(quant, "llamacpp_one", lambda ids, tokens, threads: {"ids": ids, "threads": threads})
+    assert quant.main(cmd[3:]) == 0
+    assert json.loads(capsys.readouterr().out.strip()) == {"ids": [[1, 2]], "n": 5, "q": "auto"}
+    assert quant.main(quant.llamacpp_child_command("llamacpp", [[3]], 5, 2, "auto")[3:]) == 0
+    assert json.loads(capsys.readouterr().out.strip()) == {"ids": [[3]], "threads": 2}
+
+
+def test_the_quality_table_compares_each_quantization_with_the_first():
+    """pass@1 of `ar` per quantization (quality-suite records): inside the first's interval or not,
+    and the completions equal to the first's."""
+
+    def record(q: str, passed: int, completions: list[str]) -> dict:
+        from viasd.bench.report import wilson
+
+        p = passed / len(completions)
+        runs = [
+            {"method": "ar", "corpus": "humaneval", "prompt": f"HumanEval/{i}", "completion": c}
+            for i, c in enumerate(completions)
+        ]
+        quant = [{"quantization": q, "quantization_reason": "requested"}] if q != "none" else None
+        return {
+            "meta": {
+                "command": f"viasd bench --suite quality --greedy ar --quantization {q}",
+                "runtime": {"dtype": "bfloat16", "quantization": quant},
+                "corpora": {"humaneval": [r["prompt"] for r in runs]},
+                "max_tokens": 160,
+                "max_batch": 8,
+            },
+            "summary": {
+                "ar": {
+                    "humaneval": {
+                        "pass_at_1": {"pass_at_1": p, "n_samples": len(runs), "wilson95": wilson(p, len(runs))}
+                    }
+                }
+            },
+            "runs": runs,
+        }
+
+    base = record("none", 5, list("abcdefghij"))
+    lines = tables.quant_quality([base, record("int4", 6, list("abcdefghiX")), record("int8", 0, list("XXXXXXXXXX"))])
+    assert lines[0].startswith(
+        "| quantization | verifier served | HumanEval pass@1 [95% Wilson] | passed | within `none`'s"
+    )
+    assert lines[2] == "| `none` | bfloat16 | 0.500 [0.24-0.76] | 5/10 | - | - |"
+    assert lines[3] == "| `int4` | int4 (`requested`) | 0.600 [0.31-0.83] | 6/10 | yes | 9/10 |"
+    assert lines[4].endswith("| 0/10 | NO | 0/10 |")
+    assert "the first 10 HumanEval problems, at most 160 tokens, 8 requests" in lines[-1]

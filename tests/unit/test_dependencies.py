@@ -75,7 +75,7 @@ def test_constraints_pin_the_installed_closure_within_the_ranges():
 
 #: third-party modules imported only to compare against where they happen to be installed (the
 #: import guarded, their absence recorded): module -> the one file allowed to import it
-COMPARED_IF_INSTALLED = {"torchao": "viasd/bench/quant.py"}
+COMPARED_IF_INSTALLED = {"torchao": "viasd/bench/quant.py", "llama_cpp": "viasd/bench/quant.py"}
 
 
 def test_every_imported_module_is_declared():

@@ -23,7 +23,7 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert json.loads(res.stdout) == doc
-    assert {"environment", "exactness", "host_reads", "throughput", "shard_load"} <= doc.keys()
+    assert {"environment", "exactness", "host_reads", "throughput", "shard_load", "fp8"} <= doc.keys()
 
     env = doc["environment"]
     assert env["device"] == "cpu" and env["torch"] and env["cpu_capability"] and env["wall_seconds"] > 0
@@ -65,3 +65,16 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert shard["tp"] == 8 and shard["layers_written"] == 2 and shard["cold_seconds"] > 0
     assert 1 / 8 < shard["rank_share"] < 0.5  # its eighth of the layers and the head, the embedding whole
     assert shard["full_checkpoint_bytes"] > 20 * shard["checkpoint_bytes"]  # (78 more layers)
+
+    fp8 = doc["fp8"]  # one layer's linears (rank 0 of 2 here, of 8 on a GPU) in bf16 and fp8
+    assert "error" not in fp8, fp8.get("traceback")
+    assert fp8["tp"] == 2 and set(fp8["linears"]) == {
+        *(f"{name}/2" for name in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj")),
+        "gate_proj",
+    }
+    for lin in fp8["linears"].values():
+        assert lin["fp8_bytes"] < 0.6 * lin["bf16_bytes"]
+        assert set(lin["rows"]) == {"1", "4"}
+        for rec in lin["rows"].values():
+            assert rec["bf16_seconds"] > 0 and rec["fp8_seconds"] > 0
+            assert 0 < rec["rel_err"] < 0.1  # fp8's rounding of both operands, not a wrong product

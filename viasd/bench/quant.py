@@ -1,4 +1,4 @@
-"""`viasd bench --suite quant`: weight-only quantization on this CPU, in three parts (`--parts`,
+"""`viasd bench --suite quant`: weight-only quantization on this CPU, in four parts (`--parts`,
 default all of them).
 
 **kernels**: weight-only quantized matmul kernels against bf16, per linear shape and row count.
@@ -59,8 +59,25 @@ best of `--e2e-repeats` runs each (n = `--e2e-tokens`), and the engine's runtime
 quantization chosen, kernels, bytes). The tokens of each mode are recorded so that runs can be
 compared.
 
+**llamacpp**: batch-1 decoding beside llama.cpp's on the embedded verifier's own GGUF file (its
+Q4_K_M quantization), greedy, on the same prompt token ids (the first `--llamacpp-prompts` of the
+e2e prompts, encoded by the verifier's tokenizer) and the same count of generated tokens
+(`--llamacpp-tokens`). Where the optional ``llama_cpp`` package (llama-cpp-python) imports, one
+fresh process per system and round, in ABAB order over `--llamacpp-rounds` rounds (so that the
+spread between the two runs of a system, the A/A spread, is recorded):
+
+* ``llama.cpp``: plain decoding with `--llamacpp-threads` threads (``Llama.eval`` of the prompt,
+  then one token at a time, the argmax of its logits; no prompt cache);
+* ``ar`` and ``auto`` of via-sd on the embedded pair at `--quantization` (default ``auto``).
+
+Per request of k generated tokens on a prompt, ``t(k)``: the wall seconds from the prompt to the
+k-th token. Decode tokens/s ``n / (t(1 + n) - t(1))`` (the prompt and its first token cancel);
+tokens/s over the wall time ``(1 + n) / t(1 + n)`` (prefill included); each summed over the
+prompts. llama.cpp's own counters (``llama_perf_context``: prompt and decode milliseconds) are
+recorded beside them, and every system's tokens.
+
 Writes `--out`/results.json: the command, the environment (commit, CPU capability), and one key
-per part run: ``kernels``, ``gguf`` (a list, one entry per model), ``e2e``, each in the layout of
+per part run: ``kernels``, ``gguf`` (a list, one entry per model), ``e2e``, ``llamacpp``, each in the layout of
 the committed files under docs/benchmarks/cpu/quant/ (the tables of docs/QUANTIZATION.md,
 `viasd.bench.tables`, read either), and results.md.
 
@@ -79,7 +96,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("kernels", "gguf", "e2e")
+PARTS = ("kernels", "gguf", "e2e", "llamacpp")
 
 # ------------------------------------------------------------------ kernels
 
@@ -372,13 +389,18 @@ def child_command(quantization: str, tokens: int, repeats: int) -> list[str]:
     ]
 
 
-def spawn(quantization: str, tokens: int, repeats: int) -> dict:
+def run_child(cmd: list[str]) -> dict:
+    """Run a child of this module (`cmd`) to the end; the JSON object of its last line."""
     root = Path(__file__).resolve().parents[2]  # (the child imports this checkout's viasd)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(
-        child_command(quantization, tokens, repeats), capture_output=True, text=True, check=True, env=env
-    )
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:5])} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def spawn(quantization: str, tokens: int, repeats: int) -> dict:
+    return run_child(child_command(quantization, tokens, repeats))
 
 
 def run_e2e(quantizations: list[str], tokens: int, repeats: int) -> dict:
@@ -402,6 +424,241 @@ def run_e2e(quantizations: list[str], tokens: int, repeats: int) -> dict:
         "repeats": repeats,
         "runs": runs,
     }
+
+
+# ------------------------------------------------------------------ llamacpp
+
+#: the systems of the llamacpp part, in the order of its table
+LLAMACPP_SYSTEMS = ("llama.cpp", "ar", "auto")
+
+
+def llama_cpp_installed() -> bool:
+    """Whether the optional llama_cpp package (llama-cpp-python, not a dependency) is installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def llamacpp_prompt_ids(n: int) -> list[list[int]]:
+    """The token ids of the first n e2e prompts, from the embedded verifier's tokenizer: both
+    systems decode these very ids."""
+    from viasd.llm import encode_prompt
+    from viasd.models.embedded import DEFAULT_VERIFIER
+    from viasd.models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(DEFAULT_VERIFIER)
+    return [encode_prompt(tokenizer, p) for p in PROMPTS[:n]]
+
+
+def llamacpp_one(prompt_ids: list[list[int]], tokens: int, threads: int) -> dict:
+    """llama.cpp's plain greedy decoding of the embedded verifier's GGUF file, in this process (a
+    child of `run_llamacpp`): per prompt, t(1) and t(1 + tokens), its tokens and its counters."""
+    import llama_cpp
+    import numpy as np
+
+    from viasd.models.embedded import DEFAULT_VERIFIER
+    from viasd.quant_gguf import cached_gguf
+
+    path = cached_gguf(DEFAULT_VERIFIER)
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=max(map(len, prompt_ids)) + tokens + 16,
+        n_batch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        verbose=False,
+    )
+    load_s = time.perf_counter() - t0
+    vocab = llm.n_vocab()
+
+    def timed(ids: list[int], n: int) -> tuple[float, list[int], dict]:
+        llm.reset()  # (eval drops the cache past n_tokens: the prompt is computed again)
+        llama_cpp.llama_perf_context_reset(llm.ctx)
+        t = time.perf_counter()
+        llm.eval(ids)
+        out: list[int] = []
+        while True:
+            logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(vocab,))
+            out.append(int(np.argmax(logits)))  # greedy: the lowest id of a tie
+            if len(out) == n:
+                break
+            llm.eval(out[-1:])
+        seconds = time.perf_counter() - t
+        perf = llama_cpp.llama_perf_context(llm.ctx)
+        counters = {k: getattr(perf, k) for k in ("t_p_eval_ms", "n_p_eval", "t_eval_ms", "n_eval")}
+        return seconds, out, counters
+
+    timed(prompt_ids[0], 8)  # warm-up
+    results = []
+    for i, ids in enumerate(prompt_ids):
+        t1, _, _ = timed(ids, 1)
+        tn, toks, counters = timed(ids, 1 + tokens)
+        results.append({"system": "llama.cpp", "prompt": i, "t_1": t1, "t_n": tn, "tokens": toks, **counters})
+    return {
+        "system": "llama.cpp",
+        "load_s": round(load_s, 1),
+        "llama_cpp": llama_cpp.__version__,
+        "system_info": llama_cpp.llama_print_system_info().decode().strip(),
+        "gguf": path.name,
+        "gguf_sha256": Path(str(path) + ".sha256").read_text().strip(),
+        "threads": threads,
+        "results": results,
+    }
+
+
+def viasd_one(prompt_ids: list[list[int]], tokens: int, quantization: str) -> dict:
+    """via-sd's greedy `ar` and `auto` at batch 1 on the embedded pair, in this process (a child of
+    `run_llamacpp`): per prompt and mode, t(1) and t(1 + tokens), its tokens and its plans."""
+    import torch
+
+    from viasd.config import EngineConfig, parse_params
+    from viasd.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(EngineConfig(quantization=quantization))
+    load_s = time.perf_counter() - t0
+    engine = llm.engine
+
+    def timed(mode: str, ids: list[int], n: int):
+        t = time.perf_counter()
+        out = engine.complete(ids, parse_params(mode=mode, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t, out
+
+    for mode in ("ar", "auto"):  # warm-up (and auto's costs, measured once per machine)
+        timed(mode, prompt_ids[0], 8)
+    results = []
+    for i, ids in enumerate(prompt_ids):
+        for mode in ("ar", "auto"):
+            t1, _ = timed(mode, ids, 1)
+            tn, out = timed(mode, ids, 1 + tokens)
+            assert len(out.token_ids) == 1 + tokens, (mode, len(out.token_ids))
+            stats = out.stats
+            results.append(
+                {
+                    "system": mode,
+                    "prompt": i,
+                    "t_1": t1,
+                    "t_n": tn,
+                    "tokens": list(out.token_ids),
+                    "plans": dict(getattr(stats, "plans", None) or {}),
+                    "mean_acceptance_length": getattr(stats, "mean_acceptance_length", None),
+                }
+            )
+    return {
+        "system": "via-sd",
+        "load_s": round(load_s, 1),
+        "quantization": quantization,
+        "threads": torch.get_num_threads(),
+        "runtime": llm.runtime_info(),
+        "results": results,
+    }
+
+
+def llamacpp_child_command(system: str, prompt_ids: list[list[int]], tokens: int, threads: int, quantization: str):
+    """One system's fresh process: this module's entry point, printing `llamacpp_one`'s or
+    `viasd_one`'s JSON."""
+    return [
+        sys.executable,
+        "-m",
+        "viasd.bench.quant",
+        "--child",
+        system,
+        "--tokens",
+        str(tokens),
+        "--prompt-ids",
+        json.dumps(prompt_ids),
+        "--threads",
+        str(threads),
+        "--quantization",
+        quantization,
+    ]
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """Tokens before the first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def llamacpp_summary(runs: list[dict], tokens: int) -> dict:
+    """Per system: decode tokens/s and tokens/s over the wall time of each round (summed over the
+    prompts), their mean and A/A spread ((max - min) / mean); each via-sd mode over llama.cpp's
+    (the means); the tokens each system shares with llama.cpp's before the first difference."""
+    rows: dict[str, list[list[dict]]] = {}
+    for run in runs:
+        per: dict[str, list[dict]] = {}
+        for r in run["results"]:
+            per.setdefault(r["system"], []).append(r)
+        for system, rs in per.items():
+            rows.setdefault(system, []).append(rs)
+    out: dict[str, dict] = {}
+    for system in [s for s in LLAMACPP_SYSTEMS if s in rows] + sorted(set(rows) - set(LLAMACPP_SYSTEMS)):
+        rounds = rows[system]
+        decode = [len(rs) * tokens / sum(r["t_n"] - r["t_1"] for r in rs) for rs in rounds]
+        wall = [len(rs) * (1 + tokens) / sum(r["t_n"] for r in rs) for rs in rounds]
+        entry: dict = {}
+        for key, values in (("decode_tokens_per_s", decode), ("wall_tokens_per_s", wall)):
+            mean = statistics.mean(values)
+            entry[key] = {"rounds": values, "mean": mean, "aa_spread": (max(values) - min(values)) / mean}
+        counters = [r for rs in rounds for r in rs if "t_eval_ms" in r]
+        if counters:  # llama.cpp's own: decode and prompt tokens/s over every round and prompt
+            entry["llama_eval_tokens_per_s"] = (
+                1e3 * sum(r["n_eval"] for r in counters) / sum(r["t_eval_ms"] for r in counters)
+            )
+            entry["llama_prompt_tokens_per_s"] = (
+                1e3 * sum(r["n_p_eval"] for r in counters) / sum(r["t_p_eval_ms"] for r in counters)
+            )
+        out[system] = entry
+    base = out.get("llama.cpp")
+    if base:
+        ref = {r["prompt"]: r["tokens"] for r in rows["llama.cpp"][0]}
+        for system, entry in out.items():
+            entry["vs_llama_cpp"] = {
+                k: entry[k]["mean"] / base[k]["mean"] for k in ("decode_tokens_per_s", "wall_tokens_per_s")
+            }
+            same = [_agreement(r["tokens"], ref[r["prompt"]]) for r in rows[system][0] if r["prompt"] in ref]
+            entry["tokens_equal_to_llama_cpp"] = same
+    return out
+
+
+def run_llamacpp(n_prompts: int, tokens: int, threads: int, rounds: int, quantization: str) -> dict:
+    """The llamacpp part: llama.cpp and via-sd alternating (ABAB...), one fresh process each."""
+    import torch
+
+    record: dict = {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "tokens": tokens,
+        "threads": threads,
+        "quantization": quantization,
+        "rounds": rounds,
+    }
+    if not llama_cpp_installed():
+        record["llama_cpp"] = {"available": False, "error": "llama_cpp is not installed (pip install llama-cpp-python)"}
+        print(f"llamacpp: skipped, {record['llama_cpp']['error']}", file=sys.stderr, flush=True)
+        return record
+    prompt_ids = llamacpp_prompt_ids(n_prompts)
+    record["prompts"] = PROMPTS[:n_prompts]
+    record["prompt_ids"] = prompt_ids
+    record["order"], record["runs"] = [], []
+    for i in range(rounds):
+        for system in ("llamacpp", "viasd"):
+            run = run_child(llamacpp_child_command(system, prompt_ids, tokens, threads, quantization))
+            run["round"] = i
+            record["order"].append(run["system"])
+            record["runs"].append(run)
+            line = "  ".join(
+                f"{r['system']}[{r['prompt']}] {tokens / (r['t_n'] - r['t_1']):.2f} tok/s" for r in run["results"]
+            )
+            print(f"round {i} {run['system']}: {line}", file=sys.stderr, flush=True)
+    first = next(r for r in record["runs"] if r["system"] == "llama.cpp")
+    record["llama_cpp"] = {
+        "available": True,
+        **{k: first[k] for k in ("llama_cpp", "system_info", "gguf", "gguf_sha256")},
+    }
+    record["runtime"] = next(r for r in record["runs"] if r["system"] == "via-sd")["runtime"]
+    record["summary"] = llamacpp_summary(record["runs"], tokens)
+    return record
 
 
 # ------------------------------------------------------------------ the suite
@@ -440,6 +697,10 @@ def run_quant_bench(args) -> int:
     if "e2e" in parts:
         quantizations = _list(args.e2e_quantization, ("none", "int8", "int4"))
         record["e2e"] = run_e2e(quantizations, args.e2e_tokens, args.e2e_repeats)
+    if "llamacpp" in parts:
+        record["llamacpp"] = run_llamacpp(
+            args.llamacpp_prompts, args.llamacpp_tokens, args.llamacpp_threads, args.llamacpp_rounds, args.quantization
+        )
     from viasd.bench.tables import quant_markdown
 
     text = quant_markdown(record)
@@ -450,13 +711,25 @@ def run_quant_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The e2e part's child process: `python -m viasd.bench.quant --child Q` prints one JSON line."""
-    ap = argparse.ArgumentParser(description="one quantization's e2e figures (the child of --suite quant)")
-    ap.add_argument("--child", required=True, help="the quantization: none, int8, int4 or auto")
+    """A child process of the suite, printing one JSON line: `python -m viasd.bench.quant --child Q`
+    (the e2e part: quantization Q), `--child llamacpp` / `--child viasd` (the llamacpp part)."""
+    ap = argparse.ArgumentParser(
+        description="one child of --suite quant: a quantization's e2e figures, or a system of the llamacpp part"
+    )
+    ap.add_argument("--child", required=True, help="none, int8, int4 or auto (e2e); llamacpp or viasd (llamacpp)")
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=2, help="e2e: runs of each measurement")
+    ap.add_argument("--prompt-ids", default=None, help="llamacpp: the prompts' token ids, a JSON list of lists")
+    ap.add_argument("--threads", type=int, default=2, help="llamacpp: llama.cpp's threads")
+    ap.add_argument("--quantization", default="auto", help="llamacpp: via-sd's quantization")
     args = ap.parse_args(argv)
-    print(json.dumps(one(args.child, args.tokens, args.repeats)))
+    if args.child == "llamacpp":
+        result = llamacpp_one(json.loads(args.prompt_ids), args.tokens, args.threads)
+    elif args.child == "viasd":
+        result = viasd_one(json.loads(args.prompt_ids), args.tokens, args.quantization)
+    else:
+        result = one(args.child, args.tokens, args.repeats)
+    print(json.dumps(result))
     return 0
 
 
