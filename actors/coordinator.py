@@ -1,29 +1,18 @@
 """The coordinator: the engine's one step loop (viasd.scheduler) driving the drafter actor and the
-verifier group through `ServedExecutor`, one batched RPC per phase of a step
-(docs/ARCHITECTURE.md, "One loop, two executors").
+verifier group through `ServedExecutor`, one batched RPC per phase of a step and backend
+(prefill, propose, verify, release: docs/ARCHITECTURE.md, "One loop, two executors").
 
     executor = ServedExecutor(verifier_address, drafter_address, vocab_size=V, tls=..., ...)
     coordinator = AsyncEngine(Engine.over(executor, capacity, eos_token_ids=..., gates=...))
     async for chunk in coordinator.generate(request_id, prompt_ids, params): ...
 
-The phases of a step, each one call per backend (requests opened before a backend was replaced
-keep the one they were opened on):
-
-    prefill   Prefill(opens, prompt chunks, copies) to the verifier and, for the requests that
-              draft, to the drafter, at once; a preempted request's chunk to position 0 frees
-              its blocks on each side (its sessions stay), its later chunks recompute them
-    propose   Propose(rows) to the drafter; each row carries the outcomes its drafter has not
-              committed (an `auto` row planned `ar` sends nothing: its drafter commits what it
-              missed with its next Propose)
-    verify    Verify(rows, the drafts and p as the drafter sent them) to the verifier
-    release   Release(keys) to both sides; each side's counters come back, once
-
-The calls block (gRPC's synchronous channels) on the engine's step thread: the process's model
-thread, free here since this process holds no model. Every call has a deadline. A call that
-fails fails exactly its rows (`BackendError`: the scheduler lets a row whose drafter failed go
-on as `ar` with `drafter_fallback`), a row that failed alone on a backend (`RowError`) fails
-alone, and `on_unavailable(component)` hears of every backend found down or past its deadline
-(the pipeline's supervisor wakes up and rebuilds it; `set_backends` points new requests at it).
+A row's drafter commits the outcomes it has not seen with its next Propose (an `auto` row planned
+`ar` sends nothing). The calls block (gRPC's synchronous channels) on the engine's step thread,
+each under a deadline. A call that fails fails exactly its rows (`BackendError`: the scheduler
+lets a row whose drafter failed go on as `ar`), a row that failed alone on a backend fails alone,
+and `on_unavailable(component)` hears of every backend found down or past its deadline (the
+pipeline's supervisor rebuilds it; `set_backends` points new requests at it, requests keep the
+backends they were opened on).
 """
 
 from __future__ import annotations
@@ -41,8 +30,8 @@ import grpc
 from viasd.actors.rpc import InternalTLS, costs_from_proto, merge_outcomes, open_channel, times_from_proto
 from viasd.costs import CostModel, StepTimes
 from viasd.errors import BackendError
-from viasd.executor import PrefillBatch, Proposal, ProposeRow, VerifyRow
-from viasd.metrics import RequestStats, TokenLogprob
+from viasd.executor import PrefillBatch, Prefilled, Proposal, ProposeRow, VerifyRow
+from viasd.metrics import RequestStats
 from viasd.sessions import Outcome, drafter_lag, valid_after
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
@@ -65,9 +54,8 @@ class RpcTotals:
     calls: dict[str, int] = field(default_factory=dict)  # "Prefill", "Propose", "Verify", "Release" -> calls
     seconds: dict[str, float] = field(default_factory=dict)  # the same -> round-trip seconds
     phase_seconds: dict[str, float] = field(default_factory=dict)  # "prefill", ... -> wall (the sides' calls at once)
-    service_seconds: dict[str, float] = field(
-        default_factory=dict
-    )  # "drafter", "verifier": their own on Propose, Verify
+    # "drafter", "verifier": the seconds each service reported for its Propose, Verify calls
+    service_seconds: dict[str, float] = field(default_factory=dict)
     bytes_sent: int = 0  # serialised request messages
     bytes_received: int = 0  # serialised replies
     probs_bytes: int = 0  # DraftProbs payload (in both of the above: received from the drafter, sent to the verifier)
@@ -238,7 +226,7 @@ class ServedExecutor:
 
     # ---------------------------------------------------------------- the phases
 
-    def prefill(self, batch: PrefillBatch) -> dict[str, list[TokenLogprob] | BackendError]:
+    def prefill(self, batch: PrefillBatch) -> dict[str, Prefilled | BackendError]:
         """Verifier rows that fail fail; a drafter that fails a row's prefill fails its first
         Propose (the scheduler then lets it go on as `ar`)."""
         with self._lock:
@@ -272,10 +260,12 @@ class ServedExecutor:
                 )
                 if request.opens or request.chunks or request.copies:
                     calls.append((stub, side, "Prefill", request, group))
-        out: dict[str, list[TokenLogprob] | BackendError] = {k: [] for k in keys}
+        out: dict[str, Prefilled | BackendError] = {k: Prefilled([], 0) for k in keys}
         for key, side, answer in self._answers(calls, "prefill"):
-            if side == "verifier":
-                out[key] = answer if isinstance(answer, BackendError) else logprobs_from_proto(answer.prompt_logprobs)
+            if side == "verifier" and isinstance(answer, BackendError):
+                out[key] = answer
+            elif side == "verifier":
+                out[key] = Prefilled(logprobs_from_proto(answer.prompt_logprobs), answer.fed)
             elif isinstance(answer, BackendError):
                 self._rows[key].lost = answer
             else:

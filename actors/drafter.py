@@ -25,18 +25,17 @@ import ray
 from viasd import model_thread
 from viasd.actors.rpc import (
     InOrder,
-    advertised_host,
+    InternalTLS,
+    actor_facts,
     cores_lock,
     costs_to_proto,
     encode_probs,
-    internal_tls,
-    outcome_from_proto,
     prefill_from_proto,
     prefill_reply,
     release_reply,
     row_error,
     rpc,
-    start_server,
+    serve_internal,
     times_to_proto,
 )
 from viasd.config import MAX_GAMMA, EngineConfig, Proposer
@@ -46,7 +45,7 @@ from viasd.executor import Capacity, DraftWorker, prefill
 from viasd.precision import LinearReport, engine_dtype
 from viasd.quant import engine_linears
 from viasd.runtime import MaskedLM
-from viasd.sessions import drive, settle, to_host
+from viasd.sessions import Outcome, drive, settle, to_host
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1 import internal_pb2_grpc
 
@@ -87,7 +86,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         t0 = time.perf_counter()
         self._stop_ahead()
         results = await self._work.submit(prefill, [self.worker], prefill_from_proto(request, drafter=True))
-        return prefill_reply(results, time.perf_counter() - t0, fed=lambda key, _: self.worker.fed(key))
+        return prefill_reply(results, time.perf_counter() - t0, fed=lambda _, done: done.held)
 
     @rpc
     async def Propose(self, request: ipb.ProposeBatch, context) -> ipb.ProposeReply:
@@ -107,7 +106,11 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
             except InvalidParameterError as exc:
                 answers[i] = ipb.Proposal(request_id=row.request_id, error=row_error(exc))
                 continue
-            previous = outcome_from_proto(row.previous) if row.HasField("previous") else None
+            previous = (
+                Outcome(list(row.previous.tokens), row.previous.num_draft_accepted)
+                if row.HasField("previous")
+                else None
+            )
             work.append((i, (row.request_id, row.k, proposer, previous)))
             seen.add(row.request_id)
         self._stop_ahead()
@@ -136,7 +139,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
                     draft=draft,
                     probs=encode_probs(p, self.probs_dtype),
                     work_seconds=times.work.get(key, 0.0),
-                    fed=self.worker.fed(key),
+                    fed=self.worker.held(key),
                 ),
             )
             for (i, (key, *_)), draft, (_, p) in zip(work, drafts, proposals)
@@ -176,22 +179,11 @@ def _log_failure(done) -> None:
         log.warning("drafting ahead failed: %s", done.exception())
 
 
-def pack_linears(model, config: EngineConfig, device: str, spec: str | None = None) -> LinearReport:
-    """The quantized (`EngineConfig.quantization`, viasd.quant; `spec`: the model's name or
-    directory) and prepacked CPU linears (`EngineConfig.packed_linears`, viasd.precision) the
-    in-process engine uses, so that a served request runs the kernels of an in-process one; what was
-    done (reported with the runtime in /v1/models: packing stops where memory runs short)."""
-    return engine_linears(model, config, device, spec, engine_dtype(config, device).dtype)
-
-
 def set_threads(threads: int | None, ranks: int) -> int:
     """torch threads of an actor: the configured count (`engine.threads`), else this node's cores
-    over the verifier's ranks (at least 1). The drafter and the verifier take turns within a step
-    (one Propose, then one Verify), so each may use every core the pipeline holds, as the
-    in-process engine does; the tensor-parallel ranks run at once and split them. (Ray's CPU
-    reservations, `drafter_cpus` / `verifier_cpus_per_rank`, place the actors; they are not
-    thread counts.) Actors with every core take turns on the node (`cores_lock`); `overlap`
-    drafting during the verification is better off with `engine.threads` set."""
+    over the verifier's ranks (at least 1): the drafter and the verifier take turns within a step,
+    the tensor-parallel ranks run at once and split the cores (docs/ARCHITECTURE.md, "Threads").
+    Ray's CPU reservations place the actors; they are not thread counts."""
     import torch
 
     n = threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
@@ -215,10 +207,10 @@ class DrafterActor:
         device: str = "cpu",
         ranks: int = 1,
         probs_dtype: str = "auto",
-        tls: dict | None = None,
+        tls: InternalTLS | None = None,
     ) -> dict:
-        """Load the model, start the server (mutual TLS with `tls`, an InternalTLS); return its
-        address and the model's facts."""
+        """Load the model, start the server (mutual TLS with `tls`); return its address and the
+        model's facts (`actor_facts`)."""
         from viasd.engine import cost_cache_dir, engine_capacity
         from viasd.models.loader import load_causal_lm
 
@@ -226,13 +218,12 @@ class DrafterActor:
 
         def load() -> tuple[MaskedLM, int, LinearReport]:  # on the model thread, where it will run (viasd.model_thread)
             threads = set_threads(config.threads, ranks)
+            dtype = engine_dtype(config, device).dtype
             model, _ = load_causal_lm(
-                config.drafter,
-                dtype=engine_dtype(config, device).dtype,
-                device=device,
-                trust_remote_code=config.trust_remote_code,
+                config.drafter, dtype=dtype, device=device, trust_remote_code=config.trust_remote_code
             )
-            packed = pack_linears(model, config, device, config.drafter)  # (before MaskedLM takes the modules)
+            # the in-process engine's quantized and packed linears (before MaskedLM takes the modules)
+            packed = engine_linears(model, config, device, config.drafter, dtype)
             return MaskedLM(model), threads, packed
 
         lm, threads, packed = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
@@ -245,25 +236,10 @@ class DrafterActor:
             cost_cache_dir=str(cost_cache_dir()),
             cores=cores_lock(device, threads, ranks=1),
         )
-        self.server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_DrafterServiceServicer_to_server(self.servicer, s),
-            host,
-            tls=internal_tls(tls),
-        )
-        address = f"{advertised_host(host)}:{port}"
+        add = internal_pb2_grpc.add_DrafterServiceServicer_to_server
+        self.server, address = await serve_internal(add, self.servicer, host, tls)
         log.info("drafter %s serving on %s (pid %d)", config.drafter, address, os.getpid())
-        return {
-            "address": address,
-            "vocab_size": lm.vocab_size,
-            "num_layers": lm.num_layers,
-            "max_position_embeddings": positions,
-            "max_seq_len": capacity.max_seq_len,  # what its caches hold per row (engine_capacity)
-            "kv_blocks": capacity.kv_blocks,  # paged: blocks per tier
-            "context_name": context_name,
-            "pid": os.getpid(),
-            "threads": threads,
-            "linears": packed,  # (viasd.precision.LinearReport)
-        }
+        return {"address": address, **actor_facts(lm, capacity, context_name, threads, packed)}
 
     async def num_sessions(self) -> int:
         return len(self.servicer.sessions) if self.servicer else 0

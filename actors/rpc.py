@@ -44,7 +44,6 @@ from viasd import model_thread
 from viasd.costs import CostModel, StepTimes
 from viasd.errors import CapacityError, InvalidParameterError
 from viasd.executor import Copy, Open, PrefillBatch, PrefillChunk, SessionNotFound
-from viasd.sessions import Outcome
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1.convert import params_from_proto, stats_to_proto
 
@@ -88,11 +87,7 @@ class InternalTLS(BaseModel):
     )
 
     def _read(self, name: str) -> bytes:
-        path = getattr(self, name)
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise InvalidParameterError(f"internal_tls.{name}", f"cannot read {path}: {exc.strerror}") from None
+        return read_file(getattr(self, name), f"internal_tls.{name}")
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials(
@@ -111,11 +106,12 @@ class InternalTLS(BaseModel):
         return (grpc.aio if aio else grpc).secure_channel(address, credentials, options=options)
 
 
-def internal_tls(value: InternalTLS | dict | None) -> InternalTLS | None:
-    """An InternalTLS from its JSON form (how it crosses a Ray call), or None."""
-    if value is None or isinstance(value, InternalTLS):
-        return value
-    return InternalTLS.model_validate(value)
+def read_file(path: str | Path, field: str) -> bytes:
+    """A file's bytes (a certificate, a key); InvalidParameterError names `field` when it cannot be read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise InvalidParameterError(field, f"cannot read {path}: {exc.strerror}") from None
 
 
 def open_channel(address: str, tls: InternalTLS | None = None, aio: bool = True) -> grpc.aio.Channel | grpc.Channel:
@@ -127,27 +123,53 @@ def open_channel(address: str, tls: InternalTLS | None = None, aio: bool = True)
 
 
 async def start_server(
-    add: Callable[[grpc.aio.Server], None], host: str = "127.0.0.1", port: int = 0, tls: InternalTLS | None = None
+    add: Callable[[grpc.aio.Server], None],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    credentials: grpc.ServerCredentials | None = None,
+    options: list = GRPC_OPTIONS,
+    interceptors: list = (),
 ):
-    """A started grpc.aio server with the servicers `add` registers, plaintext or (with `tls`)
-    requiring client certificates; returns (server, bound port)."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
+    """A started grpc.aio server with the servicers `add` registers on host:port (0: a free port),
+    plaintext or TLS with `credentials`; returns (server, bound port)."""
+    server = grpc.aio.server(options=options, interceptors=interceptors)
     add(server)
     address = f"{host}:{port}"
-    bound = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
+    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     if not bound:
         raise RuntimeError(f"cannot bind a gRPC server to {host}:{port}")
     await server.start()
     return server, bound
 
 
-def advertised_host(bind_host: str) -> str:
-    """The host other processes dial: the bound one, or this node's IP for a wildcard bind."""
-    if bind_host in ("0.0.0.0", "::", "[::]", ""):
+async def serve_internal(add: Callable, servicer, host: str, tls: InternalTLS | None) -> tuple[grpc.aio.Server, str]:
+    """Start a pipeline service (`add`: its generated add_*_to_server) on a free port of `host`,
+    mutual TLS with `tls`: (the server, the address other processes dial: this node's IP for a
+    wildcard bind)."""
+    credentials = tls.server_credentials() if tls else None
+    server, port = await start_server(lambda s: add(servicer, s), host, credentials=credentials)
+    if host in ("0.0.0.0", "::", "[::]", ""):
         import ray
 
-        return ray.util.get_node_ip_address()
-    return bind_host
+        host = ray.util.get_node_ip_address()
+    return server, f"{host}:{port}"
+
+
+def actor_facts(lm, capacity, context_name: str, threads: int, linears) -> dict:
+    """What a model actor reports when it has loaded: its model's shape and context, what its
+    caches hold (`engine_capacity`), its process, torch threads and packed linears."""
+    return {
+        "vocab_size": lm.vocab_size,
+        "num_layers": lm.num_layers,
+        "max_position_embeddings": getattr(lm.config, "max_position_embeddings", None),
+        "max_seq_len": capacity.max_seq_len,  # what its caches hold per row
+        "kv_blocks": capacity.kv_blocks,  # paged: blocks per tier
+        "context_name": context_name,
+        "pid": os.getpid(),
+        "threads": threads,
+        "linears": linears,  # (viasd.precision.LinearReport)
+    }
 
 
 def row_error(exc: Exception) -> ipb.RowError:
@@ -286,14 +308,6 @@ def release_reply(keys: list[str], released: list) -> ipb.ReleaseReply:
     )
 
 
-def outcome_to_proto(outcome: Outcome) -> ipb.Outcome:
-    return ipb.Outcome(tokens=outcome.tokens, num_draft_accepted=outcome.num_draft_accepted)
-
-
-def outcome_from_proto(msg: ipb.Outcome) -> Outcome:
-    return Outcome(list(msg.tokens), msg.num_draft_accepted)
-
-
 def merge_outcomes(first: ipb.Outcome | None, then: ipb.Outcome) -> ipb.Outcome:
     """Two cycles' outcomes as one for a drafter that saw neither (an `auto` row's `ar` steps
     do not call it): their tokens in order; the accepted count is the first's, which judged
@@ -344,14 +358,10 @@ def costs_from_proto(msg: ipb.CostsResponse) -> CostModel:
 
 
 def cores_lock(device: str, threads: int, ranks: int) -> filelock.FileLock | None:
-    """The node's cores lock, for an actor whose torch threads span every core of its node (the
-    default, `set_threads`): every call it runs (`InOrder`) holds the lock, so such actors on one
-    node (the drafter and the verifier of a pipeline, other pipelines' actors) take turns on the
-    cores instead of running at once. Two processes each running an OpenMP team over every core
-    make 2N spinning threads on N cores: each team's barriers then wait for threads the kernel
-    has descheduled, and a forward slows by far more than the 2x of sharing. None on a GPU, with fewer threads than cores
-    (`engine.threads` partitions them), and for tensor-parallel ranks, which must run at once
-    (their collectives would wait for a rank waiting for the lock)."""
+    """The node's cores lock, for an actor whose torch threads span every core of its node: every
+    call it runs (`InOrder`) holds it, so such actors on one node take turns on the cores instead
+    of two OpenMP teams spinning on them at once (docs/ARCHITECTURE.md, "Threads"). None on a GPU,
+    with fewer threads than cores, and for tensor-parallel ranks, which must run at once."""
     if device != "cpu" or ranks > 1 or threads < (os.cpu_count() or 1):
         return None
     return filelock.FileLock(os.path.join(tempfile.gettempdir(), f"viasd-cores-{os.getuid()}.lock"))

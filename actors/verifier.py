@@ -3,26 +3,17 @@
     engine (ServedExecutor) --gRPC--> rank 0: VerifierServicer --ControlChannel--> ranks 1..N-1 (follow)
                                       every rank: VerifierRank (viasd.executor.VerifyWorker)
 
-Every rank loads its shard of the verifier (TP backend "torch": only its slices of the
-checkpoint, `viasd.parallel.load_shard`; "deepspeed": the whole model, then
-`viasd.parallel.shard_model`; rank, world size and rendezvous handed explicitly; N = 1 is no TP)
-and resolves the slim verifier's mask (a DIMR artifact checked against the checkpoint files, or
-against the whole weights when it cannot be). Every rank ends a forward with the same full
-logits, so sampling, the gate and the greedy checks run identically on every rank. Only rank 0
-holds the drafter's probability rows: it decides the sampled checks and broadcasts the
-verdicts within the group (`viasd.parallel.VerdictBroadcast`); the others consume the same
-random draws, so their streams stay in step.
+Every rank loads its shard of the verifier (torch TP: only its slices of the checkpoint;
+DeepSpeed: the whole model, then sharded; N = 1 is no TP) and resolves the slim verifier's mask.
+Every rank ends a forward with the same full logits; only rank 0 holds the drafter's probability
+rows, decides the sampled checks and broadcasts the verdicts (`viasd.parallel.VerdictBroadcast`).
 
-Lockstep: rank 0 numbers each call (one phase of an engine step over every row of it: Prefill,
-Verify, Release) and runs them in that order on its model thread (`viasd.actors.rpc.InOrder`);
-each one first goes to ranks 1..N-1 over `torch.distributed` (`viasd.parallel.ControlChannel`:
-token ids, plans and p's shape, no probability rows), which run it on their model threads in the
-order received (`follow`), so all ranks run identical batched forwards, with identical inputs and
-identical random streams (the request's verifier seed), and reach every collective together.
-Each rank then sends back what it committed; with `check_ranks`, rank 0 compares it with its own
-and fails the call (INTERNAL) if they differ. A follower that dies ends its `follow` Ray call,
-which fails rank 0's call at once (PeerUnavailable: the pipeline rebuilds the group). Logits
-never leave a rank: the reply is the committed tokens.
+Lockstep: rank 0 numbers each call (one phase of an engine step over every row of it) and runs
+them in that order on its model thread (`InOrder`), each first sent to ranks 1..N-1
+(`viasd.parallel.ControlChannel`), which run them in the order received (`follow`); each rank
+sends back what it committed and, with `check_ranks`, rank 0 fails a call (INTERNAL) where they
+differ. A follower that dies ends its `follow` Ray call, which fails rank 0's call at once
+(PeerUnavailable: the pipeline rebuilds the group). docs/TENSOR_PARALLEL.md has the details.
 """
 
 from __future__ import annotations
@@ -31,7 +22,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import time
 from typing import NamedTuple
 
@@ -40,31 +30,29 @@ import grpc
 import ray
 
 from viasd import model_thread
-from viasd.actors.drafter import pack_linears, set_threads
+from viasd.actors.drafter import set_threads
 from viasd.actors.rpc import (
     InOrder,
+    InternalTLS,
     PeerUnavailable,
-    advertised_host,
+    actor_facts,
     cores_lock,
     costs_to_proto,
     decode_probs,
-    internal_tls,
-    outcome_to_proto,
     prefill_from_proto,
     prefill_reply,
     release_reply,
     row_error,
     rpc,
-    start_server,
+    serve_internal,
     times_to_proto,
 )
 from viasd.config import CachePolicy, EngineConfig
 from viasd.costs import CostModel, StepTimes, profile_tiers, verifier_tiers
 from viasd.errors import InvalidParameterError
 from viasd.executor import Capacity, PrefillBatch, VerifyRow, VerifyWorker, prefill
-from viasd.gates import Gates
 from viasd.metrics import RequestStats
-from viasd.precision import LinearReport, engine_dtype
+from viasd.precision import engine_dtype
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import Absent, Outcome
 from viasd.v1 import internal_pb2 as ipb
@@ -168,14 +156,15 @@ def follow(core: VerifierRank, channel) -> None:
 
 def _comparable(op: str, result):
     """What must agree across ranks: each row's outcome (tokens, accepted draft count) or error;
-    the prompt logprobs' tokens (floats may differ in the last bits); which sessions existed."""
+    the prompt logprobs' tokens (floats may differ in the last bits) and the positions held; which
+    sessions existed."""
 
     def row(r):
         if isinstance(r, BaseException):
             return repr(r)
         if isinstance(r, Outcome):
             return list(r.tokens), r.num_draft_accepted
-        return [e.token_id for e in r]  # prompt logprobs
+        return [e.token_id for e in r.logprobs], r.held  # Prefilled
 
     if op == "verify":
         return [row(r) for r in result]
@@ -228,7 +217,10 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         t0 = time.perf_counter()
         results = await self._lockstep("prefill", prefill_from_proto(request, drafter=False))
         return prefill_reply(
-            results, time.perf_counter() - t0, prompt_logprobs=lambda _, scored: logprobs_to_proto(scored)
+            results,
+            time.perf_counter() - t0,
+            prompt_logprobs=lambda _, done: logprobs_to_proto(done.logprobs),
+            fed=lambda _, done: done.held,
         )
 
     @rpc
@@ -260,7 +252,7 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
             answers.append(
                 ipb.Verdict(
                     request_id=key,
-                    outcome=outcome_to_proto(result),
+                    outcome=ipb.Outcome(tokens=result.tokens, num_draft_accepted=result.num_draft_accepted),
                     logprobs=logprobs_to_proto(result.logprobs),
                     escalated=result.escalated,
                     work_seconds=times.work.get(key, 0.0),
@@ -278,20 +270,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         return costs_to_proto(await self._lockstep("costs"))
 
 
-class _Loaded(NamedTuple):
-    """What a verifier rank loads (`VerifierWorker._load`)."""
-
-    lm: MaskedLM
-    mask: LayerMask
-    mask_source: str
-    gates: Gates | None
-    gates_source: str
-    eos: tuple[int, ...]
-    tokenizer: object  # (None for a directory without one)
-    threads: int
-    linears: LinearReport  # what pack_linears packed
-    read: str  # what the rank read of the checkpoint: "its slices" or "every weight"
-    channel: object  # rank 0's calls to the others (viasd.parallel.ControlChannel); None without TP
+def _q_proj_rows(linear) -> int:
+    """Output rows a projection holds on this rank: its weight's, or a quantized one's integers' (viasd.quant)."""
+    return (linear.weight if hasattr(linear, "weight") else linear.qweight).shape[0]
 
 
 @ray.remote
@@ -323,61 +304,17 @@ class VerifierWorker:
         tp_backend: str = "torch",
         device: str = "cpu",
     ) -> dict:
-        """Load q, resolve the mask, shard across the group (every rank calls this at once); its
-        caches hold the engine's capacity (`engine_capacity`: this rank's share of the keys and
-        values, for the full tier and the slim one under the separate policy)."""
-        from viasd.engine import cost_cache_dir, engine_capacity, kv_bytes_per_token
-
+        """Load q, resolve the mask, shard across the group (every rank calls this at once), on the
+        model thread, where its forwards will run (`_setup`); returns what the rank loaded."""
         config = EngineConfig.model_validate(engine)
         self.rank = rank
-        # on the model thread, where its forwards will run (viasd.model_thread)
-        loaded = await asyncio.get_running_loop().run_in_executor(
+        return await asyncio.get_running_loop().run_in_executor(
             model_thread.executor(),
-            lambda: self._load(config, rank, world_size, master_addr, master_port, tp_backend, device),
+            lambda: self._setup(config, rank, world_size, master_addr, master_port, tp_backend, device),
         )
-        lm, mask, gates = loaded.lm, loaded.mask, loaded.gates
-        positions = getattr(lm.config, "max_position_embeddings", None)
-        per_token = kv_bytes_per_token(lm, None, mask, config.cache_policy) // world_size  # (heads are sharded)
-        capacity, context_name = engine_capacity(config, per_token, lm.device, [positions])
-        self.core = VerifierRank(
-            lm,
-            mask,
-            config.cache_policy,
-            capacity,
-            world_size=world_size,
-            cost_cache_dir=str(cost_cache_dir()),
-            cores=cores_lock(device, loaded.threads, world_size),
-        )
-        if world_size > 1:  # rank 0 decides sampled checks from the drafter's p; the others receive verdicts
-            from viasd.parallel import VerdictBroadcast
 
-            self.core.worker.verdicts = VerdictBroadcast(rank)
-            self.channel = loaded.channel
-        self._tokenizer = loaded.tokenizer if rank == 0 else None
-        return {
-            "rank": rank,
-            "vocab_size": lm.vocab_size,
-            "num_layers": lm.num_layers,
-            "skipped_layers": list(mask.skipped),
-            "mask_source": loaded.mask_source,
-            "gates": dataclasses.asdict(gates) if gates is not None else None,
-            "gates_source": loaded.gates_source,
-            "max_position_embeddings": positions,
-            "max_seq_len": capacity.max_seq_len,  # what its caches hold per row (engine_capacity)
-            "kv_blocks": capacity.kv_blocks,  # paged: blocks per tier
-            "context_name": context_name,
-            "eos_token_ids": list(loaded.eos),
-            "local_q_proj_rows": int(lm.layers[0].self_attn.q_proj.weight.shape[0]),  # this rank's shard
-            "weight_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),  # this rank's
-            "checkpoint_read": loaded.read,
-            "pid": os.getpid(),
-            "threads": loaded.threads,
-            "linears": loaded.linears,
-            "runtime": engine_dtype(config, device).as_dict(),  # the dtype choice, the CPU capability
-        }
-
-    @staticmethod
-    def _load(
+    def _setup(
+        self,
         config: EngineConfig,
         rank: int,
         world_size: int,
@@ -385,16 +322,20 @@ class VerifierWorker:
         master_port: int,
         tp_backend: str,
         device: str,
-    ) -> _Loaded:
-        """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread).
+    ) -> dict:
+        """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread);
+        its caches hold the engine's capacity (`engine_capacity`: this rank's share of the keys and
+        values, for the full tier and the slim one under the separate policy).
 
         Torch tensor parallelism reads only this rank's slices of the checkpoint (`load_causal_lm_shard`)
         unless a DIMR artifact that applies was not searched on these files (its checkpoint
         fingerprint): then every weight is read, its fingerprint checked, and sharded after.
         DeepSpeed shards a model loaded on the host."""
+        from viasd.engine import cost_cache_dir, engine_capacity, kv_bytes_per_token
         from viasd.llm import eos_ids, mask_needs_weights, resolve_gates, resolve_mask
         from viasd.models.loader import load_causal_lm, load_causal_lm_shard, resolve_model_dir
         from viasd.parallel import ControlChannel, TPBackend, TPGroup, shard_model
+        from viasd.quant import engine_linears  # (a rank quantizes its own slices: viasd.parallel.quantize_shard)
 
         threads = set_threads(config.threads, world_size)
         dtype = engine_dtype(config, device).dtype  # the target device's, also where the host loads
@@ -430,27 +371,51 @@ class VerifierWorker:
         if world_size > 1:
             if not sliced:
                 model = shard_model(model, TPBackend(tp_backend), group)
-            packed = LinearReport("off: sharded (its linears keep their own kernels)")
-        else:
-            packed = pack_linears(model, config, device, config.verifier)
-        read = "its slices" if sliced else "every weight"
-        channel = ControlChannel(rank, world_size) if world_size > 1 else None  # (every rank at once: collective)
-        return _Loaded(
-            MaskedLM(model), mask, mask_source, gates, gates_source, eos, tokenizer, threads, packed, read, channel
+            packed = engine_linears(model, config, device, config.verifier, dtype, tp=group, tp_backend=tp_backend)
+        else:  # the in-process engine's quantized and packed linears
+            packed = engine_linears(model, config, device, config.verifier, dtype)
+        lm = MaskedLM(model)
+        positions = getattr(lm.config, "max_position_embeddings", None)
+        per_token = kv_bytes_per_token(lm, None, mask, config.cache_policy) // world_size  # (heads are sharded)
+        capacity, context_name = engine_capacity(config, per_token, lm.device, [positions])
+        self.core = VerifierRank(
+            lm,
+            mask,
+            config.cache_policy,
+            capacity,
+            world_size=world_size,
+            cost_cache_dir=str(cost_cache_dir()),
+            cores=cores_lock(device, threads, world_size),
         )
+        if world_size > 1:  # rank 0 decides sampled checks from the drafter's p; the others receive verdicts
+            from viasd.parallel import VerdictBroadcast
+
+            self.channel = ControlChannel(rank, world_size)  # rank 0's calls to the others (every rank at once)
+            self.core.worker.verdicts = VerdictBroadcast(rank)
+        self._tokenizer = tokenizer if rank == 0 else None  # (None for a directory without one)
+        return {
+            **actor_facts(lm, capacity, context_name, threads, packed),
+            "rank": rank,
+            "skipped_layers": list(mask.skipped),
+            "mask_source": mask_source,
+            "gates": dataclasses.asdict(gates) if gates is not None else None,
+            "gates_source": gates_source,
+            "eos_token_ids": list(eos),
+            "local_q_proj_rows": int(_q_proj_rows(lm.layers[0].self_attn.q_proj)),  # this rank's shard
+            "weight_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),  # this rank's
+            "checkpoint_read": "its slices" if sliced else "every weight",  # what it read of the checkpoint
+            "runtime": engine_dtype(config, device).as_dict(),  # the dtype choice, the CPU capability
+        }
 
     async def serve(
-        self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: dict | None = None
+        self, followers: list, *, host: str = "127.0.0.1", check_ranks: bool = True, tls: InternalTLS | None = None
     ) -> str:
-        """Rank 0: start VerifierService (mutual TLS with `tls`, an InternalTLS), driving
-        `followers` (the handles of ranks 1..N-1, each following in its `follow` loop); return
-        its address."""
+        """Rank 0: start VerifierService (mutual TLS with `tls`), driving `followers` (the handles
+        of ranks 1..N-1, each following in its `follow` loop); return its address."""
         loops = [asyncio.wrap_future(f.follow.remote().future()) for f in followers]
         servicer = VerifierServicer(self.core, self.channel, loops, check_ranks=check_ranks)
-        self.server, port = await start_server(
-            lambda s: internal_pb2_grpc.add_VerifierServiceServicer_to_server(servicer, s), host, tls=internal_tls(tls)
-        )
-        address = f"{advertised_host(host)}:{port}"
+        add = internal_pb2_grpc.add_VerifierServiceServicer_to_server
+        self.server, address = await serve_internal(add, servicer, host, tls)
         log.info("verifier rank 0 serving on %s with %d follower rank(s)", address, len(followers))
         return address
 

@@ -1,35 +1,24 @@
 """The Ray Serve application: one deployment per pipeline, one replica = one whole pipeline.
 
-A replica starts its pipeline (drafter + verifier group + coordinator) in its constructor and
-serves it two ways:
+A replica starts its pipeline (drafter + verifier group + coordinator, or the in-process engine)
+in its constructor and serves it through one request handler (`cluster/handler.py`: defaults,
+admission, drain and metrics shared by both transports):
 
-* gRPC, through Serve's gRPC proxy: the public `viasd.v1.GenerationService` (Generate streams,
-  ListModels), by `viasd.cluster.grpc_api.GenerationServicer` — the same servicer the
-  standalone server runs — over this replica's request handler (`cluster/handler.py`: its
-  defaults, admission limits, drain and metrics, shared with HTTP). The proxy has no
-  interceptors, so each method checks the bearer token itself (the call's
-  ``authorization`` metadata, the same token as HTTP: `http.token_file` / `http.token_env`) and
-  ends a call without it with UNAUTHENTICATED;
-* the standard gRPC health service (`grpc.health.v1.Health/Check`, no token), through the same
-  proxy: SERVING while the pipeline answers, NOT_SERVING while it is down or draining, NOT_FOUND
-  for a service other than "" and `viasd.v1.GenerationService`;
-* HTTP, through Serve's HTTP proxy: the OpenAI-compatible FastAPI app of `openai_api`
-  (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics).
+* gRPC through Serve's gRPC proxy: `viasd.v1.GenerationService` by the standalone server's
+  `grpc_api.GenerationServicer`, and the standard health service (no token). The proxy has no
+  interceptors, so each method checks the bearer token of the HTTP API itself;
+* HTTP through Serve's HTTP proxy: the OpenAI-compatible app of `openai_api`.
 
-Autoscaling adds or removes whole pipelines (Serve's autoscaling_config from the ServeConfig).
-
-Faults are repaired inside the replica first: the replica runs `Pipeline.supervise`, which
-restarts a dead drafter and rebuilds a dead verifier group in the pipeline's own placement group,
-as the standalone server does. Serve's health check (`check_health`) reports the replica
-unhealthy — and Serve replaces it, pipeline and all — only when the pipeline stays down for longer
-than a rebuild may take (`PipelineConfig.start_timeout_s`), or when rebuilding is turned off.
+Autoscaling adds or removes whole pipelines. Faults are repaired inside the replica first
+(`Pipeline.supervise`); Serve's health check (`check_health`) reports the replica unhealthy, and
+Serve replaces it, only when the pipeline stays down for longer than a rebuild may take
+(`PipelineConfig.start_timeout_s`) or rebuilding is off.
 
     serve.start(http_options=..., grpc_options=grpc_options(config))
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
 
-KubeRay (serveConfigV2) uses the builder import path `viasd.cluster.app:app_builder` with
-`args: {config: /path/serve.yaml}` (or the ServeConfig fields inline, and `pipeline: NAME` for a
-pipeline other than the default one), and `grpc_servicer_functions: GRPC_SERVICERS`.
+KubeRay (serveConfigV2): import path `viasd.cluster.app:app_builder`, `grpc_servicer_functions:
+GRPC_SERVICERS` (docs/SERVING.md, "Architecture").
 """
 
 from __future__ import annotations
@@ -48,7 +37,7 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from viasd.cluster import drain
-from viasd.cluster.grpc_api import SERVICE_NAME, GenerationServicer, status_of
+from viasd.cluster.grpc_api import HEALTH_SERVICES, GenerationServicer, health_status, status_of
 from viasd.cluster.handler import Backend, RequestHandler, model_names
 from viasd.cluster.local import LocalPipeline
 from viasd.cluster.openai_api import build_http_app
@@ -64,7 +53,6 @@ GRPC_SERVICER = "viasd.v1.generation_pb2_grpc.add_GenerationServiceServicer_to_s
 #: The standard gRPC health service, routed by the proxy to the replica's `Check`.
 HEALTH_SERVICER = "grpc_health.v1.health_pb2_grpc.add_HealthServicer_to_server"
 GRPC_SERVICERS = [GRPC_SERVICER, HEALTH_SERVICER]
-HEALTH_SERVICES = ("", SERVICE_NAME)
 
 #: Deployment options every pipeline starts from; build_app overrides them from the ServeConfig.
 DEPLOYMENT_DEFAULTS: dict[str, Any] = {
@@ -87,11 +75,10 @@ class PipelineDeployment:
         backend = LocalPipeline if self.config.backend == "local" else Pipeline
         self.pipeline: Backend = await backend.start(pc)
         limits = self.config.limits
+        options = self.config.metrics
         metrics = ServingMetrics(
-            model_names(pc)[0],
-            enabled=self.config.metrics.enabled,  # the served name
-            ray_export=self.config.metrics.ray_export,
-        )
+            model_names(pc)[0], enabled=options.enabled, ray_export=options.ray_export
+        )  # (served name)
         self.server = RequestHandler(
             self.pipeline,
             default_params=self.config.default_params,
@@ -111,7 +98,7 @@ class PipelineDeployment:
         # `viasd drain` / SIGTERM of `viasd serve` (cluster/drain.py): drain, then end the rest with `abort`
         self._replica_id = f"{pc.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         registered = asyncio.Event()
-        self._drain_watch = asyncio.ensure_future(drain.watch(self._replica_id, self.server.drain, registered))
+        self._drain_watch = asyncio.ensure_future(drain.watch(self._replica_id, self.server.calls.drain, registered))
         try:  # serve only once a drain would wait for this replica
             await asyncio.wait_for(registered.wait(), pc.start_timeout_s)
         except TimeoutError:
@@ -123,10 +110,7 @@ class PipelineDeployment:
 
     def __serve_build_asgi_app__(self):
         """Serve's hook, called after the constructor: this replica's own FastAPI app."""
-        app = build_http_app()
-        app.state.server = self.server  # the routes find the replica's server here
-        app.state.token = self.token
-        return app
+        return build_http_app(self.server, self.token)
 
     def _authenticate(self, grpc_context) -> None:
         """End a gRPC call whose metadata lacks ``authorization: Bearer <token>`` with
@@ -166,9 +150,7 @@ class PipelineDeployment:
             _set_status(grpc_context, grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
             raise GRPCStatus(request.service)
         ok, _ = await self.server.health()
-        serving = ok and not self.server.calls.draining
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        return health_pb2.HealthCheckResponse(status=status)
+        return health_pb2.HealthCheckResponse(status=health_status(ok and not self.server.calls.draining))
 
     # ------------------------------------------------------------------ Serve hooks
 

@@ -1,33 +1,26 @@
 """Graceful drain of every Serve replica of the cluster, ending what is left with finish reason `abort`.
 
-Ray Serve's own graceful shutdown waits for a replica's requests up to
-`graceful_shutdown_timeout_s` and then kills the replica: streams still running are cut without a
-last message. `drain` does it the way the standalone server does (`guard.Calls.drain`), in every
-replica at once, before Serve is shut down:
-
-    operator (SIGTERM to `viasd serve`, or `viasd drain` in a pod's preStop hook)
-        -> DrainControl.start(timeout_s, node)      an order, for the cluster or for one node
-        -> the watcher of every replica concerned (RequestHandler.drain, cluster/handler.py): refuse new requests
-           (HTTP 503, gRPC UNAVAILABLE), let the running ones finish for up to timeout_s, end
-           the rest with finish reason `abort`, report how many
-        -> `drain` returns once every concerned replica reported (or the deadline passed)
-
-Replicas register (with their node) when they start and unregister in their destructor, so the
-caller knows whom to wait for. A drained replica keeps refusing requests. The control actor is
-detached (replicas come and go) and lives in the `viasd` namespace; `reset` removes it, so that a
-later start on the same cluster serves again. In Kubernetes (helm/via-sd) the head pod's preStop
-hook drains the cluster (the head going away ends it) and a worker pod's drains its own node.
+Serve's own graceful shutdown kills a replica after `graceful_shutdown_timeout_s`, cutting its
+streams without a last message. `drain` does it the way the standalone server does
+(`guard.Calls.drain`), in every replica at once, before Serve is shut down: an operator (SIGTERM
+to `viasd serve`, or `viasd drain` in a pod's preStop hook) gives an order to the detached
+`DrainControl` actor, for the cluster or one node; the watcher of every replica concerned
+refuses new requests, lets the running ones finish for up to timeout_s, ends the rest with
+`abort` and reports how many; `drain` returns once every concerned replica reported (or the
+deadline passed). Replicas register when they start and unregister in their destructor, so the
+caller knows whom to wait for; `reset` removes the actor, so that a later start serves again.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import time
 
 import ray
+
+from viasd.errors import InvalidParameterError
 
 log = logging.getLogger("viasd.cluster.drain")
 
@@ -150,27 +143,15 @@ def _this_node() -> str:
     return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == me)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`viasd drain`: join the running cluster and drain its replicas (a Kubernetes preStop hook)."""
-    ap = argparse.ArgumentParser(prog="viasd drain", description=main.__doc__)
-    ap.add_argument("--address", default="auto", help="Ray cluster address (default: the local one, 'auto')")
-    ap.add_argument(
-        "--timeout-s",
-        type=float,
-        default=30.0,
-        help="how long requests in flight may still run before they are aborted",
-    )
-    ap.add_argument(
-        "--this-node",
-        action="store_true",
-        help="only the replicas on this machine's Ray node (a worker pod going away)",
-    )
-    args = ap.parse_args(argv)
-    if args.timeout_s < 0:
-        ap.error("--timeout-s: must be >= 0")
-    ray.init(address=args.address, namespace=NAMESPACE, log_to_driver=False)
+def main(address: str = "auto", timeout_s: float = 30.0, this_node: bool = False) -> int:
+    """`viasd drain` (a Kubernetes preStop hook): join the running cluster at `address`, drain its
+    replicas (only those on this machine's node with `this_node`), print the result as JSON;
+    exit status 1 when a replica did not report."""
+    if timeout_s < 0:
+        raise InvalidParameterError("timeout_s", "must be >= 0")
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
     try:
-        result = drain(args.timeout_s, node=_this_node() if args.this_node else None)
+        result = drain(timeout_s, node=_this_node() if this_node else None)
     finally:
         ray.shutdown()
     print(json.dumps(result), flush=True)

@@ -1,20 +1,14 @@
 """The public gRPC API (viasd.v1.GenerationService): translation to and from the request handler.
 
 `GenerationServicer` serves named pipelines, one `handler.RequestHandler` each (requests naming
-no model go to the default one). It only translates:
+no model go to the default one): a GenerateRequest becomes a `handler.Request` (`request_of`),
+each `handler.Piece` a GenerateResponse, and errors status codes through the handler's error
+table (`status_of`: the bad field in the trailing metadata ``viasd-invalid-field``, a retry hint
+``viasd-retry-after-ms`` when the queue is full). Cancelling a Generate call aborts the request.
 
-* a GenerateRequest becomes a `handler.Request` (`request_of`: the input oneof, the parameters
-  the client set, stop strings included), and each `handler.Piece` a GenerateResponse;
-* errors become status codes through the handler's error table (`status_of`): INVALID_ARGUMENT
-  with the message "field: what is wrong" and the field in the trailing metadata key
-  ``viasd-invalid-field``; RESOURCE_EXHAUSTED with a retry hint (``viasd-retry-after-ms``) when
-  the queue is full; UNAVAILABLE when draining or a backend is down; INTERNAL otherwise.
-  Cancelling a Generate call closes the request's stream, which aborts it in the pipeline.
-
-Two hosts run it: the standalone server (`cluster/standalone.py`, grpc.aio, with TLS, tokens and
-health) through the grpc.aio methods `Generate` / `ListModels`, and the Serve deployment
-(`cluster/app.py`) through the cores `generate` / `list_models`, which raise instead of aborting
-a grpc.aio context (Serve's proxy has its own).
+Two hosts run it: the standalone server (`cluster/standalone.py`) through the grpc.aio methods
+`Generate` / `ListModels`, and the Serve deployment (`cluster/app.py`) through the cores
+`generate` / `list_models`, which raise instead of aborting a grpc.aio context.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from viasd.client.errors import INVALID_FIELD_KEY, RETRY_AFTER_KEY
 from viasd.cluster.guard import Calls, parse_request
@@ -49,6 +44,12 @@ from viasd.v1.convert import FINISH_TO_PB, MODE_TO_PB, logprobs_to_proto, params
 log = logging.getLogger("viasd.cluster.grpc_api")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name  # "viasd.v1.GenerationService"
+HEALTH_SERVICES = ("", SERVICE_NAME)  # what the standard health service reports on
+
+
+def health_status(serving: bool) -> int:
+    """The standard health service's status (grpc.health.v1.HealthCheckResponse)."""
+    return health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
@@ -56,13 +57,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
 
     def __init__(self, pipelines: dict[str, Backend], default: str, *, admission: Admission | None = None):
         """One handler per pipeline, sharing `admission` (None: no limit) and one drain."""
-        admission = admission or Admission(UNLIMITED, 0)
-        calls = Calls()
+        admission, calls = admission or Admission(UNLIMITED, 0), Calls()
+        shared = {"admission": admission, "calls": calls}
         self._init(
-            {
-                name: RequestHandler(p, name, admission=admission, calls=calls, metrics=ServingMetrics(name))
-                for name, p in pipelines.items()
-            },
+            {name: RequestHandler(p, name, metrics=ServingMetrics(name), **shared) for name, p in pipelines.items()},
             default,
         )
 
@@ -104,7 +102,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             handler = self.handler(request.model)
             values = request_of(request)
         except InvalidParameterError as exc:
-            self.handlers[self.default].count_error(error_of(exc))
+            self.handlers[self.default].refuse(exc)
             raise
         try:
             job = await handler.open(values)

@@ -15,7 +15,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
+from contextlib import suppress
 from typing import TypeVar
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -124,18 +125,14 @@ class Calls:
         self.draining = True
         self._idle = asyncio.Event()
         if self._running:
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), timeout_s)
-            except TimeoutError:
-                pass
         aborted = len(self._running)
         for abort in list(self._running):
             abort.set()
         if self._running:
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(self._idle.wait(), abort_grace_s)
-            except TimeoutError:
-                pass
         return aborted
 
 
@@ -162,12 +159,3 @@ async def until_aborted(awaitable: Awaitable[T], abort: asyncio.Event) -> T:
     except BaseException:  # noqa: BLE001 - the request is being aborted; its own error no longer matters
         pass
     raise Aborted()
-
-
-async def abortable(responses: AsyncIterator[T], abort: asyncio.Event) -> AsyncIterator[T]:
-    """Iterate `responses` until they end or `abort` is set (then raise Aborted)."""
-    while True:
-        try:
-            yield await until_aborted(responses.__anext__(), abort)
-        except StopAsyncIteration:
-            return

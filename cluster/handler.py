@@ -1,20 +1,14 @@
-"""The request handler: one request's lifecycle, the same for every transport.
+"""The request handler: one request's lifecycle, the same for every transport (docs/ARCHITECTURE.md,
+"The request path").
 
 `RequestHandler` owns one pipeline backend (`Backend`: the Ray actors of `cluster/pipeline.py`
-or the in-process engine of `cluster/local.py`) and does, for every request: the server's
-default parameters, validation with the field named, the context check, admission (a bounded
-number decoding at once, a bounded queue), tokenization and the chat template, incremental
-detokenization and stop strings, metrics, drain and abort (closing a request's stream aborts it
-in the pipeline). It knows nothing of HTTP or gRPC:
+or the in-process engine of `cluster/local.py`) and knows nothing of HTTP or gRPC:
 
 * input: a `Request` (a prompt, chat messages or token ids, plus parameter overrides);
 * output: a `Job`, an async iterator of `Piece` (text delta, token ids; the last one has the
-  finish reason and the statistics);
+  finish reason and the statistics); closing it aborts the request in the pipeline;
 * errors: `RequestError`, whose `ErrorKind` is one row of the error table `ERRORS` (HTTP status,
   gRPC status code name, metrics label, OpenAI error type); `error_of` maps any exception to it.
-
-The OpenAI HTTP routes (`openai_api`), the gRPC service (`grpc_api`, run by the standalone
-server and by the Serve deployment) only translate to and from these types.
 """
 
 from __future__ import annotations
@@ -292,9 +286,7 @@ class Job:
                 exc = DrainedError(self.id)
             if not isinstance(exc, Exception):
                 raise
-            err = error_of(exc)
-            self.handler.count_error(err)
-            raise err from None
+            raise self.handler.refuse(exc) from None
 
     def _end(self, index: int, reason: str, stats: dict | None, request_stats: RequestStats | None = None) -> Piece:
         """A sample's last piece is made: record it, and the request's end once every sample has ended."""
@@ -396,8 +388,7 @@ class Job:
 
     async def fail(self, exc: BaseException) -> RequestError:
         """An error after the stream started: counted, the request ended; the error to report."""
-        err = error_of(exc)
-        self.handler.count_error(err)
+        err = self.handler.refuse(exc)
         await self.aclose()
         return err
 
@@ -461,24 +452,16 @@ class RequestHandler:
         self.kv_held = 0
         self.calls = calls if calls is not None else Calls()  # requests in flight, HTTP and gRPC: for `drain`
 
-    async def drain(self, timeout_s: float) -> int:
-        """Refuse new requests (HTTP 503 / gRPC UNAVAILABLE), let the running ones finish for up to
-        `timeout_s`, then end the rest with finish reason `abort`; returns how many were aborted."""
-        return await self.calls.drain(timeout_s)
-
     def hold_kv(self, positions: int) -> None:
         """A request took (or, negative, gave back) KV-cache positions."""
         self.kv_held += positions
         if self.kv_capacity and self.kv_capacity < UNLIMITED:
             self.metrics.set_kv_usage(min(1.0, self.kv_held / self.kv_capacity))
 
-    def count_error(self, err: RequestError) -> None:
-        self.metrics.error(err.kind.label)
-
     def refuse(self, exc: BaseException) -> RequestError:
-        """The table's error of a request refused before it started, counted."""
+        """The table's error of a request that failed (`error_of`), counted."""
         err = error_of(exc)
-        self.count_error(err)
+        self.metrics.error(err.kind.label)
         return err
 
     def info(self) -> dict:
@@ -487,6 +470,13 @@ class RequestHandler:
 
     def answers_to(self, model: str | None) -> bool:
         return not model or model in self.names
+
+    def check_model(self, model: str | None) -> None:
+        """RequestError MODEL_NOT_FOUND (field `model`) unless this pipeline answers to `model`."""
+        if not self.answers_to(model):
+            raise RequestError(
+                MODEL_NOT_FOUND, f"model: {model!r} is not served here; /v1/models lists {self.name!r}", "model"
+            )
 
     def params(self, values: dict[str, Any]) -> GenerationParams:
         """The server's defaults overridden by the request's values; InvalidParameterError names the field."""
@@ -503,18 +493,16 @@ class RequestHandler:
         try:
             if self.calls.draining:
                 raise RequestError(SHUTTING, SHUTTING_DOWN)
-            if not self.answers_to(request.model):
-                raise RequestError(
-                    MODEL_NOT_FOUND,
-                    f"model: {request.model!r} is not served here; /v1/models lists {self.name!r}",
-                    "model",
-                )
+            self.check_model(request.model)
             values = request.params
             params = self.params(values)
             if request.request_id is not None and len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidParameterError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
             prompt_ids = await asyncio.to_thread(prompt_ids_of, self.tokenizer, request.prompt, request.messages)
-            self.check_context(prompt_ids)
+            if self.max_context and len(prompt_ids) >= self.max_context:  # (a bad token id: the pipeline refuses it)
+                raise InvalidParameterError(
+                    "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_context}"
+                )
             if request.fill_context and "max_tokens" not in values and "max_tokens" not in self.default_params:
                 room = self.max_context - len(prompt_ids) if self.max_context else self.max_tokens_default
                 params = params.model_copy(update={"max_tokens": min(room, self.max_tokens_default)})
@@ -553,13 +541,6 @@ class RequestHandler:
         if bad is not None:
             raise InvalidParameterError("tokens", f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         return self.tokenizer.decode(list(token_ids))
-
-    def check_context(self, prompt_ids: list[int]) -> None:
-        if self.max_context and len(prompt_ids) >= self.max_context:
-            raise InvalidParameterError(
-                "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_context}"
-            )
-        # token ids outside the vocabulary are refused by the pipeline (field "prompt")
 
     async def health(self, timeout_s: float = 10.0) -> tuple[bool, dict]:
         """(healthy, detail): every component of the pipeline answers (its session counts) in time."""

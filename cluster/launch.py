@@ -52,7 +52,6 @@ def app_name(config: ServeConfig, pipeline: str) -> str:
 
 
 def _ray_init(config: ServeConfig) -> None:
-
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -74,7 +73,6 @@ def _ray_init(config: ServeConfig) -> None:
 
 def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> Endpoints:
     """Start Ray (unless running), Serve's proxies and every pipeline's application; wait until ready."""
-
     _ray_init(config)
     serve.start(http_options=HTTPOptions(**http_options(config)), grpc_options=grpc_options(config))
     apps, routes = {}, {}
@@ -91,7 +89,6 @@ def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> En
 
 
 def _wait_running(apps: list[str], timeout_s: float | None) -> None:
-
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
         statuses = serve.status().applications
@@ -106,16 +103,8 @@ def _wait_running(apps: list[str], timeout_s: float | None) -> None:
         time.sleep(0.5)
 
 
-def drain(config: ServeConfig) -> dict:
-    """Drain every replica (cluster/drain.py): new requests refused, running ones given
-    limits.drain_timeout_s, the rest ended with finish reason `abort`."""
-
-    return draining.drain(config.limits.drain_timeout_s)
-
-
 def stop() -> None:
     """Shut Serve and the Ray this process started down."""
-
     try:
         serve.shutdown()
         draining.reset()
@@ -148,7 +137,7 @@ def serve_forever(config: ServeConfig) -> int:
         while not stop_event.wait(0.5):
             pass
         print(f"[viasd] draining for up to {config.limits.drain_timeout_s:g}s", file=sys.stderr, flush=True)
-        result = drain(config)
+        result = draining.drain(config.limits.drain_timeout_s)  # new requests refused, the rest `abort` after it
         time.sleep(FLUSH_GRACE_S)
         aborted = sum(result["reports"].values())
         print(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from viasd.cluster.pipeline import PipelineConfig
+from viasd.cluster.pipeline import PipelineConfig, pipeline_info
 from viasd.engine import AsyncEngine
 from viasd.errors import InvalidParameterError
 from viasd.llm import LLM
@@ -31,20 +31,8 @@ class LocalPipeline:
         return cls(await asyncio.to_thread(LLM, config.engine), config)
 
     def info(self) -> dict:
-        e, cfg = self.llm.engine, self.config
-        return {
-            "name": cfg.name,
-            "verifier": cfg.engine.verifier,
-            "drafter": cfg.engine.drafter or "",
-            "num_layers": e.verifier.num_layers,
-            "skipped_layers": list(e.mask.skipped),
-            "tensor_parallel_size": 1,
-            "max_context": e.max_context or 0,
-            "default_mode": cfg.mode.value,
-            "runtime": self.llm.runtime_info(),  # the dtype choice and the CPU capability
-            "kv_capacity_tokens": e.capacity.tokens,  # 0: unbounded
-            "capacity": e.capacity.describe(),
-        }
+        e = self.llm.engine
+        return pipeline_info(self.config, e, e.verifier.num_layers, e.mask.skipped, self.llm.runtime_info())
 
     async def session_counts(self) -> dict:
         """Nothing runs outside this process: no sessions to count (the health probe always answers)."""

@@ -1,29 +1,12 @@
 """The OpenAI-compatible HTTP API: request bodies, their translation to the request handler, the routes.
 
-Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streaming with `data: {...}`
-chunks and a final `data: [DONE]`, or one JSON object), `GET /v1/models`, `GET /v1/models/{id}`,
-`POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`, `GET /version`, `GET /health`, `GET /metrics` (Prometheus).
-
-Bodies are parsed as vLLM parses them:
-
-* OpenAI's parameter names, each mapped to the engine through one table, `OPENAI_FIELDS`
-  (the GenerationParams field it sets; or, for a feature not wired to the engine yet, the values
-  that mean "not asked for" and what to do instead); plus the via-sd extensions under the names
-  of `viasd.config.GenerationParams` (mode, gamma, alpha1, alpha2, top_k, ...);
-* an explicit `null` means the default;
-* an unknown field is accepted, logged once per field name and listed in the response header
-  `x-viasd-ignored-fields`, except a near-miss of a known name (`gama`), refused as a typo;
-* a value of the wrong type, or a feature this server does not do (`tools`, `best_of > 1`,
-  `response_format` other than text, ...), is a 400 that names the field and says what to do:
-  `{"error": {"message": ..., "type": "invalid_request_error", "param": field, "code": 400}}`.
-
-Defaults: parameters a request leaves out take the server's (`ServeConfig.default_params`, then
-GenerationParams' own: greedy, `auto`, 128 tokens); a chat completion without `max_tokens` may
-use the rest of the context, at most `limits.max_tokens_default` tokens.
-
-Responses carry OpenAI's `usage` and a `viasd_stats` object (`viasd.metrics.RequestStats`):
-on the last streamed chunk, and on the non-streaming response. Errors use the handler's error
-table (`cluster/handler.py`): 400, 404 (unknown model), 429 (queue full, with Retry-After), 503.
+Endpoints, body parsing, defaults and errors are listed in docs/SERVING.md ("Endpoints"). Bodies
+are parsed as vLLM parses them: OpenAI's names, each mapped to the engine through one table,
+`OPENAI_FIELDS`, plus the via-sd parameters under their `GenerationParams` names; an explicit
+`null` is the default; an unknown field is ignored and listed in the response header
+`x-viasd-ignored-fields`, unless it is a near-miss of a known name (a typo, refused); a wrong
+type or a feature not served is a 400 naming the field and saying what to do instead. Errors
+take the handler's error table (`cluster/handler.py`) in OpenAI's shape.
 
 The routes are plain functions over `request.app.state.server` (a `handler.RequestHandler`), so
 the same app runs under Ray Serve's ingress (one replica = one pipeline) and under plain uvicorn.
@@ -48,7 +31,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import viasd
 from viasd.cluster.handler import (
-    MODEL_NOT_FOUND,
     REJECTED,
     RETRY_AFTER_S,
     Job,
@@ -72,6 +54,7 @@ IGNORED_FIELDS_HEADER = "x-viasd-ignored-fields"  # the unknown fields a request
 class OpenAIField:
     """How one OpenAI (or vLLM) request field reaches the engine."""
 
+    type: Any  # its type in a body (a type error names the field)
     param: str | None  # the GenerationParams field it sets; None: not wired to the engine (yet)
     unused: tuple = (None,)  # values that ask for nothing: accepted while `param` is None
     todo: str = ""  # the 400's advice when an unwired field asks for something
@@ -80,58 +63,39 @@ class OpenAIField:
 
 #: Every OpenAI / vLLM sampling field: wiring a new engine feature is one entry here.
 OPENAI_FIELDS: dict[str, OpenAIField] = {
-    "max_tokens": OpenAIField("max_tokens"),
-    "max_completion_tokens": OpenAIField("max_tokens"),  # OpenAI's newer name (chat)
-    "temperature": OpenAIField("temperature"),
-    "top_p": OpenAIField("top_p"),
-    "seed": OpenAIField("seed"),
-    "stop": OpenAIField("stop"),
-    "n": OpenAIField("n"),  # n samples sharing one prefill: choices 0..n-1
-    "best_of": OpenAIField(None, (None, 1), "only best_of=1 is served"),
-    "presence_penalty": OpenAIField("presence_penalty"),
-    "frequency_penalty": OpenAIField("frequency_penalty"),
-    "repetition_penalty": OpenAIField("repetition_penalty"),  # vLLM's extension
-    "logit_bias": OpenAIField("logit_bias"),  # {"token id": bias}
-    "logprobs": OpenAIField("logprobs"),  # completions: k alternatives; chat: true / false
-    "top_logprobs": OpenAIField("logprobs"),  # chat: k alternatives (needs logprobs: true)
+    "max_tokens": OpenAIField(int, "max_tokens"),
+    "max_completion_tokens": OpenAIField(int, "max_tokens"),  # OpenAI's newer name (chat)
+    "temperature": OpenAIField(float, "temperature"),
+    "top_p": OpenAIField(float, "top_p"),
+    "seed": OpenAIField(int, "seed"),
+    "stop": OpenAIField(str | list[str], "stop"),
+    "n": OpenAIField(int, "n"),  # n samples sharing one prefill: choices 0..n-1
+    "best_of": OpenAIField(int, None, (None, 1), "only best_of=1 is served"),
+    "presence_penalty": OpenAIField(float, "presence_penalty"),
+    "frequency_penalty": OpenAIField(float, "frequency_penalty"),
+    "repetition_penalty": OpenAIField(float, "repetition_penalty"),  # vLLM's extension
+    "logit_bias": OpenAIField(dict[str, float], "logit_bias"),  # {"token id": bias}
+    "logprobs": OpenAIField(bool | int, "logprobs"),  # completions: k alternatives; chat: true / false
+    "top_logprobs": OpenAIField(int, "logprobs"),  # chat: k alternatives (needs logprobs: true)
     "echo": OpenAIField(
+        bool,
         None,
         transport="Return the prompt before the generated text; with logprobs, the prompt tokens' logprobs "
         "too (the first token's is null), as lm-eval's loglikelihood requests need.",
     ),
-    "suffix": OpenAIField(None, (None,), "suffix (fill in the middle) is not served; put the text in the prompt"),
-    "min_tokens": OpenAIField(None, (None, 0), "min_tokens is not served; leave it unset (or 0)"),
-    "use_beam_search": OpenAIField(None, (None, False), "beam search is not served"),
+    "suffix": OpenAIField(str, None, (None,), "suffix (fill in the middle) is not served; put the text in the prompt"),
+    "min_tokens": OpenAIField(int, None, (None, 0), "min_tokens is not served; leave it unset (or 0)"),
+    "use_beam_search": OpenAIField(bool, None, (None, False), "beam search is not served"),
     "tools": OpenAIField(
-        None, (None, []), "tool calls are not served: describe the tools in the prompt and parse the reply yourself"
+        list,
+        None,
+        (None, []),
+        "tool calls are not served: describe the tools in the prompt and parse the reply yourself",
     ),
-    "tool_choice": OpenAIField(None, (None, "none", "auto"), "tool calls are not served"),
+    "tool_choice": OpenAIField(str | dict, None, (None, "none", "auto"), "tool calls are not served"),
     "response_format": OpenAIField(
-        None, (None, {"type": "text"}), "only {'type': 'text'} is served: ask for JSON in the prompt"
+        dict, None, (None, {"type": "text"}), "only {'type': 'text'} is served: ask for JSON in the prompt"
     ),
-}
-_TYPES: dict[str, Any] = {  # the type of each OPENAI_FIELDS entry in a body (type errors name the field)
-    "max_tokens": int,
-    "max_completion_tokens": int,
-    "temperature": float,
-    "top_p": float,
-    "seed": int,
-    "stop": str | list[str],
-    "n": int,
-    "best_of": int,
-    "presence_penalty": float,
-    "frequency_penalty": float,
-    "repetition_penalty": float,
-    "logit_bias": dict[str, float],
-    "logprobs": bool | int,
-    "top_logprobs": int,
-    "echo": bool,
-    "suffix": str,
-    "min_tokens": int,
-    "use_beam_search": bool,
-    "tools": list,
-    "tool_choice": str | dict,
-    "response_format": dict,
 }
 _COMPLETION_ONLY = ("echo", "best_of", "suffix")
 _CHAT_ONLY = ("max_completion_tokens", "tools", "tool_choice", "response_format", "top_logprobs")
@@ -140,7 +104,7 @@ EXTENSIONS = tuple(n for n in GenerationParams.model_fields if n not in {f.param
 
 
 def _fields(names) -> dict:
-    return {n: (_TYPES[n] | None, Field(None, description=_describe(n))) for n in names}
+    return {n: (OPENAI_FIELDS[n].type | None, Field(None, description=_describe(n))) for n in names}
 
 
 def _describe(name: str) -> str:
@@ -304,30 +268,20 @@ def prompts_of(body: BaseModel) -> list:
 
 def request_of(body: BaseModel, chat: bool) -> tuple[list[HandlerRequest], list[str]]:
     """The handler's requests of an OpenAI body (one per prompt of a completions body), and the
-    unknown fields it ignored."""
+    unknown fields it ignored (InvalidParameterError names a field refused)."""
     ignored = check_fields(body)
-    params = param_values(body)
+    common = {"params": param_values(body), "model": body.model}
     if chat:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        return [
-            HandlerRequest(messages=messages, params=params, model=body.model, id_prefix="chatcmpl-", fill_context=True)
-        ], ignored
-    return [
-        HandlerRequest(prompt=p, params=params, model=body.model, id_prefix="cmpl-") for p in prompts_of(body)
-    ], ignored
+        chat_request = HandlerRequest(
+            messages=messages_of(body.messages), id_prefix="chatcmpl-", fill_context=True, **common
+        )
+        return [chat_request], ignored
+    return [HandlerRequest(prompt=p, id_prefix="cmpl-", **common) for p in prompts_of(body)], ignored
 
 
-def _translate(handler: RequestHandler, body: BaseModel, chat: bool) -> tuple[list[HandlerRequest], list[str]]:
-    try:
-        return request_of(body, chat)
-    except InvalidParameterError as exc:
-        raise handler.refuse(exc) from None
-
-
-async def open_openai(handler: RequestHandler, body: BaseModel, chat: bool) -> Prompts:
-    """Translate, validate, admit and start an OpenAI request: its prompts' jobs (RequestError
-    when one is refused: the others are closed)."""
-    return await Prompts.open(handler, _translate(handler, body, chat)[0])
+def messages_of(messages: list[ChatMessage]) -> list[dict]:
+    """Chat messages as the handler takes them ({"role", "content"})."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class JobFailed(Exception):
@@ -424,7 +378,13 @@ def usage(*stats: dict | None) -> dict:
     """OpenAI's usage of one or more requests' stats (a completions body's prompts: summed)."""
     p = sum((s or {}).get("prompt_tokens", 0) for s in stats)
     c = sum((s or {}).get("generated_tokens", 0) for s in stats)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+    cached = sum((s or {}).get("cached_tokens", 0) for s in stats)
+    return {
+        "prompt_tokens": p,
+        "completion_tokens": c,
+        "total_tokens": p + c,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def sse(obj: dict | str) -> bytes:
@@ -479,12 +439,10 @@ class Choices:
         self.logprobs = job.params.logprobs is not None
         self.prompt_text = ""
         if self.echo:
-            self.prompt_text = prompt if isinstance(prompt, str) else self._decode(job.prompt_ids)
+            decoded = self.tokenizer.decode(job.prompt_ids) if self.tokenizer is not None else ""
+            self.prompt_text = prompt if isinstance(prompt, str) else decoded
         self._offset: dict[int, int] = {}  # choice -> characters of text so far (completions' text_offset)
         self._pieces: dict[int, list[Piece]] = {}  # whole responses: each choice's pieces
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _choice(self, index: int, text: str, ids: list[int], entries: list | None, finish: str | None) -> dict:
         choice: dict[str, Any] = {"index": self.first + index, "logprobs": None, "finish_reason": finish}
@@ -574,10 +532,11 @@ class Choices:
 OPEN_PATHS = ("/health", "/metrics")  # served without a token (probes, Prometheus)
 
 
-def build_http_app():
-    """The FastAPI app; its routes read the replica's `RequestHandler` from `app.state.server` and
-    the bearer token (None: no authentication) from `app.state.token`."""
+def build_http_app(server: RequestHandler, token: str | None = None):
+    """The FastAPI app over `server` (a replica's `RequestHandler`, kept in `app.state.server`),
+    requiring the bearer token `token` (None: no authentication)."""
     app = FastAPI(title="via-sd", description="OpenAI-compatible API of a via-sd pipeline", version="1")
+    app.state.server, app.state.token = server, token
 
     @app.middleware("http")
     async def _limit_body(request: Request, call_next):
@@ -622,24 +581,26 @@ def build_http_app():
         message = f"body: {exc.detail}" if field else str(exc.detail)
         return JSONResponse(error_body(exc.status_code, message, field), exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(RequestError)
+    @app.exception_handler(RequestError)  # (counted where it was raised)
     async def _request_error(request: Request, exc: RequestError):
         return error_response(exc)
 
-    def server(request: Request) -> RequestHandler:
-        return request.app.state.server
+    @app.exception_handler(InvalidParameterError)  # a bad field found by a route: counted here
+    async def _invalid_parameter(request: Request, exc: InvalidParameterError):
+        return error_response(server(request).refuse(exc))
 
-    def check_model(handler: RequestHandler, model: str | None) -> None:
-        if not handler.answers_to(model):
-            raise handler.refuse(
-                RequestError(
-                    MODEL_NOT_FOUND, f"model: {model!r} is not served here; /v1/models lists {handler.name!r}", "model"
-                )
-            )
+    def server(request: Request, model: str | None = None) -> RequestHandler:
+        """The replica's handler; RequestError (counted) when it does not serve `model`."""
+        handler = request.app.state.server
+        try:
+            handler.check_model(model)
+        except RequestError as exc:
+            raise handler.refuse(exc) from None
+        return handler
 
     async def _serve(request: Request, body: BaseModel, chat: bool):
         handler = server(request)
-        translated, ignored = _translate(handler, body, chat)
+        translated, ignored = request_of(body, chat)
         prompts = await Prompts.open(handler, translated)  # validated and admitted, or RequestError
         texts = [None] if chat else prompts_of(body)
         choices = [Choices(job, chat, body, t, i * job.params.n) for i, (job, t) in enumerate(zip(prompts.jobs, texts))]
@@ -715,37 +676,22 @@ def build_http_app():
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        handler = server(request)
-        check_model(handler, model_id)
-        return model_card(handler, model_id, int(time.time()))
+        return model_card(server(request, model_id), model_id, int(time.time()))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
-        handler = server(request)
-        check_model(handler, body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages] if body.messages else None
-        try:
-            ids = await asyncio.to_thread(handler.tokenize, body.prompt, messages)
-        except InvalidParameterError as exc:
-            raise handler.refuse(exc) from None
+        handler = server(request, body.model)
+        messages = messages_of(body.messages) if body.messages else None
+        ids = await asyncio.to_thread(handler.tokenize, body.prompt, messages)
         return {"count": len(ids), "max_model_len": handler.max_context, "tokens": ids}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info(request: Request):
-        handler = server(request)
-        try:
-            return handler.tokenizer_info()
-        except InvalidParameterError as exc:
-            raise handler.refuse(exc) from None
+        return server(request).tokenizer_info()
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest, request: Request):
-        handler = server(request)
-        check_model(handler, body.model)
-        try:
-            return {"prompt": await asyncio.to_thread(handler.detokenize, body.tokens)}
-        except InvalidParameterError as exc:
-            raise handler.refuse(exc) from None
+        return {"prompt": await asyncio.to_thread(server(request, body.model).detokenize, body.tokens)}
 
     @app.get("/version")
     async def version():

@@ -4,23 +4,16 @@
     async for chunk in pipeline.coordinator.generate("req-1", prompt_ids, params): ...
     await pipeline.shutdown()
 
-`Pipeline.start` reserves one placement group (bundle 0: the drafter; bundles 1..N: verifier
-ranks 0..N-1; STRICT_PACK by default, so the drafter and every rank share a node and the gRPC
-hops stay on it), starts the actors, lets every verifier rank load and shard the model at once
-(they rendezvous on rank 0's node) and starts the gRPC services. Each actor sizes its caches from
-the engine config (`max_batch` rows, `kv_cache_gib` its own budget); the coordinator is the
-engine's step loop over them (`Engine.over(ServedExecutor)`, `AsyncEngine`), whose capacity is
-what every actor holds: past `max_batch` requests, requests wait in its queue, as in process.
-Ray must already be initialised (`ray.init`, or inside a Serve replica). Autoscaling adds
-pipelines; each is independent.
+`Pipeline.start` reserves one placement group (bundle 0: the drafter; then one per verifier rank;
+STRICT_PACK by default, so the gRPC hops stay on one node), starts the actors (the ranks load
+and shard at once, rendezvousing on rank 0's node) and their gRPC services, and runs the
+engine's step loop over them (`Engine.over(ServedExecutor)`, `AsyncEngine`) at the capacity every
+actor's caches hold. Ray must already be initialised (`ray.init`, or inside a Serve replica).
 
 Faults: `probe()` asks every actor for its session count under a deadline; `heal()` replaces a
-dead drafter (a new actor in bundle 0) or, when any verifier rank died, the whole verifier group
-(new ranks in the same bundles, a new rendezvous), and points the coordinator at the new
-services. `supervise(on_health)` runs both in a loop (woken at once when a request finds a
-backend UNAVAILABLE) and reports health down / up around a rebuild. While the drafter is down,
-requests finish as `ar` (`drafter_fallback`); requests in flight on a dead verifier fail with
-UNAVAILABLE.
+dead drafter, or the whole verifier group when a rank died, and points the coordinator at the
+new services; `supervise(on_health)` runs both in a loop, woken at once when a request finds a
+backend UNAVAILABLE (docs/SERVING.md, "The pipeline and the standalone gRPC server").
 """
 
 from __future__ import annotations
@@ -148,11 +141,8 @@ def _bundle(cpus: float, gpus: float) -> dict[str, float]:
     return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}
 
 
-#: The model actors' environment: Ray starts every worker at niceness 15 (its `worker_niceness`,
-#: so that tasks yield to the raylet), which puts the forwards below every Ray daemon, agent and
-#: other process of the node (nice 0): beside one that stays busy, a thread at 15 gets 36 / 1060
-#: of a core (CFS weights). The drafter and the verifier ranks run at 0, as Ray runs its own job
-#: supervisor; Serve's actors keep 15.
+#: The model actors' environment: niceness 0, not the 15 Ray starts its workers at, which would
+#: put the forwards below every daemon of the node (docs/ARCHITECTURE.md, "Threads").
 MODEL_ACTOR_ENV = {"RAY_worker_niceness": "0"}
 
 
@@ -164,10 +154,6 @@ def _place(pg, index: int, cpus: float, gpus: float) -> dict:
         scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
         runtime_env={"env_vars": MODEL_ACTOR_ENV},
     )
-
-
-def _tls_json(config: PipelineConfig) -> dict | None:
-    return config.internal_tls.model_dump(mode="json") if config.internal_tls else None
 
 
 @ray.remote(num_cpus=0)
@@ -186,10 +172,9 @@ async def _resolve_dtype(config: PipelineConfig, pg) -> tuple[PipelineConfig, di
         return config, None
     device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
     first = 1 if config.engine.drafter is not None else 0
-    choice = await _dtype_choice.options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=first),
-        runtime_env={"env_vars": MODEL_ACTOR_ENV},
-    ).remote(config.engine.model_dump(mode="json"), device)
+    choice = await _dtype_choice.options(**_place(pg, first, 0, 0)).remote(
+        config.engine.model_dump(mode="json"), device
+    )
     return config.model_copy(update={"engine": config.engine.model_copy(update={"dtype": choice["dtype"]})}), choice
 
 
@@ -203,7 +188,7 @@ async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
         device="cuda" if config.drafter_gpus > 0 else "cpu",
         ranks=config.tp_size,
         probs_dtype=config.draft_probs_dtype,
-        tls=_tls_json(config),
+        tls=config.internal_tls,
     )
     return drafter, info
 
@@ -236,7 +221,7 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
         )
     )
     address = await ranks[0].serve.remote(
-        ranks[1:], host=config.bind_host, check_ranks=config.check_ranks, tls=_tls_json(config)
+        ranks[1:], host=config.bind_host, check_ranks=config.check_ranks, tls=config.internal_tls
     )
     tokenizer = await ranks[0].tokenizer.remote()
     info = {**infos[0], "rank_pids": [i["pid"] for i in infos]}  # rank 0's facts; every rank's process
@@ -270,12 +255,31 @@ def _engine(config: PipelineConfig, verifier_address: str, verifier: dict, draft
             e.prefill_chunk,
             e.kv_block_size,
             min((i["kv_blocks"] for i in sides if i.get("kv_blocks")), default=None),
+            e.prefix_caching,
         ),
         eos_token_ids=verifier["eos_token_ids"],
         context_name=least["context_name"] if least else "max_context",
         gates=Gates(**verifier["gates"]) if verifier.get("gates") else None,
         drafter_fallback=config.drafter_fallback,
     )
+
+
+def pipeline_info(config: PipelineConfig, engine: Engine, num_layers: int, skipped: list[int], runtime: dict) -> dict:
+    """What ListModels and /v1/models report about a pipeline (the ModelInfo fields) whose engine
+    is `engine`."""
+    return {
+        "name": config.name,
+        "verifier": config.engine.verifier,
+        "drafter": config.engine.drafter or "",
+        "num_layers": num_layers,
+        "skipped_layers": list(skipped),
+        "tensor_parallel_size": config.tp_size,
+        "max_context": engine.max_context or 0,
+        "default_mode": config.mode.value,
+        "kv_capacity_tokens": engine.capacity.tokens,  # 0: unbounded
+        "capacity": engine.capacity.describe(),
+        "runtime": runtime,  # the dtype choice and the CPU capability
+    }
 
 
 class Pipeline:
@@ -325,10 +329,8 @@ class Pipeline:
             if has_drafter:
                 starts.append(_start_drafter(config, pg, actors))
             results = await asyncio.wait_for(asyncio.gather(*starts), config.start_timeout_s)
-            (ranks, verifier_info, address, tokenizer), (drafter, drafter_info) = (
-                results[0],
-                (results[1] if has_drafter else (None, None)),
-            )
+            ranks, verifier_info, address, tokenizer = results[0]
+            drafter, drafter_info = results[1] if has_drafter else (None, None)
             verifier_info["runtime"] = dtype or verifier_info["runtime"]  # (auto: why it chose, not "requested")
             coordinator = AsyncEngine(_engine(config, address, verifier_info, drafter_info))
         except BaseException:
@@ -360,21 +362,9 @@ class Pipeline:
 
     def info(self) -> dict:
         """What ListModels reports about this pipeline."""
-        e = self.config.engine
-        return {
-            "name": self.config.name,
-            "verifier": e.verifier,
-            "drafter": e.drafter or "",
-            "num_layers": self.verifier_info["num_layers"],
-            "skipped_layers": list(self.verifier_info["skipped_layers"]),
-            "tensor_parallel_size": self.config.tp_size,
-            "max_context": self.coordinator.engine.max_context or 0,
-            "default_mode": self.config.mode.value,
-            "kv_capacity_tokens": self.coordinator.engine.capacity.tokens,  # 0: unbounded
-            "capacity": self.coordinator.engine.capacity.describe(),
-            # the verifier's dtype choice and CPU capability, and the linears both models packed
-            "runtime": {**self.verifier_info["runtime"], **kernels(self._linears())},
-        }
+        v = self.verifier_info  # (runtime: its dtype choice and CPU capability, and what both models packed)
+        runtime = {**v["runtime"], **kernels(self._linears())}
+        return pipeline_info(self.config, self.coordinator.engine, v["num_layers"], v["skipped_layers"], runtime)
 
     def _linears(self) -> list[LinearReport]:
         """What each model's actor packed: the verifier's rank 0, then the drafter."""

@@ -4,19 +4,11 @@ token of the HTTP API: `read_token`, `bearer_ok`, used by cluster/openai_api.py)
     security = GRPCSecurity(tls_cert_file="server.pem", tls_key_file="server.key", token_file="token")
     server = await serve_grpc(servicer, 9000, "0.0.0.0", security=security)
 
-* TLS: the server presents `tls_cert_file` / `tls_key_file` (PEM). Mutual TLS: `client_ca_file`
-  verifies client certificates; `require_client_cert` refuses a client without one.
-* Bearer token: every call except the standard health service must carry the metadata
-  ``authorization: Bearer <token>``; the value is compared in constant time
-  (`hmac.compare_digest`) and a missing or wrong token ends the call with UNAUTHENTICATED. The
-  health service stays open so that load balancers and Kubernetes probes need no secret (it tells
-  only whether the server is serving). The token comes from a file (`token_file`) or an
-  environment variable (`token_env`, default ``VIASD_API_TOKEN``), never from a command-line
-  literal, which any user of the machine could read in ``ps``.
-
-Ray Serve's gRPC proxy has no TLS and no interceptors: the Serve deployment (cluster/app.py)
-checks the same bearer token itself, from each call's metadata, with `token_denial`; the
-standalone server (``python -m viasd.cluster.standalone``) is the endpoint that also does TLS.
+Every call but the standard health service (open to probes) must carry ``authorization: Bearer
+<token>``, compared in constant time; else UNAUTHENTICATED. The token comes from a file or an
+environment variable, never from a command-line literal (``ps`` shows those). Serve's gRPC proxy
+has no TLS and no interceptors: the Serve deployment (cluster/app.py) checks the same token itself
+(`token_denial`). docs/SERVING.md, "Security".
 """
 
 from __future__ import annotations
@@ -29,6 +21,7 @@ from typing import Any
 import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from viasd.actors.rpc import read_file
 from viasd.config import validate_named
 from viasd.errors import InvalidParameterError
 
@@ -88,8 +81,8 @@ class GRPCSecurity(BaseModel):
         """TLS credentials of the server port, or None (plaintext)."""
         if not self.tls:
             return None
-        cert, key = _read(self.tls_cert_file, "tls_cert_file"), _read(self.tls_key_file, "tls_key_file")
-        client_ca = _read(self.client_ca_file, "client_ca_file") if self.client_ca_file is not None else None
+        cert, key = read_file(self.tls_cert_file, "tls_cert_file"), read_file(self.tls_key_file, "tls_key_file")
+        client_ca = read_file(self.client_ca_file, "client_ca_file") if self.client_ca_file is not None else None
         return grpc.ssl_server_credentials(
             [(key, cert)], root_certificates=client_ca, require_client_auth=self.require_client_cert
         )
@@ -131,7 +124,9 @@ def read_token(token_file: str | Path | None, token_env: str | None, field: str 
 
 def bearer_ok(presented: str | bytes | None, token: str) -> bool:
     """Whether an ``authorization`` value is ``Bearer <token>``, compared in constant time."""
-    return presented is not None and hmac.compare_digest(_as_bytes(presented), f"Bearer {token}".encode())
+    if isinstance(presented, str):
+        presented = presented.encode()
+    return presented is not None and hmac.compare_digest(presented, f"Bearer {token}".encode())
 
 
 def token_denial(metadata, token: str) -> str | None:
@@ -141,13 +136,6 @@ def token_denial(metadata, token: str) -> str | None:
     if bearer_ok(presented, token):
         return None
     return "missing bearer token" if presented is None else "invalid bearer token"
-
-
-def _read(path: Path, field: str) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise InvalidParameterError(field, f"cannot read {path}: {exc.strerror}") from None
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -160,20 +148,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._token = token
 
     async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
-        method = handler_call_details.method or ""
-        if method.startswith(OPEN_SERVICES):
-            return await continuation(handler_call_details)
-        denial = token_denial(handler_call_details.invocation_metadata, self._token)
-        if denial is None:
-            return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
-        if handler is None:  # an unknown method: let gRPC answer UNIMPLEMENTED
-            return None
-        return _denying(handler, denial)
-
-
-def _as_bytes(value: str | bytes) -> bytes:
-    return value if isinstance(value, bytes) else value.encode()
+        if (handler_call_details.method or "").startswith(OPEN_SERVICES) or handler is None:  # (None: UNIMPLEMENTED)
+            return handler
+        denial = token_denial(handler_call_details.invocation_metadata, self._token)
+        return handler if denial is None else _denying(handler, denial)
 
 
 def _denying(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:

@@ -127,17 +127,8 @@ class Autoscaling(BaseModel):
         return self
 
     def serve_config(self) -> dict:
-        """Serve's `autoscaling_config`."""
-        cfg = {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "target_ongoing_requests": self.target_ongoing_requests,
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
-        }
-        if self.initial_replicas is not None:
-            cfg["initial_replicas"] = self.initial_replicas
-        return cfg
+        """Serve's `autoscaling_config` (the same field names; initial_replicas only when set)."""
+        return self.model_dump(exclude_none=True)
 
 
 class MetricsOptions(BaseModel):
@@ -150,11 +141,9 @@ class MetricsOptions(BaseModel):
     )
 
 
-#: Ray's and Serve's periodic loops, slowed from their defaults for the local Ray that `viasd serve`
-#: (and the standalone server) start. On a node whose cores the model's threads fill, each wake-up
-#: of the control plane stalls the model's OpenMP team at its next barrier, so fewer wake-ups leave
-#: the cores to the model. Each costs at most its period in reaction time, against requests of
-#: seconds and model loads of minutes.
+#: Ray's and Serve's periodic loops, slowed for the local Ray that `viasd serve` (and the standalone
+#: server) start: each wake-up stalls the model's OpenMP team (docs/ARCHITECTURE.md, "Threads"), and
+#: costs at most its period in reaction time.
 QUIET_CONTROL_PLANE = {
     "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5",  # Serve controller's loop (Ray's default 0.1 s)
     "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",  # replicas' and proxies' metrics into Ray's (100 ms)

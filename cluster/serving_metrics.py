@@ -1,29 +1,15 @@
 """Prometheus metrics of the serving layer: vLLM's metric stems and labels under our own prefix `viasd_`.
 
 Every series a vLLM dashboard reads has vLLM's stem (`vllm:num_requests_running` ->
-`viasd_num_requests_running`, `vllm:spec_decode_num_drafts_total` ->
-`viasd_spec_decode_num_drafts_total`, ...) and its `model_name` label (the served model name),
-so that one Prometheus relabel rule makes a vLLM Grafana dashboard work (docs/SERVING.md):
+`viasd_num_requests_running`) and its `model_name` label (the served model name), so that one
+Prometheus relabel rule makes a vLLM Grafana dashboard work; ours on top: the VIA-SD tier
+counters, forwards and seconds per tier, errors by status, mode `auto`'s planner, the served
+executor's calls. The series, one `Spec` each in `SPECS`, are listed in docs/SERVING.md
+("Metrics"). "Mean acceptance length includes the bonus token", as in `viasd.metrics`.
 
-    metric_relabel_configs: [{source_labels: [__name__], regex: "(?:ray_)?viasd_(.*)", target_label: __name__, replacement: "vllm:$1"}]
-
-vLLM's series: requests running / waiting, KV-cache usage (positions the requests in flight
-hold / the pipeline's KV capacity), prompt and generation tokens, requests by finish reason,
-TTFT, inter-token latency, end-to-end latency, queue / prefill / decode / inference time,
-prompt and generation lengths per request, and the speculative-decoding counters
-(`..._num_accepted_tokens_per_pos_total{position="j"}`). Ours on top: the VIA-SD tier counters
-(q' accepted / rewritten, escalations to q), per-tier forward passes and seconds, and errors by
-status. Spec-decode and tier series also carry the request's `mode`.
-
-Vocabulary as in `viasd.metrics`: "mean acceptance length includes the bonus token", i.e.
-1 + accepted / drafts when every cycle ends with one rewritten, recovered or bonus token.
-
-Two sinks, one recorder (`ServingMetrics`):
-
-* `PrometheusSink` — a `prometheus_client` registry per replica, served as text by the HTTP
-  ingress at `/metrics` (what a test or a single-replica deployment scrapes);
-* `RaySink` — the same series through `ray.util.metrics`, which Ray exports cluster-wide on
-  each node's metrics port (what Prometheus scrapes under KubeRay; Ray prefixes `ray_`).
+Two sinks, one recorder (`ServingMetrics`): `PrometheusSink`, a `prometheus_client` registry
+per replica served at `/metrics`; `RaySink`, the same series through `ray.util.metrics`, which
+Ray exports cluster-wide (what Prometheus scrapes under KubeRay; Ray prefixes `ray_`).
 """
 
 from __future__ import annotations
@@ -204,6 +190,18 @@ SPECS = (
         "when it resumes), counted when the request ends.",
         _M,
     ),
+    Spec(
+        "prefix_cache_queries",
+        "counter",
+        "Prompt tokens looked up in the prefix cache (paged caches), counted when the request ends.",
+        _M,
+    ),
+    Spec(
+        "prefix_cache_hits",
+        "counter",
+        "Prompt tokens the full verifier took from the prefix cache instead of computing them.",
+        _M,
+    ),
     Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
     Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
     Spec(
@@ -215,6 +213,19 @@ SPECS = (
     ),
 )
 PREFIX = "viasd_"
+#: The counters of speculative requests (mode `via`: and the tier counters), by their RequestStats field.
+SPEC_DECODE_COUNTERS = {
+    f"spec_decode_num_{n}": f"num_{n}"
+    for n in ("drafts", "draft_tokens", "accepted_tokens", "rejected_tokens", "bonus_tokens")
+}
+VIA_COUNTERS = {
+    "slim_accepted_tokens": "slim_accepted",
+    "slim_rewritten_tokens": "slim_rewritten",
+    "escalations": "escalations",
+    "escalated_tokens": "escalated_tokens",
+    "full_accepted_tokens": "full_accepted",
+}
+_UPDATE = {"counter": "inc", "gauge": "set", "histogram": "observe"}  # how each kind takes a value
 
 
 class PrometheusSink:
@@ -222,26 +233,22 @@ class PrometheusSink:
 
     def __init__(self):
         prom.disable_created_metrics()  # no `_created` twin of every counter (as vLLM does)
-        self._prom = prom
         self.registry = prom.CollectorRegistry(auto_describe=True)
         kinds = {"counter": prom.Counter, "gauge": prom.Gauge, "histogram": prom.Histogram}
         self.metrics = {}
         for s in SPECS:
             kw = {"buckets": s.buckets} if s.kind == "histogram" else {}
-            self.metrics[s.name] = kinds[s.kind](PREFIX + s.name, s.doc, s.labels, registry=self.registry, **kw)
+            metric = kinds[s.kind](PREFIX + s.name, s.doc, s.labels, registry=self.registry, **kw)
+            self.metrics[s.name] = (metric, _UPDATE[s.kind])
 
-    def counter(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self.metrics[name].labels(**labels).inc(value)
-
-    def gauge(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self.metrics[name].labels(**labels).set(value)
-
-    def observe(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self.metrics[name].labels(**labels).observe(value)
+    def record(self, name: str, value: float, labels: dict[str, str]) -> None:
+        """Count, set or observe `value` (by the metric's kind)."""
+        metric, update = self.metrics[name]
+        getattr(metric.labels(**labels), update)(value)
 
     def exposition(self) -> tuple[bytes, str]:
         """Text exposition format and its content type."""
-        return self._prom.generate_latest(self.registry), self._prom.CONTENT_TYPE_LATEST
+        return prom.generate_latest(self.registry), prom.CONTENT_TYPE_LATEST
 
 
 class RaySink:
@@ -250,23 +257,18 @@ class RaySink:
     def __init__(self):
         self.metrics = {}
         for s in SPECS:
-            name = PREFIX + s.name + ("_total" if s.kind == "counter" else "")
             if s.kind == "counter":
-                self.metrics[s.name] = rm.Counter(name, s.doc, tag_keys=s.labels)
+                metric = rm.Counter(PREFIX + s.name + "_total", s.doc, tag_keys=s.labels)
             elif s.kind == "gauge":
-                self.metrics[s.name] = rm.Gauge(name, s.doc, tag_keys=s.labels)
+                metric = rm.Gauge(PREFIX + s.name, s.doc, tag_keys=s.labels)
             else:
-                self.metrics[s.name] = rm.Histogram(name, s.doc, boundaries=list(s.buckets), tag_keys=s.labels)
+                metric = rm.Histogram(PREFIX + s.name, s.doc, boundaries=list(s.buckets), tag_keys=s.labels)
+            self.metrics[s.name] = (metric, _UPDATE[s.kind])
 
-    def counter(self, name: str, value: float, labels: dict[str, str]) -> None:
-        if value:
-            self.metrics[name].inc(value, tags=labels)
-
-    def gauge(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self.metrics[name].set(value, tags=labels)
-
-    def observe(self, name: str, value: float, labels: dict[str, str]) -> None:
-        self.metrics[name].observe(value, tags=labels)
+    def record(self, name: str, value: float, labels: dict[str, str]) -> None:
+        metric, update = self.metrics[name]
+        if value or update != "inc":  # (Ray refuses a counter's zero increment)
+            getattr(metric, update)(value, tags=labels)
 
 
 class RequestTimer:
@@ -286,7 +288,7 @@ class RequestTimer:
 
     def admitted(self) -> None:
         self.start = time.perf_counter()
-        self.metrics._observe("request_queue_time_seconds", self.start - self.arrival)
+        self.metrics._record("request_queue_time_seconds", self.start - self.arrival)
 
     def tokens(self, n: int) -> None:
         """n tokens were committed now."""
@@ -295,23 +297,23 @@ class RequestTimer:
         now = time.perf_counter()
         if self.last is None:  # the first chunk: a TTFT, no gaps
             self.first = now
-            self.metrics._observe("time_to_first_token_seconds", now - self.arrival)
+            self.metrics._record("time_to_first_token_seconds", now - self.arrival)
             if self.start is not None:
-                self.metrics._observe("request_prefill_time_seconds", now - self.start)
+                self.metrics._record("request_prefill_time_seconds", now - self.start)
         else:
             gap = (now - self.last) / n
             for _ in range(n):
-                self.metrics._observe("inter_token_latency_seconds", gap)
+                self.metrics._record("inter_token_latency_seconds", gap)
         self.last = now
 
     def finish(self, samples: Sequence[RequestStats | None], finish_reason: str) -> None:
         """The request ended: its latencies, and the statistics of its samples (one unless n > 1;
         None where the pipeline sent none: the handler ended it)."""
-        self.metrics._observe("e2e_request_latency_seconds", time.perf_counter() - self.arrival)
+        self.metrics._record("e2e_request_latency_seconds", time.perf_counter() - self.arrival)
         if self.first is not None:
-            self.metrics._observe("request_decode_time_seconds", self.last - self.first)
+            self.metrics._record("request_decode_time_seconds", self.last - self.first)
         if self.start is not None and self.last is not None:
-            self.metrics._observe("request_inference_time_seconds", self.last - self.start)
+            self.metrics._record("request_inference_time_seconds", self.last - self.start)
         self.metrics.record_stats(samples, finish_reason)
 
 
@@ -328,22 +330,16 @@ class ServingMetrics:
         self._labels = {"model_name": model}
         self._steps: tuple[int, dict[str, float]] = (0, {})  # the step totals published so far
 
-    def _counter(self, name: str, value: float, **labels: str) -> None:
+    def _record(self, name: str, value: float, **labels: str) -> None:
         for sink in self.sinks:
-            sink.counter(name, value, {**self._labels, **labels})
-
-    def _observe(self, name: str, value: float) -> None:
-        for sink in self.sinks:
-            sink.observe(name, value, self._labels)
+            sink.record(name, value, {**self._labels, **labels})
 
     def set_queue(self, running: int, waiting: int) -> None:
-        for sink in self.sinks:
-            sink.gauge("num_requests_running", running, self._labels)
-            sink.gauge("num_requests_waiting", waiting, self._labels)
+        self._record("num_requests_running", running)
+        self._record("num_requests_waiting", waiting)
 
     def set_kv_usage(self, fraction: float) -> None:
-        for sink in self.sinks:
-            sink.gauge("kv_cache_usage_perc", fraction, self._labels)
+        self._record("kv_cache_usage_perc", fraction)
 
     def set_planner(self, state: dict) -> None:
         """Mode auto's planner state (`Engine.planner_state`): the
@@ -374,70 +370,56 @@ class ServingMetrics:
             ]
         for call, sec in ((state["costs"] or {}).get("transport_seconds") or {}).items():
             gauges.append(("planner_transport_seconds", sec, {"call": call}))
-        for sink in self.sinks:
-            for name, value, labels in gauges:
-                sink.gauge(name, value, {**self._labels, **labels})
+        for name, value, labels in gauges:
+            self._record(name, value, **labels)
 
     def set_steps(self, steps: int, phases: dict[str, float]) -> None:
         """The served executor's running totals (`RpcTotals.steps` and `.phases()`): the counters
         move by what changed since the last call."""
         done, seen = self._steps
-        self._counter("coordinator_steps", max(0, steps - done))
+        self._record("coordinator_steps", max(0, steps - done))
         for phase, seconds in phases.items():
-            self._counter("coordinator_seconds", max(0.0, seconds - seen.get(phase, 0.0)), phase=phase)
+            self._record("coordinator_seconds", max(0.0, seconds - seen.get(phase, 0.0)), phase=phase)
         self._steps = (max(steps, done), {p: max(v, seen.get(p, 0.0)) for p, v in phases.items()})
 
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
     def error(self, status: str) -> None:
-        self._counter("request_errors", 1, status=status)
+        self._record("request_errors", 1, status=status)
 
     def record_stats(self, samples: Sequence[RequestStats | None], finish_reason: str) -> None:
         """Add one finished request's statistics to the counters: the prompt once, the tokens and
         counters of each of its samples (n > 1: several; None: a sample with no statistics)."""
-        self._counter("request_success", 1, finished_reason=finish_reason or "abort")
+        self._record("request_success", 1, finished_reason=finish_reason or "abort")
         known = [s for s in samples if s is not None]
         if not known:
             return
-        self._counter("prompt_tokens", known[0].prompt_tokens)
-        self._observe("request_prompt_tokens", known[0].prompt_tokens)
+        self._record("prompt_tokens", known[0].prompt_tokens)
+        self._record("request_prompt_tokens", known[0].prompt_tokens)
         generated = sum(s.generated_tokens for s in known)
-        self._counter("generation_tokens", generated)
-        self._observe("request_generation_tokens", generated)
-        self._counter("num_preemptions", sum(s.preemptions for s in known))
+        self._record("generation_tokens", generated)
+        self._record("request_generation_tokens", generated)
+        self._record("num_preemptions", sum(s.preemptions for s in known))
+        self._record("prefix_cache_queries", known[0].prompt_tokens)
+        self._record("prefix_cache_hits", sum(s.cached_tokens for s in known))
         for stats in known:
             self._record_counters(stats)
 
     def _record_counters(self, stats: RequestStats) -> None:
         """One sample's per-tier and speculative counters."""
         for tier in MODELS:
-            self._counter("forward_passes", stats.forwards.get(tier, 0), tier=tier)
-            self._counter("forward_seconds", stats.seconds.get(tier, 0.0), tier=tier)
+            self._record("forward_passes", stats.forwards.get(tier, 0), tier=tier)
+            self._record("forward_seconds", stats.seconds.get(tier, 0.0), tier=tier)
         if stats.mode == "ar":
             return
         mode = {"mode": stats.mode}
-        for name, value in (
-            ("spec_decode_num_drafts", stats.num_drafts),
-            ("spec_decode_num_draft_tokens", stats.num_draft_tokens),
-            ("spec_decode_num_accepted_tokens", stats.num_accepted_tokens),
-            ("spec_decode_num_rejected_tokens", stats.num_rejected_tokens),
-            ("spec_decode_num_bonus_tokens", stats.num_bonus_tokens),
-        ):
-            self._counter(name, value, **mode)
+        for name, attr in (SPEC_DECODE_COUNTERS | (VIA_COUNTERS if stats.mode == "via" else {})).items():
+            self._record(name, getattr(stats, attr), **mode)
         for pos, value in enumerate(stats.num_accepted_tokens_per_pos):
-            self._counter("spec_decode_num_accepted_tokens_per_pos", value, position=str(pos), **mode)
+            self._record("spec_decode_num_accepted_tokens_per_pos", value, position=str(pos), **mode)
         for plan, steps in stats.plans.items():
-            self._counter("auto_plan_steps", steps, plan=plan)
-        if stats.mode == "via":
-            for name, value in (
-                ("slim_accepted_tokens", stats.slim_accepted),
-                ("slim_rewritten_tokens", stats.slim_rewritten),
-                ("escalations", stats.escalations),
-                ("escalated_tokens", stats.escalated_tokens),
-                ("full_accepted_tokens", stats.full_accepted),
-            ):
-                self._counter(name, value, **mode)
+            self._record("auto_plan_steps", steps, plan=plan)
 
     def exposition(self) -> tuple[bytes, str]:
         if self.prometheus is None:

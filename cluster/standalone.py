@@ -2,27 +2,17 @@
 
     python -m viasd.cluster.standalone --config pipeline.json --port 9000 [--http-port 8000]
 
-It starts (or joins) Ray, starts each pipeline of the config (`cluster/pipeline.py`), makes one
-`handler.RequestHandler` per pipeline — one admission limit and one drain shared by all of them
-and by both transports — and serves them with `grpc_api.GenerationServicer` on a grpc.aio
-server (`serve_grpc`) and, with ``--http-port``, the OpenAI-compatible app of `openai_api` on
-uvicorn in the same event loop (`serve_http`).
+It starts (or joins) Ray and each pipeline of the config, makes one `handler.RequestHandler` per
+pipeline (one admission limit and one drain shared by all of them and by both transports) and
+serves them with `grpc_api.GenerationServicer` and the standard health service on a grpc.aio
+server (`serve_grpc`) and, with ``--http-port``, the app of `openai_api` on uvicorn in the same
+event loop (`serve_http`). TLS, mutual TLS and the bearer token (cluster/security.py) apply to
+both ports: Serve's proxies can do neither mutual TLS nor (for gRPC) interceptors.
 
-`serve_grpc` adds the standard gRPC health service (grpcio-health-checking): "" and
-"viasd.v1.GenerationService" report SERVING once the server has started. Requests larger than
-4 MiB are refused (RESOURCE_EXHAUSTED; the internal services allow 256 MB); a message that does
-not parse (malformed UTF-8) is INVALID_ARGUMENT naming the field (cluster/guard.py).
-
-Lifecycle: every pipeline runs under `Pipeline.supervise` (a dead drafter is restarted, a dead
-verifier rank rebuilds the group; health NOT_SERVING meanwhile). On SIGTERM / SIGINT it stops
-accepting (health NOT_SERVING, new calls UNAVAILABLE / HTTP 503), lets the requests in flight
-finish for up to `--drain-timeout-s` (`Limits.drain_timeout_s`), ends the rest with a last
-message of finish reason `abort`, then stops the actors and the Ray it started.
-
-Security: optional TLS / mutual TLS (``--tls-cert``, ``--tls-key``, ``--tls-client-ca``,
-``--require-client-cert``) and a bearer token (``--token-file`` or env ``VIASD_API_TOKEN``), see
-cluster/security.py, on both ports. Ray Serve's proxies can do neither mutual TLS nor (for gRPC)
-interceptors, so this server is the endpoint for them.
+Every pipeline runs under `Pipeline.supervise` (health NOT_SERVING while it is rebuilt). On
+SIGTERM / SIGINT it drains (`Limits.drain_timeout_s`: new calls refused, the rest ended with
+finish reason `abort`), then stops the actors and the Ray it started (docs/SERVING.md, "The
+pipeline and the standalone gRPC server").
 """
 
 from __future__ import annotations
@@ -39,18 +29,19 @@ import grpc
 import ray
 import uvicorn
 from grpc_health.v1 import health as grpc_health
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from viasd.cluster.grpc_api import SERVICE_NAME, GenerationServicer
+from viasd.actors.rpc import start_server
+from viasd.cluster.grpc_api import HEALTH_SERVICES, SERVICE_NAME, GenerationServicer, health_status
 from viasd.cluster.guard import PUBLIC_MAX_MESSAGE_BYTES, Calls
 from viasd.cluster.handler import Admission, RequestHandler
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
 from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, Limits, apply_control_plane_env
-from viasd.config import invalid_from_validation, parse_params
+from viasd.config import parse_params, validate_named
 from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
 
@@ -85,9 +76,8 @@ def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server
 def set_health(health, serving: bool) -> None:
     """Report both health services SERVING or NOT_SERVING (from synchronous callbacks; ignored by the
     health servicer once it entered graceful shutdown)."""
-    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for service in ("", SERVICE_NAME):
-        asyncio.ensure_future(health.set(service, status))
+    for service in HEALTH_SERVICES:
+        asyncio.ensure_future(health.set(service, health_status(serving)))
 
 
 async def serve_grpc(
@@ -98,18 +88,22 @@ async def serve_grpc(
     `security` (cluster/security.py) adds TLS / mutual TLS and bearer-token authentication;
     None: plaintext, no authentication."""
     security = security or GRPCSecurity(token_env=None)
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors())
-    add_generation_service(servicer, server)
     health = grpc_health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    credentials = security.server_credentials()
-    address = f"{host}:{port}"
-    bound = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    if not bound:
-        raise RuntimeError(f"cannot bind the gRPC server to {host}:{port}")
-    await server.start()
-    for service in ("", SERVICE_NAME):
-        await health.set(service, health_pb2.HealthCheckResponse.SERVING)
+
+    def add(server: grpc.aio.Server) -> None:
+        add_generation_service(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+
+    server, bound = await start_server(
+        add,
+        host,
+        port,
+        credentials=security.server_credentials(),
+        options=SERVER_OPTIONS,
+        interceptors=security.interceptors(),
+    )
+    for service in HEALTH_SERVICES:
+        await health.set(service, health_status(True))
     server.viasd_port = bound
     server.viasd_health = health
     return server
@@ -126,15 +120,8 @@ async def serve_http(
     Returns the uvicorn server; its bound port is `server.viasd_port`, its task `server.viasd_task`."""
     security = security or GRPCSecurity(token_env=None)
     token = security.token()
-
-    def app_of(server):
-        app = build_http_app()
-        app.state.server = server
-        app.state.token = token
-        return app
-
-    routes = [Mount(f"/{name}", app=app_of(srv)) for name, srv in servers.items() if name != default]
-    routes.append(Mount("/", app=app_of(servers[default])))
+    routes = [Mount(f"/{name}", app=build_http_app(srv, token)) for name, srv in servers.items() if name != default]
+    routes.append(Mount("/", app=build_http_app(servers[default], token)))
     tls: dict = {}
     if security.tls:
         tls = {"ssl_certfile": str(security.tls_cert_file), "ssl_keyfile": str(security.tls_key_file)}
@@ -176,7 +163,13 @@ async def _main(args: argparse.Namespace) -> None:
     configs = [PipelineConfig.parse(c) for c in (raw if isinstance(raw, list) else [raw])]
     limits = limits_from_args(args)
     default_params = default_params_from_args(args)
-    security = security_from_args(args)
+    security = GRPCSecurity.parse(
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        client_ca_file=args.tls_client_ca,
+        require_client_cert=args.require_client_cert,
+        token_file=args.token_file,
+    )
     description = security.describe()  # reads the token and the files now: fail before Ray starts
     started_ray = not ray.is_initialized()
     if started_ray:
@@ -258,10 +251,7 @@ def limits_from_args(args: argparse.Namespace):
         "max_queued_requests": args.max_queued_requests,
         "drain_timeout_s": args.drain_timeout_s,
     }
-    try:
-        return Limits.model_validate({k: v for k, v in values.items() if v is not None})
-    except Exception as exc:
-        raise invalid_from_validation(exc) from None
+    return validate_named(Limits, {k: v for k, v in values.items() if v is not None})
 
 
 def default_params_from_args(args: argparse.Namespace) -> dict:
@@ -276,17 +266,6 @@ def default_params_from_args(args: argparse.Namespace) -> dict:
         raise InvalidParameterError("default_params", "must be a JSON object of GenerationParams fields")
     parse_params(values)
     return values
-
-
-def security_from_args(args: argparse.Namespace) -> GRPCSecurity:
-    """GRPCSecurity of the standalone server's flags (InvalidParameterError names a bad one)."""
-    return GRPCSecurity.parse(
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        client_ca_file=args.tls_client_ca,
-        require_client_cert=args.require_client_cert,
-        token_file=args.token_file,
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

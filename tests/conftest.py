@@ -198,8 +198,7 @@ def served_http(aio, handler):
 
     from viasd.cluster.openai_api import build_http_app
 
-    app = build_http_app()
-    app.state.server = handler
+    app = build_http_app(handler)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))

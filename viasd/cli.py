@@ -43,8 +43,8 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--quantization",
         default=EngineConfig.model_fields["quantization"].default,
-        choices=["none", "int8", "int4", "auto"],
-        help="weight-only quantization of the linears on CPU: int8, int4 (a scale and a minimum per 32 weights), "
+        choices=["none", "int8", "int4", "fp8", "auto"],
+        help="quantization of the linears: on CPU int8, int4 (a scale and a minimum per 32 weights); on CUDA fp8; "
         "auto (int4 for the built-in models where it is faster here) or none",
     )
     g.add_argument("--mask", default=None, help="q' layer mask: JSON file or comma list of skipped layers")
@@ -153,7 +153,8 @@ SUITES = {
     "dimr-compare": "DIMR mask artifacts against the evenly spaced and random masks on held-out text",
     "lm-eval": "lm-eval's clients against a local server, beside the same tasks in process",
     "step": "where a batched decode step's time goes: forwards, host work, host reads (--before REV)",
-    "quant": "weight-only quantization: int8 / int4 kernels against bf16, GGUF mapping errors, end to end",
+    "blocks": "one KV budget: slot rows against blocks (a long prompt beside short ones), prefix caching",
+    "quant": "weight-only quantization: int8 / int4 kernels against bf16, GGUF mapping errors, end to end, llama.cpp",
 }
 
 
@@ -183,6 +184,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from viasd.bench.step import run_step_bench
 
         return run_step_bench(args)
+    if args.suite == "blocks":
+        from viasd.bench.blocks import run_blocks_bench
+
+        return run_blocks_bench(args, _engine_config(args, max_batch=1))
     if args.suite == "quant":
         from viasd.bench.quant import run_quant_bench
 
@@ -382,9 +387,7 @@ def _speculative_config(text: str | None) -> dict:
 def cmd_drain(args: argparse.Namespace) -> int:
     from viasd.cluster.drain import main as drain_main
 
-    return drain_main(
-        ["--address", args.address, "--timeout-s", str(args.timeout_s)] + (["--this-node"] if args.this_node else [])
-    )
+    return drain_main(args.address, args.timeout_s, args.this_node)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -515,8 +518,12 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--rows", type=int, default=16, help="requests decoding together")
     step.add_argument("--steps", type=int, default=8, help="timed decode steps per method and run")
     step.add_argument("--before", default=None, help="another commit measured in the same run (alternating)")
-    quant = bench.add_argument_group("quant suite (--suite quant; also --dtype for the gguf part, auto: bfloat16)")
-    quant.add_argument("--parts", default=None, help="comma-separated parts: kernels, gguf, e2e (default all)")
+    quant = bench.add_argument_group(
+        "quant suite (--suite quant; also --dtype for the gguf part, auto: bfloat16; --quantization for llamacpp)"
+    )
+    quant.add_argument(
+        "--parts", default=None, help="comma-separated parts: kernels, gguf, e2e, llamacpp (default all)"
+    )
     quant.add_argument(
         "--kernel-shapes",
         default=None,
@@ -531,6 +538,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--e2e-tokens", type=int, default=48, help="e2e: generated tokens n of a timed request")
     quant.add_argument("--e2e-repeats", type=int, default=2, help="e2e: runs of each measurement (the best counts)")
+    quant.add_argument(
+        "--llamacpp-tokens", type=int, default=128, help="llamacpp: generated tokens n of a timed request"
+    )
+    quant.add_argument("--llamacpp-prompts", type=int, default=3, help="llamacpp: prompts (the first of e2e's)")
+    quant.add_argument("--llamacpp-threads", type=int, default=2, help="llamacpp: llama.cpp's threads")
+    quant.add_argument(
+        "--llamacpp-rounds", type=int, default=2, help="llamacpp: rounds, each llama.cpp then via-sd (ABAB)"
+    )
+    blocks = bench.add_argument_group("blocks suite (--suite blocks; also --max-tokens, default 32)")
+    blocks.add_argument("--long", type=int, default=2000, help="capacity: the long prompt's tokens")
+    blocks.add_argument("--short", type=int, default=150, help="capacity: each short prompt's tokens")
+    blocks.add_argument("--short-requests", type=int, default=31, help="capacity: short requests")
+    blocks.add_argument("--prefix", type=int, default=512, help="prefix: the shared system prompt's tokens")
+    blocks.add_argument("--suffix", type=int, default=32, help="prefix: each request's own prompt tokens after it")
+    blocks.add_argument("--prefix-requests", type=int, default=8, help="prefix: requests behind the system prompt")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md (and the plots)")
@@ -654,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (max_batch)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (max_context)")
     serve.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
-    serve.add_argument("--quantization", "-q", default=None, help="none, int8, int4 or auto (quantization)")
+    serve.add_argument("--quantization", "-q", default=None, help="none, int8, int4, fp8 or auto (quantization)")
     serve.add_argument("--served-model-name", default=None, help="the name requests and /v1/models use")
     serve.add_argument("--api-key", default=None, help="require this bearer token on the HTTP API")
     serve.add_argument("--host", default=None, help="address the HTTP proxy binds (0.0.0.0 in a container)")

@@ -414,20 +414,29 @@ class EngineConfig(BaseModel):
         "grow and share them across n > 1 samples, so memory follows the tokens requests hold; default: one "
         "preallocated row of max_seq_len positions per request.",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="With a paged cache (kv_block_size): a request whose prompt begins with the tokens of full "
+        "blocks another request computed attaches those blocks instead of recomputing them (automatic prefix "
+        "caching, viasd.blocks); blocks no request holds stay cached until the pool needs them. Off: every "
+        "request computes its whole prompt.",
+    )
     packed_linears: bool = Field(
         True,
         description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."
         "optimize_linears): faster small-batch matmuls for one more copy of the weights in memory. bf16 on a "
         "CPU without native bf16 gets mixed kernels: a float32 copy runs the products of a few rows or more.",
     )
-    quantization: Literal["none", "int8", "int4", "auto"] = Field(
+    quantization: Literal["none", "int8", "int4", "fp8", "auto"] = Field(
         "auto",
-        description="Weight-only quantization of the models' linears on CPU (viasd.quant): int8 (per output "
+        description="Quantization of the models' linears (viasd.quant). On CPU, weight-only: int8 (per output "
         "channel) or int4 (a scale and a minimum per 32 weights), quantized at load; products of a few rows run "
         "the integer kernels, larger ones a dense copy where it is faster (with packed_linears); a built-in model "
-        "from its GGUF file's own blocks. auto: int4 for a built-in model (its weights ship 4-bit) in bfloat16 / "
-        "float16 on a CPU where int4 beats the dense kernel, else none. none: the weights as loaded "
-        "(docs/QUANTIZATION.md).",
+        "from its GGUF file's own blocks. fp8 (CUDA, compute capability 8.9 or more; refused elsewhere): the "
+        "decoder layers' weights in float8_e4m3fn with a scale per output channel, run by torch._scaled_mm with "
+        "each token's activations quantized to fp8 as it runs. auto: int4 for a built-in model (its weights ship "
+        "4-bit) in bfloat16 / float16 on a CPU where int4 beats the dense kernel, else none. none: the weights as "
+        "loaded (docs/QUANTIZATION.md).",
     )
     prefill_chunk: int = Field(
         512,

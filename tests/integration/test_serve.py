@@ -546,7 +546,7 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
         short = await _one(
             server, CompletionRequest(prompt=[1, 2, 3], max_tokens=12, ignore_eos=True, mode="sd"), chat=False
         )
-        drained = asyncio.ensure_future(server.drain(60.0))
+        drained = asyncio.ensure_future(server.calls.drain(60.0))
         await asyncio.sleep(0)
         with pytest.raises(RequestError) as info:
             await _one(server, CompletionRequest(prompt=[1, 2, 3]), chat=False)
@@ -564,7 +564,7 @@ def test_replica_drain_lets_requests_finish_then_aborts_the_rest(tmp_path):
         queued = asyncio.ensure_future(_one(server, CompletionRequest(prompt=[4, 5]), chat=False))
         while server.admission.waiting == 0:  # the second request waits for the one slot
             await asyncio.sleep(0.01)
-        aborted = await server.drain(0.0)
+        aborted = await server.calls.drain(0.0)
         rest = [p async for p in long]
         await long.aclose()
         with pytest.raises(RequestError) as info:
@@ -688,7 +688,7 @@ def test_serve_config_fields_all_have_descriptions():
 
 async def _one(server, body, chat):
     """The job of a one-prompt OpenAI request."""
-    from viasd.cluster.openai_api import open_openai
+    from viasd.cluster.openai_api import Prompts, request_of
 
-    (job,) = (await open_openai(server, body, chat)).jobs
+    (job,) = (await Prompts.open(server, request_of(body, chat)[0])).jobs
     return job

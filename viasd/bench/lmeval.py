@@ -254,8 +254,7 @@ def _serve_http(pipeline):
     from viasd.cluster.openai_api import build_http_app
 
     handler = RequestHandler(pipeline)
-    app = build_http_app()
-    app.state.server = handler
+    app = build_http_app(handler)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
