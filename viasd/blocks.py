@@ -16,16 +16,34 @@ source's blocks, not their contents; a write into a block held by more than one 
 it (copy on write), so rows never see each other's tokens. Blocks are allocated before a forward
 runs (`batch`), lowest id first, so a store that cannot hold a forward refuses it whole
 (CapacityError) and changes nothing. Pools grow by doubling up to `num_blocks`.
+
+Prefix caching (`prefix_caching`, vLLM's automatic prefix caching): a full block whose positions
+hold the keys/values of known tokens is *published* under the digest of every token up to its
+end, chained block by block,
+
+    d_0 = H(tokens[0 : bs]),   d_i = H(d_{i-1} || tokens[i*bs : (i+1)*bs])      (H: BLAKE2b-128)
+
+and a new row *attaches* the published blocks of the longest prefix of its sequence instead of
+computing them (`attach`): the keys and values at a position depend on the tokens up to it only,
+so they are the ones it would have written. Only full blocks are shared, so every row writes its
+first divergent position into a block of its own. A block no row holds any more keeps its
+contents and stays published while the pool has other free blocks: it counts as free and is
+reused, least recently used first, when none is left. A published block that a row writes in
+place (after rolling back into it) is unpublished first.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
-from collections.abc import Iterable, Sequence
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
 
+from viasd.attention import PagedKV, span_buckets
 from viasd.errors import CapacityError, MaskError
 from viasd.kvstore import KVStore
 
@@ -44,6 +62,7 @@ class PagedKVCache(KVStore):
         block_size: int = 16,
         max_rows: int = 1,
         max_len: int | None = None,
+        prefix_caching: bool = False,
     ):
         super().__init__(layers, num_layers, max_rows=max_rows, max_len=max_len)  # _k, _v: [capacity * N, H_kv, D]
         if num_blocks < 1 or block_size < 1:
@@ -54,6 +73,11 @@ class PagedKVCache(KVStore):
         self._tables: list[list[int]] = [[] for _ in range(max_rows)]
         self._refs = [0] * (num_blocks + 1)
         self._free_blocks = list(range(1, num_blocks + 1))  # a heap: lowest id first
+        self.prefix_caching = prefix_caching
+        self._published: dict[bytes, int] = {}  # chained digest of a full block's tokens -> the block
+        self._digest: dict[int, bytes] = {}  # published block -> its digest
+        self._cached: OrderedDict[int, None] = OrderedDict()  # published blocks no row holds, least recent first
+        self.attached_positions = 0  # positions rows attached instead of computing (prefix cache hits)
 
     # ------------------------------------------------------------ rows
 
@@ -62,7 +86,8 @@ class PagedKVCache(KVStore):
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free_blocks)
+        """Blocks a forward may take: unused ones and published ones no row holds."""
+        return len(self._free_blocks) + len(self._cached)
 
     def blocks(self, row: int) -> tuple[int, ...]:
         """The row's block table."""
@@ -119,10 +144,10 @@ class PagedKVCache(KVStore):
             for i in range(s // self.block_size, min(len(self._tables[r]), self.blocks_for(e)))
             if self._refs[self._tables[r][i]] > 1
         ]
-        if new + len(shared) > len(self._free_blocks):
+        if new + len(shared) > self.free_blocks:
             raise CapacityError(
                 "kv_blocks",
-                f"the forward needs {new + len(shared)} more KV blocks; {len(self._free_blocks)} of "
+                f"the forward needs {new + len(shared)} more KV blocks; {self.free_blocks} of "
                 f"{self.num_blocks} are free",
             )
         for r, i in shared:  # copy on write (the last holder of a block writes it in place)
@@ -132,15 +157,72 @@ class PagedKVCache(KVStore):
             self._copy_block(old, block)
             self._refs[old] -= 1
             self._tables[r][i] = block
+        if self._digest:  # a published block written in place no longer holds the prefix it was published for
+            for r, s, e in zip(rows, starts, ends):
+                for i in range(s // self.block_size, min(len(self._tables[r]), self.blocks_for(e))):
+                    self._unpublish(self._tables[r][i])
         for r, e in zip(rows, ends):
             while len(self._tables[r]) < self.blocks_for(e):
                 self._tables[r].append(self._take())
         return _PagedWrite(self, list(rows), list(starts), list(lengths), torch.device(device))
 
+    # ------------------------------------------------------------ prefix caching
+
+    def attach(self, row: int, tokens: Sequence[int]) -> int:
+        """An empty row takes the published blocks of the longest prefix of `tokens` in full
+        blocks (module docstring); every layer of it then holds their positions, which it returns
+        (0: nothing published matches, or prefix caching is off)."""
+        if not self.prefix_caching or self._tables[row] or any(self._len[i][row] for i in self.layers):
+            return 0
+        table = []
+        for digest in self._digests(tokens):
+            block = self._published.get(digest)
+            if block is None:
+                break
+            table.append(block)
+        for block in table:
+            if self._refs[block] == 0:
+                del self._cached[block]
+            self._refs[block] += 1
+        self._tables[row] = table
+        n = len(table) * self.block_size
+        for i in self.layers:
+            self._len[i][row] = n
+        self.attached_positions += n
+        return n
+
+    def publish(self, row: int, tokens: Sequence[int]) -> None:
+        """Publish the row's full blocks that hold `tokens` (the first positions of its sequence)
+        in every layer, so later rows may attach them. A prefix already published in another
+        block stays there."""
+        if not self.prefix_caching:
+            return
+        held = min(self._len[i][row] for i in self.layers)
+        for block, digest in zip(self._tables[row], self._digests(tokens[:held])):
+            if block not in self._digest and digest not in self._published:
+                self._digest[block], self._published[digest] = digest, block
+
+    def _digests(self, tokens: Sequence[int]) -> Iterator[bytes]:
+        """The chained digest of each full block of `tokens` (module docstring)."""
+        digest, bs = b"", self.block_size
+        for i in range(len(tokens) // bs):
+            block = array("q", tokens[i * bs : (i + 1) * bs]).tobytes()
+            digest = hashlib.blake2b(digest + block, digest_size=16).digest()
+            yield digest
+
+    def _unpublish(self, block: int) -> None:
+        digest = self._digest.pop(block, None)
+        if digest is not None:
+            del self._published[digest]
+
     # ------------------------------------------------------------ blocks
 
     def _take(self) -> int:
-        block = heapq.heappop(self._free_blocks)
+        if self._free_blocks:
+            block = heapq.heappop(self._free_blocks)
+        else:  # the least recently used published block no row holds: its prefix is forgotten
+            block, _ = self._cached.popitem(last=False)
+            self._unpublish(block)
         self._refs[block] = 1
         self._top = max(self._top, block)
         return block
@@ -151,7 +233,9 @@ class PagedKVCache(KVStore):
         while len(table) > keep:
             block = table.pop()
             self._refs[block] -= 1
-            if self._refs[block] == 0:
+            if self._refs[block] == 0 and block in self._digest:
+                self._cached[block] = None  # (kept for a later row with the same prefix)
+            elif self._refs[block] == 0:
                 heapq.heappush(self._free_blocks, block)
 
     @torch.inference_mode()
@@ -206,8 +290,8 @@ class _PagedWrite:
 
     `update(key, value, layer_idx)` writes the real tokens of every row (never the padding) into
     their blocks and returns the keys/values the queries attend to, [B, H_kv, S, D] with
-    S = max_b start_b + T_b, gathered from each row's blocks (positions a row does not hold read
-    the zero block).
+    S = max_b start_b + T_b once gathered from each row's blocks (positions a row does not hold read
+    the zero block): gathered by the attention, rows of similar spans together.
     """
 
     def __init__(self, cache: PagedKVCache, rows: list[int], starts: list[int], lengths: list[int], device):
@@ -218,16 +302,19 @@ class _PagedWrite:
         tables = torch.tensor([cache._tables[r] + [ZERO_BLOCK] * (width - len(cache._tables[r])) for r in rows])
         pos = torch.arange(span)  # [S]
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, S]
-        held = torch.tensor([s + n for s, n in zip(starts, lengths)])[:, None] > pos[None, :]  # [B, S]
+        spans = [s + n for s, n in zip(starts, lengths)]
+        held = torch.tensor(spans)[:, None] > pos[None, :]  # [B, S]
         self.read = torch.where(held, slots, 0).to(device)  # [B, S]: the zero block past a row's tokens
+        self.buckets = span_buckets(spans, device)
         b_idx = [b for b, n in enumerate(lengths) for _ in range(n)]
         t_idx = [t for n in lengths for t in range(n)]
         self.src_b = torch.tensor(b_idx, device=device)  # [N]
         self.src_t = torch.tensor(t_idx, device=device)  # [N]
         self.dst = slots[b_idx, [starts[b] + t for b, t in zip(b_idx, t_idx)]].to(device)  # [N]
 
-    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        """key/value [B, H_kv, T, D] -> the rows' keys/values [B, H_kv, S, D]."""
+    def update(self, key: Tensor, value: Tensor, layer_idx: int, *args, **kwargs) -> tuple[PagedKV, PagedKV]:
+        """key/value [B, H_kv, T, D] -> the rows' keys/values, read by the attention bucket by
+        bucket (viasd.attention.PagedKV: [B, H_kv, S, D] once gathered)."""
         cache = self.cache
         if layer_idx not in cache.layers:
             raise MaskError(f"layer {layer_idx} has no slot in this cache (layers {cache.layers})")
@@ -238,4 +325,4 @@ class _PagedWrite:
         lens = cache._len[layer_idx]
         for row, start, n in zip(self.rows, self.starts, self.lengths):
             lens[row] = start + n
-        return k_pool[self.read].transpose(1, 2), v_pool[self.read].transpose(1, 2)  # [B, H_kv, S, D]
+        return PagedKV(k_pool, self.read, self.buckets), PagedKV(v_pool, self.read, self.buckets)

@@ -163,7 +163,10 @@ def engine_capacity(
         max_context=config.max_context,
         block_size=config.kv_block_size,
     )
-    return Capacity(config.max_batch, context, config.prefill_chunk, config.kv_block_size, blocks), name
+    capacity = Capacity(
+        config.max_batch, context, config.prefill_chunk, config.kv_block_size, blocks, config.prefix_caching
+    )
+    return capacity, name
 
 
 class Engine:
@@ -191,6 +194,7 @@ class Engine:
         kv_cache_gib: float | None = None,
         prefill_chunk: int = 512,
         kv_block_size: int | None = None,
+        prefix_caching: bool = True,
         costs: CostModel | None = None,
         cost_cache_dir: str | Path | None = None,
         gates: Gates | None = None,
@@ -216,7 +220,7 @@ class Engine:
             max_context=max_context,
             block_size=kv_block_size,
         )
-        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size, blocks)
+        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size, blocks, prefix_caching)
         executor = LocalExecutor(verifier, drafter, mask, cache_policy, capacity, cost_cache_dir=cost_cache_dir)
         self._start(executor, capacity, eos_token_ids, context_name, costs, gates, thread=model_thread.MODELS)
         self.verifier, self.drafter, self.mask, self.cache_policy = verifier, drafter, mask, cache_policy

@@ -66,6 +66,7 @@ class Capacity:
     prefill_chunk: int = 512  # prompt tokens prefilled per step, over all new requests
     block_size: int | None = None  # positions per KV block of a paged cache (viasd.blocks); None: slot rows
     kv_blocks: int | None = None  # blocks per tier (paged); requests are admitted against them
+    prefix_caching: bool = True  # paged: requests with a common prompt prefix share its full blocks (viasd.blocks)
 
     @property
     def tokens(self) -> int:
@@ -98,6 +99,7 @@ class Capacity:
             max_len=self.max_seq_len,
             block_size=self.block_size,
             num_blocks=self.kv_blocks,
+            prefix_caching=self.prefix_caching,
         )
 
 
@@ -147,6 +149,16 @@ class PrefillBatch:
         return bool(self.opens or self.chunks or self.copies)
 
 
+class Prefilled(NamedTuple):
+    """A row's prefill phase: the prompt logprobs its chunk scored ([] when none), and the
+    positions of its sequence the verifier's cache holds now (served drafter: the drafter's). A
+    paged cache that attaches a cached prefix (viasd.blocks, prefix caching) holds more than the
+    chunk asked for; the scheduler's next chunk starts there."""
+
+    logprobs: list[TokenLogprob]
+    held: int
+
+
 class ProposeRow(NamedTuple):
     key: str
     k: int  # tokens to draft at most
@@ -178,8 +190,8 @@ class Executor(Protocol):
     has_drafter: bool  # a drafter model is loaded (n-gram drafts need none)
     proposes: bool  # drafts can be proposed at all (served: there is a drafter actor, where the lookup runs)
 
-    def prefill(self, batch: PrefillBatch) -> dict[str, list[TokenLogprob] | BackendError]:
-        """Every row of the batch: the prompt logprobs its chunk scored ([] when none)."""
+    def prefill(self, batch: PrefillBatch) -> dict[str, Prefilled | BackendError]:
+        """Every row of the batch: what its chunk scored and how much its caches hold."""
         ...
 
     def propose(self, rows: Sequence[ProposeRow], times: StepTimes) -> list[Proposal | BackendError]:
@@ -226,9 +238,16 @@ class _Side:
     def prefill_steps(self, key: str, upto: int) -> list[Forward]:
         return self.session(key).prefill_steps(upto, upto)
 
+    def held(self, key: str) -> int:
+        """Positions of the request's sequence its cache holds (the drafter's; the verifier's full tier)."""
+        raise NotImplementedError
+
     def prefilled(self, key: str, forward: Forward, logits: Tensor) -> list[TokenLogprob]:
-        """What a prefill forward of the request scored (the verifier's prompt logprobs)."""
-        return self.session(key).prefilled(forward, logits)
+        """What a prefill forward of the request scored (the verifier's prompt logprobs); the
+        blocks it filled are published for later requests with the same prefix (prefix caching)."""
+        session = self.session(key)
+        forward.tier.cache.publish(session.seq[: forward.start + len(forward)])
+        return session.prefilled(forward, logits)
 
     def copy(self, key: str, leader: str) -> None:
         self.session(key).copy_prefill(self.session(leader))
@@ -264,7 +283,7 @@ class DraftWorker(_Side):
         draft_seed, _ = request_seeds(seed)
         self.sessions[key] = DraftSession(self.lm if model else None, prompt, params, draft_seed, stats, cache=row)
 
-    def fed(self, key: str) -> int:
+    def held(self, key: str) -> int:
         """Positions the request's drafter cache holds (0 without a drafter model)."""
         tier = self.session(key).tier
         return 0 if tier is None else tier.pos
@@ -336,6 +355,9 @@ class VerifyWorker(_Side):
         self.sessions[key] = VerifySession(
             self.lm, self.mask, self.cache_policy, prompt, params, verify_seed, stats, full_cache=full, slim_cache=slim
         )
+
+    def held(self, key: str) -> int:
+        return self.session(key).full.pos
 
     def verify(self, rows: Sequence[VerifyRow], times: StepTimes) -> list[Outcome | InvalidParameterError]:
         """One step over every row (`viasd.sessions.drive`: one slim forward over the `via` rows,
@@ -410,11 +432,12 @@ def plan_mode(params: GenerationParams, plan: str, drafted: bool) -> Mode | None
 
 def prefill(
     sides: Sequence[DraftWorker | VerifyWorker], batch: PrefillBatch
-) -> dict[str, list[TokenLogprob] | InvalidParameterError]:
+) -> dict[str, Prefilled | InvalidParameterError]:
     """The prefill phase on the sides one process holds (both in process; one a served actor):
     open, feed every chunk with one batched forward per tier (`viasd.sessions.execute`), copy.
-    Per row of the batch: the prompt logprobs its chunk scored, or the error that failed it
-    alone (a duplicate key, a full store, an unknown session or leader)."""
+    Per row of the batch: the prompt logprobs its chunk scored and the positions the verifier's
+    side (or the only side) holds, or the error that failed it alone (a duplicate key, a full
+    store, an unknown session or leader)."""
     out: dict = {}
 
     def applies(side, drafter_too: bool) -> bool:
@@ -451,7 +474,11 @@ def prefill(
                     side.copy(c.key, c.leader)
         except InvalidParameterError as exc:
             out[c.key] = exc
-    return out
+    last = sides[-1]  # (the verifier's side in process)
+    return {
+        key: got if isinstance(got, Exception) else Prefilled(got, last.held(key) if key in last.sessions else 0)
+        for key, got in out.items()
+    }
 
 
 # ---------------------------------------------------------------- in process
@@ -488,7 +515,7 @@ class LocalExecutor:
         verify = self.verifier.sessions.get(key)
         return None if verify is None else (self.drafter.sessions.get(key), verify)
 
-    def prefill(self, batch: PrefillBatch) -> dict[str, list[TokenLogprob] | InvalidParameterError]:
+    def prefill(self, batch: PrefillBatch) -> dict[str, Prefilled | InvalidParameterError]:
         return prefill([self.drafter, self.verifier], batch)
 
     def propose(self, rows: Sequence[ProposeRow], times: StepTimes) -> list[Proposal]:

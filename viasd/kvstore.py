@@ -10,7 +10,7 @@ heads and whose last dimension is the head size.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from torch import Tensor
@@ -55,6 +55,15 @@ class KVStore:
 
     def _released(self, row: int) -> None:
         """A store's own bookkeeping when a row is freed."""
+
+    def attach(self, row: int, tokens: Sequence[int]) -> int:
+        """Prefix caching: give an empty row the cached keys/values of the longest prefix of
+        `tokens` the store holds; the positions it now holds (0: none, or no prefix cache)."""
+        return 0
+
+    def publish(self, row: int, tokens: Sequence[int]) -> None:
+        """Prefix caching: the row's keys/values of `tokens` (its sequence's first positions, all
+        written) may be attached by later rows."""
 
     @property
     def rows_in_use(self) -> int:
@@ -103,6 +112,12 @@ class RowCache:
 
     def kv(self, layer: int) -> tuple[Tensor, Tensor]:
         return self.store.kv(self.row, layer)
+
+    def attach(self, tokens: Sequence[int]) -> int:
+        return self.store.attach(self.row, tokens)
+
+    def publish(self, tokens: Sequence[int]) -> None:
+        self.store.publish(self.row, tokens)
 
     def copy_from(self, other: RowCache, length: int) -> None:
         """This row's first `length` positions become `other`'s (same store)."""

@@ -204,6 +204,7 @@ class LLM:
             kv_cache_gib=config.kv_cache_gib,
             prefill_chunk=config.prefill_chunk,
             kv_block_size=config.kv_block_size,
+            prefix_caching=config.prefix_caching,
             cost_cache_dir=cost_cache_dir(),
             gates=gates,
         )

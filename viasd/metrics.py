@@ -69,6 +69,7 @@ class RequestStats:
     queue_seconds: float = 0.0  # from submission to admission into the batch
     preemptions: int = 0  # times the scheduler preempted it for KV blocks (paged caches; recomputed on resume)
     kv_bytes: int = 0  # valid keys/values the request held in every tier when it finished
+    cached_tokens: int = 0  # prompt positions the full verifier attached from the prefix cache instead of computing
 
     def count_accepted(self, positions: range) -> None:
         for j in positions:
@@ -175,4 +176,5 @@ _SUMMED = (
     "prefill_forwards",
     "prefill_seconds",
     "kv_bytes",
+    "cached_tokens",
 )

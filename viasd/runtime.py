@@ -303,9 +303,11 @@ class MaskedLM:
         max_len: int | None = None,
         block_size: int | None = None,
         num_blocks: int | None = None,
+        prefix_caching: bool = False,
     ) -> SlotKVCache | PagedKVCache:
         """An empty cache for the layers `mask` keeps (all by default): a `SlotKVCache`, or with
-        `block_size` a `PagedKVCache` of `num_blocks` blocks (default: max_rows rows of max_len)."""
+        `block_size` a `PagedKVCache` of `num_blocks` blocks (default: max_rows rows of max_len),
+        sharing published prompt blocks between rows with `prefix_caching`."""
         layers = self.all_layers if mask is None else mask.kept
         if block_size is None:
             return SlotKVCache(layers, self.num_layers, max_rows=max_rows, max_len=max_len)
@@ -314,7 +316,13 @@ class MaskedLM:
                 raise ValueError("a paged cache needs num_blocks or max_len")
             num_blocks = max_rows * -(-max_len // block_size)
         return PagedKVCache(
-            layers, self.num_layers, num_blocks=num_blocks, block_size=block_size, max_rows=max_rows, max_len=max_len
+            layers,
+            self.num_layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_rows=max_rows,
+            max_len=max_len,
+            prefix_caching=prefix_caching,
         )
 
     def new_cache(self, mask: LayerMask | None = None) -> RowCache:

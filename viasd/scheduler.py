@@ -608,8 +608,11 @@ class Scheduler:
             result = results.get(r.key)
             if isinstance(result, BaseException):
                 self._row_failed(r, result)
-            elif result and r.prompt_logprobs is not None:
-                r.prompt_logprobs += result
+            elif result is not None:
+                if r.prompt_logprobs is not None:
+                    r.prompt_logprobs += result.logprobs
+                if r in self._running and r.leader is None:  # a cached prefix attached: prefill goes on past it
+                    r.fed = max(r.fed, min(result.held, r.target))
         for r in copies:
             if r.prompt_logprobs is not None:
                 r.prompt_logprobs = list(r.leader.prompt_logprobs)

@@ -227,11 +227,20 @@ class _Tier:
         feeds seq[pos : min(upto, len(seq), pos + budget)], with no logits or (`score_from`) the
         logits of the fed positions from `score_from` on; at or past them it rolls back to `upto`
         and feeds nothing (its cache drops what it held further: a chunk to 0 gives back every
-        block of the row, which is how a preempted request frees its caches). None: no forward."""
+        block of the row, which is how a preempted request frees its caches). An empty row first
+        attaches the cached blocks of the longest prefix of seq[:-1] a paged cache holds
+        (viasd.blocks, prefix caching), short of the positions to score: it may then hold more
+        than `upto`. None: no forward."""
         if upto <= self.pos:
             self.pos = upto
             self.cache.crop(upto, self.layers)
             return None
+        if self.pos == 0:
+            self.pos = self.cache.attach(seq[: len(seq) - 1 if score_from is None else min(score_from, len(seq) - 1)])
+            if self.name == "full":
+                stats.cached_tokens += self.pos
+            if self.pos >= upto:
+                return None
         end = min(upto, len(seq), self.pos + budget)
         if end <= self.pos:
             return None

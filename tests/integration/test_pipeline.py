@@ -13,7 +13,9 @@ loop thread runs every coroutine, with a timeout, so nothing can hang CI.
   in-process batched run == each alone; a bad row of a batched Verify fails alone;
 * a cancelled stream closes the drafter's and the verifier's sessions;
 * bad input -> INVALID_ARGUMENT naming the field; ListModels; the health service;
-* a failing drafter: the request finishes as `ar` (drafter_fallback).
+* a failing drafter: the request finishes as `ar` (drafter_fallback);
+* `quantization: int4`: the actors quantize as the in-process engine does (TP=2: each rank its
+  slices) and serve its tokens.
 """
 
 from __future__ import annotations
@@ -355,7 +357,8 @@ def test_a_paged_pipeline_equals_in_process_slots(ray_session, aio, engine_confi
     the mixed waves run out of blocks, requests are preempted (each actor's caches roll back, the
     sessions stay) and resumed by a recomputing prefill, and every output equals the in-process
     run on slot caches token for token; the scheduler admits against the least of the actors'
-    blocks; every block comes back."""
+    blocks; every block comes back. A second request behind the same prompt prefix attaches its
+    blocks on the actors (prefix caching) and still equals the in-process run."""
     from viasd.cluster.pipeline import Pipeline
 
     gib = 30 * 4 * llm.engine.kv_bytes_per_token / 2**30  # (each actor's budget for its own tiers)
@@ -370,6 +373,13 @@ def test_a_paged_pipeline_equals_in_process_slots(ray_session, aio, engine_confi
         assert served == in_process_batched(llm, BATCH_WAVES)
         assert scheduler.preemptions > 0 and scheduler.kv_blocks_needed == 0
         assert aio.run(p.session_counts()) == {"drafter": 0, "verifier": [0]}
+        prompt = [(3 * i) % 90 + 1 for i in range(13)] + [7]  # 3 full blocks, then a second request behind them
+        for i, mode in enumerate(["sd", "via"]):
+            chunks = aio.run(_run(p.coordinator, f"prefix-{i}", prompt, **(VIA if mode == "via" else {"mode": mode})))
+            assert [t for c in chunks for t in c.token_ids] == reference(
+                llm, prompt, **(VIA if mode == "via" else {"mode": mode})
+            ).token_ids
+            assert chunks[-1].stats.cached_tokens == 12 * i  # the actors' caches attached the first one's blocks
     finally:
         aio.run(p.shutdown())
 
@@ -845,6 +855,75 @@ def test_the_actors_pack_the_linears_the_in_process_engine_packs(pipeline, llm):
     runtime, local = pipeline.info()["runtime"], llm.runtime_info()
     fields = ("linear_method", "linears_swapped", "linear_extra_bytes", "linear_mixed_from_rows")
     assert {f: runtime[f] for f in fields} == {f: local[f] for f in fields}
+
+
+def test_a_quantized_pipeline_serves_what_the_in_process_engine_does(ray_session, aio, tmp_path):
+    """`quantization: int4` on a tiny random pair whose every linear the int4 kernel takes (integer
+    kernels on every product: packed_linears off): the actors quantize as the in-process engine
+    does, at TP=1 and at TP=2 (each rank its own slices), the served tokens over gRPC equal its
+    tokens (which differ from the unquantized pair's), and the runtime info (/v1/models) reports
+    the quantization of both models as it does."""
+    import torch
+    from conftest import drafter_from, tiny_model
+
+    from viasd.cluster.grpc_api import GenerationServicer
+    from viasd.cluster.pipeline import Pipeline
+    from viasd.cluster.standalone import serve_grpc
+    from viasd.llm import LLM
+
+    verifier = tiny_model("llama", dtype=torch.float32, hidden=64, intermediate=128)  # K 64 / 128, N 16k
+    for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
+        model.save_pretrained(tmp_path / name)
+    config = EngineConfig(
+        verifier=str(tmp_path / "verifier"),
+        drafter=str(tmp_path / "drafter"),
+        dtype="float32",
+        mask=(1, 0, 1, 0, 1, 1),
+        threads=1,
+        quantization="int4",
+        packed_linears=False,
+    )
+    llm, plain = LLM(config), LLM(config.model_copy(update={"quantization": "none"}))
+    pipelines = {
+        "int4": aio.run(Pipeline.start(_pipeline_config(config, name="int4")), timeout=120),
+        "int4-tp2": aio.run(Pipeline.start(_pipeline_config(config, name="int4-tp2", tp_size=2)), timeout=120),
+    }
+    srv = aio.run(serve_grpc(GenerationServicer(pipelines, default="int4"), 0))
+
+    async def connect():
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{srv.viasd_port}")
+        return channel, generation_pb2_grpc.GenerationServiceStub(channel)
+
+    channel, stub = aio.run(connect())
+    try:
+        local = llm.runtime_info()["quantization"]
+        assert all(q.pop("seconds") >= 0 for q in local)
+        for name, pipeline in pipelines.items():
+            served = pipeline.info()["runtime"]["quantization"]
+            assert all(q.pop("seconds") >= 0 for q in served)
+            assert [(q["quantization"], q["quantization_reason"], q["kernels"]) for q in served] == [
+                ("int4", "requested", {"int4g32": 6 * 7 + 1}),
+                ("int4", "requested", {"int4g32": 2 * 7 + 1}),
+            ], name
+            if name == "int4":
+                assert served == local
+            else:  # (each rank holds half of every quantized weight)
+                assert served[1] == local[1] and 2 * served[0]["bytes"] == local[0]["bytes"]
+        differs = False
+        for case in ("ar-greedy", "sd-greedy", "sd-sampled", "via-greedy"):
+            params = CASES[case]
+            for prompt in PROMPTS:
+                ref = reference(llm, prompt, **params)
+                for name in pipelines:
+                    tokens, responses = aio.run(collect(stub, request(prompt, model=name, **params)))
+                    assert_same_run(tokens, responses, ref, (name, case, prompt))
+                differs |= ref.token_ids != reference(plain, prompt, **params).token_ids
+        assert differs  # (the quantized pair decodes otherwise: the test sees whether it is quantized)
+    finally:
+        aio.run(channel.close())
+        aio.run(srv.stop(grace=1))
+        for pipeline in pipelines.values():
+            aio.run(pipeline.shutdown())
 
 
 def test_list_models_and_health(server, aio):

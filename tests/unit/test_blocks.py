@@ -500,3 +500,28 @@ def test_preemptions_are_counted_on_metrics_as_requests_end():
     metrics.record_stats([RequestStats()], "stop")
     samples = parse_exposition(metrics.exposition()[0].decode())
     assert total(samples, "viasd_num_preemptions_total", model_name="m") == 3
+
+
+def test_rows_of_very_different_spans_are_read_in_buckets_and_equal_slot_rows():
+    """A paged forward over rows holding 5, 70, 150 and 300 positions attends bucket by bucket
+    (viasd.attention.span_buckets: each bucket gathered to its own longest span), decode and
+    ragged prefill rows alike: the logits equal slot rows' (float64)."""
+    from viasd.attention import span_buckets
+
+    assert [s for _, s in span_buckets([5, 70, 150, 300, 60], "cpu")] == [60, 70, 150, 300]
+    assert span_buckets([40, 33, 64], "cpu") == ((None, 64),)
+    lengths = [5, 70, 150, 300]
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, LM.vocab_size, (n,), generator=gen).tolist() for n in lengths]
+    slots = LM.new_store(max_rows=4, max_len=320)
+    paged = LM.new_store(max_rows=4, max_len=320, block_size=8)
+    for store in (slots, paged):
+        rows = [store.alloc() for _ in lengths]
+        LM.forward_batch([Row(p, 0, 1, r) for p, r in zip(prompts, rows)], store)
+    for step in ([1, 1, 1, 1], [3, 1, 6, 2]):  # decode rows, then ragged rows
+        batch = [torch.randint(0, LM.vocab_size, (n,), generator=gen).tolist() for n in step]
+        want = LM.forward_batch([Row(t, lengths[r], len(t), r) for r, t in enumerate(batch)], slots)
+        got = LM.forward_batch([Row(t, lengths[r], len(t), r) for r, t in enumerate(batch)], paged)
+        for a, b in zip(want, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=1e-10)
+        lengths = [n + len(t) for n, t in zip(lengths, batch)]

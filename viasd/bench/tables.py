@@ -26,7 +26,7 @@ from typing import Any
 from viasd.bench.report import ratio
 
 #: the documents whose marked tables `viasd bench report --docs` maintains
-DOCS = ("docs/BENCHMARKS.md", "docs/DIMR.md", "docs/QUANTIZATION.md")
+DOCS = ("docs/BATCHING.md", "docs/BENCHMARKS.md", "docs/DIMR.md", "docs/QUANTIZATION.md")
 
 _MARK = re.compile(r"^<!-- table:([a-z0-9_-]+) -->\n(.*?)^<!-- /table:\1 -->$", re.M | re.S)
 
@@ -86,7 +86,7 @@ def dtype(data: dict) -> str:
         return runs[0]["runtime"]["dtype"]  # (quant e2e: the engine's runtime info)
     if _meta(data).get("activations"):  # (quant kernels: the activations' dtype)
         return _meta(data)["activations"]
-    for part in ("e2e", "kernels", "gguf"):  # (a `--suite quant` record: its first part's)
+    for part in ("e2e", "kernels", "gguf", "llamacpp"):  # (a `--suite quant` record: its first part's)
         sub = _meta(data).get(part)
         sub = sub[0] if isinstance(sub, list) and sub else sub
         if isinstance(sub, dict):
@@ -764,6 +764,139 @@ def quant_e2e(sources: list[dict]) -> list[str]:
     return lines
 
 
+#: how the llamacpp part's systems are named in its table
+LLAMACPP_NAMES = {"llama.cpp": "llama.cpp, plain decoding", "ar": "via-sd `ar`", "auto": "via-sd `auto`"}
+
+
+def _rounds(s: dict, spec: str = ".2f") -> str:
+    return " / ".join(format(v, spec) for v in s["rounds"])
+
+
+def _lengths(rec: dict) -> str:
+    n = sorted({len(ids) for ids in rec.get("prompt_ids") or []})
+    return "-" if not n else str(n[0]) if n[0] == n[-1] else f"{n[0]}-{n[-1]}"
+
+
+def quant_llamacpp(sources: list[dict]) -> list[str]:
+    """Batch-1 greedy decoding beside llama.cpp's on the same GGUF file, prompts and token count."""
+    recs = _part(sources[0], "llamacpp")
+    if not recs:
+        return []
+    rec = recs[0]
+    if not rec.get("summary"):
+        return [f"Not measured: {(rec.get('llama_cpp') or {}).get('error', 'no runs')}."]
+    summary = rec["summary"]
+    lines = _header(
+        [
+            "system",
+            "decode tokens/s, each round",
+            "A/A spread",
+            "decode tokens/s (mean)",
+            "vs llama.cpp",
+            "tokens/s, prefill included (mean)",
+            "vs llama.cpp",
+            "tokens before the first difference from llama.cpp's, per prompt",
+        ],
+        right=6,
+    )
+    n = 1 + rec["tokens"]
+    for system, e in summary.items():
+        d, w, vs = e["decode_tokens_per_s"], e["wall_tokens_per_s"], e.get("vs_llama_cpp")
+        same = e.get("tokens_equal_to_llama_cpp")
+        lines.append(
+            _row(
+                [
+                    LLAMACPP_NAMES.get(system, f"`{system}`"),
+                    _rounds(d),
+                    f"{d['aa_spread']:.1%}",
+                    f"{d['mean']:.2f}",
+                    f"{vs['decode_tokens_per_s']:.2f}x" if vs else "-",
+                    f"{w['mean']:.2f}",
+                    f"{vs['wall_tokens_per_s']:.2f}x" if vs else "-",
+                    "-" if system == "llama.cpp" or same is None else f"{', '.join(map(str, same))} of {n}",
+                ]
+            )
+        )
+    ll = summary.get("llama.cpp", {})
+    via = next((r for r in rec["runs"] if r["system"] == "via-sd"), {})
+    quant = (via.get("runtime") or {}).get("quantization") or []
+    served = f"{quant[0]['quantization']} (`{quant[0]['quantization_reason']}`)" if quant else "none"
+    info = rec["llama_cpp"]
+    lines += [
+        "",
+        f"Greedy, batch 1, {len(rec['prompts'])} prompts ({', '.join(f'`{p}`' for p in rec['prompts'])}) x "
+        f"{rec['tokens']} generated tokens after the first, the same token ids on both sides; "
+        f"{rec['rounds']} rounds in the order {', '.join(rec['order'])}, one process each. "
+        f"llama.cpp {info['llama_cpp']} (llama-cpp-python) on `{info['gguf']}` with {rec['threads']} threads; "
+        f"its own counters: {_f(ll.get('llama_eval_tokens_per_s'))} tokens/s decoding, "
+        f"{_f(ll.get('llama_prompt_tokens_per_s'), '.0f')} tokens/s on the prompts ({_lengths(rec)} tokens). "
+        f"via-sd with `--quantization {rec['quantization']}`: verifier served {served}, "
+        f"{via.get('threads')} threads. Decode tokens/s: n / (t(1 + n) - t(1)), summed over the prompts; "
+        "the A/A spread is (max - min) / mean of a system's rounds.",
+    ]
+    return lines
+
+
+def quant_quality(sources: list[dict]) -> list[str]:
+    """pass@1 of greedy `ar` on the first HumanEval problems per quantization, one evaluation each."""
+
+    def label(data: dict) -> str:
+        found = re.search(r"--quantization (\S+)", _meta(data).get("command") or "")
+        return found.group(1) if found else "auto"
+
+    lines = _header(
+        [
+            "quantization",
+            "verifier served",
+            "HumanEval pass@1 [95% Wilson]",
+            "passed",
+            f"within `{label(sources[0])}`'s interval",
+            f"completions identical to `{label(sources[0])}`'s",
+        ],
+        right=4,
+    )
+    first = None
+    for data in sources:
+        s = data["summary"]["ar"]["humaneval"]
+        p = s["pass_at_1"]
+        rt = data["meta"].get("runtime") or {}
+        quant = rt.get("quantization") or []
+        served = f"{quant[0]['quantization']} (`{quant[0]['quantization_reason']}`)" if quant else rt.get("dtype")
+        runs = {r["prompt"]: r for r in data["runs"] if r["method"] == "ar" and r["corpus"] == "humaneval"}
+        if first is None:
+            first, within, same = (p, runs), "-", "-"
+        else:
+            lo, hi = first[0]["wilson95"]
+            within = "yes" if lo <= p["pass_at_1"] <= hi else "NO"
+            k = sum(r["completion"] == first[1][k]["completion"] for k, r in runs.items() if k in first[1])
+            same = f"{k}/{len(runs)}"
+        lines.append(
+            _row(
+                [
+                    f"`{label(data)}`",
+                    served,
+                    _pass_rate(p),
+                    f"{round(p['pass_at_1'] * p['n_samples'])}/{p['n_samples']}",
+                    within,
+                    same,
+                ]
+            )
+        )
+    meta = sources[0]["meta"]
+    lines += [
+        "",
+        f"Greedy `ar`, the first {len(meta['corpora']['humaneval'])} HumanEval problems, at most "
+        f"{meta['max_tokens']} tokens, {meta['max_batch']} requests decoding together; pass@1 by running each "
+        "problem's tests. "
+        + " ".join(
+            f"[`{p}`]({p.removeprefix('docs/')}): `{_meta(d).get('command')}`; commit `{commit(d)}`; "
+            f"CPU capability `{capability(d)}`."
+            for p, d in zip(QUANT_QUALITY[1:], sources[1:])
+        ),
+    ]
+    return lines
+
+
 def quant_markdown(record: dict) -> str:
     """results.md of `viasd bench --suite quant`: the tables of the parts it ran."""
     out = [f"Command: `{record.get('command')}`; commit `{commit(record)}`; CPU capability `{capability(record)}`."]
@@ -771,16 +904,84 @@ def quant_markdown(record: dict) -> str:
         ("kernels", "Kernels", quant_kernels),
         ("gguf", "GGUF mapping", lambda s: quant_gguf(s)[:-2]),
         ("e2e", "End to end", quant_e2e),
+        ("llamacpp", "Beside llama.cpp", quant_llamacpp),
     ):
         if record.get(key):
             out += ["", f"### {title}", "", *render_([record])]
     return "\n".join(out) + "\n"
 
 
+def blocks_capacity(sources: list[dict]) -> list[str]:
+    """One KV budget, slot rows against blocks: a long prompt beside many short ones."""
+    (res,) = sources
+    rows, length = res["budget"]["as_slot_rows"]
+    lines = _header(["setting", "refused", "most decoding at once", "preemptions", "seconds", "tokens/s"], right=5)
+    for name, r in res["capacity"].items():
+        lines.append(
+            _row(
+                [
+                    name,
+                    f"{r['refused']} of {r['requests']}",
+                    str(r["most_decoding"]),
+                    str(r["preemptions"]),
+                    f"{r['seconds']:.1f}",
+                    f"{r['tokens_per_second']:.1f}",
+                ]
+            )
+        )
+    first = next(iter(res["capacity"].values()))
+    return lines + [
+        "",
+        f"A budget of {res['budget']['gib']:.3f} GiB: {rows} slot rows of {length:,} positions. "
+        f"{first['requests']} requests, `ar`, {first['generated_tokens'] // max(1, first['requests'] - first['refused'])} "
+        "new tokens each.",
+    ]
+
+
+def blocks_prefix(sources: list[dict]) -> list[str]:
+    """Requests behind one system prompt, with prefix caching off and on."""
+    (res,) = sources
+    lines = _header(
+        ["prefix caching", "prompt positions computed", "prefill forwards", "every first token (s)", "tokens/s"],
+        right=4,
+    )
+    for name, r in res["prefix"].items():
+        lines.append(
+            _row(
+                [
+                    name.removeprefix("prefix caching "),
+                    f"{r['prompt_tokens'] - r['cached_tokens']:,} of {r['prompt_tokens']:,}",
+                    str(r["prefill_forwards"]),
+                    f"{r['all_first_tokens_seconds']:.1f}",
+                    f"{r['tokens_per_second']:.1f}",
+                ]
+            )
+        )
+    return lines
+
+
+def blocks_markdown(record: dict) -> str:
+    """results.md of `viasd bench --suite blocks`."""
+    return (
+        "\n".join(
+            [
+                f"Command: `{record.get('command')}`; commit `{commit(record)}`; CPU capability `{capability(record)}`.",
+                "",
+                *blocks_capacity([record]),
+                "",
+                *blocks_prefix([record]),
+            ]
+        )
+        + "\n"
+    )
+
+
 QUANT = "docs/benchmarks/cpu/quant/"
 QUANT_GGUF = tuple(
     f"{QUANT}gguf-check-{m}.json" for m in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 )
+
+QUANT_QUALITY = (f"{QUANT}quality-none/results.json", f"{QUANT}quality-int4/results.json")
 
 SPEED = "docs/benchmarks/cpu/gates-speed/results.json"
 
@@ -800,9 +1001,13 @@ TABLES: dict[str, Table] = {
             ("docs/dimr-compare.json", "viasd/masks/qwen2.5-coder-1.5b-instruct-r0.25.json"),
             dimr_ratios,
         ),
+        Table("blocks-capacity", ("docs/benchmarks/cpu/blocks/results.json",), blocks_capacity),
+        Table("blocks-prefix", ("docs/benchmarks/cpu/blocks/results.json",), blocks_prefix),
         Table("quant-gguf", QUANT_GGUF, quant_gguf),
         Table("quant-kernels", (f"{QUANT}kernels.json",), quant_kernels),
         Table("quant-e2e", (f"{QUANT}e2e.json",), quant_e2e),
+        Table("quant-llamacpp", (f"{QUANT}llamacpp/results.json",), quant_llamacpp),
+        Table("quant-quality", QUANT_QUALITY, quant_quality),
     )
 }
 

@@ -116,6 +116,7 @@ _STATS_INTS = (
     "prefill_forwards",
     "kv_bytes",
     "preemptions",
+    "cached_tokens",
 )
 
 

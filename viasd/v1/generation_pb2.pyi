@@ -207,7 +207,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("mode", "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "num_rejected_tokens", "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted", "mean_acceptance_length", "rejection_rate", "forwards", "seconds", "time_to_first_token", "total_seconds", "drafter_fallback", "num_cycle_tokens", "ngram_draft_tokens", "overlap_draft_tokens", "prefill_forwards", "prefill_seconds", "queue_seconds", "plans", "kv_bytes", "preemptions")
+    __slots__ = ("mode", "prompt_tokens", "generated_tokens", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos", "num_rejected_tokens", "num_bonus_tokens", "slim_accepted", "slim_rewritten", "escalations", "escalated_tokens", "full_accepted", "mean_acceptance_length", "rejection_rate", "forwards", "seconds", "time_to_first_token", "total_seconds", "drafter_fallback", "num_cycle_tokens", "ngram_draft_tokens", "overlap_draft_tokens", "prefill_forwards", "prefill_seconds", "queue_seconds", "plans", "kv_bytes", "preemptions", "cached_tokens")
     class ForwardsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class RequestStats(_message.Message):
     PLANS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     prompt_tokens: int
     generated_tokens: int
@@ -289,7 +290,8 @@ class RequestStats(_message.Message):
     plans: _containers.ScalarMap[str, int]
     kv_bytes: int
     preemptions: int
-    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_rejected_tokens: _Optional[int] = ..., num_bonus_tokens: _Optional[int] = ..., slim_accepted: _Optional[int] = ..., slim_rewritten: _Optional[int] = ..., escalations: _Optional[int] = ..., escalated_tokens: _Optional[int] = ..., full_accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rejection_rate: _Optional[float] = ..., forwards: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[_Mapping[str, float]] = ..., time_to_first_token: _Optional[float] = ..., total_seconds: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., num_cycle_tokens: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., overlap_draft_tokens: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., plans: _Optional[_Mapping[str, int]] = ..., kv_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, mode: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., num_rejected_tokens: _Optional[int] = ..., num_bonus_tokens: _Optional[int] = ..., slim_accepted: _Optional[int] = ..., slim_rewritten: _Optional[int] = ..., escalations: _Optional[int] = ..., escalated_tokens: _Optional[int] = ..., full_accepted: _Optional[int] = ..., mean_acceptance_length: _Optional[float] = ..., rejection_rate: _Optional[float] = ..., forwards: _Optional[_Mapping[str, int]] = ..., seconds: _Optional[_Mapping[str, float]] = ..., time_to_first_token: _Optional[float] = ..., total_seconds: _Optional[float] = ..., drafter_fallback: _Optional[bool] = ..., num_cycle_tokens: _Optional[int] = ..., ngram_draft_tokens: _Optional[int] = ..., overlap_draft_tokens: _Optional[int] = ..., prefill_forwards: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., plans: _Optional[_Mapping[str, int]] = ..., kv_bytes: _Optional[int] = ..., preemptions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "finish_reason", "stats", "logprobs", "prompt_logprobs", "index")
