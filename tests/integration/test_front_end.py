@@ -642,7 +642,7 @@ m = ServingMetrics("smol", ray_export=True)
 stats = RequestStats(mode="via", prompt_tokens=3, generated_tokens=5, num_drafts=2, num_draft_tokens=8,
                      num_accepted_tokens=4, num_accepted_tokens_per_pos=[2, 2], num_rejected_tokens=1,
                      num_bonus_tokens=1, slim_accepted=3, slim_rewritten=1, escalations=1, escalated_tokens=2,
-                     full_accepted=1, preemptions=1, forwards={"drafter": 8, "slim": 2, "full": 1},
+                     full_accepted=1, preemptions=1, cached_tokens=2, forwards={"drafter": 8, "slim": 2, "full": 1},
                      seconds={"drafter": 0.1, "slim": 0.1, "full": 0.1})
 timer = m.timer(); timer.admitted(); timer.tokens(2); timer.tokens(3); timer.finish([stats], "length")
 m.set_queue(1, 0); m.set_kv_usage(0.25); m.error("invalid")
