@@ -19,13 +19,13 @@ import os
 import time
 
 import filelock
-import grpc
 import ray
 
 from viasd import model_thread
 from viasd.actors.rpc import (
     InOrder,
     InternalTLS,
+    ModelActor,
     actor_facts,
     cores_lock,
     costs_to_proto,
@@ -86,7 +86,7 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         t0 = time.perf_counter()
         self._stop_ahead()
         results = await self._work.submit(prefill, [self.worker], prefill_from_proto(request, drafter=True))
-        return prefill_reply(results, time.perf_counter() - t0, fed=lambda _, done: done.held)
+        return prefill_reply(results, time.perf_counter() - t0)
 
     @rpc
     async def Propose(self, request: ipb.ProposeBatch, context) -> ipb.ProposeReply:
@@ -192,12 +192,8 @@ def set_threads(threads: int | None, ranks: int) -> int:
 
 
 @ray.remote
-class DrafterActor:
+class DrafterActor(ModelActor):
     """Loads the drafter of an EngineConfig and serves DrafterService on a free port."""
-
-    def __init__(self):
-        self.server: grpc.aio.Server | None = None
-        self.servicer: DrafterServicer | None = None
 
     async def start(
         self,
@@ -229,7 +225,7 @@ class DrafterActor:
         lm, threads, packed = await asyncio.get_running_loop().run_in_executor(model_thread.executor(), load)
         positions = getattr(lm.config, "max_position_embeddings", None)
         capacity, context_name = engine_capacity(config, lm.kv_bytes_per_token(), lm.device, [positions])
-        self.servicer = DrafterServicer(
+        self.core = DrafterServicer(
             lm,
             capacity,
             probs_dtype=probs_dtype,
@@ -237,16 +233,11 @@ class DrafterActor:
             cores=cores_lock(device, threads, ranks=1),
         )
         add = internal_pb2_grpc.add_DrafterServiceServicer_to_server
-        self.server, address = await serve_internal(add, self.servicer, host, tls)
+        self.server, address = await serve_internal(add, self.core, host, tls)
         log.info("drafter %s serving on %s (pid %d)", config.drafter, address, os.getpid())
         return {"address": address, **actor_facts(lm, capacity, context_name, threads, packed)}
 
-    async def num_sessions(self) -> int:
-        return len(self.servicer.sessions) if self.servicer else 0
-
     async def stop(self) -> None:
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
-            self.server = None
-        if self.servicer is not None:
-            self.servicer.shutdown()
+        await self.stop_server()
+        if self.core is not None:
+            self.core.shutdown()

@@ -45,7 +45,7 @@ from viasd.costs import CostModel, StepTimes
 from viasd.errors import CapacityError, InvalidParameterError
 from viasd.executor import Copy, Open, PrefillBatch, PrefillChunk, SessionNotFound
 from viasd.v1 import internal_pb2 as ipb
-from viasd.v1.convert import params_from_proto, stats_to_proto
+from viasd.v1.convert import logprobs_to_proto, params_from_proto, stats_to_proto
 
 log = logging.getLogger("viasd.actors")
 
@@ -154,6 +154,23 @@ async def serve_internal(add: Callable, servicer, host: str, tls: InternalTLS | 
 
         host = ray.util.get_node_ip_address()
     return server, f"{host}:{port}"
+
+
+class ModelActor:
+    """What the drafter and verifier actors share: the side they run (`core`: its `sessions`, its
+    `shutdown`) and the internal server they serve it on (rank 0's alone under TP)."""
+
+    core = None  # DrafterServicer or VerifierRank, once loaded
+    server: grpc.aio.Server | None = None
+
+    async def num_sessions(self) -> int:
+        return len(self.core.sessions) if self.core is not None else 0
+
+    async def stop_server(self) -> None:
+        """Stop serving (calls in flight get a second to finish)."""
+        if self.server is not None:
+            await self.server.stop(grace=1.0)
+            self.server = None
 
 
 def actor_facts(lm, capacity, context_name: str, threads: int, linears) -> dict:
@@ -287,13 +304,14 @@ def prefill_from_proto(request: ipb.PrefillBatch, drafter: bool) -> PrefillBatch
     )
 
 
-def prefill_reply(results: dict, seconds: float, **fields) -> ipb.PrefillReply:
-    """The answer to a Prefill: each row's error, or `fields` (key, its result -> a value) set."""
+def prefill_reply(results: dict, seconds: float) -> ipb.PrefillReply:
+    """The answer to a Prefill: each row's error, or the prompt logprobs it scored (none on the
+    drafter's side) and the positions its side's cache holds."""
     rows = [
-        ipb.Prefilled(request_id=key, error=row_error(result))
-        if isinstance(result, Exception)
-        else ipb.Prefilled(request_id=key, **{name: value(key, result) for name, value in fields.items()})
-        for key, result in results.items()
+        ipb.Prefilled(request_id=key, error=row_error(done))
+        if isinstance(done, Exception)
+        else ipb.Prefilled(request_id=key, prompt_logprobs=logprobs_to_proto(done.logprobs), fed=done.held)
+        for key, done in results.items()
     ]
     return ipb.PrefillReply(rows=rows, times=ipb.CallTimes(seconds=seconds))
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from typing import NamedTuple
 
 import filelock
-import grpc
 import ray
 
 from viasd import model_thread
@@ -34,6 +34,7 @@ from viasd.actors.drafter import set_threads
 from viasd.actors.rpc import (
     InOrder,
     InternalTLS,
+    ModelActor,
     PeerUnavailable,
     actor_facts,
     cores_lock,
@@ -216,12 +217,7 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         """Open sessions, feed prompt chunks, copy samples' rows: on every rank in lockstep."""
         t0 = time.perf_counter()
         results = await self._lockstep("prefill", prefill_from_proto(request, drafter=False))
-        return prefill_reply(
-            results,
-            time.perf_counter() - t0,
-            prompt_logprobs=lambda _, done: logprobs_to_proto(done.logprobs),
-            fed=lambda _, done: done.held,
-        )
+        return prefill_reply(results, time.perf_counter() - t0)
 
     @rpc
     async def Verify(self, request: ipb.VerifyBatch, context) -> ipb.VerifyReply:
@@ -276,12 +272,10 @@ def _q_proj_rows(linear) -> int:
 
 
 @ray.remote
-class VerifierWorker:
+class VerifierWorker(ModelActor):
     """One tensor-parallel rank of the verifier; rank 0 also serves VerifierService."""
 
     def __init__(self):
-        self.core: VerifierRank | None = None
-        self.server: grpc.aio.Server | None = None
         self.rank = 0
         self._tokenizer = None
         self.channel = None  # rank 0's calls to the others (viasd.parallel.ControlChannel), under TP
@@ -293,9 +287,19 @@ class VerifierWorker:
 
         return {"master_addr": ray.util.get_node_ip_address(), "master_port": free_port()}
 
-    async def setup(
+    async def setup(self, engine: dict, **group) -> dict:
+        """Load q, resolve the mask, shard across the group (every rank calls this at once, `group`:
+        `_setup`'s rank and group), on the model thread, where its forwards will run; returns what
+        the rank loaded."""
+        config = EngineConfig.model_validate(engine)
+        self.rank = group["rank"]
+        return await asyncio.get_running_loop().run_in_executor(
+            model_thread.executor(), functools.partial(self._setup, config, **group)
+        )
+
+    def _setup(
         self,
-        engine: dict,
+        config: EngineConfig,
         *,
         rank: int,
         world_size: int,
@@ -303,25 +307,6 @@ class VerifierWorker:
         master_port: int = 29500,
         tp_backend: str = "torch",
         device: str = "cpu",
-    ) -> dict:
-        """Load q, resolve the mask, shard across the group (every rank calls this at once), on the
-        model thread, where its forwards will run (`_setup`); returns what the rank loaded."""
-        config = EngineConfig.model_validate(engine)
-        self.rank = rank
-        return await asyncio.get_running_loop().run_in_executor(
-            model_thread.executor(),
-            lambda: self._setup(config, rank, world_size, master_addr, master_port, tp_backend, device),
-        )
-
-    def _setup(
-        self,
-        config: EngineConfig,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        tp_backend: str,
-        device: str,
     ) -> dict:
         """Load q, resolve its mask and gates, join the group and shard (`setup`, on the model thread);
         its caches hold the engine's capacity (`engine_capacity`: this rank's share of the keys and
@@ -432,15 +417,10 @@ class VerifierWorker:
         process, which need not hold the model files."""
         return self._tokenizer
 
-    async def num_sessions(self) -> int:
-        return len(self.core.sessions) if self.core else 0
-
     async def stop(self) -> None:
         """Stop serving; rank 0 releases the other ranks from their loops (STOP), and a rank
         leaves the group once its loop has ended (one still waiting in a collective is killed)."""
-        if self.server is not None:
-            await self.server.stop(grace=1.0)
-            self.server = None
+        await self.stop_server()
         ended = True
         if self.channel is not None and self.rank == 0 and self.core is not None:
             with contextlib.suppress(Exception):

@@ -5,8 +5,8 @@ in its constructor and serves it through one request handler (`cluster/handler.p
 admission, drain and metrics shared by both transports):
 
 * gRPC through Serve's gRPC proxy: `viasd.v1.GenerationService` by the standalone server's
-  `grpc_api.GenerationServicer`, and the standard health service (no token). The proxy has no
-  interceptors, so each method checks the bearer token of the HTTP API itself;
+  `grpc_api.GenerationServicer` (which checks the bearer token of the HTTP API), and the standard
+  health service (no token);
 * HTTP through Serve's HTTP proxy: the OpenAI-compatible app of `openai_api`.
 
 Autoscaling adds or removes whole pipelines. Faults are repaired inside the replica first
@@ -28,7 +28,6 @@ import logging
 import os
 import time
 import uuid
-from contextlib import aclosing
 from typing import Any
 
 import grpc
@@ -37,12 +36,12 @@ from ray import serve
 from ray.serve.config import gRPCOptions
 
 from viasd.cluster import drain
-from viasd.cluster.grpc_api import HEALTH_SERVICES, GenerationServicer, health_status, status_of
+from viasd.cluster.grpc_api import HEALTH_SERVICES, GenerationServicer, GRPCStatus, health_status, set_status
 from viasd.cluster.handler import Backend, RequestHandler, model_names
 from viasd.cluster.local import LocalPipeline
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline
-from viasd.cluster.security import read_token, token_denial
+from viasd.cluster.security import read_token
 from viasd.cluster.serve_config import ServeConfig, load_serve_config, parse_serve_config
 from viasd.cluster.serving_metrics import ServingMetrics
 
@@ -112,42 +111,22 @@ class PipelineDeployment:
         """Serve's hook, called after the constructor: this replica's own FastAPI app."""
         return build_http_app(self.server, self.token)
 
-    def _authenticate(self, grpc_context) -> None:
-        """End a gRPC call whose metadata lacks ``authorization: Bearer <token>`` with
-        UNAUTHENTICATED (Serve's proxy runs no interceptor that could)."""
-        if self.token is None:
-            return
-        metadata = grpc_context.invocation_metadata() if grpc_context is not None else ()
-        denial = token_denial(metadata, self.token)
-        if denial is not None:
-            _set_status(grpc_context, grpc.StatusCode.UNAUTHENTICATED, denial)
-            raise GRPCStatus(denial)
-
     # ------------------------------------------------------------------ gRPC (Serve's gRPC proxy)
 
     async def Generate(self, request, grpc_context=None):
-        """viasd.v1.GenerationService/Generate: the shared servicer over this replica's handler;
-        errors become status codes on Serve's gRPC context."""
-        self._authenticate(grpc_context)
-        try:
-            async with aclosing(self.servicer.generate(request)) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as exc:
-            code, details, metadata = status_of(exc)
-            _set_status(grpc_context, code, details, metadata)
-            raise GRPCStatus(details) from None
+        """viasd.v1.GenerationService/Generate: the shared servicer over this replica's handler."""
+        async for response in self.servicer.Generate(request, grpc_context, token=self.token):
+            yield response
 
     async def ListModels(self, request, grpc_context=None):
         """viasd.v1.GenerationService/ListModels."""
-        self._authenticate(grpc_context)
-        return await self.servicer.list_models(request)
+        return await self.servicer.ListModels(request, grpc_context, token=self.token)
 
     async def Check(self, request, grpc_context=None):
         """grpc.health.v1.Health/Check: this replica's pipeline health, as the standalone server
         reports it (needs no token; Serve's proxy ends a call naming an unknown application)."""
         if request.service not in HEALTH_SERVICES:
-            _set_status(grpc_context, grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
+            set_status(grpc_context, grpc.StatusCode.NOT_FOUND, f"unknown service {request.service!r}")
             raise GRPCStatus(request.service)
         ok, _ = await self.server.health()
         return health_pb2.HealthCheckResponse(status=health_status(ok and not self.server.calls.draining))
@@ -191,21 +170,6 @@ class PipelineDeployment:
         pipeline = getattr(self, "pipeline", None)
         if pipeline is not None:
             await pipeline.shutdown()
-
-
-class GRPCStatus(Exception):
-    """Raised after a status is set on Serve's gRPC context: the proxy takes the status from the
-    context, so the exception itself only has to end the call."""
-
-
-def _set_status(grpc_context, code: grpc.StatusCode, details: str, metadata=()) -> None:
-    """Set a status on Serve's gRPC context; the exception raised next carries it to the client."""
-    if grpc_context is None:
-        return
-    grpc_context.set_code(code)
-    grpc_context.set_details(details)
-    if metadata:
-        grpc_context.set_trailing_metadata(list(metadata))
 
 
 def deployment_options(config: ServeConfig, pipeline: str | None = None) -> dict[str, Any]:

@@ -6,9 +6,9 @@ each `handler.Piece` a GenerateResponse, and errors status codes through the han
 table (`status_of`: the bad field in the trailing metadata ``viasd-invalid-field``, a retry hint
 ``viasd-retry-after-ms`` when the queue is full). Cancelling a Generate call aborts the request.
 
-Two hosts run it: the standalone server (`cluster/standalone.py`) through the grpc.aio methods
-`Generate` / `ListModels`, and the Serve deployment (`cluster/app.py`) through the cores
-`generate` / `list_models`, which raise instead of aborting a grpc.aio context.
+Two hosts run the same methods `Generate` / `ListModels`, each checking the bearer token
+(`security.authenticate`): the standalone server (`cluster/standalone.py`, grpc.aio) and the
+Serve deployment (`cluster/app.py`, Serve's gRPC proxy); `end_call` ends a failed call on either.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -34,7 +35,7 @@ from viasd.cluster.handler import (
     RequestHandler,
     error_of,
 )
-from viasd.cluster.serving_metrics import ServingMetrics
+from viasd.cluster.security import AUTH_KEY, authenticate
 from viasd.config import Mode
 from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
@@ -55,14 +56,13 @@ def health_status(serving: bool) -> int:
 class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
     """GenerationService over named request handlers; requests naming no model go to `default`."""
 
-    def __init__(self, pipelines: dict[str, Backend], default: str, *, admission: Admission | None = None):
-        """One handler per pipeline, sharing `admission` (None: no limit) and one drain."""
-        admission, calls = admission or Admission(UNLIMITED, 0), Calls()
-        shared = {"admission": admission, "calls": calls}
-        self._init(
-            {name: RequestHandler(p, name, metrics=ServingMetrics(name), **shared) for name, p in pipelines.items()},
-            default,
-        )
+    def __init__(
+        self, pipelines: dict[str, Backend], default: str, *, admission: Admission | None = None, **options: Any
+    ):
+        """One handler per pipeline (`options`: RequestHandler's), sharing `admission` (None: no
+        limit) and one drain."""
+        shared = {"admission": admission or Admission(UNLIMITED, 0), "calls": Calls(), **options}
+        self._init({name: RequestHandler(p, name, **shared) for name, p in pipelines.items()}, default)
 
     @classmethod
     def over(cls, handlers: dict[str, RequestHandler], default: str) -> GenerationServicer:
@@ -92,10 +92,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
             raise InvalidParameterError("model", f"unknown model {model!r}; served: {names}")
         return found
 
-    # ---------------------------------------------------------------- transport-free cores
+    async def Generate(self, request: pb.GenerateRequest | bytes, context=None, *, token: str | None = None):
+        """The responses of one request. Either server's context: grpc.aio's (the standalone
+        server) or Serve's (`context` None: no metadata); `token`: the bearer token the call must
+        carry (None: none). Errors end the call with their status (`end_call`)."""
+        try:
+            authenticate(_metadata(context).get(AUTH_KEY), token)
+            async with aclosing(self.generate(request)) as responses:
+                async for response in responses:
+                    yield response
+        except Exception as exc:
+            await end_call(context, exc)
 
     async def generate(self, request: pb.GenerateRequest | bytes) -> AsyncIterator[pb.GenerateResponse]:
-        """The responses of one request; raises what `status_of` maps (a bad field, a full queue, ...)."""
+        """The responses of one request, no transport around it; raises what `status_of` maps."""
         try:
             if isinstance(request, bytes):  # registered by serve_grpc: parsed here, bad fields named
                 request = parse_request(request, pb.GenerateRequest)
@@ -126,24 +136,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServiceServicer):
         finally:
             await job.aclose()
 
-    async def list_models(self, request: pb.ListModelsRequest | None = None) -> pb.ListModelsResponse:
+    async def ListModels(self, request: pb.ListModelsRequest, context=None, *, token: str | None = None):
+        """Every pipeline's ModelInfo (the same contexts and `token` as `Generate`)."""
+        try:
+            authenticate(_metadata(context).get(AUTH_KEY), token)
+        except Exception as exc:
+            await end_call(context, exc)
         return pb.ListModelsResponse(models=[model_info(h.info()) for h in self.handlers.values()])
 
-    # ---------------------------------------------------------------- grpc.aio methods
 
-    async def Generate(self, request: pb.GenerateRequest | bytes, context: grpc.aio.ServicerContext):
-        try:
-            async with aclosing(self.generate(request)) as responses:
-                async for response in responses:
-                    yield response
-        except Exception as exc:
-            code, details, metadata = status_of(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.error("request failed", exc_info=exc)
-            await context.abort(code, details, trailing_metadata=metadata)
+class GRPCStatus(Exception):
+    """Raised after a status is set on Serve's gRPC context: the proxy takes the status from the
+    context, so the exception itself only has to end the call."""
 
-    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        return await self.list_models(request)
+
+def _metadata(context) -> dict:
+    """A call's invocation metadata (the first value of each key); no context: none."""
+    return dict(reversed(context.invocation_metadata() or ())) if context is not None else {}
+
+
+def set_status(context, code: grpc.StatusCode, details: str, metadata=()) -> None:
+    """Set a call's status on its context (Serve's, or grpc.aio's); None: no context to set."""
+    if context is None:
+        return
+    context.set_code(code)
+    context.set_details(details)
+    if metadata:
+        context.set_trailing_metadata(list(metadata))
+
+
+async def end_call(context, exc: BaseException):
+    """End a call with the status of `exc` (`status_of`). A grpc.aio context aborts; Serve's has no
+    abort: its status is set and GRPCStatus raised, which ends the call with it."""
+    code, details, metadata = status_of(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.error("request failed", exc_info=exc)
+    if hasattr(context, "abort"):
+        await context.abort(code, details, trailing_metadata=metadata)
+    set_status(context, code, details, metadata)
+    raise GRPCStatus(details) from None
 
 
 _MODEL_INFO = tuple(pb.ModelInfo.DESCRIPTOR.fields_by_name)

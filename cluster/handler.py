@@ -49,11 +49,12 @@ class ErrorKind:
 
 INVALID = ErrorKind("invalid", 400, "INVALID_ARGUMENT", "invalid_request_error")  # a bad field (named)
 MODEL_NOT_FOUND = ErrorKind("invalid", 404, "INVALID_ARGUMENT", "model_not_found")  # `model` names no pipeline
+UNAUTHENTICATED = ErrorKind("unauthenticated", 401, "UNAUTHENTICATED", "authentication_error")  # no or a wrong token
 REJECTED = ErrorKind("rejected", 429, "RESOURCE_EXHAUSTED", "rate_limit_exceeded")  # the queue is full: retry later
 SHUTTING = ErrorKind("unavailable", 503, "UNAVAILABLE", "service_unavailable")  # draining: go elsewhere
 UNAVAILABLE = ErrorKind("unavailable", 503, "UNAVAILABLE", "server_error")  # a pipeline actor is down or too slow
 INTERNAL = ErrorKind("internal", 500, "INTERNAL", "server_error")  # a bug or a broken backend
-ERRORS = (INVALID, MODEL_NOT_FOUND, REJECTED, SHUTTING, UNAVAILABLE, INTERNAL)
+ERRORS = (INVALID, MODEL_NOT_FOUND, UNAUTHENTICATED, REJECTED, SHUTTING, UNAVAILABLE, INTERNAL)
 
 
 class RequestError(Exception):
@@ -95,7 +96,9 @@ def error_of(exc: BaseException) -> RequestError:
 
 
 class Backend(Protocol):
-    """A running pipeline, as the handler and the deployments use it (`pipeline.Pipeline`, `local.LocalPipeline`)."""
+    """A running pipeline, as the handler and the deployments use it (`pipeline.Pipeline`,
+    `local.LocalPipeline`); the defaults are those of a backend that lives and dies with this
+    process (nothing to probe or repair)."""
 
     config: PipelineConfig
     tokenizer: Any  # a transformers tokenizer, or None for tokenizer-less (test) models
@@ -107,19 +110,17 @@ class Backend(Protocol):
 
     async def session_counts(self) -> dict:
         """Open sessions per component; raises when a component does not answer (the health probe)."""
-        ...
+        return {}
 
     async def supervise(self, on_health=None) -> None:
         """Repair the backend while it runs (returns at once when there is nothing to repair)."""
-        ...
 
     def wake(self) -> None:
         """Make `supervise` check now."""
-        ...
 
     def status(self) -> dict:
         """For operators: process ids, rebuilds, requests taken."""
-        ...
+        return {"pids": {}, "rebuilds": {}, "requests": None}
 
     async def shutdown(self) -> None: ...
 

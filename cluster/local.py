@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 
+from viasd.cluster.handler import Backend
 from viasd.cluster.pipeline import PipelineConfig, pipeline_info
 from viasd.engine import AsyncEngine
 from viasd.errors import InvalidParameterError
 from viasd.llm import LLM
 
 
-class LocalPipeline:
-    """A pipeline config's models (`viasd.llm.LLM`) served in-process, unsharded."""
+class LocalPipeline(Backend):
+    """A pipeline config's models (`viasd.llm.LLM`) served in-process, unsharded: nothing to
+    probe or repair outside this process (`Backend`'s defaults)."""
 
     def __init__(self, llm: LLM, config: PipelineConfig):
         self.llm = llm
@@ -33,19 +35,6 @@ class LocalPipeline:
     def info(self) -> dict:
         e = self.llm.engine
         return pipeline_info(self.config, e, e.verifier.num_layers, e.mask.skipped, self.llm.runtime_info())
-
-    async def session_counts(self) -> dict:
-        """Nothing runs outside this process: no sessions to count (the health probe always answers)."""
-        return {}
-
-    async def supervise(self, on_health=None) -> None:
-        """Nothing to repair: the engine lives and dies with this process."""
-
-    def wake(self) -> None:
-        """Nothing to wake (see `supervise`)."""
-
-    def status(self) -> dict:
-        return {"pids": {}, "rebuilds": {}, "requests": None}
 
     async def shutdown(self) -> None:
         self.coordinator.close()

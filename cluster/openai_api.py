@@ -33,13 +33,14 @@ import viasd
 from viasd.cluster.handler import (
     REJECTED,
     RETRY_AFTER_S,
+    UNAUTHENTICATED,
     Job,
     Piece,
     RequestError,
     RequestHandler,
 )
 from viasd.cluster.handler import Request as HandlerRequest
-from viasd.cluster.security import bearer_ok
+from viasd.cluster.security import authenticate
 from viasd.config import GenerationParams
 from viasd.errors import InvalidParameterError
 
@@ -48,6 +49,8 @@ log = logging.getLogger("viasd.cluster.openai_api")
 #: Largest request body (the public gRPC service's message limit too: cluster.guard.PUBLIC_MAX_MESSAGE_BYTES)
 MAX_BODY_BYTES = 4 * 1024 * 1024
 IGNORED_FIELDS_HEADER = "x-viasd-ignored-fields"  # the unknown fields a request sent, comma-separated
+#: Headers of the errors that need them: when to try again, how to authenticate.
+ERROR_HEADERS = {REJECTED: {"Retry-After": str(RETRY_AFTER_S)}, UNAUTHENTICATED: {"WWW-Authenticate": "Bearer"}}
 
 
 @dataclass(frozen=True)
@@ -396,9 +399,10 @@ def error_body(status: int, message: str, param: str | None = None, kind: str = 
 
 
 def error_response(err: RequestError) -> JSONResponse:
-    """An error of the handler's table in OpenAI's shape (429 with Retry-After)."""
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.kind is REJECTED else None
-    return JSONResponse(error_body(err.status, str(err), err.field, err.kind.openai_type), err.status, headers=headers)
+    """An error of the handler's table in OpenAI's shape (429 with Retry-After, 401 with
+    WWW-Authenticate)."""
+    body = error_body(err.status, str(err), err.field, err.kind.openai_type)
+    return JSONResponse(body, err.status, headers=ERROR_HEADERS.get(err.kind))
 
 
 def model_card(handler: RequestHandler, name: str, created: int) -> dict:
@@ -553,16 +557,11 @@ def build_http_app(server: RequestHandler, token: str | None = None):
     async def _authenticate(request: Request, call_next):
         """With a token configured (app.state.token), every route but /health and /metrics needs
         `Authorization: Bearer <token>` (constant-time comparison); else 401 in OpenAI's shape."""
-        token = getattr(request.app.state, "token", None)
-        if token and not request.url.path.rstrip("/").endswith(OPEN_PATHS):
-            presented = request.headers.get("authorization")
-            if not bearer_ok(presented, token):
-                message = "missing bearer token" if presented is None else "invalid bearer token"
-                return JSONResponse(
-                    error_body(401, message, None, "authentication_error"),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
+        if not request.url.path.rstrip("/").endswith(OPEN_PATHS):
+            try:
+                authenticate(request.headers.get("authorization"), getattr(request.app.state, "token", None))
+            except RequestError as exc:
+                return error_response(exc)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)

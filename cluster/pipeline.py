@@ -206,20 +206,9 @@ async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
     actors += ranks
     rdv = await ranks[0].rendezvous.remote() if config.tp_size > 1 else {}
     device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
+    group = dict(world_size=config.tp_size, tp_backend=config.tp_backend, device=device, **rdv)
     engine = config.engine.model_dump(mode="json")
-    infos = await asyncio.gather(
-        *(
-            rank.setup.remote(
-                engine,
-                rank=r,
-                world_size=config.tp_size,
-                tp_backend=config.tp_backend,
-                device=device,
-                **rdv,
-            )
-            for r, rank in enumerate(ranks)
-        )
-    )
+    infos = await asyncio.gather(*(rank.setup.remote(engine, rank=r, **group) for r, rank in enumerate(ranks)))
     address = await ranks[0].serve.remote(
         ranks[1:], host=config.bind_host, check_ranks=config.check_ranks, tls=config.internal_tls
     )
@@ -286,27 +275,18 @@ class Pipeline:
     """A running pipeline: its actors, their placement group, its coordinator (the engine over the
     actors, as asyncio streams) and tokenizer."""
 
-    def __init__(
-        self,
-        config: PipelineConfig,
-        *,
-        coordinator: AsyncEngine,
-        tokenizer,
-        drafter,
-        ranks: list,
-        placement,
-        drafter_info: dict | None,
-        verifier_info: dict,
-    ):
+    def __init__(self, config: PipelineConfig, placement):
+        """A pipeline with no actors yet (`start` starts them; `heal` replaces them)."""
         self.config = config
-        self.coordinator = coordinator
-        self.executor: ServedExecutor = coordinator.engine.executor
-        self.tokenizer = tokenizer  # None for tokenizer-less (test) models: requests carry token ids
-        self.drafter = drafter  # Ray handle of DrafterActor, or None (`ar` only)
-        self.ranks = ranks  # Ray handles of VerifierWorker, rank 0 first
         self.placement = placement
-        self.drafter_info = drafter_info
-        self.verifier_info = verifier_info
+        self.coordinator: AsyncEngine | None = None  # the engine over the actors, once both sides are up
+        self.executor: ServedExecutor | None = None
+        self.tokenizer = None  # None for tokenizer-less (test) models: requests carry token ids
+        self.drafter = None  # Ray handle of DrafterActor, or None (`ar` only)
+        self.drafter_info: dict | None = None
+        self.ranks: list = []  # Ray handles of VerifierWorker, rank 0 first
+        self.verifier_info: dict = {}
+        self.verifier_address = ""
         self.rebuilds = {"drafter": 0, "verifier": 0}  # actors replaced by `heal`
         self._wake = asyncio.Event()  # a request found a backend down: probe now
         self._healing = asyncio.Lock()
@@ -320,45 +300,51 @@ class Pipeline:
         bundles = ([_bundle(config.drafter_cpus, config.drafter_gpus)] if has_drafter else []) + [
             _bundle(config.verifier_cpus_per_rank, config.verifier_gpus_per_rank)
         ] * config.tp_size
-        pg = placement_group(bundles, strategy=config.placement_strategy)
-        actors: list = []
+        pipeline = cls(config, placement_group(bundles, strategy=config.placement_strategy))
         try:
-            await asyncio.wait_for(pg.ready(), config.start_timeout_s)
-            config, dtype = await _resolve_dtype(config, pg)
-            starts = [_start_verifier(config, pg, actors)]
-            if has_drafter:
-                starts.append(_start_drafter(config, pg, actors))
-            results = await asyncio.wait_for(asyncio.gather(*starts), config.start_timeout_s)
-            ranks, verifier_info, address, tokenizer = results[0]
-            drafter, drafter_info = results[1] if has_drafter else (None, None)
-            verifier_info["runtime"] = dtype or verifier_info["runtime"]  # (auto: why it chose, not "requested")
-            coordinator = AsyncEngine(_engine(config, address, verifier_info, drafter_info))
+            await asyncio.wait_for(pipeline.placement.ready(), config.start_timeout_s)
+            pipeline.config, dtype = await _resolve_dtype(config, pipeline.placement)
+            await asyncio.gather(pipeline._start_verifier(), *([pipeline._start_drafter()] if has_drafter else []))
+            info = pipeline.verifier_info
+            info["runtime"] = dtype or info["runtime"]  # (auto: why it chose, not "requested")
+            pipeline.coordinator = AsyncEngine(
+                _engine(pipeline.config, pipeline.verifier_address, info, pipeline.drafter_info)
+            )
         except BaseException:
-            for actor in actors:
+            for actor in pipeline._actors():
                 ray.kill(actor)
-            remove_placement_group(pg)
+            remove_placement_group(pipeline.placement)
             raise
         log.info(
             "pipeline %r up: verifier %s (TP=%d, %s), drafter %s",
             config.name,
-            address,
+            pipeline.verifier_address,
             config.tp_size,
             config.tp_backend,
-            drafter_info["address"] if drafter_info else None,
+            pipeline.drafter_info["address"] if has_drafter else None,
         )
-        pipeline = cls(
-            config,
-            coordinator=coordinator,
-            tokenizer=tokenizer,
-            drafter=drafter,
-            ranks=ranks,
-            placement=pg,
-            drafter_info=drafter_info,
-            verifier_info=verifier_info,
-        )
+        pipeline.executor = pipeline.coordinator.engine.executor
         loop = asyncio.get_running_loop()  # (the engine's calls run on its step thread)
         pipeline.executor.on_unavailable = lambda component: loop.call_soon_threadsafe(pipeline._wake.set)
         return pipeline
+
+    async def _start_verifier(self) -> None:
+        """Start the verifier group in its bundles (`start`, and `heal` after a rank died); the
+        executor, once there is one, sends new requests to it."""
+        self.ranks, self.verifier_info, self.verifier_address, self.tokenizer = await self._start_in_place(
+            _start_verifier
+        )
+        if self.executor is not None:
+            self.executor.set_backends(verifier_address=self.verifier_address)
+
+    async def _start_drafter(self) -> None:
+        """Start the drafter in its bundle (`start`, and `heal` after it died), as `_start_verifier`."""
+        self.drafter, self.drafter_info = await self._start_in_place(_start_drafter)
+        if self.executor is not None:
+            self.executor.set_backends(drafter_address=self.drafter_info["address"])
+
+    def _actors(self) -> list:
+        return ([self.drafter] if self.drafter is not None else []) + self.ranks
 
     def info(self) -> dict:
         """What ListModels reports about this pipeline."""
@@ -425,17 +411,13 @@ class Pipeline:
                 log.warning("pipeline %r: verifier group down (%s); rebuilding it", self.config.name, probe["verifier"])
                 for rank in self.ranks:
                     ray.kill(rank)
-                ranks, info, address, _ = await self._start_in_place(_start_verifier)
-                self.ranks, self.verifier_info = ranks, info
-                self.executor.set_backends(verifier_address=address)
+                await self._start_verifier()
                 self.rebuilds["verifier"] += 1
                 rebuilt.append("verifier")
             if probe["drafter"] and self.drafter is not None:
                 log.warning("pipeline %r: drafter down (%s); restarting it", self.config.name, probe["drafter"])
                 ray.kill(self.drafter)
-                drafter, info = await self._start_in_place(_start_drafter)
-                self.drafter, self.drafter_info = drafter, info
-                self.executor.set_backends(drafter_address=info["address"])
+                await self._start_drafter()
                 self.rebuilds["drafter"] += 1
                 rebuilt.append("drafter")
             return rebuilt
@@ -472,7 +454,7 @@ class Pipeline:
         self._stopping = True
         self._wake.set()
         self.coordinator.close()
-        actors = ([self.drafter] if self.drafter is not None else []) + self.ranks
+        actors = self._actors()
         try:
             await asyncio.wait_for(
                 asyncio.gather(*(a.stop.remote() for a in actors), return_exceptions=True), timeout_s

@@ -1,14 +1,14 @@
 """TLS, mutual TLS and bearer-token authentication of the standalone gRPC server (and the bearer
-token of the HTTP API: `read_token`, `bearer_ok`, used by cluster/openai_api.py).
+token of the HTTP API and the Serve deployment: `read_token`, `authenticate`).
 
     security = GRPCSecurity(tls_cert_file="server.pem", tls_key_file="server.key", token_file="token")
     server = await serve_grpc(servicer, 9000, "0.0.0.0", security=security)
 
 Every call but the standard health service (open to probes) must carry ``authorization: Bearer
-<token>``, compared in constant time; else UNAUTHENTICATED. The token comes from a file or an
-environment variable, never from a command-line literal (``ps`` shows those). Serve's gRPC proxy
-has no TLS and no interceptors: the Serve deployment (cluster/app.py) checks the same token itself
-(`token_denial`). docs/SERVING.md, "Security".
+<token>``, compared in constant time (`authenticate`, which GenerationServicer runs on every call
+on either server, and the HTTP API on every route but /health and /metrics); else
+UNAUTHENTICATED. The token comes from a file or an environment variable, never from a
+command-line literal (``ps`` shows those). docs/SERVING.md, "Security".
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ import grpc
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from viasd.actors.rpc import read_file
+from viasd.cluster.handler import UNAUTHENTICATED, RequestError
 from viasd.config import validate_named
 from viasd.errors import InvalidParameterError
 
 TOKEN_ENV = "VIASD_API_TOKEN"
 AUTH_KEY = "authorization"  # gRPC metadata keys are lower case
-OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # method prefixes served without a token
 
 
 class GRPCSecurity(BaseModel):
@@ -87,10 +87,6 @@ class GRPCSecurity(BaseModel):
             [(key, cert)], root_certificates=client_ca, require_client_auth=self.require_client_cert
         )
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        token = self.token()
-        return [BearerTokenInterceptor(token)] if token else []
-
     def describe(self) -> str:
         """One line for the server's log: what protects the port (never the token itself)."""
         tls = "plaintext"
@@ -122,51 +118,12 @@ def read_token(token_file: str | Path | None, token_env: str | None, field: str 
     return None
 
 
-def bearer_ok(presented: str | bytes | None, token: str) -> bool:
-    """Whether an ``authorization`` value is ``Bearer <token>``, compared in constant time."""
+def authenticate(presented: str | bytes | None, token: str | None) -> None:
+    """RequestError UNAUTHENTICATED unless `presented` (an ``authorization`` header or metadata value)
+    is ``Bearer <token>``, compared in constant time; `token` None: authentication off."""
+    if token is None:
+        return
     if isinstance(presented, str):
         presented = presented.encode()
-    return presented is not None and hmac.compare_digest(presented, f"Bearer {token}".encode())
-
-
-def token_denial(metadata, token: str) -> str | None:
-    """Why a gRPC call with this invocation metadata ((key, value) pairs) is refused — "missing
-    bearer token" or "invalid bearer token" — or None when it carries ``Bearer <token>``."""
-    presented = next((v for k, v in metadata or () if k == AUTH_KEY), None)
-    if bearer_ok(presented, token):
-        return None
-    return "missing bearer token" if presented is None else "invalid bearer token"
-
-
-class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Ends every call whose ``authorization`` metadata is not ``Bearer <token>`` with
-    UNAUTHENTICATED (the health service excepted, see OPEN_SERVICES)."""
-
-    def __init__(self, token: str):
-        if not token:
-            raise ValueError("an empty bearer token would let every caller in")
-        self._token = token
-
-    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
-        handler = await continuation(handler_call_details)
-        if (handler_call_details.method or "").startswith(OPEN_SERVICES) or handler is None:  # (None: UNIMPLEMENTED)
-            return handler
-        denial = token_denial(handler_call_details.invocation_metadata, self._token)
-        return handler if denial is None else _denying(handler, denial)
-
-
-def _denying(handler: grpc.RpcMethodHandler, details: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED."""
-
-    async def deny(request_or_iterator, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, details)
-
-    kind = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return kind(
-        deny, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
-    )
+    if presented is None or not hmac.compare_digest(presented, f"Bearer {token}".encode()):
+        raise RequestError(UNAUTHENTICATED, "missing bearer token" if presented is None else "invalid bearer token")

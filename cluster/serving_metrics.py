@@ -344,34 +344,30 @@ class ServingMetrics:
     def set_planner(self, state: dict) -> None:
         """Mode auto's planner state (`Engine.planner_state`): the
         cost curves (once profiled), the running acceptance and the via estimates."""
-        gauges = [
-            (name, value, {})
-            for name, value in (
-                ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
-                ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
-                ("planner_probe_steps", state["probes"]),
-                ("planner_speculate_margin", state["margin"]),
-                ("planner_exploration_steps", state["explorations"]),
-            )
-        ]
-        gauges += [("planner_planning", v, {"quantity": q}) for q, v in state["planning"].items()]
+        for name, value in (
+            ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
+            ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
+            ("planner_probe_steps", state["probes"]),
+            ("planner_speculate_margin", state["margin"]),
+            ("planner_exploration_steps", state["explorations"]),
+        ):
+            self._record(name, value)
+        for quantity, value in state["planning"].items():
+            self._record("planner_planning", value, quantity=quantity)
         for steps, forecast in state["forecasts"].items():
-            gauges += [("planner_forecast", v, {"steps": steps, "quantity": q}) for q, v in forecast.items()]
+            for quantity, value in forecast.items():
+                self._record("planner_forecast", value, steps=steps, quantity=quantity)
         for kind, rates in state["acceptance"].items():
-            gauges += [("planner_acceptance", a, {"kind": kind, "position": str(j)}) for j, a in enumerate(rates)]
-        for tier, curve in ((state["costs"] or {}).get("seconds") or {}).items():
-            gauges += [
-                (
-                    "planner_forward_seconds",
-                    p["seconds"],
-                    {"tier": tier, "rows": str(p["rows"]), "tokens": str(p["tokens"])},
+            for j, rate in enumerate(rates):
+                self._record("planner_acceptance", rate, kind=kind, position=str(j))
+        costs = state["costs"] or {}
+        for tier, curve in (costs.get("seconds") or {}).items():
+            for p in curve:
+                self._record(
+                    "planner_forward_seconds", p["seconds"], tier=tier, rows=str(p["rows"]), tokens=str(p["tokens"])
                 )
-                for p in curve
-            ]
-        for call, sec in ((state["costs"] or {}).get("transport_seconds") or {}).items():
-            gauges.append(("planner_transport_seconds", sec, {"call": call}))
-        for name, value, labels in gauges:
-            self._record(name, value, **labels)
+        for call, seconds in (costs.get("transport_seconds") or {}).items():
+            self._record("planner_transport_seconds", seconds, call=call)
 
     def set_steps(self, steps: int, phases: dict[str, float]) -> None:
         """The served executor's running totals (`RpcTotals.steps` and `.phases()`): the counters

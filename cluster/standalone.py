@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import signal
@@ -35,8 +36,8 @@ from starlette.routing import Mount
 
 from viasd.actors.rpc import start_server
 from viasd.cluster.grpc_api import HEALTH_SERVICES, SERVICE_NAME, GenerationServicer, health_status
-from viasd.cluster.guard import PUBLIC_MAX_MESSAGE_BYTES, Calls
-from viasd.cluster.handler import Admission, RequestHandler
+from viasd.cluster.guard import PUBLIC_MAX_MESSAGE_BYTES
+from viasd.cluster.handler import Admission
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
@@ -57,15 +58,18 @@ SERVER_OPTIONS = [
 ]
 
 
-def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server) -> None:
+def add_generation_service(servicer: GenerationServicer, server: grpc.aio.Server, token: str | None = None) -> None:
     """GenerationService with Generate receiving raw bytes (parsed by `guard.parse_request`, so that
-    a malformed message is INVALID_ARGUMENT naming the field, not UNKNOWN)."""
+    a malformed message is INVALID_ARGUMENT naming the field, not UNKNOWN); every call must carry
+    the bearer token `token` (None: no authentication)."""
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
-            servicer.Generate, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString
+            functools.partial(servicer.Generate, token=token),
+            request_deserializer=None,
+            response_serializer=pb.GenerateResponse.SerializeToString,
         ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
-            servicer.ListModels,
+            functools.partial(servicer.ListModels, token=token),
             request_deserializer=pb.ListModelsRequest.FromString,
             response_serializer=pb.ListModelsResponse.SerializeToString,
         ),
@@ -91,7 +95,7 @@ async def serve_grpc(
     health = grpc_health.aio.HealthServicer()
 
     def add(server: grpc.aio.Server) -> None:
-        add_generation_service(servicer, server)
+        add_generation_service(servicer, server, security.token())
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
 
     server, bound = await start_server(
@@ -100,7 +104,6 @@ async def serve_grpc(
         port,
         credentials=security.server_credentials(),
         options=SERVER_OPTIONS,
-        interceptors=security.interceptors(),
     )
     for service in HEALTH_SERVICES:
         await health.set(service, health_status(True))
@@ -194,22 +197,16 @@ async def _main(args: argparse.Namespace) -> None:
             (p.info().get("capacity") or {}).get("concurrency") or c.engine.max_batch
             for c, p in zip(configs, pipelines.values())
         )
-        admission, calls = Admission(running, limits.max_queued_requests), Calls()
-        handlers = {
-            name: RequestHandler(
-                p,
-                name,
-                default_params=default_params,
-                admission=admission,
-                calls=calls,
-                max_tokens_default=limits.max_tokens_default,
-            )
-            for name, p in pipelines.items()
-        }
-        servicer = GenerationServicer.over(handlers, configs[0].name)
+        servicer = GenerationServicer(
+            pipelines,
+            configs[0].name,
+            admission=Admission(running, limits.max_queued_requests),
+            default_params=default_params,
+            max_tokens_default=limits.max_tokens_default,
+        )
         server = await serve_grpc(servicer, args.port, args.host, security)
         if args.http_port is not None:
-            http = await serve_http(handlers, configs[0].name, args.http_port, args.host, security)
+            http = await serve_http(servicer.handlers, configs[0].name, args.http_port, args.host, security)
         for pipeline in pipelines.values():
             supervisors.append(
                 asyncio.ensure_future(pipeline.supervise(lambda ok: set_health(server.viasd_health, ok)))
@@ -227,9 +224,11 @@ async def _main(args: argparse.Namespace) -> None:
             log.info("OpenAI-compatible HTTP API on %s://%s:%d", scheme, args.host, http.viasd_port)
             print(f"http on {args.host}:{http.viasd_port}", flush=True)
         await stop.wait()
-        log.info("stopping: %d request(s) in flight, draining for up to %.0fs", len(calls), limits.drain_timeout_s)
+        log.info(
+            "stopping: %d request(s) in flight, draining for up to %.0fs", len(servicer.calls), limits.drain_timeout_s
+        )
         await server.viasd_health.enter_graceful_shutdown()
-        aborted = await calls.drain(limits.drain_timeout_s)
+        aborted = await servicer.calls.drain(limits.drain_timeout_s)
         log.info("drained; %d request(s) aborted", aborted)
         await server.stop(grace=5.0)
     finally:

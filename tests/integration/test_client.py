@@ -482,11 +482,11 @@ class Flaky:
     def __getattr__(self, name):
         return getattr(self.servicer, name)
 
-    async def Generate(self, request, context):
+    async def Generate(self, request, context, **kw):
         self.calls += 1
         if self.calls <= self.fail_first:
             await context.abort(self.code, "warming up", trailing_metadata=self.metadata)
-        async with aclosing(self.servicer.Generate(request, context)) as responses:
+        async with aclosing(self.servicer.Generate(request, context, **kw)) as responses:
             async for response in responses:
                 yield response
                 if self.fail_after_first:
