@@ -389,7 +389,7 @@ class EngineConfig(BaseModel):
         "actors.rpc.cores_lock; fewer threads than cores opt an actor out).",
     )
     max_batch: int = Field(
-        8,
+        16,
         ge=1,
         le=1024,
         description="Requests decoding together (continuous batching): KV cache rows per tier. More wait in the queue.",

@@ -123,7 +123,8 @@ class PrefillChunk(NamedTuple):
     tokens committed before it was preempted. A tier holding fewer feeds up to there; one holding
     as many or more rolls back to there (viasd.sessions._Tier.prefill): a chunk to 0 gives back
     every KV block the request holds and keeps its sessions, random streams and counters
-    (preemption; the chunks that resume it recompute the caches)."""
+    (preemption; the chunks that resume it recompute the caches). An empty paged row first
+    attaches what the prefix cache holds of the sequence, and may then hold more (`Prefilled.held`)."""
 
     key: str
     upto: int
