@@ -171,12 +171,13 @@ def process_alive(proc) -> bool:
         return False
 
 
-def save_tiny_pair(root, tokenizer=None):
+def save_tiny_pair(root, tokenizer=None, *, hidden: int = 48, intermediate: int = 96, **engine):
     """A float32 tiny LLaMA pair saved as HF directories (eos_token_id 2 in their configs; with
-    `tokenizer` saved beside each), and the EngineConfig that loads it through the normal loader."""
+    `tokenizer` saved beside each), and the EngineConfig that loads it through the normal loader
+    (`engine`: more of its fields)."""
     from viasd.config import EngineConfig
 
-    verifier = tiny_model("llama", dtype=torch.float32)
+    verifier = tiny_model("llama", dtype=torch.float32, hidden=hidden, intermediate=intermediate)
     for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
         model.save_pretrained(root / name)
         if tokenizer is not None:
@@ -187,6 +188,7 @@ def save_tiny_pair(root, tokenizer=None):
         dtype="float32",
         mask=(1, 0, 1, 0, 1, 1),
         threads=1,
+        **engine,
     )
 
 

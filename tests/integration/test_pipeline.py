@@ -863,26 +863,13 @@ def test_a_quantized_pipeline_serves_what_the_in_process_engine_does(ray_session
     does, at TP=1 and at TP=2 (each rank its own slices), the served tokens over gRPC equal its
     tokens (which differ from the unquantized pair's), and the runtime info (/v1/models) reports
     the quantization of both models as it does."""
-    import torch
-    from conftest import drafter_from, tiny_model
-
     from viasd.cluster.grpc_api import GenerationServicer
     from viasd.cluster.pipeline import Pipeline
     from viasd.cluster.standalone import serve_grpc
     from viasd.llm import LLM
 
-    verifier = tiny_model("llama", dtype=torch.float32, hidden=64, intermediate=128)  # K 64 / 128, N 16k
-    for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
-        model.save_pretrained(tmp_path / name)
-    config = EngineConfig(
-        verifier=str(tmp_path / "verifier"),
-        drafter=str(tmp_path / "drafter"),
-        dtype="float32",
-        mask=(1, 0, 1, 0, 1, 1),
-        threads=1,
-        quantization="int4",
-        packed_linears=False,
-    )
+    # K 64 / 128: whole groups of 32 on each of two ranks
+    config = save_tiny_pair(tmp_path, hidden=64, intermediate=128, quantization="int4", packed_linears=False)
     llm, plain = LLM(config), LLM(config.model_copy(update={"quantization": "none"}))
     pipelines = {
         "int4": aio.run(Pipeline.start(_pipeline_config(config, name="int4")), timeout=120),

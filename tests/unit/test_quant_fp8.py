@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import drafter_from, save_tiny_pair, tiny_model
+from conftest import save_tiny_pair, tiny_model
 
 from viasd import quant as Q
 from viasd.config import parse_engine_config, parse_params
@@ -169,20 +169,9 @@ def test_cuda_greedy_sd_equals_greedy_ar_under_fp8(tmp_path):
     fp8 weights, each row with its own activation scale."""
     if not _fp8_capable():
         pytest.skip("compute capability < 8.9: fp8 is refused (the test above checks the refusal)")
-    from viasd.config import EngineConfig
     from viasd.llm import LLM
 
-    verifier = tiny_model("llama", dtype=torch.float32, hidden=64, intermediate=128)
-    for name, model in (("verifier", verifier), ("drafter", drafter_from(verifier))):
-        model.save_pretrained(tmp_path / name)
-    config = EngineConfig(
-        verifier=str(tmp_path / "verifier"),
-        drafter=str(tmp_path / "drafter"),
-        dtype="float32",
-        device="cuda",
-        mask=(1, 0, 1, 0, 1, 1),
-        quantization="fp8",
-    )
+    config = save_tiny_pair(tmp_path, hidden=64, intermediate=128, device="cuda", quantization="fp8")
     llm = LLM(config)
     verifier_q, drafter_q = llm.runtime_info()["quantization"]
     assert (verifier_q["quantization"], verifier_q["kernels"]) == ("fp8", {"fp8": 6 * 7})
