@@ -41,7 +41,7 @@ class PagedKV:
 
     pool: Tensor  # [slots, H_kv, D]
     read: Tensor  # [B, S]: the slot of each row's positions (the zero block past its span)
-    buckets: tuple[tuple[Tensor, int], ...]  # (rows [b], their longest span S_b): spans within a factor 2
+    buckets: tuple[tuple[Tensor | None, int], ...]  # (rows [b] or None: all, their longest span S_b): span_buckets
 
     def rows(self, rows: Tensor | None, span: int) -> Tensor:
         """The keys of `rows` (all: None) up to `span`, [b, H_kv, span, D] (a gathered copy)."""
