@@ -234,3 +234,23 @@ def test_prefix_cache_hits_reach_the_metrics_and_openai_usage():
         "total_tokens": 34,
         "prompt_tokens_details": {"cached_tokens": 16},
     }
+
+
+def test_prefill_goes_on_from_what_was_attached(tiny_pair):
+    """Chunks of 8 prompt tokens: a request behind a 20-position cached prefix attaches it in its
+    first prefill step and its next chunk starts past it (not rolled back to the chunk's end): it
+    has its first token in its second step, after one prefill forward of its own 4 positions."""
+    params = _params(dict(mode="ar"), max_tokens=2)
+    engine = _engine(tiny_pair, max_batch=2, kv_block_size=4, prefill_chunk=8, max_seq_len=64)
+    first = engine.submit(SYSTEM + [40, 41, 42], params)
+    while engine.scheduler.has_work():
+        engine.step()
+    second = engine.submit(SYSTEM + [50, 51, 52], params)
+    steps = 0
+    while not second.chunks:
+        engine.step()
+        steps += 1
+    while engine.scheduler.has_work():
+        engine.step()
+    assert first.stats.cached_tokens == 0 and second.stats.cached_tokens == 20
+    assert steps == 2 and second.stats.prefill_forwards == 1, (steps, second.stats.prefill_forwards)
