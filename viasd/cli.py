@@ -474,6 +474,12 @@ def build_parser() -> argparse.ArgumentParser:
         "then free it and start the served application",
     )
     serve.add_argument(
+        "--in-process-beside-serving",
+        action="store_true",
+        help="with --in-process: after each served pass, run the in-process engine again beside a synthetic load "
+        "as large as the serving stack's own processes' share of the cores at each mode and level",
+    )
+    serve.add_argument(
         "--guidellm",
         default=None,
         help="the guidellm executable (pip install -e .[load], or its own venv): also drive the served endpoint "

@@ -52,3 +52,42 @@ def test_cores_busy_is_cpu_seconds_over_wall_seconds_per_class():
     before = {1: ("client", 1.0), 2: ("drafter", 5.0)}
     after = {1: ("client", 2.0), 2: ("drafter", 7.0), 3: ("verifier", 4.0)}
     assert cpu_used(before, after, 2.0) == {"client": 0.5, "drafter": 1.0, "verifier": 2.0}
+
+
+def test_the_serving_share_is_every_class_but_the_model_actors_less_the_background():
+    from viasd.bench.serve import serving_share
+
+    runs = [
+        {**_run("in_process", "ar", 4, 10.0, [[1]], 1), "cores_busy": {"client": 1.9, "other": 0.02}},
+        {**_run("served", "ar", 4, 9.0, [[1]], 1),
+         "cores_busy": {"verifier": 1.8, "drafter": 0.1, "proxy": 0.03, "replica": 0.05, "other": 0.06}},
+        {**_run("served", "ar", 4, 9.0, [[1]], 0), "cores_busy": {"verifier": 1.0, "proxy": 0.5}},
+    ]  # fmt: skip
+    assert abs(serving_share(runs, "ar", 4, 1) - 0.12) < 1e-9  # 0.03 + 0.05 + 0.06 - 0.02
+    assert serving_share(runs, "ar", 4, 0) == 0.5  # no in-process run of that pass: nothing to take off
+    runs.append({**_run("in_process_beside_serving", "ar", 4, 9.5, [[1]], 1), "cores_busy": {}})
+    out = ratios(summarize(runs))
+    assert out["served_over_beside_serving"] == {"ar@4": 0.947} and out["beside_serving_over_in_process"] == {
+        "ar@4": 0.95
+    }
+
+
+def test_a_synthetic_load_keeps_its_share_of_the_cores_busy_until_stopped():
+    import time
+
+    import psutil
+
+    from viasd.bench.serve import SyntheticLoad
+
+    load = SyntheticLoad()
+    load.start(0.4)
+    try:
+        procs = [psutil.Process(p.pid) for p in load.procs]
+        time.sleep(0.3)
+        before, t0 = sum(sum(p.cpu_times()[:2]) for p in procs), time.perf_counter()
+        time.sleep(1.5)
+        busy = (sum(sum(p.cpu_times()[:2]) for p in procs) - before) / (time.perf_counter() - t0)
+    finally:
+        load.stop()
+    assert len(procs) == 1 and 0.25 < busy < 0.6, busy
+    assert not load.procs and not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs)

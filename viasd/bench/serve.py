@@ -7,7 +7,12 @@ client (/v1/completions, SSE streaming, greedy, ignore_eos so that every stream 
 --max-tokens tokens). A warm-up request runs first. With `--in-process` the same levels first run
 on the in-process batched engine (`viasd.llm.LLM` of the same pipeline config; c threads share its
 steps), which is then freed before the application starts (one copy of the models in memory at a
-time); `ratios` gives served / in-process per mode and level. Every stream is greedy, so each must
+time); `ratios` gives served / in-process per mode and level. With `--in-process-beside-serving`
+the in-process engine runs once more after each served pass, beside a synthetic load that keeps
+as many cores busy as the serving stack's own processes did at that mode and level (Serve's
+proxy, replica and controller, Ray's daemons, the HTTP client: every process but the model
+actors), system `in_process_beside_serving`: what the engine loses to that share of the cores
+alone. Every stream is greedy, so each must
 equal its prompt's greedy output whatever the mode, level or system: a lost, duplicated or
 reordered token is a mismatch (exit status 1). The figures of each level (`viasd.bench.serve_report`):
 TTFT, ITL, per-stream tokens/s, queue time, the cores each kind of process kept busy, and for
@@ -118,6 +123,56 @@ def in_process_stream(llm, prompt: str, mode: str, max_tokens: int, defaults: di
         if chunk.stats is not None:
             out["stats"] = chunk.stats.to_dict()
     out.update(ttft=ttft, tokens=len(ids), ids=ids, itl=itl, seconds=time.perf_counter() - t0)
+
+
+#: Processes of a served run that compute the model: the rest is the serving stack's share.
+MODEL_CLASSES = ("verifier", "drafter")
+#: The synthetic load's cycle: each burner spins its share of every period and sleeps the rest.
+LOAD_PERIOD_S = 0.01
+_BURNER = """
+import sys, time
+busy, period = float(sys.argv[1]) * float(sys.argv[2]), float(sys.argv[2])
+while True:
+    start = time.perf_counter()
+    while time.perf_counter() - start < busy:
+        pass
+    time.sleep(period - busy)
+"""
+
+
+def serving_share(runs: list[dict], mode: str, concurrency: int, p: int) -> float:
+    """Cores the serving stack's own processes kept busy in pass `p`'s served run at `mode` and
+    `concurrency` (every class but MODEL_CLASSES), less what the in-process run of the same pass
+    saw from other processes (the machine's own background, present in both)."""
+    at = {(r["system"], r["mode"], r["concurrency"], r["pass"]): r for r in runs}
+    served, alone = at[("served", mode, concurrency, p)], at.get(("in_process", mode, concurrency, p))
+    share = sum(v for k, v in served["cores_busy"].items() if k not in MODEL_CLASSES)
+    return max(0.0, share - (alone["cores_busy"].get("other", 0.0) if alone else 0.0))
+
+
+class SyntheticLoad:
+    """Processes that keep `cores` of the machine busy between `start` and `stop`: ceil(cores)
+    burners, each spinning its share of every LOAD_PERIOD_S and sleeping the rest (as the serving
+    stack's processes wake, work a little and sleep)."""
+
+    def __init__(self) -> None:
+        self.procs: list = []
+
+    def start(self, cores: float) -> None:
+        import math
+        import subprocess
+
+        self.stop()
+        n = math.ceil(cores)
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", _BURNER, str(cores / n), str(LOAD_PERIOD_S)]) for _ in range(n)
+        ]
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait()
+        self.procs = []
 
 
 def release_memory() -> None:
@@ -301,13 +356,21 @@ def run_serve_bench(args) -> int:
     results["ray_env"] = {k: v for k, v in sorted(os.environ.items()) if k.startswith("RAY_")}
     expected: dict = {}
 
-    def measure(target, system: str, p: int, steps=None, planner=None) -> None:
+    def measure(target, system: str, p: int, steps=None, planner=None, load=None) -> None:
         for mode in modes:
             run_level(target, mode, 1, 8, system)  # warm-up
             for c in levels:
+                extra = {}
+                if load is not None:
+                    extra["synthetic_load_cores"] = round(serving_share(results["runs"], mode, c, p), 3)
+                    load.start(extra["synthetic_load_cores"])
                 before, cpu = (steps() if steps else None), cpu_by_process()
                 planned = planner() if planner and mode.startswith("auto") else None
-                r = {**run_level(target, mode, c, max_tokens, system), "pass": p}
+                try:
+                    r = {**run_level(target, mode, c, max_tokens, system), "pass": p, **extra}
+                finally:
+                    if load is not None:
+                        load.stop()
                 r["cores_busy"] = cpu_used(cpu, cpu_by_process(), r["wall_s"])
                 r["niceness"] = niceness_by_class()
                 if steps:
@@ -317,7 +380,7 @@ def run_serve_bench(args) -> int:
                 results["runs"].append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "stream_token_ids"}), file=sys.stderr, flush=True)
 
-    def run_in_process(p: int) -> None:
+    def run_in_process(p: int, beside_serving: bool = False) -> None:
         from viasd.llm import LLM
 
         pc = config.pipeline()
@@ -327,9 +390,10 @@ def run_serve_bench(args) -> int:
         try:
             measure(
                 lambda prompt, mode, n, out: in_process_stream(llm, prompt, mode, n, defaults, out),
-                "in_process",
+                "in_process_beside_serving" if beside_serving else "in_process",
                 p,
                 planner=llm.engine.planner_state,
+                load=SyntheticLoad() if beside_serving else None,
             )
         finally:
             llm.engine.close()  # (the models leave memory with this frame: gc.collect below)
@@ -382,6 +446,9 @@ def run_serve_bench(args) -> int:
         systems = [run_in_process, run_served] if args.in_process else [run_served]
         for system in systems if p % 2 == 0 else systems[::-1]:  # ABBA: a drifting machine moves both alike
             system(p)
+            release_memory()
+        if args.in_process_beside_serving:  # (after the served run whose processes it imitates)
+            run_in_process(p, beside_serving=True)
             release_memory()
     if args.merge_guidellm:
         other = json.loads(Path(args.merge_guidellm).read_text())

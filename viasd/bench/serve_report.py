@@ -275,13 +275,20 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def ratios(runs: list[dict]) -> dict:
-    """served / in-process aggregate tokens/s per (mode, concurrency), and each system's
-    aggregate at c streams / at 1 stream."""
+    """served / in-process aggregate tokens/s per (mode, concurrency); where the in-process engine
+    also ran beside the serving stack's share of the cores, served / that and that / in-process;
+    and each system's aggregate at c streams / at 1 stream."""
     agg = {(r["system"], r["mode"], r["concurrency"]): r["aggregate_tokens_per_s"] for r in runs}
+    pairs = {
+        "served_over_in_process": ("served", "in_process"),
+        "served_over_beside_serving": ("served", "in_process_beside_serving"),
+        "beside_serving_over_in_process": ("in_process_beside_serving", "in_process"),
+    }
     out: dict = {"served_over_in_process": {}, "scaling_over_1_stream": {}}
     for (system, mode, c), v in agg.items():
-        if system == "served" and ("in_process", mode, c) in agg:
-            out["served_over_in_process"][f"{mode}@{c}"] = round(v / agg[("in_process", mode, c)], 3)
+        for name, (top, base) in pairs.items():
+            if system == top and (base, mode, c) in agg:
+                out.setdefault(name, {})[f"{mode}@{c}"] = round(v / agg[(base, mode, c)], 3)
         if (system, mode, 1) in agg:
             out["scaling_over_1_stream"][f"{system}:{mode}@{c}"] = round(v / agg[(system, mode, 1)], 3)
     return out
