@@ -552,13 +552,18 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument(
         "--llamacpp-rounds", type=int, default=2, help="llamacpp: rounds, each llama.cpp then via-sd (ABAB)"
     )
-    blocks = bench.add_argument_group("blocks suite (--suite blocks; also --max-tokens, default 32)")
+    blocks = bench.add_argument_group(
+        "blocks suite (--suite blocks; also --max-tokens, default 32; --modes for throughput, default ar,sd; "
+        "--parts capacity,prefix,throughput, default all)"
+    )
     blocks.add_argument("--long", type=int, default=2000, help="capacity: the long prompt's tokens")
     blocks.add_argument("--short", type=int, default=150, help="capacity: each short prompt's tokens")
     blocks.add_argument("--short-requests", type=int, default=31, help="capacity: short requests")
     blocks.add_argument("--prefix", type=int, default=512, help="prefix: the shared system prompt's tokens")
     blocks.add_argument("--suffix", type=int, default=32, help="prefix: each request's own prompt tokens after it")
     blocks.add_argument("--prefix-requests", type=int, default=8, help="prefix: requests behind the system prompt")
+    blocks.add_argument("--throughput-requests", type=int, default=16, help="throughput: requests arriving at once")
+    blocks.add_argument("--throughput-prompt", type=int, default=48, help="throughput: each prompt's tokens")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-progress", action="store_true")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md (and the plots)")

@@ -423,3 +423,24 @@ def test_raw_files_are_named_for_the_cpu_that_made_them(monkeypatch, tmp_path, c
     assert bench.machine_label() == label
     path = bench.write_raw(tmp_path, "quickstart", {"x": 1})
     assert path.name == f"quickstart-{label}.json" and json.loads(path.read_text()) == {"x": 1}
+
+
+def test_blocks_throughput_table_gives_each_round_the_aa_spread_and_the_ratio():
+    from viasd.bench.tables import blocks_markdown, blocks_throughput
+
+    def rounds(*rates):
+        return [{"tokens_per_second": r, "generated_tokens": 64} for r in rates]
+
+    record = {
+        "throughput": {
+            "requests": 2,
+            "prompt_tokens": 48,
+            "modes": {"ar": {"slots": rounds(50.0, 40.0), "blocks": rounds(45.0, 45.0)}},
+        }
+    }
+    lines = blocks_throughput([record])
+    # spread: slots (50 - 40) / 45 = 22.2%, blocks 0; blocks / slots: 45 / 45
+    assert "| `ar` | 50.0 / 40.0 | 45.0 / 45.0 | 22.2% | 1.00x |" in lines
+    assert "32 new tokens each" in lines[-1]
+    md = blocks_markdown(record)  # only the parts that ran
+    assert "blocks / slots" in md and "prefix caching" not in md

@@ -18,7 +18,14 @@ wall time, generated tokens / s.
 alone, then the others arrive at once. Prompt positions computed, the time until every request
 has its first token, tokens / s.
 
+**throughput.** `--throughput-requests` requests with distinct `--throughput-prompt`-token prompts
+arrive at once and each generates `--max-tokens` tokens, per mode of `--modes` (default `ar,sd`),
+on slot rows and on blocks (`max_batch` = the requests, the default KV budget), in two rounds
+alternating the settings (slots, blocks, slots, blocks): tokens / s of each round, so that the
+spread between a setting's rounds (A/A) can be read beside the difference between the settings.
+
     viasd bench --suite blocks --out docs/benchmarks/cpu/blocks
+    viasd bench --suite blocks --parts throughput --out docs/benchmarks/cpu/blocks-throughput
 
 Writes `--out`/results.json and results.md (docs/BATCHING.md's tables read the json).
 """
@@ -32,6 +39,8 @@ SETTINGS = {
     "slots, 32 rows": dict(max_batch=32, kv_block_size=None),
     "blocks, 32 rows": dict(max_batch=32, kv_block_size=16),
 }
+THROUGHPUT = {"slots": dict(kv_block_size=None), "blocks": dict(kv_block_size=16)}
+PARTS = ("capacity", "prefix", "throughput")
 
 
 def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -84,14 +93,38 @@ def _run(engine, prompts: list[list[int]], params, lead: int = 0) -> dict:
     }
 
 
+def _throughput(engine, args, vocab: int) -> dict:
+    """The throughput part: {"requests", "prompt_tokens", "modes": {mode: {setting: [round records]}}}."""
+    from viasd.config import parse_params
+
+    n, length = args.throughput_requests, args.throughput_prompt
+    prompts = _prompts(vocab, [length] * n, seed=4)
+    out: dict = {"requests": n, "prompt_tokens": length, "modes": {}}
+    for mode in [m.strip() for m in (args.methods or "ar,sd").split(",") if m.strip()]:
+        params = parse_params(mode=mode, max_tokens=args.max_tokens or 32, ignore_eos=True)
+        rounds: dict[str, list] = {name: [] for name in THROUGHPUT}
+        for _ in range(2):
+            for name, kw in THROUGHPUT.items():
+                e = engine(max_batch=n, kv_cache_gib=None, **kw)
+                rounds[name].append(_run(e, prompts, params))
+                e.close()
+                print(f"throughput {mode} {name}: {rounds[name][-1]['tokens_per_second']:.2f} tok/s", flush=True)
+        out["modes"][mode] = rounds
+    return out
+
+
 def run_blocks_bench(args, config) -> int:
     from viasd.bench import provenance
     from viasd.bench.report import write_results
     from viasd.bench.tables import blocks_markdown
     from viasd.config import parse_params
     from viasd.engine import Engine
+    from viasd.errors import InvalidParameterError
     from viasd.llm import LLM
 
+    parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
+    if unknown := sorted(set(parts) - set(PARTS)):
+        raise InvalidParameterError(f"--parts: {', '.join(unknown)} (blocks has {', '.join(PARTS)})", param="parts")
     llm = LLM(config)
     base = llm.engine
     verifier, drafter = base.verifier, base.drafter
@@ -107,8 +140,7 @@ def run_blocks_bench(args, config) -> int:
             mask=base.mask,
             cache_policy=base.cache_policy,
             eos_token_ids=(),
-            kv_cache_gib=gib,
-            **kw,
+            **{"kv_cache_gib": gib, **kw},
         )
 
     record = {
@@ -117,21 +149,24 @@ def run_blocks_bench(args, config) -> int:
         "budget": {"gib": gib, "kv_bytes_per_token": per_token, "as_slot_rows": [4, rows_len]},
         "capacity": {},
         "prefix": {},
+        "throughput": {},
     }
     prompts = _prompts(verifier.vocab_size, [args.long] + [args.short] * args.short_requests, seed=1)
-    for name, kw in SETTINGS.items():
+    for name, kw in SETTINGS.items() if "capacity" in parts else ():
         e = engine(**kw)
         record["capacity"][name] = {**_run(e, prompts, params), "capacity": e.scheduler.capacity.describe()}
         e.close()
         print(f"capacity {name}: {record['capacity'][name]}", flush=True)
     system = _prompts(verifier.vocab_size, [args.prefix], seed=2)[0]
     own = _prompts(verifier.vocab_size, [args.suffix] * args.prefix_requests, seed=3)
-    for caching in (False, True):
+    for caching in (False, True) if "prefix" in parts else ():
         e = engine(max_batch=args.prefix_requests, kv_block_size=16, prefix_caching=caching)
         name = "prefix caching on" if caching else "prefix caching off"
         record["prefix"][name] = _run(e, [system + p for p in own], params, lead=1)
         e.close()
         print(f"{name}: {record['prefix'][name]}", flush=True)
+    if "throughput" in parts:
+        record["throughput"] = _throughput(engine, args, verifier.vocab_size)
     out = write_results(args.out, record, blocks_markdown(record))
     print(f"wrote {out}/results.json")
     return 0

@@ -960,20 +960,45 @@ def blocks_prefix(sources: list[dict]) -> list[str]:
     return lines
 
 
-def blocks_markdown(record: dict) -> str:
-    """results.md of `viasd bench --suite blocks`."""
-    return (
-        "\n".join(
-            [
-                f"Command: `{record.get('command')}`; commit `{commit(record)}`; CPU capability `{capability(record)}`.",
-                "",
-                *blocks_capacity([record]),
-                "",
-                *blocks_prefix([record]),
-            ]
-        )
-        + "\n"
+def blocks_throughput(sources: list[dict]) -> list[str]:
+    """Requests arriving at once on slot rows and on blocks: tokens/s of each round, the A/A spread."""
+    (res,) = sources
+    t = res["throughput"]
+    lines = _header(
+        ["mode", "slots, tokens/s each round", "blocks, tokens/s each round", "A/A spread", "blocks / slots"], right=4
     )
+    for mode, rounds in t["modes"].items():
+        rate = {name: [r["tokens_per_second"] for r in rs] for name, rs in rounds.items()}
+        spread = max((max(v) - min(v)) / statistics.mean(v) for v in rate.values())
+        ratio = statistics.mean(rate["blocks"]) / statistics.mean(rate["slots"])
+        lines.append(
+            _row(
+                [
+                    f"`{mode}`",
+                    " / ".join(f"{v:.1f}" for v in rate["slots"]),
+                    " / ".join(f"{v:.1f}" for v in rate["blocks"]),
+                    f"{spread:.1%}",
+                    f"{ratio:.2f}x",
+                ]
+            )
+        )
+    return lines + [
+        "",
+        f"{t['requests']} requests of {t['prompt_tokens']} prompt tokens at once, "
+        f"{next(iter(next(iter(t['modes'].values())).values()))[0]['generated_tokens'] // t['requests']} new tokens each; "
+        "rounds alternate slots, blocks, slots, blocks; the A/A spread is the larger (max - min) / mean of a setting's rounds.",
+    ]
+
+
+def blocks_markdown(record: dict) -> str:
+    """results.md of `viasd bench --suite blocks` (the parts it ran)."""
+    parts = [
+        render([record])
+        for key, render in (("capacity", blocks_capacity), ("prefix", blocks_prefix), ("throughput", blocks_throughput))
+        if record.get(key)
+    ]
+    head = f"Command: `{record.get('command')}`; commit `{commit(record)}`; CPU capability `{capability(record)}`."
+    return "\n\n".join(["\n".join(lines) for lines in [[head], *parts]]) + "\n"
 
 
 QUANT = "docs/benchmarks/cpu/quant/"
@@ -1003,6 +1028,7 @@ TABLES: dict[str, Table] = {
         ),
         Table("blocks-capacity", ("docs/benchmarks/cpu/blocks/results.json",), blocks_capacity),
         Table("blocks-prefix", ("docs/benchmarks/cpu/blocks/results.json",), blocks_prefix),
+        Table("blocks-throughput", ("docs/benchmarks/cpu/blocks-throughput/results.json",), blocks_throughput),
         Table("quant-gguf", QUANT_GGUF, quant_gguf),
         Table("quant-kernels", (f"{QUANT}kernels.json",), quant_kernels),
         Table("quant-e2e", (f"{QUANT}e2e.json",), quant_e2e),
