@@ -21,8 +21,9 @@ has its first token, tokens / s.
 **throughput.** `--throughput-requests` requests with distinct `--throughput-prompt`-token prompts
 arrive at once and each generates `--max-tokens` tokens, per mode of `--modes` (default `ar,sd`),
 on slot rows and on blocks (`max_batch` = the requests, the default KV budget), in two rounds
-alternating the settings (slots, blocks, slots, blocks): tokens / s of each round, so that the
-spread between a setting's rounds (A/A) can be read beside the difference between the settings.
+alternating the settings (slots, blocks, slots, blocks) after one unmeasured run of each: tokens / s
+of each round, so that the spread between a setting's rounds (A/A) can be read beside the
+difference between the settings.
 
     viasd bench --suite blocks --out docs/benchmarks/cpu/blocks
     viasd bench --suite blocks --parts throughput --out docs/benchmarks/cpu/blocks-throughput
@@ -103,6 +104,10 @@ def _throughput(engine, args, vocab: int) -> dict:
     for mode in [m.strip() for m in (args.methods or "ar,sd").split(",") if m.strip()]:
         params = parse_params(mode=mode, max_tokens=args.max_tokens or 32, ignore_eos=True)
         rounds: dict[str, list] = {name: [] for name in THROUGHPUT}
+        for kw in THROUGHPUT.values():  # warm-up: the first run of a process pays for its allocations
+            e = engine(max_batch=n, kv_cache_gib=None, **kw)
+            _run(e, prompts, params)
+            e.close()
         for _ in range(2):
             for name, kw in THROUGHPUT.items():
                 e = engine(max_batch=n, kv_cache_gib=None, **kw)
