@@ -325,9 +325,16 @@ def load(sources: list[dict]) -> list[str]:
 
 
 def served(sources: list[dict]) -> list[str]:
-    """The same engine served (HTTP through Ray Serve, actors) and in process."""
+    """The same engine served (HTTP through Ray Serve, actors) and in process; where the file has
+    it, the in-process engine beside a synthetic load as large as the serving stack's share."""
     (res,) = sources
     by = {(r["system"], r["mode"], r["concurrency"]): r for r in res["summary"]}
+    beside = any(system == "in_process_beside_serving" for system, _, _ in by)
+    load = {}  # (mode, c) -> the synthetic load's cores, the median over the passes
+    for r in res["runs"] if beside else ():
+        if r["system"] == "in_process_beside_serving":
+            load.setdefault((r["mode"], r["concurrency"]), []).append(r["synthetic_load_cores"])
+    extra = ["serving stack's cores", "in process beside them tok/s", "served / beside"] if beside else []
     lines = _header(
         [
             "mode",
@@ -335,33 +342,41 @@ def served(sources: list[dict]) -> list[str]:
             "in process tok/s",
             "served tok/s",
             "served / in process",
+            *extra,
             "served TTFT p50 / p99 (s)",
             "served ITL p50 / p99 (s)",
         ],
-        right=5,
+        right=5 + len(extra),
     )
     for mode in res["modes"]:
         for c in res["levels"]:
-            i, s = by.get(("in_process", mode, c)), by.get(("served", mode, c))
+            i, s, b = (
+                by.get(("in_process", mode, c)),
+                by.get(("served", mode, c)),
+                by.get(("in_process_beside_serving", mode, c)),
+            )
             if not i or not s:
                 continue
-            lines.append(
-                _row(
-                    [
-                        f"`{mode}`",
-                        str(c),
-                        f"{i['aggregate_tokens_per_s']:.2f}",
-                        f"{s['aggregate_tokens_per_s']:.2f}",
-                        f"{s['aggregate_tokens_per_s'] / i['aggregate_tokens_per_s']:.2f}",
-                        f"{s['p50_ttft_s']:.2f} / {s['p99_ttft_s']:.2f}",
-                        f"{s['p50_itl_s']:.3f} / {s['p99_itl_s']:.3f}",
-                    ]
-                )
-            )
+            cells = [
+                f"`{mode}`",
+                str(c),
+                f"{i['aggregate_tokens_per_s']:.2f}",
+                f"{s['aggregate_tokens_per_s']:.2f}",
+                f"{s['aggregate_tokens_per_s'] / i['aggregate_tokens_per_s']:.2f}",
+            ]
+            if beside:
+                cells += [
+                    f"{statistics.median(load[(mode, c)]):.2f}",
+                    f"{b['aggregate_tokens_per_s']:.2f}",
+                    f"{s['aggregate_tokens_per_s'] / b['aggregate_tokens_per_s']:.2f}",
+                ]
+            cells += [f"{s['p50_ttft_s']:.2f} / {s['p99_ttft_s']:.2f}", f"{s['p50_itl_s']:.3f} / {s['p99_itl_s']:.3f}"]
+            lines.append(_row(cells))
     tok = res.get("tokens") or {}
+    systems = "in process, served and in process beside the serving stack's load" if beside else "in process and served"
     lines += [
         "",
-        f"{res['passes']} passes, in process and served alternating, each figure the median of its passes; "
+        f"{res['passes']} passes, {systems} alternating, each figure the median of its passes; "
         f"{tok.get('streams_mismatched')} of {tok.get('streams_checked')} greedy streams "
         "differ from their prompt's first stream.",
     ]
@@ -1016,7 +1031,7 @@ TABLES: dict[str, Table] = {
         Table("batch1", ("docs/benchmarks/cpu/main-greedy/results.json",), batch1),
         Table("drafting", ("docs/benchmarks/cpu/proposers-heldout/results.json",), drafting),
         Table("load", ("docs/benchmarks/cpu/load/results.json",), load),
-        Table("served", ("docs/benchmarks/cpu/one-engine/serve-throughput-avx512.json",), served),
+        Table("served", ("docs/benchmarks/cpu/one-engine/beside-serving-avx512/results.json",), served),
         Table("quality", ("docs/benchmarks/quality/greedy/results.json", SPEED), quality),
         Table("quality-sampled", ("docs/benchmarks/quality/sampled/results.json",), quality_sampled),
         Table("host-work", ("docs/benchmarks/cpu/device-step/step-breakdown-avx512.json",), host_work),
