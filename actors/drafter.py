@@ -23,25 +23,22 @@ import ray
 
 from viasd import model_thread
 from viasd.actors.rpc import (
-    InOrder,
     InternalTLS,
     ModelActor,
+    Side,
+    SideServicer,
     actor_facts,
     cores_lock,
-    costs_to_proto,
     encode_probs,
-    prefill_from_proto,
-    prefill_reply,
-    release_reply,
     row_error,
     rpc,
     serve_internal,
     times_to_proto,
 )
 from viasd.config import MAX_GAMMA, EngineConfig, Proposer
-from viasd.costs import CostModel, StepTimes, profile_tiers
+from viasd.costs import StepTimes
 from viasd.errors import InvalidParameterError
-from viasd.executor import Capacity, DraftWorker, prefill
+from viasd.executor import Capacity, DraftWorker
 from viasd.precision import LinearReport, engine_dtype
 from viasd.quant import engine_linears
 from viasd.runtime import MaskedLM
@@ -52,9 +49,11 @@ from viasd.v1 import internal_pb2_grpc
 log = logging.getLogger("viasd.actors.drafter")
 
 
-class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
+class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
     """The drafter's half of an engine's requests, one RPC per phase (module docstring); p leaves
     only when the rules need it (sampling)."""
+
+    drafter = True
 
     def __init__(
         self,
@@ -65,28 +64,23 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         cost_cache_dir: str | None = None,
         cores: filelock.FileLock | None = None,
     ):
-        self.worker = DraftWorker(lm, capacity)
+        tiers = {"drafter": (lm, None)}
+        self.core = Side(DraftWorker(lm, capacity), tiers, cost_cache_dir=cost_cache_dir, cores=cores)
+        self.worker = self.core.worker
         self.probs_dtype = probs_dtype
-        self._work = InOrder("drafter", cores)  # (cores: the node's cores lock, `cores_lock`)
         self._ahead: list[str] = []  # rows drafting ahead since the last Propose
-        self.cost_cache_dir = cost_cache_dir  # where `Costs` caches the profile (None: measured each start)
-        self.costs: CostModel | None = None
-
-    @property
-    def sessions(self) -> dict:
-        return self.worker.sessions
 
     def _stop_ahead(self) -> None:
         """Drafting ahead yields the thread to any call (the blocks it drafted so far are kept)."""
         self.worker.stop(self._ahead)
         self._ahead = []
 
-    @rpc
-    async def Prefill(self, request: ipb.PrefillBatch, context) -> ipb.PrefillReply:
-        t0 = time.perf_counter()
-        self._stop_ahead()
-        results = await self._work.submit(prefill, [self.worker], prefill_from_proto(request, drafter=True))
-        return prefill_reply(results, time.perf_counter() - t0)
+    async def _run(self, op: str, *args):
+        if op == "prefill":
+            self._stop_ahead()
+        elif op == "release":  # (a block being drafted ahead stops after its next token)
+            self.worker.stop(args[0])
+        return await super()._run(op, *args)
 
     @rpc
     async def Propose(self, request: ipb.ProposeBatch, context) -> ipb.ProposeReply:
@@ -116,13 +110,13 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
         self._stop_ahead()
         times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
         if work:
-            for i, answer in await self._work.submit(self._propose, work, times):
+            for i, answer in await self.core.work.submit(self._propose, work, times):
                 answers[i] = answer
             ahead = self.worker.ahead([key for i, (key, *_) in work if answers[i].draft])
             if ahead:  # draft the next blocks while the verifier checks these ones (rows likely accepted whole)
                 # (beside the Verify, outside the cores lock: drafting ahead is overlap's point)
                 self._ahead = list(ahead)
-                self._work.submit(drive, ahead, exclusive=False).add_done_callback(_log_failure)
+                self.core.work.submit(drive, ahead, exclusive=False).add_done_callback(_log_failure)
         return ipb.ProposeReply(rows=answers, times=times_to_proto(times, time.perf_counter() - t0))
 
     def _propose(self, work: list, times: StepTimes) -> list[tuple[int, ipb.Proposal]]:
@@ -145,23 +139,9 @@ class DrafterServicer(internal_pb2_grpc.DrafterServiceServicer):
             for (i, (key, *_)), draft, (_, p) in zip(work, drafts, proposals)
         ]
 
-    @rpc
-    async def Release(self, request: ipb.ReleaseBatch, context) -> ipb.ReleaseReply:
-        keys = list(request.request_ids)
-        self.worker.stop(keys)  # (a block being drafted ahead stops after its next token)
-        return release_reply(keys, await self._work.submit(lambda: [self.worker.release(key) for key in keys]))
-
-    @rpc
-    async def Costs(self, request: ipb.CostsRequest, context) -> ipb.CostsResponse:
-        """The drafter tier's cost curve (viasd.costs), profiled on the worker thread on first call."""
-        if self.costs is None:
-            tiers = {"drafter": (self.worker.lm, None)}
-            self.costs = await self._work.submit(lambda: profile_tiers(tiers, cache_dir=self.cost_cache_dir))
-        return costs_to_proto(self.costs)
-
     def shutdown(self) -> None:
         self._stop_ahead()
-        self._work.shutdown()
+        self.core.shutdown()
 
 
 def _proposer(name: str) -> Proposer | None:

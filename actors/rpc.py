@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,9 +42,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from viasd import model_thread
-from viasd.costs import CostModel, StepTimes
+from viasd.costs import CostModel, StepTimes, profile_tiers
 from viasd.errors import CapacityError, InvalidParameterError
-from viasd.executor import Copy, Open, PrefillBatch, PrefillChunk, SessionNotFound
+from viasd.executor import Copy, Open, PrefillBatch, PrefillChunk, SessionNotFound, prefill
 from viasd.v1 import internal_pb2 as ipb
 from viasd.v1.convert import logprobs_to_proto, params_from_proto, stats_to_proto
 
@@ -227,6 +228,94 @@ def rpc(method):
     return wrapper
 
 
+class Side:
+    """One process's half of every request of an engine (`viasd.executor.DraftWorker`, or a verifier
+    rank's `VerifyWorker`): its blocking methods run on the process's model thread in order
+    (`work`, `InOrder`; `cores`: the node's cores lock, `cores_lock`); its tiers' cost curves are
+    profiled once (`key_extra`: what else keys their profile)."""
+
+    def __init__(self, worker, tiers: dict, *, cost_cache_dir: str | None = None, cores=None, **key_extra):
+        self.worker = worker
+        self.work = InOrder(worker.name, cores)
+        self.tiers = tiers
+        self.cost_cache_dir = cost_cache_dir  # where `costs` caches the profile (None: measured each start)
+        self.key_extra = key_extra
+        self._costs: CostModel | None = None
+
+    @property
+    def sessions(self) -> dict:
+        return self.worker.sessions
+
+    def prefill(self, batch: PrefillBatch) -> dict:
+        return prefill([self.worker], batch)
+
+    def release(self, keys: list[str]) -> list:
+        return [self.worker.release(key) for key in keys]
+
+    def costs(self) -> CostModel:
+        """The side's tiers' cost curves (viasd.costs), profiled on first call."""
+        if self._costs is None:
+            self._costs = profile_tiers(self.tiers, cache_dir=self.cost_cache_dir, **self.key_extra)
+        return self._costs
+
+    def shutdown(self) -> None:
+        self.work.shutdown()
+
+
+class SideServicer:
+    """The RPCs the drafter's and the verifier's services share, each one phase over every row of
+    it, run on the side (`core`) by `_run`."""
+
+    core: Side
+    drafter: bool  # whose rows a Prefill opens and feeds
+
+    @property
+    def sessions(self) -> dict:
+        return self.core.sessions
+
+    async def _run(self, op: str, *args):
+        """The side's method `op`, on its model thread."""
+        return await self.core.work.submit(getattr(self.core, op), *args)
+
+    @rpc
+    async def Prefill(self, request: ipb.PrefillBatch, context) -> ipb.PrefillReply:
+        """Open sessions, feed prompt chunks, copy samples' rows; each row's error, or the prompt
+        logprobs it scored (none on the drafter's side) and the positions its side's cache holds."""
+        t0 = time.perf_counter()
+        batch = PrefillBatch(
+            [
+                Open(o.request_id, list(o.prompt_token_ids), params_from_proto(o.params), o.seed, self.drafter)
+                for o in request.opens
+            ],
+            [PrefillChunk(c.request_id, c.upto, self.drafter) for c in request.chunks],
+            [Copy(c.request_id, c.leader) for c in request.copies],
+        )
+        rows = [
+            ipb.Prefilled(request_id=key, error=row_error(done))
+            if isinstance(done, Exception)
+            else ipb.Prefilled(request_id=key, prompt_logprobs=logprobs_to_proto(done.logprobs), fed=done.held)
+            for key, done in (await self._run("prefill", batch)).items()
+        ]
+        return ipb.PrefillReply(rows=rows, times=ipb.CallTimes(seconds=time.perf_counter() - t0))
+
+    @rpc
+    async def Release(self, request: ipb.ReleaseBatch, context) -> ipb.ReleaseReply:
+        """Whether each session existed, and its counters (they travel once, here)."""
+        keys = list(request.request_ids)
+        released = await self._run("release", keys)
+        return ipb.ReleaseReply(
+            rows=[
+                ipb.Released(request_id=key, existed=stats is not None, stats=stats and stats_to_proto(stats))
+                for key, stats in zip(keys, released)
+            ]
+        )
+
+    @rpc
+    async def Costs(self, request: ipb.CostsRequest, context) -> ipb.CostsResponse:
+        """The side's tiers' cost curves (`Side.costs`)."""
+        return costs_to_proto(await self._run("costs"))
+
+
 # ------------------------------------------------------------------ wire formats
 
 
@@ -290,40 +379,6 @@ def decode_probs(msg: ipb.DraftProbs | None) -> torch.Tensor | None:
     dense[rows, cols] = t.numpy()
     p = torch.from_numpy(dense)
     return p
-
-
-def prefill_from_proto(request: ipb.PrefillBatch, drafter: bool) -> PrefillBatch:
-    """A Prefill call as the executor's batch, for the drafter's side or the verifier's."""
-    return PrefillBatch(
-        [
-            Open(o.request_id, list(o.prompt_token_ids), params_from_proto(o.params), o.seed, drafter)
-            for o in request.opens
-        ],
-        [PrefillChunk(c.request_id, c.upto, drafter) for c in request.chunks],
-        [Copy(c.request_id, c.leader) for c in request.copies],
-    )
-
-
-def prefill_reply(results: dict, seconds: float) -> ipb.PrefillReply:
-    """The answer to a Prefill: each row's error, or the prompt logprobs it scored (none on the
-    drafter's side) and the positions its side's cache holds."""
-    rows = [
-        ipb.Prefilled(request_id=key, error=row_error(done))
-        if isinstance(done, Exception)
-        else ipb.Prefilled(request_id=key, prompt_logprobs=logprobs_to_proto(done.logprobs), fed=done.held)
-        for key, done in results.items()
-    ]
-    return ipb.PrefillReply(rows=rows, times=ipb.CallTimes(seconds=seconds))
-
-
-def release_reply(keys: list[str], released: list) -> ipb.ReleaseReply:
-    """The answer to a Release: whether each session existed, and its counters (they travel once, here)."""
-    return ipb.ReleaseReply(
-        rows=[
-            ipb.Released(request_id=key, existed=stats is not None, stats=stats and stats_to_proto(stats))
-            for key, stats in zip(keys, released)
-        ]
-    )
 
 
 def merge_outcomes(first: ipb.Outcome | None, then: ipb.Outcome) -> ipb.Outcome:

@@ -32,27 +32,23 @@ import ray
 from viasd import model_thread
 from viasd.actors.drafter import set_threads
 from viasd.actors.rpc import (
-    InOrder,
     InternalTLS,
     ModelActor,
     PeerUnavailable,
+    Side,
+    SideServicer,
     actor_facts,
     cores_lock,
-    costs_to_proto,
     decode_probs,
-    prefill_from_proto,
-    prefill_reply,
-    release_reply,
     row_error,
     rpc,
     serve_internal,
     times_to_proto,
 )
 from viasd.config import CachePolicy, EngineConfig
-from viasd.costs import CostModel, StepTimes, profile_tiers, verifier_tiers
+from viasd.costs import StepTimes, verifier_tiers
 from viasd.errors import InvalidParameterError
-from viasd.executor import Capacity, PrefillBatch, VerifyRow, VerifyWorker, prefill
-from viasd.metrics import RequestStats
+from viasd.executor import Capacity, VerifyRow, VerifyWorker
 from viasd.precision import engine_dtype
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import Absent, Outcome
@@ -69,10 +65,12 @@ STOP_WAIT_S = 10.0
 PEER_DEATH_S = 10.0
 
 
-class VerifierRank:
+class VerifierRank(Side):
     """One rank's half of every request (`viasd.executor.VerifyWorker`, on caches of the engine's
     capacity). Its methods are blocking and run on the rank's model thread, in the order rank 0
-    numbered them (`work`)."""
+    numbered them (`work`). Its full and slim tiers' cost curves are profiled on every rank at
+    once under tensor parallelism (their forwards are collectives; no cache, so that no rank
+    skips them), cached on disk otherwise."""
 
     def __init__(
         self,
@@ -85,39 +83,19 @@ class VerifierRank:
         cost_cache_dir: str | None = None,
         cores: filelock.FileLock | None = None,
     ):
-        self.worker = VerifyWorker(lm, mask, cache_policy, capacity)
-        self.work = InOrder("verifier", cores)  # (cores: the node's cores lock, `cores_lock`)
-        self.world_size = world_size
-        self.cost_cache_dir = cost_cache_dir if world_size == 1 else None  # ranks must all measure, or none
-        self._costs: CostModel | None = None
-
-    @property
-    def sessions(self) -> dict:
-        return self.worker.sessions
-
-    def prefill(self, batch: PrefillBatch) -> dict:
-        return prefill([self.worker], batch)
+        super().__init__(
+            VerifyWorker(lm, mask, cache_policy, capacity),
+            verifier_tiers(lm, mask),
+            cost_cache_dir=cost_cache_dir if world_size == 1 else None,  # ranks must all measure, or none
+            cores=cores,
+            ranks=world_size,
+        )
 
     def verify(self, rows: list[VerifyRow], times: StepTimes | None = None) -> list:
         """One step over every row: the worker's verify phase (a follower's rows carry `Absent`
         for p: rank 0 shares the sampled verdicts). `times` (rank 0) gets the forwards and each
         row's work."""
         return self.worker.verify(rows, times or StepTimes())
-
-    def release(self, keys: list[str]) -> list[RequestStats | None]:
-        return [self.worker.release(key) for key in keys]
-
-    def costs(self) -> CostModel:
-        """The full and slim tiers' cost curves (viasd.costs): profiled once, on every rank at
-        once under tensor parallelism (their forwards are collectives; no cache, so that no rank
-        skips them), cached on disk otherwise."""
-        if self._costs is None:
-            tiers = verifier_tiers(self.worker.lm, self.worker.mask)
-            self._costs = profile_tiers(tiers, cache_dir=self.cost_cache_dir, ranks=self.world_size)
-        return self._costs
-
-    def shutdown(self) -> None:
-        self.work.shutdown()
 
 
 #: What rank 0 sends the other ranks when it stops.
@@ -176,10 +154,12 @@ def _comparable(op: str, result):
     return None  # costs: each rank's own timings
 
 
-class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
+class VerifierServicer(SideServicer, internal_pb2_grpc.VerifierServiceServicer):
     """Rank 0's VerifierService: runs every call on itself and, in lockstep, on the other ranks
     (`channel`: `viasd.parallel.ControlChannel`; `loops`: futures of their `follow` loops, which
     end only when a rank stops or dies)."""
+
+    drafter = False
 
     def __init__(self, core: VerifierRank, channel=None, loops=(), *, check_ranks: bool = True):
         self.core = core
@@ -187,7 +167,9 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         self.loops = list(loops)
         self.check_ranks = check_ranks
 
-    async def _lockstep(self, op: str, *args, local_args: tuple = (), follower_args: tuple | None = None):
+    async def _run(self, op: str, *args, local_args: tuple = (), follower_args: tuple | None = None):
+        """The rank's method `op` on every rank in lockstep (the others get `follower_args` when
+        given, else `args`; this rank also `local_args`)."""
         work = self.core.work
         seq = work.number()
         if self.channel is None:
@@ -213,13 +195,6 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
         return mine
 
     @rpc
-    async def Prefill(self, request: ipb.PrefillBatch, context) -> ipb.PrefillReply:
-        """Open sessions, feed prompt chunks, copy samples' rows: on every rank in lockstep."""
-        t0 = time.perf_counter()
-        results = await self._lockstep("prefill", prefill_from_proto(request, drafter=False))
-        return prefill_reply(results, time.perf_counter() - t0)
-
-    @rpc
     async def Verify(self, request: ipb.VerifyBatch, context) -> ipb.VerifyReply:
         """One step over every row of the batch, on every rank in lockstep. Only this rank decodes
         the drafter's p (a row whose p does not decode fails alone, on no rank); the others get
@@ -237,7 +212,7 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
             where.append(i)
         shapes = [row._replace(probs=Absent(tuple(row.probs.shape))) if row.probs is not None else row for row in rows]
         times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
-        for i, result in zip(where, await self._lockstep("verify", rows, local_args=(times,), follower_args=(shapes,))):
+        for i, result in zip(where, await self._run("verify", rows, local_args=(times,), follower_args=(shapes,))):
             results[i] = result
         answers = []
         for r, result in zip(request.rows, results):
@@ -255,15 +230,6 @@ class VerifierServicer(internal_pb2_grpc.VerifierServiceServicer):
                 )
             )
         return ipb.VerifyReply(rows=answers, times=times_to_proto(times, time.perf_counter() - t0))
-
-    @rpc
-    async def Release(self, request: ipb.ReleaseBatch, context) -> ipb.ReleaseReply:
-        keys = list(request.request_ids)
-        return release_reply(keys, await self._lockstep("release", keys))
-
-    @rpc
-    async def Costs(self, request: ipb.CostsRequest, context) -> ipb.CostsResponse:
-        return costs_to_proto(await self._lockstep("costs"))
 
 
 def _q_proj_rows(linear) -> int:

@@ -235,12 +235,7 @@ def prompt_ids_of(
         return encode_prompt(tokenizer, None, messages)
     if isinstance(prompt, str):
         return encode_prompt(tokenizer, prompt)
-    ids = list(prompt or [])
-    if not ids:
-        raise InvalidParameterError("prompt", "must contain at least one token")
-    if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
-        raise InvalidParameterError("prompt", "token ids must be non-negative integers")
-    return ids
+    return list(prompt or [])  # (checked with the parameters: `RequestHandler.prepare`)
 
 
 class Job:
@@ -299,12 +294,8 @@ class Job:
             if len(self.samples) == 1:
                 self.stats = first.stats
             else:
-                self.stats = {
-                    "prompt_tokens": len(self.prompt_ids),
-                    "generated_tokens": sum(s.generated for s in self.samples),
-                    "finish_reason": first.finish_reason,
-                    "samples": [s.stats for s in self.samples],
-                }
+                generated = sum(s.generated for s in self.samples)
+                self.stats = self._counts(generated, first.finish_reason, samples=[s.stats for s in self.samples])
             self._timer.finish([s.request_stats for s in self.samples], self.finish_reason)
             coordinator = self.handler.backend.coordinator
             self.handler.metrics.set_planner(coordinator.planner_state())
@@ -313,15 +304,13 @@ class Job:
                 self.handler.metrics.set_steps(totals.steps, totals.phases())
         return Piece("", [], reason, stats, request_stats, index=index)
 
+    def _counts(self, generated: int, reason: str, **more) -> dict:
+        """The statistics the handler gives what the pipeline sent none for: the token counts."""
+        return {"prompt_tokens": len(self.prompt_ids), "generated_tokens": generated, "finish_reason": reason, **more}
+
     def _cut(self, index: int, reason: str, stopped_by: str) -> Piece:
         """The last piece of a sample the handler ended itself (a stop string, a drain)."""
-        stats = {
-            "prompt_tokens": len(self.prompt_ids),
-            "generated_tokens": self.samples[index].generated,
-            "finish_reason": reason,
-            "stopped_by": stopped_by,
-        }
-        return self._end(index, reason, stats)
+        return self._end(index, reason, self._counts(self.samples[index].generated, reason, stopped_by=stopped_by))
 
     def _abort_all(self, stopped_by: str | None) -> Piece | None:
         """End every sample still running (the pipeline ended, or the drain's time is up): their
@@ -500,10 +489,8 @@ class RequestHandler:
             if request.request_id is not None and len(request.request_id) > MAX_REQUEST_ID_CHARS:
                 raise InvalidParameterError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters")
             prompt_ids = await asyncio.to_thread(prompt_ids_of, self.tokenizer, request.prompt, request.messages)
-            if self.max_context and len(prompt_ids) >= self.max_context:  # (a bad token id: the pipeline refuses it)
-                raise InvalidParameterError(
-                    "prompt", f"{len(prompt_ids)} tokens leave no room in the context of {self.max_context}"
-                )
+            # the engine's own checks (token ids, the context, a drafter), before the request waits for a slot
+            prompt_ids = self.backend.coordinator.engine.scheduler.check(prompt_ids, params)
             if request.fill_context and "max_tokens" not in values and "max_tokens" not in self.default_params:
                 room = self.max_context - len(prompt_ids) if self.max_context else self.max_tokens_default
                 params = params.model_copy(update={"max_tokens": min(room, self.max_tokens_default)})

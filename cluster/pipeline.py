@@ -178,45 +178,6 @@ async def _resolve_dtype(config: PipelineConfig, pg) -> tuple[PipelineConfig, di
     return config.model_copy(update={"engine": config.engine.model_copy(update={"dtype": choice["dtype"]})}), choice
 
 
-async def _start_drafter(config: PipelineConfig, pg, actors: list) -> tuple:
-    """A DrafterActor in bundle 0, loaded and serving: (handle, info with its address)."""
-    drafter = DrafterActor.options(**_place(pg, 0, config.drafter_cpus, config.drafter_gpus)).remote()
-    actors.append(drafter)
-    info = await drafter.start.remote(
-        config.engine.model_dump(mode="json"),
-        host=config.bind_host,
-        device="cuda" if config.drafter_gpus > 0 else "cpu",
-        ranks=config.tp_size,
-        probs_dtype=config.draft_probs_dtype,
-        tls=config.internal_tls,
-    )
-    return drafter, info
-
-
-async def _start_verifier(config: PipelineConfig, pg, actors: list) -> tuple:
-    """The verifier ranks in their bundles, loaded, sharded, rank 0 serving: (ranks, rank 0's info
-    with every rank's pid, address, tokenizer)."""
-    first = 1 if config.engine.drafter is not None else 0
-    ranks = [
-        VerifierWorker.options(
-            **_place(pg, first + r, config.verifier_cpus_per_rank, config.verifier_gpus_per_rank)
-        ).remote()
-        for r in range(config.tp_size)
-    ]
-    actors += ranks
-    rdv = await ranks[0].rendezvous.remote() if config.tp_size > 1 else {}
-    device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
-    group = dict(world_size=config.tp_size, tp_backend=config.tp_backend, device=device, **rdv)
-    engine = config.engine.model_dump(mode="json")
-    infos = await asyncio.gather(*(rank.setup.remote(engine, rank=r, **group) for r, rank in enumerate(ranks)))
-    address = await ranks[0].serve.remote(
-        ranks[1:], host=config.bind_host, check_ranks=config.check_ranks, tls=config.internal_tls
-    )
-    tokenizer = await ranks[0].tokenizer.remote()
-    info = {**infos[0], "rank_pids": [i["pid"] for i in infos]}  # rank 0's facts; every rank's process
-    return ranks, info, address, tokenizer
-
-
 def _engine(config: PipelineConfig, verifier_address: str, verifier: dict, drafter: dict | None) -> Engine:
     """The engine's step loop over the started actors: its capacity is what every actor's caches
     hold (each sized its own from the engine config: `engine_capacity`), its context the least
@@ -304,7 +265,8 @@ class Pipeline:
         try:
             await asyncio.wait_for(pipeline.placement.ready(), config.start_timeout_s)
             pipeline.config, dtype = await _resolve_dtype(config, pipeline.placement)
-            await asyncio.gather(pipeline._start_verifier(), *([pipeline._start_drafter()] if has_drafter else []))
+            starts = [pipeline._start_verifier] + ([pipeline._start_drafter] if has_drafter else [])
+            await asyncio.gather(*(pipeline._start_in_place(start) for start in starts))
             info = pipeline.verifier_info
             info["runtime"] = dtype or info["runtime"]  # (auto: why it chose, not "requested")
             pipeline.coordinator = AsyncEngine(
@@ -328,18 +290,49 @@ class Pipeline:
         pipeline.executor.on_unavailable = lambda component: loop.call_soon_threadsafe(pipeline._wake.set)
         return pipeline
 
-    async def _start_verifier(self) -> None:
-        """Start the verifier group in its bundles (`start`, and `heal` after a rank died); the
-        executor, once there is one, sends new requests to it."""
-        self.ranks, self.verifier_info, self.verifier_address, self.tokenizer = await self._start_in_place(
-            _start_verifier
+    async def _start_verifier(self, actors: list) -> None:
+        """The verifier ranks in their bundles, loaded, sharded, rank 0 serving (`start`, and `heal`
+        after a rank died; `actors`: every one created); the executor, once there is one, sends
+        new requests to it."""
+        config = self.config
+        first = 1 if config.engine.drafter is not None else 0
+        ranks = [
+            VerifierWorker.options(
+                **_place(self.placement, first + r, config.verifier_cpus_per_rank, config.verifier_gpus_per_rank)
+            ).remote()
+            for r in range(config.tp_size)
+        ]
+        actors += ranks
+        rdv = await ranks[0].rendezvous.remote() if config.tp_size > 1 else {}
+        device = "cuda" if config.verifier_gpus_per_rank > 0 else "cpu"
+        group = dict(world_size=config.tp_size, tp_backend=config.tp_backend, device=device, **rdv)
+        engine = config.engine.model_dump(mode="json")
+        infos = await asyncio.gather(*(rank.setup.remote(engine, rank=r, **group) for r, rank in enumerate(ranks)))
+        address = await ranks[0].serve.remote(
+            ranks[1:], host=config.bind_host, check_ranks=config.check_ranks, tls=config.internal_tls
         )
+        self.tokenizer = await ranks[0].tokenizer.remote()
+        self.ranks, self.verifier_address = ranks, address
+        # rank 0's facts; every rank's process
+        self.verifier_info = {**infos[0], "rank_pids": [i["pid"] for i in infos]}
         if self.executor is not None:
-            self.executor.set_backends(verifier_address=self.verifier_address)
+            self.executor.set_backends(verifier_address=address)
 
-    async def _start_drafter(self) -> None:
-        """Start the drafter in its bundle (`start`, and `heal` after it died), as `_start_verifier`."""
-        self.drafter, self.drafter_info = await self._start_in_place(_start_drafter)
+    async def _start_drafter(self, actors: list) -> None:
+        """A DrafterActor in bundle 0, loaded and serving (`start`, and `heal` after it died), as
+        `_start_verifier`."""
+        config = self.config
+        drafter = DrafterActor.options(**_place(self.placement, 0, config.drafter_cpus, config.drafter_gpus)).remote()
+        actors.append(drafter)
+        self.drafter_info = await drafter.start.remote(
+            config.engine.model_dump(mode="json"),
+            host=config.bind_host,
+            device="cuda" if config.drafter_gpus > 0 else "cpu",
+            ranks=config.tp_size,
+            probs_dtype=config.draft_probs_dtype,
+            tls=config.internal_tls,
+        )
+        self.drafter = drafter
         if self.executor is not None:
             self.executor.set_backends(drafter_address=self.drafter_info["address"])
 
@@ -389,12 +382,12 @@ class Pipeline:
         )
         return {"drafter": drafter, "verifier": verifier}
 
-    async def _start_in_place(self, start):
-        """`start(config, placement, actors)` in this pipeline's placement group within
-        start_timeout_s; on failure the actors it created are killed."""
+    async def _start_in_place(self, start) -> None:
+        """`start(actors)` (`_start_verifier`, `_start_drafter`) within start_timeout_s; on failure
+        the actors it created are killed."""
         actors: list = []
         try:
-            return await asyncio.wait_for(start(self.config, self.placement, actors), self.config.start_timeout_s)
+            await asyncio.wait_for(start(actors), self.config.start_timeout_s)
         except BaseException:
             for actor in actors:
                 ray.kill(actor)
@@ -411,13 +404,13 @@ class Pipeline:
                 log.warning("pipeline %r: verifier group down (%s); rebuilding it", self.config.name, probe["verifier"])
                 for rank in self.ranks:
                     ray.kill(rank)
-                await self._start_verifier()
+                await self._start_in_place(self._start_verifier)
                 self.rebuilds["verifier"] += 1
                 rebuilt.append("verifier")
             if probe["drafter"] and self.drafter is not None:
                 log.warning("pipeline %r: drafter down (%s); restarting it", self.config.name, probe["drafter"])
                 ray.kill(self.drafter)
-                await self._start_drafter()
+                await self._start_in_place(self._start_drafter)
                 self.rebuilds["drafter"] += 1
                 rebuilt.append("drafter")
             return rebuilt

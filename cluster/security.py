@@ -105,13 +105,9 @@ def read_token(token_file: str | Path | None, token_env: str | None, field: str 
     """A bearer token from a file (surrounding whitespace ignored), else from the environment
     variable `token_env`; None when neither is set: authentication off."""
     if token_file is not None:
-        path = Path(token_file)
-        try:
-            token = path.read_text().strip()
-        except OSError as exc:
-            raise InvalidParameterError(field, f"cannot read {path}: {exc.strerror}") from None
+        token = read_file(token_file, field).decode().strip()
         if not token:
-            raise InvalidParameterError(field, f"{path} is empty")
+            raise InvalidParameterError(field, f"{Path(token_file)} is empty")
         return token
     if token_env:
         return os.environ.get(token_env, "").strip() or None

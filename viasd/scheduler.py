@@ -329,15 +329,7 @@ class Scheduler:
         together; the first prefills the prompt and the others copy its cache rows. The handle
         returned is sample 0's; `handle.samples` lists all n.
         """
-        prompt = check_request(
-            prompt_ids,
-            params,
-            vocab_size=self.executor.vocab_size,
-            max_context=self.max_context,
-            has_drafter=self.executor.has_drafter,
-            proposes=self.executor.proposes,
-            context_name=self.context_name,
-        )
+        prompt = self.check(prompt_ids, params)
         self._check_fits_alone(prompt, params)
         samples = [params]
         if params.n > 1:
@@ -353,6 +345,19 @@ class Scheduler:
         with self._lock:
             self._waiting.extend(handles)
         return handles[0]
+
+    def check(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
+        """A request checked against this engine (`check_request`; InvalidParameterError naming the
+        field), before it is queued: its prompt as ints."""
+        return check_request(
+            prompt_ids,
+            params,
+            vocab_size=self.executor.vocab_size,
+            max_context=self.max_context,
+            has_drafter=self.executor.has_drafter,
+            proposes=self.executor.proposes,
+            context_name=self.context_name,
+        )
 
     def _check_fits_alone(self, prompt: list[int], params: GenerationParams) -> None:
         """Paged caches: a request whose last step may need more blocks than a tier has is refused
