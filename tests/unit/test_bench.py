@@ -444,3 +444,14 @@ def test_blocks_throughput_table_gives_each_round_the_aa_spread_and_the_ratio():
     assert "32 new tokens each" in lines[-1]
     md = blocks_markdown(record)  # only the parts that ran
     assert "blocks / slots" in md and "prefix caching" not in md
+
+
+def test_provenance_names_an_installed_command_without_its_path(monkeypatch):
+    import sys
+
+    from viasd.bench import provenance
+
+    monkeypatch.setattr(sys, "argv", ["/opt/venv/bin/viasd", "bench", "--suite", "blocks", "--out", "a b"])
+    assert provenance()["command"] == "viasd bench --suite blocks --out 'a b'"
+    monkeypatch.setattr(sys, "argv", ["scripts/gpu_check.py", "--tiny"])
+    assert provenance()["command"] == "scripts/gpu_check.py --tiny"

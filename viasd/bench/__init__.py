@@ -189,11 +189,14 @@ def write_raw(folder: Path, stem: str, record: dict) -> Path:
 
 def provenance(device: str = "cpu") -> dict[str, Any]:
     """What a committed raw file must record beside its figures: the command that made it (this
-    process's argv), the commit and the machine (`environment`)."""
+    process's argv, an installed command by its name: no path of this machine), the commit and the
+    machine (`environment`)."""
     import shlex
     import sys
 
-    return {"command": shlex.join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "environment": environment(device)}
+    prog = Path(sys.argv[0])
+    prog = prog.name if prog.is_absolute() else prog.as_posix()
+    return {"command": shlex.join([prog, *sys.argv[1:]]), "environment": environment(device)}
 
 
 def _searched_masks(llm, extra_files: list[str]) -> dict:
