@@ -30,6 +30,14 @@ Random-weight models of real shapes (no downloads, no Ray), built on the device:
    events, the fp8 output's largest deviation from the bf16 weights' float32 product (relative to
    that product's largest value), and the bytes each holds. On a device below compute capability
    8.9 the section records why it did not run.
+6. ``paged_attention``: the Qwen2.5-1.5B verifier (bf16) over paged caches (blocks of 16) of
+   ragged contexts, read by the two kernels of ``paged_attention`` (viasd.attention): FlexAttention,
+   compiled, reading each row's blocks in place through its block table, against the torch path
+   (each row's blocks gathered, by span buckets, then SDPA). At 1 / 8 / 32 / 64 rows, one decode
+   step (a token a row) and one verify step (GAMMA + 1 tokens a row) from the same caches: the
+   largest logit difference (relative to the largest logit) and the argmax agreement, then each
+   step's median seconds with either kernel, and the flex kernel's first call (its compilation).
+   On CPU flex runs eagerly (the tiny mode's check that the section runs, not a timing).
 
 Every section checks the time left (``--budget-s``) and records ``"skipped": "time budget"``
 rather than overrun; one that raises records its error and the next one runs. The JSON goes to
@@ -160,6 +168,8 @@ class Plan:
     fp8_shape: Shape  # fp8: the layer whose linears (as rank 0 of fp8_tp holds them) are timed
     fp8_tp: int
     fp8_rows: tuple[int, ...]
+    paged_rows: tuple[int, ...]  # paged_attention: rows of each step
+    paged_contexts: tuple[int, int]  # paged_attention: the least and most positions a row holds before the step
 
 
 FULL = Plan(
@@ -182,6 +192,8 @@ FULL = Plan(
     fp8_shape=LLAMA2_70B,
     fp8_tp=8,
     fp8_rows=(1, 8, 32, 64, 512),
+    paged_rows=(1, 8, 32, 64),
+    paged_contexts=(128, 2048),
 )
 TINY = Plan(
     exact_pair=TINY_QWEN_PAIR,
@@ -203,6 +215,8 @@ TINY = Plan(
     fp8_shape=Shape(256, 2, 8, 8, 512, 512, 1e4),
     fp8_tp=2,
     fp8_rows=(1, 4),
+    paged_rows=(3,),
+    paged_contexts=(5, 90),  # (the torch path's spans in two buckets)
 )
 
 
@@ -877,6 +891,86 @@ def fp8(plan: Plan, device: str) -> dict:
     return rec
 
 
+# ------------------------------------------------------------------ paged attention: flex against torch
+
+
+def paged_attention(plan: Plan, device: str, budget: Budget) -> dict:
+    """Paged caches read by FlexAttention and by the torch path (section 6 of the module docstring)."""
+    from viasd.attention import flex_available
+    from viasd.runtime import MaskedLM
+
+    if device.startswith("cuda") and not flex_available():
+        return {"skipped": "FlexAttention does not compile here (no Triton)"}
+    dtype = getattr(torch, plan.throughput_dtype)
+    pair = plan.exact_pair
+    lm = MaskedLM(build_model(pair.arch, pair.verifier, dtype, device, seed=0))
+    rec = {
+        "shape": asdict(pair.verifier),
+        "dtype": plan.throughput_dtype,
+        "block_size": PAGED_BLOCK,
+        "contexts": list(plan.paged_contexts),
+        "flex": "torch.compile(flex_attention)" if device.startswith("cuda") else "eager (reference implementation)",
+        "rows": {},
+    }
+    for rows in plan.paged_rows:
+        if not budget.has(30 if device.startswith("cuda") else 3):
+            rec["rows"][str(rows)] = SKIPPED
+            continue
+        rec["rows"][str(rows)] = out = paged_attention_rows(lm, rows, plan, device)
+        free_memory(device)
+        log(
+            f"paged_attention rows={rows}: "
+            + ", ".join(f"{k} flex/torch {v['flex_over_torch']:.3g}" for k, v in out.items())
+        )
+    return rec
+
+
+def paged_attention_rows(lm, rows: int, plan: Plan, device: str) -> dict:
+    """One decode and one verify step over `rows` ragged contexts on a paged store, with either
+    kernel: logits compared, steps timed (each row cropped back after every call)."""
+    from viasd.runtime import Row
+
+    lo, hi = plan.paged_contexts
+    rng = random.Random(rows)
+    contexts = [rng.randint(lo, hi) for _ in range(rows)]
+    prompts = random_prompts([n + GAMMA + 1 for n in contexts], lm.vocab_size, seed=rows)
+    store = lm.new_store(max_rows=rows, max_len=hi + GAMMA + 1, block_size=PAGED_BLOCK)
+    cache_rows = [store.alloc() for _ in range(rows)]
+    for p, n, r in zip(prompts, contexts, cache_rows):  # the contexts, prefilled a row at a time by the torch path
+        lm.forward_batch([Row(p[:n], 0, 0, r)], store)
+
+    def reset():
+        for r, n in zip(cache_rows, contexts):
+            store.crop(r, n)
+
+    out = {}
+    for name, t in (("decode", 1), ("verify", GAMMA + 1)):
+        step = [Row(p[n : n + t], n, t, r) for p, n, r in zip(prompts, contexts, cache_rows)]  # [B] rows of t tokens
+        logits, seconds, first = {}, {}, None
+        for kernel in ("torch", "flex"):
+            store.attention = kernel
+            sync(device)
+            t0 = time.perf_counter()
+            logits[kernel] = torch.cat(lm.forward_batch(step, store)).float()  # [B * t, V]
+            sync(device)
+            first = time.perf_counter() - t0 if kernel == "flex" else first
+            reset()
+            seconds[kernel] = median_seconds(
+                lambda: lm.forward_batch(step, store), reps=plan.reps, warmup=plan.warmup, device=device, reset=reset
+            )
+        diff = (logits["flex"] - logits["torch"]).abs().max() / logits["torch"].abs().max()
+        out[name] = {
+            "tokens": rows * t,
+            "torch_seconds": seconds["torch"],
+            "flex_seconds": seconds["flex"],
+            "flex_over_torch": seconds["flex"] / seconds["torch"],
+            "flex_first_call_seconds": first,
+            "max_rel_logit_diff": diff.item(),
+            "argmax_agreement": (logits["flex"].argmax(-1) == logits["torch"].argmax(-1)).float().mean().item(),
+        }
+    return out
+
+
 def rounded(value):
     """Floats to 4 significant digits, all the way down (measurements, not identities)."""
     if isinstance(value, float):
@@ -947,6 +1041,13 @@ def run(args) -> dict:
         doc["fp8"] = guarded("fp8", lambda: fp8(plan, device)) if budget.has(30 if not args.tiny else 5) else SKIPPED
         free_memory(device)
         save()
+    if "paged_attention" in sections:
+        enough = budget.has(60 if not args.tiny else 5)
+        doc["paged_attention"] = (
+            guarded("paged_attention", lambda: paged_attention(plan, device, budget)) if enough else SKIPPED
+        )
+        free_memory(device)
+        save()
     doc["environment"]["wall_seconds"] = round(budget.elapsed(), 2)
     save()
     return doc
@@ -959,7 +1060,9 @@ def main() -> int:
     ap.add_argument("--out", help="also write the JSON document here")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall seconds the sections may take")
     ap.add_argument("--hbm-gbps", type=float, default=H200_HBM_GBPS, help="HBM bandwidth for the roofline, GB/s")
-    ap.add_argument("--sections", default="exactness,host_reads,throughput,shard_load,fp8", help="comma-separated")
+    ap.add_argument(
+        "--sections", default="exactness,host_reads,throughput,shard_load,fp8,paged_attention", help="comma-separated"
+    )
     ap.add_argument("--commit", help="the commit of this tree, recorded where it has no .git (device copies)")
     args = ap.parse_args()
     args.plan = TINY if args.tiny else FULL

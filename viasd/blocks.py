@@ -30,6 +30,9 @@ first divergent position into a block of its own. A block no row holds any more 
 contents and stays published while the pool has other free blocks: it counts as free and is
 reused, least recently used first, when none is left. A published block that a row writes in
 place (after rolling back into it) is unpublished first.
+
+`attention` picks what reads the blocks (viasd.attention): "torch" gathers each row's blocks,
+rows of similar spans together; "flex" hands FlexAttention the pool and each row's block table.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from viasd.attention import PagedKV, span_buckets
+from viasd.attention import PAGED_KERNELS, PagedKV, paged_block_mask, span_buckets
 from viasd.errors import CapacityError, MaskError
 from viasd.kvstore import KVStore
 
@@ -63,10 +66,14 @@ class PagedKVCache(KVStore):
         max_rows: int = 1,
         max_len: int | None = None,
         prefix_caching: bool = False,
+        attention: str = "torch",
     ):
         super().__init__(layers, num_layers, max_rows=max_rows, max_len=max_len)  # _k, _v: [capacity * N, H_kv, D]
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1: {num_blocks}, {block_size}")
+        if attention not in PAGED_KERNELS:
+            raise ValueError(f"attention must be one of {PAGED_KERNELS}, got {attention!r}")
+        self.attention = attention  # what reads the blocks in a forward (module docstring)
         self.num_blocks, self.block_size = num_blocks, block_size
         self._capacity = 0  # blocks the pools hold (ZERO_BLOCK included)
         self._top = ZERO_BLOCK  # the highest block id taken so far
@@ -291,7 +298,8 @@ class _PagedWrite:
     `update(key, value, layer_idx)` writes the real tokens of every row (never the padding) into
     their blocks and returns the keys/values the queries attend to, [B, H_kv, S, D] with
     S = max_b start_b + T_b once gathered from each row's blocks (positions a row does not hold read
-    the zero block): gathered by the attention, rows of similar spans together.
+    the zero block): gathered by the attention, rows of similar spans together; or, with the
+    flex kernel, the pool itself and the rows' BlockMask (built at the first layer, for all).
     """
 
     def __init__(self, cache: PagedKVCache, rows: list[int], starts: list[int], lengths: list[int], device):
@@ -303,9 +311,15 @@ class _PagedWrite:
         pos = torch.arange(span)  # [S]
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, S]
         spans = [s + n for s, n in zip(starts, lengths)]
-        held = torch.tensor(spans)[:, None] > pos[None, :]  # [B, S]
-        self.read = torch.where(held, slots, 0).to(device)  # [B, S]: the zero block past a row's tokens
-        self.buckets = span_buckets(spans, device)
+        self.read, self.buckets, self.block_mask = None, (), None
+        self.flex = cache.attention == "flex"
+        if self.flex:  # (the mask waits for the pool: its slots are the keys' length)
+            self.tables = tables.to(device)  # [B, W]
+            self.starts_t, self.spans_t = torch.tensor(starts, device=device), torch.tensor(spans, device=device)
+        else:
+            held = torch.tensor(spans)[:, None] > pos[None, :]  # [B, S]
+            self.read = torch.where(held, slots, 0).to(device)  # [B, S]: the zero block past a row's tokens
+            self.buckets = span_buckets(spans, device)
         b_idx = [b for b, n in enumerate(lengths) for _ in range(n)]
         t_idx = [t for n in lengths for t in range(n)]
         self.src_b = torch.tensor(b_idx, device=device)  # [N]
@@ -325,4 +339,12 @@ class _PagedWrite:
         lens = cache._len[layer_idx]
         for row, start, n in zip(self.rows, self.starts, self.lengths):
             lens[row] = start + n
-        return PagedKV(k_pool, self.read, self.buckets), PagedKV(v_pool, self.read, self.buckets)
+        if self.flex and (self.block_mask is None or self.block_mask.seq_lengths[1] != len(k_pool)):
+            q_len = max(self.lengths)  # T: the forward's rows, right-padded
+            self.block_mask = paged_block_mask(
+                self.tables, self.starts_t, self.spans_t, cache.block_size, len(k_pool), q_len
+            )
+        return (
+            PagedKV(k_pool, self.read, self.buckets, self.block_mask),
+            PagedKV(v_pool, self.read, self.buckets, self.block_mask),
+        )

@@ -421,6 +421,14 @@ class EngineConfig(BaseModel):
         "caching, viasd.blocks); blocks no request holds stay cached until the pool needs them. Off: every "
         "request computes its whole prompt.",
     )
+    paged_attention: Literal["auto", "torch", "flex"] = Field(
+        "auto",
+        description="The attention kernel that reads a paged cache (kv_block_size). flex: PyTorch's "
+        "FlexAttention, compiled, reading each row's keys and values in place from the block pool through its "
+        "block table (CUDA with Triton, kv_block_size a power of two >= 16; refused elsewhere). torch: each "
+        "row's blocks gathered, rows of similar length together, then scaled dot-product attention. auto: flex "
+        "where it runs, else torch (viasd.attention).",
+    )
     packed_linears: bool = Field(
         True,
         description="On CPU, swap the models' linear layers for oneDNN-prepacked ones (viasd.precision."

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from viasd import model_thread
+from viasd.attention import resolve_paged_attention
 from viasd.config import CachePolicy, EngineConfig, GenerationParams
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
@@ -152,7 +153,8 @@ def engine_capacity(
 ) -> tuple[Capacity, str]:
     """The capacity an engine's config gives a process holding tiers of `per_token` KV bytes a
     position on `device`, whose models take `positions` (`kv_capacity`); served, each actor sizes
-    its own caches this way (`kv_cache_gib`: its own budget), and the engine takes the least."""
+    its own caches this way (`kv_cache_gib`: its own budget), and the engine takes the least.
+    Its caches are read by the kernel `paged_attention` resolves to on `device` (viasd.attention)."""
     context, name, blocks = kv_capacity(
         per_token,
         torch.device(device),
@@ -163,8 +165,9 @@ def engine_capacity(
         max_context=config.max_context,
         block_size=config.kv_block_size,
     )
+    kernel = resolve_paged_attention(config.paged_attention, device, config.kv_block_size).kernel
     capacity = Capacity(
-        config.max_batch, context, config.prefill_chunk, config.kv_block_size, blocks, config.prefix_caching
+        config.max_batch, context, config.prefill_chunk, config.kv_block_size, blocks, config.prefix_caching, kernel
     )
     return capacity, name
 
@@ -176,7 +179,8 @@ class Engine:
     `max_seq_len` positions. Without `max_seq_len`, it is what `kv_cache_gib` (default: a quarter
     of the memory available at start) holds for max_batch rows of every tier, capped by the
     models' context (`kv_capacity`). Storage grows to what is used, up to that bound; requests
-    past max_batch wait in the queue.
+    past max_batch wait in the queue. Paged caches (`kv_block_size`) are read by the
+    `paged_attention` kernel, "torch" or "flex" (viasd.attention; `LLM` resolves the config's).
     """
 
     def __init__(
@@ -195,6 +199,7 @@ class Engine:
         prefill_chunk: int = 512,
         kv_block_size: int | None = None,
         prefix_caching: bool = True,
+        paged_attention: str = "torch",
         costs: CostModel | None = None,
         cost_cache_dir: str | Path | None = None,
         gates: Gates | None = None,
@@ -220,7 +225,7 @@ class Engine:
             max_context=max_context,
             block_size=kv_block_size,
         )
-        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size, blocks, prefix_caching)
+        capacity = Capacity(max_batch, context, prefill_chunk, kv_block_size, blocks, prefix_caching, paged_attention)
         executor = LocalExecutor(verifier, drafter, mask, cache_policy, capacity, cost_cache_dir=cost_cache_dir)
         self._start(executor, capacity, eos_token_ids, context_name, costs, gates, thread=model_thread.MODELS)
         self.verifier, self.drafter, self.mask, self.cache_policy = verifier, drafter, mask, cache_policy

@@ -67,6 +67,7 @@ class Capacity:
     block_size: int | None = None  # positions per KV block of a paged cache (viasd.blocks); None: slot rows
     kv_blocks: int | None = None  # blocks per tier (paged); requests are admitted against them
     prefix_caching: bool = True  # paged: requests with a common prompt prefix share its full blocks (viasd.blocks)
+    paged_attention: str = "torch"  # paged: the kernel that reads the blocks, "torch" or "flex" (viasd.attention)
 
     @property
     def tokens(self) -> int:
@@ -87,8 +88,9 @@ class Capacity:
 
     def describe(self) -> dict:
         """For /v1/models and the start-up log: rows, positions per request, blocks, tokens in all,
-        full-context requests at once."""
-        return {**dataclasses.asdict(self), "kv_tokens": self.tokens, "concurrency": self.concurrency}
+        full-context requests at once (the attention kernel is in the runtime info)."""
+        sizes = {k: v for k, v in dataclasses.asdict(self).items() if k != "paged_attention"}
+        return {**sizes, "kv_tokens": self.tokens, "concurrency": self.concurrency}
 
     def new_store(self, lm: MaskedLM, mask: LayerMask | None = None):
         """A tier's cache of this capacity: max_batch rows of max_seq_len positions, or (paged)
@@ -100,6 +102,7 @@ class Capacity:
             block_size=self.block_size,
             num_blocks=self.kv_blocks,
             prefix_caching=self.prefix_caching,
+            attention=self.paged_attention,
         )
 
 

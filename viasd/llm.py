@@ -16,6 +16,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 
 from viasd import model_thread
+from viasd.attention import resolve_paged_attention
 from viasd.config import EngineConfig, GenerationParams
 from viasd.engine import Engine, GenerationResult, cost_cache_dir
 from viasd.errors import InvalidParameterError, MaskError
@@ -171,6 +172,8 @@ class LLM:
         if config.threads:
             torch.set_num_threads(config.threads)
         self.config = config
+        # (refused before any loading when it cannot run here, as fp8 is)
+        self.paged_attention = resolve_paged_attention(config.paged_attention, config.device, config.kv_block_size)
         self.dtype_choice = engine_dtype(config)  # `auto`: what runs fastest here at max_batch rows a step
         dtype = self.dtype_choice.dtype
         model, self.tokenizer = load_causal_lm(
@@ -205,14 +208,16 @@ class LLM:
             prefill_chunk=config.prefill_chunk,
             kv_block_size=config.kv_block_size,
             prefix_caching=config.prefix_caching,
+            paged_attention=self.paged_attention.kernel,
             cost_cache_dir=cost_cache_dir(),
             gates=gates,
         )
 
     def runtime_info(self) -> dict:
         """How this engine runs here: the dtype choice (and why), the CPU capability, the kernels
-        (and the weight quantization of each model, viasd.quant)."""
-        return {**self.dtype_choice.as_dict(), **self.kernels}
+        (and the weight quantization of each model, viasd.quant), the kernel that reads paged caches
+        (and why, viasd.attention)."""
+        return {**self.dtype_choice.as_dict(), **self.kernels, **self.paged_attention.as_dict()}
 
     def _mask(self, mask, model) -> tuple[LayerMask, str]:
         return resolve_mask(self.config, model, mask)

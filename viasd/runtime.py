@@ -304,10 +304,12 @@ class MaskedLM:
         block_size: int | None = None,
         num_blocks: int | None = None,
         prefix_caching: bool = False,
+        attention: str = "torch",
     ) -> SlotKVCache | PagedKVCache:
         """An empty cache for the layers `mask` keeps (all by default): a `SlotKVCache`, or with
         `block_size` a `PagedKVCache` of `num_blocks` blocks (default: max_rows rows of max_len),
-        sharing published prompt blocks between rows with `prefix_caching`."""
+        sharing published prompt blocks between rows with `prefix_caching`, read by the
+        `attention` kernel ("torch" or "flex": viasd.attention)."""
         layers = self.all_layers if mask is None else mask.kept
         if block_size is None:
             return SlotKVCache(layers, self.num_layers, max_rows=max_rows, max_len=max_len)
@@ -323,6 +325,7 @@ class MaskedLM:
             max_rows=max_rows,
             max_len=max_len,
             prefix_caching=prefix_caching,
+            attention=attention,
         )
 
     def new_cache(self, mask: LayerMask | None = None) -> RowCache:

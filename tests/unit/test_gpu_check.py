@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py in its tiny CPU mode: every section runs, greedy sd equals ar, host reads are counted."""
+"""scripts/gpu_check.py in its tiny CPU mode: every section runs, greedy sd equals ar, host reads are
+counted, the flex and torch paged kernels agree."""
 
 from __future__ import annotations
 
@@ -23,7 +24,15 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     doc = json.loads(out.read_text())
     assert json.loads(res.stdout) == doc
-    assert {"environment", "exactness", "host_reads", "throughput", "shard_load", "fp8"} <= doc.keys()
+    assert {
+        "environment",
+        "exactness",
+        "host_reads",
+        "throughput",
+        "shard_load",
+        "fp8",
+        "paged_attention",
+    } <= doc.keys()
 
     env = doc["environment"]
     assert env["device"] == "cpu" and env["torch"] and env["cpu_capability"] and env["wall_seconds"] > 0
@@ -78,3 +87,12 @@ def test_gpu_check_tiny_on_cpu(tmp_path):
         for rec in lin["rows"].values():
             assert rec["bf16_seconds"] > 0 and rec["fp8_seconds"] > 0
             assert 0 < rec["rel_err"] < 0.1  # fp8's rounding of both operands, not a wrong product
+
+    paged = doc["paged_attention"]  # flex (eager here) and the torch path reading the same paged caches
+    assert "error" not in paged, paged.get("traceback")
+    assert paged["rows"] and paged["flex"].startswith("eager")
+    for steps in paged["rows"].values():
+        assert set(steps) == {"decode", "verify"}
+        for rec in steps.values():
+            assert rec["max_rel_logit_diff"] < 1e-4 and rec["argmax_agreement"] == 1.0  # float32: rounding only
+            assert rec["torch_seconds"] > 0 and rec["flex_seconds"] > 0 and rec["flex_first_call_seconds"] > 0
