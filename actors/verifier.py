@@ -282,6 +282,7 @@ class VerifierWorker(ModelActor):
         unless a DIMR artifact that applies was not searched on these files (its checkpoint
         fingerprint): then every weight is read, its fingerprint checked, and sharded after.
         DeepSpeed shards a model loaded on the host."""
+        from viasd.attention import resolve_paged_attention
         from viasd.engine import cost_cache_dir, engine_capacity, kv_bytes_per_token
         from viasd.llm import eos_ids, mask_needs_weights, resolve_gates, resolve_mask
         from viasd.models.loader import load_causal_lm, load_causal_lm_shard, resolve_model_dir
@@ -329,6 +330,7 @@ class VerifierWorker(ModelActor):
         positions = getattr(lm.config, "max_position_embeddings", None)
         per_token = kv_bytes_per_token(lm, None, mask, config.cache_policy) // world_size  # (heads are sharded)
         capacity, context_name = engine_capacity(config, per_token, lm.device, [positions])
+        attention = resolve_paged_attention(config.paged_attention, lm.device, config.kv_block_size)
         self.core = VerifierRank(
             lm,
             mask,
@@ -355,7 +357,8 @@ class VerifierWorker(ModelActor):
             "local_q_proj_rows": int(_q_proj_rows(lm.layers[0].self_attn.q_proj)),  # this rank's shard
             "weight_bytes": sum(p.numel() * p.element_size() for p in lm.model.parameters()),  # this rank's
             "checkpoint_read": "its slices" if sliced else "every weight",  # what it read of the checkpoint
-            "runtime": engine_dtype(config, device).as_dict(),  # the dtype choice, the CPU capability
+            # the dtype choice, the CPU capability, the kernel that reads paged caches
+            "runtime": {**engine_dtype(config, device).as_dict(), **attention.as_dict()},
         }
 
     async def serve(

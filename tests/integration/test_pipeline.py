@@ -851,9 +851,11 @@ def test_dtype_auto_is_chosen_once_for_every_actor_of_a_pipeline(ray_session, ai
 
 def test_the_actors_pack_the_linears_the_in_process_engine_packs(pipeline, llm):
     """Each actor loads and packs on its model thread; /v1/models reports what both packed (packing
-    stops where memory runs short), as the in-process engine reports its own."""
+    stops where memory runs short), as the in-process engine reports its own; likewise the kernel
+    that reads paged caches, and why."""
     runtime, local = pipeline.info()["runtime"], llm.runtime_info()
     fields = ("linear_method", "linears_swapped", "linear_extra_bytes", "linear_mixed_from_rows")
+    fields += ("paged_attention", "paged_attention_requested", "paged_attention_reason")
     assert {f: runtime[f] for f in fields} == {f: local[f] for f in fields}
 
 
