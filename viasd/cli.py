@@ -155,6 +155,7 @@ SUITES = {
     "step": "where a batched decode step's time goes: forwards, host work, host reads (--before REV)",
     "blocks": "one KV budget: slot rows against blocks (a long prompt beside short ones), prefix caching",
     "quant": "weight-only quantization: int8 / int4 kernels against bf16, GGUF mapping errors, end to end, llama.cpp",
+    "routes": "draft data on the wire: bytes per step of each route, --rows sampled streams served, tokens/s",
 }
 
 
@@ -192,6 +193,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from viasd.bench.quant import run_quant_bench
 
         return run_quant_bench(args)
+    if args.suite == "routes":
+        from viasd.bench.routes import run_routes_bench
+
+        params = _params(args, mode="sd", gamma=5, temperature=1.0, max_tokens=48, ignore_eos=True)
+        return run_routes_bench(args, _engine_config(args, max_batch=args.rows), params)
     from viasd.bench import run_bench
 
     return run_bench(args, _engine_config(args, max_batch=1), _params(args, ignore_eos=True))  # one at a time

@@ -26,7 +26,7 @@ from typing import Any
 from viasd.bench.report import ratio
 
 #: the documents whose marked tables `viasd bench report --docs` maintains
-DOCS = ("docs/BATCHING.md", "docs/BENCHMARKS.md", "docs/DIMR.md", "docs/QUANTIZATION.md")
+DOCS = ("docs/BATCHING.md", "docs/BENCHMARKS.md", "docs/DIMR.md", "docs/QUANTIZATION.md", "docs/SERVING.md")
 
 _MARK = re.compile(r"^<!-- table:([a-z0-9_-]+) -->\n(.*?)^<!-- /table:\1 -->$", re.M | re.S)
 
@@ -1016,6 +1016,56 @@ def blocks_markdown(record: dict) -> str:
     return "\n\n".join(["\n".join(lines) for lines in [[head], *parts]]) + "\n"
 
 
+def draft_routes(sources: list[dict]) -> list[str]:
+    """Draft data on the wire: each route's bytes per step and tokens/s, pass by pass (viasd/bench/routes.py)."""
+    from viasd.bench.routes import MEASURED, ROUTES, summaries
+
+    (res,) = sources
+    passes = summaries(res)
+    lines = _header(
+        [
+            "route",
+            f"MB per step at {res['rows']} rows",
+            "tokens/s, " + " / ".join(f"pass {i + 1}" for i in range(len(passes))),
+            "/ through the engine",
+        ],
+        right=3,
+    )
+    for route in ROUTES:
+        speeds = [p["routes"][route]["tokens_per_s"] for p in passes]
+        gain = statistics.mean(s / p["routes"][MEASURED]["tokens_per_s"] for s, p in zip(speeds, passes))
+        lines.append(
+            _row(
+                [
+                    route + (" (measured)" if route == MEASURED else " (estimated)"),
+                    f"{passes[0]['routes'][route]['mb_per_full_step']:.2f}",
+                    " / ".join(f"{s:.2f}" for s in speeds),
+                    f"{gain:.2f}x",
+                ]
+            )
+        )
+    measured = [p["routes"][MEASURED]["tokens_per_s"] for p in passes]
+    rejected = [n for p in passes for n in p["rejected_rows"]]
+    params = res["params"]
+    return lines + [
+        "",
+        f"{res['rows']} sampled `{params.get('mode', 'sd')}` streams at once (temperature "
+        f"{params.get('temperature', 1.0):g}, gamma {params.get('gamma', 5)}, {params.get('max_tokens')} tokens each; "
+        f"V = {res['vocab_size']:,}, p in {res['value_bytes']}-byte values), twice. Bytes are exact, recorded per "
+        f"verify phase; MB per step is the mean over the steps where every stream was verified, "
+        f"{min(rejected)} to {max(rejected)} of whose rows had a rejection. Transport priced at "
+        + " / ".join(f"{p['seconds_per_mb'] * 1e3:.2f}" for p in passes)
+        + " ms per MB (each Propose and Verify call's round trip less its service's seconds, against its bytes); "
+        f"the passes' measured tokens/s differ by {(max(measured) - min(measured)) / statistics.mean(measured):.1%}.",
+    ]
+
+
+def routes_markdown(record: dict) -> str:
+    """results.md of `viasd bench --suite routes`."""
+    head = f"Command: `{record.get('command')}`; commit `{commit(record)}`; CPU capability `{capability(record)}`."
+    return "\n".join([head, "", *draft_routes([record])]) + "\n"
+
+
 QUANT = "docs/benchmarks/cpu/quant/"
 QUANT_GGUF = tuple(
     f"{QUANT}gguf-check-{m}.json" for m in ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
@@ -1049,6 +1099,7 @@ TABLES: dict[str, Table] = {
         Table("quant-e2e", (f"{QUANT}e2e.json",), quant_e2e),
         Table("quant-llamacpp", (f"{QUANT}llamacpp/results.json",), quant_llamacpp),
         Table("quant-quality", QUANT_QUALITY, quant_quality),
+        Table("draft-routes", ("docs/benchmarks/cpu/one-engine/draft-routes-avx512/results.json",), draft_routes),
     )
 }
 
