@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import ray
@@ -19,7 +20,7 @@ from ray.serve.schema import ApplicationStatus
 
 from viasd.cluster import drain as draining
 from viasd.cluster.app import build_app, grpc_options, http_options
-from viasd.cluster.serve_config import ServeConfig, apply_control_plane_env
+from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, ServeConfig, apply_control_plane_env
 
 #: After a drain, the seconds the proxies get to forward the last bytes of the streams that ended
 #: (an `abort` chunk and [DONE]) before the applications are deleted; on a busy machine too short
@@ -69,6 +70,19 @@ def _ray_init(config: ServeConfig) -> None:
         namespace="viasd",
         log_to_driver=True,
     )
+
+
+@contextmanager
+def local_ray(**options):
+    """A local Ray on loopback with the servers' quieter control plane while the block runs (for
+    tools that start a `Pipeline` themselves); `options` go to `ray.init`."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    apply_control_plane_env(QUIET_CONTROL_PLANE)
+    ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **options)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def start(config: ServeConfig, *, blocking_timeout_s: float | None = None) -> Endpoints:

@@ -150,20 +150,16 @@ async def _pass(pipeline, prompts: list[list[int]], params, tag: str) -> dict:
 def run_routes_bench(args, config, params) -> int:
     """`viasd bench --suite routes` (module docstring): `config` the engine's, `params` each
     stream's (its seed is the stream's index)."""
-    import ray
-
     from viasd.bench import provenance
     from viasd.bench.report import write_results
     from viasd.bench.serve import PROMPTS
     from viasd.bench.tables import routes_markdown
+    from viasd.cluster.launch import local_ray
     from viasd.cluster.pipeline import Pipeline, PipelineConfig
-    from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, apply_control_plane_env
     from viasd.precision import kernels
 
     rows = args.rows
     pipeline_config = PipelineConfig(engine=config, rpc_timeout_s=600)
-    apply_control_plane_env({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **QUIET_CONTROL_PLANE})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
 
     async def run() -> tuple[dict, list[dict]]:
         pipeline = await Pipeline.start(pipeline_config)
@@ -182,10 +178,8 @@ def run_routes_bench(args, config, params) -> int:
         finally:
             await pipeline.shutdown()
 
-    try:
+    with local_ray(num_cpus=4, log_to_driver=False):
         info, passes = asyncio.run(run())
-    finally:
-        ray.shutdown()
     (wire,) = {d for p in passes for d in p["probs_dtypes"]} or {"float32"}  # (sampled rows: one dtype)
     record = {
         **provenance(),
