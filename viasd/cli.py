@@ -543,6 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quant.add_argument("--kernel-rows", default=None, help="kernels: comma-separated row counts (default 1,2,4,8,16)")
     quant.add_argument("--kernel-budget-s", type=float, default=2.0, help="kernels: seconds of rounds per shape and M")
+    quant.add_argument(
+        "--kernel-extra-ops",
+        default=None,
+        help="kernels: a library of torch ops to load (torchao's CPU kernels built from source, which its PyPI wheels lack)",
+    )
     quant.add_argument("--gguf-models", default=None, help="gguf: built-in models (default the embedded pair)")
     quant.add_argument("--gguf-scheme", default="int4", choices=["int4", "int8"], help="gguf: the mapping checked")
     quant.add_argument(

@@ -30,6 +30,13 @@ Kernels (measured per shape and row count on this machine, ``docs/benchmarks/cpu
 * ``dense``: a copy of the dequantized weight in the activation dtype, oneDNN-prepacked where
   oneDNN has kernels for it (what :func:`viasd.precision.optimize_linears` runs for plain
   linears).
+* ``a8w8`` (int8 weights, bf16 / fp16 activations, one-row products): FBGEMM's dynamic int8
+  linear, :func:`a8w8_matmul`: the activations quantized to 8 bits as it runs, integer dot
+  products with the int8 weight (AVX-512 VNNI), the weight ``q * s`` with ``s`` as the int8
+  kernel reads it. Not weight-only: the row is rounded to 8 bits, ``|x - x_q| <= a / 2`` with
+  ``a = (max(x, 0) - min(x, 0)) / 255``. One scale for its whole input, so it runs one-row
+  products only (a row's result is then its own); where it beats the one-row product of the
+  other kernels (:func:`probe_dense_from`), e.g. a large int8 LM head.
 
 The integer kernels read a quarter (int4) or half (int8) of bf16's bytes, but their cost grows
 with every row: they win the products of a few rows, the dense kernel the rest (a 16-row step,
@@ -38,7 +45,8 @@ integer kernel below ``dense_from`` rows and the dense copy from there: :func:`q
 times both on the first linear of each shape at :data:`PROBE_ROWS` rows (:func:`probe_dense_from`,
 the weights read from memory as in a decoding step; once per shape, dtype and thread count in a
 process, and kept per machine in the cache by an engine) and keeps a dense copy only where it
-wins some row count (2 bytes a weight in bf16; memory permitting: ``keep_free_bytes``). Without it
+wins some row count (2 bytes a weight in bf16; memory permitting: ``keep_free_bytes``), and an
+a8w8 copy of an int8 weight (1 byte a weight) where a8w8 wins the one-row product. Without them
 (``dense=False``) every product runs the integer kernel. Both kernels compute with the same
 dequantized weights: the dense copy is ``(q - 8) * s + z`` with the very scales the integer
 kernel uses (rounded to the activation dtype), rounded once more to that dtype. In float32 the
@@ -216,6 +224,58 @@ def _dense_ok(dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and _onednn_bf16_enabled())
 
 
+#: Activation dtypes a8w8 serves: not float32, the exactness dtype (its 8-bit activations would
+#: part `ar`'s one-row steps from `sd`'s blocks far beyond float32 rounding).
+A8W8_DTYPES = ("bfloat16", "float16")
+
+
+def a8w8_pack(q: torch.Tensor, scale: torch.Tensor):
+    """FBGEMM's packed form of an int8 weight ``q`` ``[N, K]`` with its scales ``[N]`` (the values
+    the int8 kernel reads: ``W = q * scale``), for :func:`a8w8_matmul`. Through torch's quantized
+    tensors (deprecated by torch: where they are gone, :func:`a8w8_available` says no)."""
+    import warnings
+
+    import torch
+
+    engine = torch.backends.quantized.engine
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch.backends.quantized.engine = "fbgemm"
+            zeros = torch.zeros(q.shape[0], dtype=torch.long)
+            qt = torch._make_per_channel_quantized_tensor(q.contiguous(), scale.double(), zeros, 0)
+            return torch.ops.quantized.linear_prepack(qt, None)
+        finally:
+            torch.backends.quantized.engine = engine
+
+
+def a8w8_matmul(x2: torch.Tensor, packed) -> torch.Tensor:
+    """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype by FBGEMM's dynamic int8 linear: the activations
+    quantized as the product runs to 8 bits, one asymmetric scale for the whole ``[M, K]`` input
+    (``a = (max(x, 0) - min(x, 0)) / 255``, a zero point), int32 sums of u8 x s8 products (AVX-512
+    VNNI where the CPU has it), then ``* a * s[n]`` in float32. One scale for the input: run on one
+    row at a time, so that a row's result depends on that row alone."""
+    import torch
+
+    return torch.ops.quantized.linear_dynamic(x2.float(), packed, False).to(x2.dtype)
+
+
+@functools.cache
+def a8w8_available() -> bool:
+    """Whether :func:`a8w8_matmul` runs here, exactly on the extreme products: FBGEMM in this
+    torch, and sums of u8 x s8 pairs that do not saturate (where a CPU has no VNNI, FBGEMM's
+    16-bit pair sums would overflow without ``reduce_range``, which halves the activations' steps)."""
+    import torch
+
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        y = a8w8_matmul(torch.ones(1, 64), a8w8_pack(torch.full((16, 64), 127, dtype=torch.int8), torch.ones(16) / 127))
+    except Exception:  # noqa: BLE001 - any failure: the kernel is not available
+        return False
+    return bool(((y - 64).abs() < 1e-3).all())
+
+
 def _quantized_linear_class():
     import torch
     from torch import nn
@@ -228,7 +288,8 @@ def _quantized_linear_class():
         packed layout and ``scales_zeros`` ``[K/g, N, 2]``; scales in ``dtype``, the activations'
         dtype. ``dense``: the dequantized weight in ``dtype`` (oneDNN-prepacked where it can be),
         run by products of ``dense_from`` rows or more; None: every product runs the integer
-        kernel. ``bias`` stays the original parameter.
+        kernel. ``a8w8``: an int8 weight packed for :func:`a8w8_matmul`, run by one-row products
+        (None: none). ``bias`` stays the original parameter.
         """
 
         def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -241,6 +302,7 @@ def _quantized_linear_class():
             self.dense_from: int | None = None
             self.register_buffer("dense", None, persistent=False)
             self.dense_packed = False
+            self.a8w8 = None  # FBGEMM's packed int8 weight: one-row products (set_a8w8)
             if qw.scheme == "int8":
                 self.register_buffer("qweight", qw.q.contiguous(), persistent=False)  # [N, K] int8
                 self.register_buffer("scales", qw.scale.to(dtype), persistent=False)  # [N]
@@ -290,6 +352,19 @@ def _quantized_linear_class():
             self.dense_from = from_rows
             return w.numel() * w.element_size()
 
+        def set_a8w8(self, on: bool) -> int:
+            """Run one-row products by :func:`a8w8_matmul` (int8 only: 8-bit activations, the weight
+            ``q * s`` with ``s`` as the int8 kernel reads it) or not; bytes its packed weight holds."""
+            if not (on and self.scheme == "int8"):
+                self.a8w8 = None
+            elif self.a8w8 is None:
+                self.a8w8 = a8w8_pack(self.qweight, self.scales.float())
+            return 0 if self.a8w8 is None else self.qweight.numel()
+
+        def a8w8_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+            """``x2 [1, K] -> [1, N]`` by the a8w8 kernel (no bias)."""
+            return a8w8_matmul(x2, self.a8w8)
+
         def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
             if self.dense_packed:
                 return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
@@ -297,10 +372,17 @@ def _quantized_linear_class():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
             rows = x.numel() // self.in_features
-            if self.dense is not None and rows >= self.dense_from and x.dtype == self.dtype:
+            if (
+                self.dense is not None
+                and rows >= self.dense_from
+                and x.dtype == self.dtype
+                and not (rows == 1 and self.a8w8 is not None)
+            ):
                 return self.dense_matmul(x)
             x2 = x.reshape(rows, self.in_features)  # [M, K]
-            if x2.dtype != self.dtype:  # (the kernels take the dtype of their scales)
+            if rows == 1 and self.a8w8 is not None and x2.dtype == self.dtype:
+                y = self.a8w8_matmul(x2)
+            elif x2.dtype != self.dtype:  # (the kernels take the dtype of their scales)
                 y = self.int_matmul(x2.to(self.dtype)).to(x.dtype)
             else:
                 y = self.int_matmul(x2.contiguous())
@@ -309,15 +391,19 @@ def _quantized_linear_class():
 
         @property
         def kernel_name(self) -> str:
-            """What a cost profile depends on: ``int4g32``, ``int8``, with ``@dense_from``."""
-            name = f"int4g{self.group}" if self.scheme == "int4" else "int8"
+            """What a cost profile depends on: ``int4g32``, ``int8`` (``int8+a8w8``: one-row products
+            by a8w8), with ``@dense_from``."""
+            name = (
+                f"int4g{self.group}" if self.scheme == "int4" else "int8" + ("+a8w8" if self.a8w8 is not None else "")
+            )
             return f"{name}@{self.dense_from}" if self.dense is not None else name
 
         def extra_repr(self) -> str:
             group = f", group={self.group}" if self.scheme == "int4" else ""
             return (
                 f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"scheme={self.scheme}{group}, dtype={self.dtype}, dense_from={self.dense_from}"
+                f"scheme={self.scheme}{group}, dtype={self.dtype}, dense_from={self.dense_from}, "
+                f"a8w8={self.a8w8 is not None}"
             )
 
     return QuantizedLinear
@@ -480,6 +566,8 @@ def _ring(mod) -> list:
     for _ in range(count - 1):
         c = copy.copy(mod)
         c._buffers = {k: (None if v is None else v.clone()) for k, v in mod._buffers.items()}
+        if getattr(mod, "a8w8", None) is not None:  # (not a buffer: packed again from the copy's)
+            c.set_a8w8(True)
         ring.append(c)
     return ring
 
@@ -496,7 +584,8 @@ def probe_dense_from(
     """Time ``mod``'s integer kernel against its dense copy (which it must hold) at ``rows`` rows
     (random activations, interleaved, best of ``repeats`` rounds, the weights read from memory:
     :func:`_ring`): the fewest rows from which the dense kernel is faster at every probed count
-    (None: at none, or not at the most rows), and the seconds by ``int@M`` / ``dense@M``."""
+    (None: at none, or not at the most rows), and the seconds by ``int@M`` / ``dense@M``; where
+    ``mod`` holds an a8w8 weight, its one-row product too (``a8w8@1``: :func:`_a8w8_wins`)."""
     import itertools
 
     import torch
@@ -508,6 +597,8 @@ def probe_dense_from(
         x = torch.randn(m, mod.in_features, generator=g).to(mod.dtype)  # [M, K]
         runners[f"int@{m}"] = _cycling(ring, "int_matmul", x)
         runners[f"dense@{m}"] = _cycling(ring, "dense_matmul", x)
+        if m == 1 and getattr(mod, "a8w8", None) is not None:
+            runners["a8w8@1"] = _cycling(ring, "a8w8_matmul", x)
     seconds = _best_seconds(runners, repeats)
     del ring, runners
     from_rows = None
@@ -521,7 +612,15 @@ def probe_dense_from(
 #: (scheme, group, K, N, dtype, threads) -> (dense_from, seconds): one probe per shape a process.
 _PROBES: dict[tuple, tuple[int | None, dict]] = {}
 #: Bumped when the probe measures differently: older cached probes are measured again.
-PROBE_METHOD = 1
+PROBE_METHOD = 2
+
+
+def _a8w8_wins(from_rows: int | None, seconds: dict) -> bool:
+    """Whether a probe's ``a8w8@1`` beats the kernel that runs one row without it (the dense copy
+    where it runs from one row, else the integer kernel)."""
+    if "a8w8@1" not in seconds:
+        return False
+    return seconds["a8w8@1"] < seconds["dense@1" if from_rows == 1 else "int@1"]
 
 
 def _probe_file(cache_dir, key: tuple, rows: tuple[int, ...]):
@@ -623,6 +722,9 @@ class QuantReport:
     probe_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
     seconds: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)  # name -> QuantizedWeight.source
+    a8w8: dict[str, bool] = field(default_factory=dict)  # int8 shape KxN -> its one-row products by a8w8
+    a8w8_bytes: int = 0  # the a8w8 kernel's packed weights
+    a8w8_note: str | None = None  # why no int8 linear was offered the a8w8 kernel
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -636,6 +738,9 @@ class QuantReport:
             "replaced_bytes": self.replaced_bytes,
             "dense_bytes": self.dense_bytes,
             "dense_from_rows": dict(self.dense_from),
+            "a8w8_one_row": dict(self.a8w8),
+            "a8w8_bytes": self.a8w8_bytes,
+            **({"a8w8_note": self.a8w8_note} if self.a8w8_note else {}),
             "seconds": round(self.seconds, 2),
         }
 
@@ -711,6 +816,11 @@ def quantize_model(
     free, total = cpu_memory()
     keep = int(DENSE_KEEP_FREE_FRACTION * total) if keep_free_bytes is None else keep_free_bytes
     threads = torch.get_num_threads()
+    a8w8_ok = dense and a8w8_available()
+    if scheme != "fp8" and not a8w8_ok:
+        report.a8w8_note = (
+            "no dense copies (the probe that picks it)" if not dense else "FBGEMM's int8 linear unavailable"
+        )
     for name, lin in _targets(model, include_lm_head, report):
         w = lin.weight
         if w.device.type != "cpu" and scheme != "fp8":
@@ -740,14 +850,19 @@ def quantize_model(
         if dense and scheme != "fp8":  # (fp8's one kernel runs every row count)
             key = (qw.scheme, qw.group, k, n, w.dtype, threads)
             dense_bytes = n * k * w.element_size()
+            a8w8 = a8w8_ok and qw.scheme == "int8" and str(w.dtype).removeprefix("torch.") in A8W8_DTYPES
             from_rows, seconds = None, {}
-            if free - report.dense_bytes - dense_bytes >= keep:
+            if free - report.dense_bytes - report.a8w8_bytes - dense_bytes >= keep:
                 if key not in _PROBES:
                     mod.set_dense(_dense_of(qw, mod), 1)
+                    mod.set_a8w8(a8w8)
                 from_rows, seconds = _cached_probe(mod, key, probe_rows, probe_cache)
             shape = f"{qw.scheme}:{k}x{n}"
+            if a8w8:
+                report.a8w8.setdefault(shape, _a8w8_wins(from_rows, seconds))
+                report.a8w8_bytes += mod.set_a8w8(report.a8w8[shape])
             report.probe_seconds.setdefault(shape, seconds)
-            if from_rows is not None and free - report.dense_bytes - dense_bytes < keep:
+            if from_rows is not None and free - report.dense_bytes - report.a8w8_bytes - dense_bytes < keep:
                 report.skipped[f"{name}.dense"] = "memory: no dense copy, the integer kernel runs every product"
                 from_rows = None
             report.dense_from.setdefault(shape, from_rows)

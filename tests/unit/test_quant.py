@@ -345,3 +345,82 @@ def test_probes_are_kept_per_machine(tmp_path, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 7)  # another thread count: another probe
     Q.quantize_model(_int4_model(), "int4", probe_cache=cache)
     assert len(calls) == 15
+
+
+# ------------------------------------------------------------------------------------------------
+# a8w8: one-row products of int8 weights with 8-bit activations (bf16 / fp16 only)
+
+needs_a8w8 = pytest.mark.skipif(not Q.a8w8_available(), reason="FBGEMM's int8 linear is not in this torch")
+
+
+@needs_a8w8
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a8w8_agrees_with_the_dequantized_reference(dtype):
+    """|y - ref| <= (a / 2) * sum_k |W_q[n, k]| + 2 TOL (|x| @ |W_q|^T + |b|): the activations'
+    rounding to 8 bits (a = (max(x, 0) - min(x, 0)) / 255, the step of the row) over the weight's
+    row, then the output's rounding to the dtype and the bias's addition; the integer sums are exact."""
+    w = _weight()
+    qw = Q.quantize_int8(w)
+    bias = torch.randn(96).to(dtype)
+    mod = Q.quantized_linear(qw, bias, dtype, dense=4)
+    assert mod.set_a8w8(True) == 96 * 128 and mod.kernel_name == "int8+a8w8@4"
+    ref_w = (qw.q.double() * mod.scales.double()[:, None]).double()  # [N, K]: the scales as the kernels read them
+    g = torch.Generator().manual_seed(1)
+    for shape in [(1, 128), (1, 1, 128)]:
+        for x in (torch.randn(*shape, generator=g), torch.rand(*shape, generator=g) + 2, -torch.rand(*shape) * 5):
+            x = x.to(dtype)
+            with torch.no_grad():
+                y = mod(x)
+            assert y.shape == (*shape[:-1], 96) and y.dtype == dtype
+            xd = x.double().reshape(1, 128)
+            a = float(xd.max().clamp(min=0) - xd.min().clamp(max=0)) / 255
+            ref = (xd @ ref_w.t() + bias.double()).reshape(y.shape)
+            bound = a / 2 * ref_w.abs().sum(1) + 2 * TOL[dtype] * (xd.abs() @ ref_w.abs().t() + bias.double().abs())
+            err = (y.double() - ref).abs().reshape(1, 96)
+            assert bool((err <= bound).all()), (err - bound).max()
+            assert err.max() > 0
+
+
+@needs_a8w8
+def test_a8w8_runs_one_row_products_only():
+    """A product of several rows runs the integer kernel or the dense copy (a8w8 takes one scale
+    for its whole input: only on one row is each row's result its own)."""
+    mod = Q.quantized_linear(Q.quantize_int8(_weight()), None, torch.bfloat16, dense=4)
+    mod.set_a8w8(True)
+    calls = _spy(mod)
+    a8w8 = mod.a8w8_matmul
+    mod.a8w8_matmul = lambda x: calls.append(("a8w8", x.shape[0])) or a8w8(x)
+    for shape in [(1, 128), (1, 1, 128), (3, 128), (4, 128), (2, 1, 128)]:
+        mod(torch.randn(*shape).bfloat16())
+    assert calls == [("a8w8", 1), ("a8w8", 1), ("int", 3), ("dense", 4), ("int", 2)]
+    mod(torch.randn(1, 128))  # float32 activations on bf16 scales: the integer kernel, as before
+    assert calls[-1] == ("int", 1)
+    assert mod.set_a8w8(False) == 0 and mod.kernel_name == "int8@4"
+
+
+@needs_a8w8
+@pytest.mark.parametrize("a8w8_s, want", [(0.5, True), (1.5, False)])
+def test_the_probe_gives_one_row_products_to_a8w8_where_it_wins(monkeypatch, a8w8_s, want):
+    def best(runners, repeats):
+        return {key: a8w8_s if key == "a8w8@1" else 1.0 if key.startswith("int") else 2.0 for key in runners}
+
+    monkeypatch.setattr(Q, "_best_seconds", best)
+    model = _int4_model("qwen2", layers=1, dtype=torch.bfloat16)
+    report = Q.quantize_model(model, "int8")
+    d = report.as_dict()
+    assert set(d["a8w8_one_row"].values()) == {want} and len(d["a8w8_one_row"]) == len(d["dense_from_rows"])
+    assert set(report.quantized.values()) == {"int8+a8w8" if want else "int8"}  # (the dense copy never wins)
+    assert d["a8w8_bytes"] == (report.replaced_bytes // 2 if want else 0)  # an int8 byte a bf16 weight
+    assert all("a8w8@1" in s for s in report.probe_seconds.values())
+    f32 = Q.quantize_model(_int4_model("qwen2", layers=1), "int8")  # float32: never offered
+    assert not f32.a8w8 and set(f32.quantized.values()) == {"int8"}
+
+
+def test_without_a8w8_the_int8_kernel_runs_and_the_report_says_why(monkeypatch):
+    monkeypatch.setattr(Q, "a8w8_available", lambda: False)
+    _fixed_probe(monkeypatch, 4)
+    report = Q.quantize_model(_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int8")
+    assert set(report.quantized.values()) == {"int8@4"}
+    assert report.as_dict()["a8w8_note"] == "FBGEMM's int8 linear unavailable" and not report.a8w8
+    report = Q.quantize_model(_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int8", dense=False)
+    assert "no dense copies" in report.as_dict()["a8w8_note"]

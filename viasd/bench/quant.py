@@ -17,9 +17,21 @@ with
 * ``int4_g{32,64,128}``: ``torch._weight_int4pack_mm_for_cpu`` (4-bit weight packed by
   ``torch._convert_weight_to_int4pack_for_cpu``, a scale and a zero per group of g weights);
 * ``int4_dequant_g32``: the int4 weight unpacked and dequantized to bf16 in full, then ``F.linear``;
-* ``torchao_int8`` / ``torchao_int4_g{32,128}``: torchao's weight-only configurations where
-  torchao imports (``Int8WeightOnlyConfig``; ``Int4WeightOnlyConfig`` with its CPU packing,
-  ``Int4OpaqueTensor``).
+* ``int4_g32_again``: ``int4_g32`` a second time in each round, on a copy of its weight, last
+  (an A/A pair: the spread of the measurement);
+* ``int8_a8w8``: ``viasd.quant.a8w8_matmul``, FBGEMM's dynamic int8 linear
+  (``torch.ops.quantized.linear_dynamic``: the activations quantized to 8 bits as it runs, one
+  scale for the call, u8 x s8 integer sums); via-sd runs it on one row at a time;
+* ``int8_onednn_a8w8``: oneDNN's int8 linear (``torch.ops.onednn.qlinear_pointwise``) on the
+  activations quantized to 8 bits with a scale per row;
+* ``dyn_quant_4bit_g32``: torch's ``_dyn_quant_matmul_4bit`` (8-bit activations, 4-bit weights;
+  KleidiAI's kernels on Arm, a reference loop elsewhere);
+* ``torchao_int8`` / ``torchao_a8w8`` / ``torchao_int4_g{32,128}`` / ``torchao_da8w4_g32``:
+  torchao's configurations where torchao imports (``Int8WeightOnlyConfig``;
+  ``Int8DynamicActivationInt8WeightConfig``; ``Int4WeightOnlyConfig`` with its CPU packing,
+  ``Int4OpaqueTensor``; ``Int8DynamicActivationInt4WeightConfig``'s ``da8w4_linear_cpu``, only
+  where that kernel is built: torchao's PyPI wheels lack its CPU kernels, `--kernel-extra-ops`
+  loads a build of them).
 
 Weights are random (the kernels' speed does not depend on the values). Each (shape, M) runs every
 kernel interleaved, one call of each per round after a warm-up (a pause of the machine slows one
@@ -154,6 +166,7 @@ def runners(k: int, n: int, m: int, torchao_ok: bool) -> dict:
             packed4, group, sz
         )
         if group == 32:
+            aa = (packed4, sz)
             nib = (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8)  # [N, K/2], plain layout
             sc, ze = scale.t().to(torch.bfloat16), zero.t().to(torch.bfloat16)  # [N, K/g]
 
@@ -163,19 +176,64 @@ def runners(k: int, n: int, m: int, torchao_ok: bool) -> dict:
                 return F.linear(x, wd)
 
             out["int4_dequant_g32"] = dequant
+    from viasd.quant import a8w8_available, a8w8_matmul, a8w8_pack
+
+    if a8w8_available():
+        fb = a8w8_pack(q8, s8.float())
+        out["int8_a8w8"] = lambda: a8w8_matmul(x, fb)
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack"):
+        dn = torch.ops.onednn.qlinear_prepack(q8, None)
+        s8f, z8 = s8.float(), torch.zeros(n, dtype=torch.long)
+
+        def onednn():  # (8-bit activations, a scale per row: u = round(x / a) + 128)
+            xf = x.float()
+            a = xf.abs().amax(1, keepdim=True).div_(127).clamp_(min=1e-30)  # [M, 1]
+            u = xf.div_(a).round_().add_(128).to(torch.uint8)
+            y = torch.ops.onednn.qlinear_pointwise(
+                u, 1.0, 128, dn, s8f, z8, None, 1.0, 0, torch.float32, "none", [], ""
+            )
+            return y.mul_(a).to(x.dtype)
+
+        out["int8_onednn_a8w8"] = onednn
+    q4, scale4, _ = int4_pack(w, 32)
+    nib4 = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # [N, K/2]
+    dyn = torch.ops.aten._dyn_quant_pack_4bit_weight(nib4, scale4.t().contiguous(), None, 32, k, n)
+    out["dyn_quant_4bit_g32"] = lambda: torch.ops.aten._dyn_quant_matmul_4bit(x.float(), dyn, 32, k, n).to(x.dtype)
     if torchao_ok:
         from torchao.prototype.quantization.int4 import Int4OpaqueTensor
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
 
-        lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        quantize_(lin, Int8WeightOnlyConfig())
-        out["torchao_int8"] = lambda: lin(x)
+        for name, config in (
+            ("torchao_int8", Int8WeightOnlyConfig()),
+            ("torchao_a8w8", Int8DynamicActivationInt8WeightConfig()),
+        ):
+            lin = torch.nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+            with torch.no_grad():
+                lin.weight.copy_(w)
+            quantize_(lin, config)
+            out[name] = (lambda mod: lambda: mod(x))(lin)
         for group in (32, 128):
             wt = Int4OpaqueTensor.from_hp(w, [1, group])
             out[f"torchao_int4_g{group}"] = (lambda t: lambda: F.linear(x, t))(wt)
+        if torchao_da8w4():
+            wt = Int4OpaqueTensor.from_hp_da8w4(w, 32)
+            out["torchao_da8w4_g32"] = lambda: F.linear(x, wt)
+    # an A/A pair: int4_g32 again, on its own copy of the weight, last in the round (not right after
+    # its twin, whose weight would still be in the caches): the spread of the measurement
+    p32, sz32 = aa[0].clone(), aa[1].clone()
+    out["int4_g32_again"] = lambda: torch._weight_int4pack_mm_for_cpu(x, p32, 32, sz32)
     return out
+
+
+def torchao_da8w4() -> bool:
+    """Whether torchao's int8-activation int4-weight CPU kernel (``torchao::da8w4_linear_cpu``) is
+    built: torchao's wheels on PyPI have none (it needs a build with ``USE_CPU_KERNELS=1``)."""
+    import torch
+
+    try:
+        return "CPU" in torch._C._dispatch_dump("torchao::da8w4_linear_cpu")
+    except RuntimeError:
+        return False
 
 
 def measure(k: int, n: int, m: int, torchao_ok: bool, budget_s: float) -> dict:
@@ -200,17 +258,22 @@ def measure(k: int, n: int, m: int, torchao_ok: bool, budget_s: float) -> dict:
     }
 
 
-def run_kernels(rows: list[int], shapes: list[str], budget_s: float) -> dict:
-    """The kernels part: every kernel at every (shape, M)."""
+def run_kernels(rows: list[int], shapes: list[str], budget_s: float, extra_ops: str | None = None) -> dict:
+    """The kernels part: every kernel at every (shape, M). ``extra_ops``: a library of torch ops
+    loaded after torchao (its CPU kernels built from its source: ``torchao_da8w4_g32``)."""
     import torch
 
-    from viasd.quant import cpu_model
+    from viasd.quant import a8w8_available, cpu_model
 
     torchao: dict = {"available": False}
     try:
         import torchao as ao
 
         torchao = {"available": True, "version": ao.__version__}
+        if extra_ops:
+            torch.ops.load_library(extra_ops)
+            torchao["extra_ops"] = Path(extra_ops).name
+        torchao["da8w4_cpu_kernel"] = torchao_da8w4()
     except Exception as exc:  # noqa: BLE001 - recorded
         torchao["error"] = f"{type(exc).__name__}: {exc}"
     results = []
@@ -228,6 +291,8 @@ def run_kernels(rows: list[int], shapes: list[str], budget_s: float) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "torchao": torchao,
+        "onednn_int8": a8w8_available(),
+        "cpu_vnni": bool(torch.cpu._is_vnni_supported()) if hasattr(torch.cpu, "_is_vnni_supported") else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu_model(),
@@ -687,7 +752,7 @@ def run_quant_bench(args) -> int:
     }
     if "kernels" in parts:
         rows = [int(r) for r in _list(args.kernel_rows, ROWS)]
-        record["kernels"] = run_kernels(rows, shapes, args.kernel_budget_s)
+        record["kernels"] = run_kernels(rows, shapes, args.kernel_budget_s, getattr(args, "kernel_extra_ops", None))
     if "gguf" in parts:
         from viasd.models.embedded import DEFAULT_DRAFTER, DEFAULT_VERIFIER
 

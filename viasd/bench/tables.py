@@ -667,10 +667,13 @@ QUANT_KERNELS = {
     "bf16": "bf16",
     "bf16_packed": "bf16 packed",
     "int8": "int8",
+    "int8_a8w8": "int8 a8w8",
+    "int8_onednn_a8w8": "int8 oneDNN a8w8",
     "int4_g32": "int4 g32",
-    "int4_g128": "int4 g128",
-    "torchao_int8": "torchao int8",
+    "int4_g32_again": "int4 g32 (A/A)",
+    "torchao_a8w8": "torchao a8w8",
     "torchao_int4_g32": "torchao int4 g32",
+    "torchao_da8w4_g32": "torchao da8w4 g32",
 }
 QUANT_ROWS = (1, 4, 16)
 QUANT_SHAPES = {
@@ -717,9 +720,30 @@ def quant_kernels(sources: list[dict]) -> list[str]:
         + (f"torchao {ao['version']}" if ao.get("available") else "torchao not installed")
         + f". Over every shape and M of the file ({', '.join(map(str, rows))}): the int4 weight dequantized at "
         f"every call (`int4_dequant_g32`) takes {_times(results, 'int4_dequant_g32')} times a bf16 product; "
-        f"the int8 weight widened a slice at a time (`int8_chunked`), {_times(results, 'int8_chunked')} times.",
+        f"the int8 weight widened a slice at a time (`int8_chunked`), {_times(results, 'int8_chunked')} times"
+        + (
+            f"; torch's `_dyn_quant_matmul_4bit`, {_times(results, 'dyn_quant_4bit_g32')} times"
+            if any("dyn_quant_4bit_g32" in x["kernels"] for x in results)
+            else ""
+        )
+        + "."
+        + (f" {_aa(results)}" if any("int4_g32_again" in x["kernels"] for x in results) else ""),
     ]
     return lines
+
+
+def _aa(results: list[dict]) -> str:
+    """The A/A pair of the kernels part: int4 g32 run twice a round, on two copies of its weight."""
+    spread = [
+        abs(x["kernels"]["int4_g32"]["best_s"] - x["kernels"]["int4_g32_again"]["best_s"])
+        / statistics.mean([x["kernels"]["int4_g32"]["best_s"], x["kernels"]["int4_g32_again"]["best_s"]])
+        for x in results
+        if "int4_g32_again" in x["kernels"]
+    ]
+    return (
+        f"The A/A pair (int4 g32 twice a round, two copies of the weight) differs by {statistics.median(spread):.1%} "
+        f"at the median (shape, M), {max(spread):.1%} at most."
+    )
 
 
 def quant_e2e(sources: list[dict]) -> list[str]:
