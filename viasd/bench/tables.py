@@ -922,10 +922,16 @@ def quant_quality(sources: list[dict]) -> list[str]:
             )
         )
     meta = sources[0]["meta"]
+    batches = {label(d): d["meta"]["max_batch"] for d in sources}
+    together = (
+        f"{meta['max_batch']} requests"
+        if len(set(batches.values())) == 1
+        else ", ".join(f"`{name}` {b} request{'s' if b > 1 else ''}" for name, b in batches.items())
+    )
     lines += [
         "",
         f"Greedy `ar`, the first {len(meta['corpora']['humaneval'])} HumanEval problems, at most "
-        f"{meta['max_tokens']} tokens, {meta['max_batch']} requests decoding together; pass@1 by running each "
+        f"{meta['max_tokens']} tokens, {together} decoding together; pass@1 by running each "
         "problem's tests. "
         + " ".join(
             f"[`{p}`]({p.removeprefix('docs/')}): `{_meta(d).get('command')}`; commit `{commit(d)}`; "
