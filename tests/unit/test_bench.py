@@ -455,3 +455,14 @@ def test_provenance_names_an_installed_command_without_its_path(monkeypatch):
     assert provenance()["command"] == "viasd bench --suite blocks --out 'a b'"
     monkeypatch.setattr(sys, "argv", ["scripts/gpu_check.py", "--tiny"])
     assert provenance()["command"] == "scripts/gpu_check.py --tiny"
+
+
+def test_blocks_suite_refuses_an_unknown_part_naming_the_field_before_loading():
+    from types import SimpleNamespace
+
+    from viasd.bench.blocks import run_blocks_bench
+    from viasd.errors import InvalidParameterError
+
+    with pytest.raises(InvalidParameterError) as err:
+        run_blocks_bench(SimpleNamespace(parts="capacity,bogus"), config=None)  # (no model: refused first)
+    assert err.value.field == "parts" and "bogus" in err.value.message

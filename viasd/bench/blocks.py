@@ -129,7 +129,7 @@ def run_blocks_bench(args, config) -> int:
 
     parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
     if unknown := sorted(set(parts) - set(PARTS)):
-        raise InvalidParameterError(f"--parts: {', '.join(unknown)} (blocks has {', '.join(PARTS)})", param="parts")
+        raise InvalidParameterError("parts", f"{', '.join(unknown)} is not a part of blocks ({', '.join(PARTS)})")
     llm = LLM(config)
     base = llm.engine
     verifier, drafter = base.verifier, base.drafter
