@@ -37,6 +37,11 @@ Kernels (measured per shape and row count on this machine, ``docs/benchmarks/cpu
   ``a = (max(x, 0) - min(x, 0)) / 255``. One scale for its whole input, so it runs one-row
   products only (a row's result is then its own); where it beats the one-row product of the
   other kernels (:func:`probe_dense_from`), e.g. a large int8 LM head.
+* ``a8w8r`` (int8 weights, bf16 / fp16 activations, any row count): oneDNN's int8 linear,
+  :func:`a8w8r_matmul`: each row quantized to 8 bits with its own scale, symmetric,
+  ``x = a (u - 128)``, ``u`` in 1..255, ``a = max|x| / 127`` (``|x - x_q| <= a / 2``), integer
+  dot products with the int8 weight ``q`` (VNNI), then ``* s[n] * a[m]`` in float32: a row's result
+  depends on that row alone, so it runs products of several rows.
 
 The integer kernels read a quarter (int4) or half (int8) of bf16's bytes, but their cost grows
 with every row: they win the products of a few rows, the dense kernel the rest (a 16-row step,
@@ -46,7 +51,9 @@ times both on the first linear of each shape at :data:`PROBE_ROWS` rows (:func:`
 the weights read from memory as in a decoding step; once per shape, dtype and thread count in a
 process, and kept per machine in the cache by an engine) and keeps a dense copy only where it
 wins some row count (2 bytes a weight in bf16; memory permitting: ``keep_free_bytes``), and an
-a8w8 copy of an int8 weight (1 byte a weight) where a8w8 wins the one-row product. Without them
+a8w8 copy of an int8 weight (1 byte a weight) where a8w8 wins the one-row product, an a8w8r copy
+(1 byte a weight) where a8w8r wins some row count: the probe picks one kernel for each row count
+(:func:`kernel_table`), and a copy that no row count runs is not kept. Without them
 (``dense=False``) every product runs the integer kernel. Both kernels compute with the same
 dequantized weights: the dense copy is ``(q - 8) * s + z`` with the very scales the integer
 kernel uses (rounded to the activation dtype), rounded once more to that dtype. In float32 the
@@ -84,6 +91,7 @@ __all__ = [
     "quantize_model",
     "engine_linears",
     "fp8_linear_class",
+    "kernel_table",
     "quantized_linear",
     "quantized_linear_class",
     "resolve_quantization",
@@ -276,6 +284,70 @@ def a8w8_available() -> bool:
     return bool(((y - 64).abs() < 1e-3).all())
 
 
+def a8w8r_pack(q: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed form of an int8 weight ``q`` ``[N, K]`` for :func:`a8w8r_matmul` (an opaque
+    oneDNN tensor of ``N * K`` bytes, in a layout of this CPU)."""
+    import torch
+
+    return torch.ops.onednn.qlinear_prepack(q.contiguous(), None)
+
+
+#: The activations' zero point of a8w8r: ``u = round(x / a) + 128`` in 1..255 (oneDNN's int8 linear
+#: runs u8 x s8 products; its s8 activations run a reference loop, hundreds of times slower).
+A8W8R_ZERO = 128
+
+
+def a8w8r_quantize(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x2`` ``[M, K]`` in 8 bits with its own scale, symmetric: ``(u [M, K] uint8,
+    a [M, 1] float32)`` with ``x ~ a (u - 128)``, ``a = max_k |x[m, k]| / 127`` (a row of zeros: a
+    tiny ``a``, ``u = 128``), ``u - 128 = floor(x / a + 1/2)`` (the quotient in float32) in
+    -127..127: ``|x - a (u - 128)| <= a / 2``."""
+    import torch
+
+    a = x2.abs().amax(1, keepdim=True).float().clamp_(min=127 * torch.finfo(torch.float32).tiny).div_(127)
+    u = torch.div(x2, a).add_(A8W8R_ZERO + 0.5).to(torch.int32).to(torch.uint8)  # (floor: the sum is > 0)
+    return u, a
+
+
+def a8w8r_matmul(x2: torch.Tensor, packed, scale: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """``x2 [M, K] -> [M, N]`` in ``x2``'s dtype by oneDNN's int8 linear with a scale per row:
+    :func:`a8w8r_quantize`, then ``y[m, n] = a[m] s[n] sum_k (u[m, k] - 128) q[n, k]``, the sums exact
+    in int32 (u8 x s8 products, AVX-512 VNNI), ``* s[n]`` (``scale`` float32 ``[N]``; ``zeros`` its
+    zero points, int64 zeros ``[N]``) and ``* a[m]`` in float32, then rounded once to the dtype.
+    Every step is per row or per element: a row's result depends on that row alone."""
+    import torch
+
+    u, a = a8w8r_quantize(x2)
+    y = torch.ops.onednn.qlinear_pointwise(
+        u, 1.0, A8W8R_ZERO, packed, scale, zeros, None, 1.0, 0, torch.float32, "none", [], ""
+    )  # [M, N] float32: s[n] * the integer sums
+    return torch.mul(y, a, out=torch.empty(y.shape, dtype=x2.dtype))
+
+
+@functools.cache
+def a8w8r_missing() -> str | None:
+    """Why :func:`a8w8r_matmul` does not run here (None: it does, exactly on the extreme products):
+    oneDNN or its int8 linear missing from this torch, or u8 x s8 pair sums that saturate (a CPU
+    without VNNI, where oneDNN sums pairs in 16 bits)."""
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        return "oneDNN (mkldnn) not in this torch"
+    if not (hasattr(torch.ops.onednn, "qlinear_prepack") and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        return "oneDNN's int8 linear (onednn::qlinear_prepack / qlinear_pointwise) not in this torch"
+    try:
+        packed = a8w8r_pack(torch.full((16, 64), 127, dtype=torch.int8))
+        scale, zeros = torch.full((16,), 1 / 127), torch.zeros(16, dtype=torch.long)
+        x = torch.tensor([[1.0] * 64, [-1.0] * 64], dtype=torch.bfloat16)  # u = 255 and 1: the extremes
+        y = a8w8r_matmul(x, packed, scale, zeros).float()  # [2, 16]: 64 and -64
+    except Exception as exc:  # noqa: BLE001 - any failure: the kernel is not available
+        return f"oneDNN's int8 linear fails: {type(exc).__name__}: {str(exc)[:200]}"
+    want = torch.tensor([[64.0], [-64.0]])
+    if not bool(((y - want).abs() < 1e-3).all()):
+        return "oneDNN's int8 linear saturates its u8 x s8 sums (no VNNI)"
+    return None
+
+
 def _quantized_linear_class():
     import torch
     from torch import nn
@@ -289,7 +361,9 @@ def _quantized_linear_class():
         dtype. ``dense``: the dequantized weight in ``dtype`` (oneDNN-prepacked where it can be),
         run by products of ``dense_from`` rows or more; None: every product runs the integer
         kernel. ``a8w8``: an int8 weight packed for :func:`a8w8_matmul`, run by one-row products
-        (None: none). ``bias`` stays the original parameter.
+        (None: none). ``a8w8r``: an int8 weight packed for :func:`a8w8r_matmul`, run by products
+        of ``a8w8r_from`` rows or more below ``dense_from`` (None: none). ``bias`` stays the
+        original parameter. :attr:`kernels` says which kernel runs each row count.
         """
 
         def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None, dtype: torch.dtype):
@@ -303,6 +377,8 @@ def _quantized_linear_class():
             self.register_buffer("dense", None, persistent=False)
             self.dense_packed = False
             self.a8w8 = None  # FBGEMM's packed int8 weight: one-row products (set_a8w8)
+            self.a8w8r = None  # oneDNN's packed int8 weight: a8w8r_from rows and more (set_a8w8r)
+            self.a8w8r_from: int | None = None
             if qw.scheme == "int8":
                 self.register_buffer("qweight", qw.q.contiguous(), persistent=False)  # [N, K] int8
                 self.register_buffer("scales", qw.scale.to(dtype), persistent=False)  # [N]
@@ -365,6 +441,24 @@ def _quantized_linear_class():
             """``x2 [1, K] -> [1, N]`` by the a8w8 kernel (no bias)."""
             return a8w8_matmul(x2, self.a8w8)
 
+        def set_a8w8r(self, from_rows: int | None) -> int:
+            """Run products of ``from_rows`` rows or more (below ``dense_from``; one row: a8w8
+            first) by :func:`a8w8r_matmul` (None: never); bytes its packed weight holds. int8 in
+            bf16 / fp16 only (float32 is the exactness dtype: never 8-bit activations)."""
+            if from_rows is None or self.scheme != "int8" or str(self.dtype).removeprefix("torch.") not in A8W8_DTYPES:
+                self.a8w8r, self.a8w8r_from = None, None
+                return 0
+            if self.a8w8r is None:
+                self.a8w8r = a8w8r_pack(self.qweight)
+                self.a8w8r_scale = self.scales.float()  # [N]: the weight q * s the int8 kernel reads
+                self.a8w8r_zeros = torch.zeros(self.out_features, dtype=torch.long)
+            self.a8w8r_from = from_rows
+            return self.qweight.numel()
+
+        def a8w8r_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+            """``x2 [M, K] -> [M, N]`` by the a8w8r kernel (no bias)."""
+            return a8w8r_matmul(x2, self.a8w8r, self.a8w8r_scale, self.a8w8r_zeros)
+
         def dense_matmul(self, x: torch.Tensor) -> torch.Tensor:
             if self.dense_packed:
                 return torch.ops.mkldnn._linear_pointwise(x, self.dense, self.bias, "none", [], "")
@@ -372,30 +466,51 @@ def _quantized_linear_class():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., K] -> [..., N]
             rows = x.numel() // self.in_features
-            if (
-                self.dense is not None
-                and rows >= self.dense_from
-                and x.dtype == self.dtype
-                and not (rows == 1 and self.a8w8 is not None)
-            ):
+            same = x.dtype == self.dtype  # (else the integer kernel: the kernels take their scales' dtype)
+            if same and self.dense is not None and rows >= self.dense_from and (rows > 1 or self.a8w8 is None):
                 return self.dense_matmul(x)
             x2 = x.reshape(rows, self.in_features)  # [M, K]
-            if rows == 1 and self.a8w8 is not None and x2.dtype == self.dtype:
-                y = self.a8w8_matmul(x2)
-            elif x2.dtype != self.dtype:  # (the kernels take the dtype of their scales)
+            if not same:
                 y = self.int_matmul(x2.to(self.dtype)).to(x.dtype)
+            elif rows == 1 and self.a8w8 is not None:
+                y = self.a8w8_matmul(x2)
+            elif self.a8w8r is not None and rows >= self.a8w8r_from:
+                y = self.a8w8r_matmul(x2.contiguous())
             else:
                 y = self.int_matmul(x2.contiguous())
             y = y.reshape(*x.shape[:-1], -1)  # [..., N] (out_features may name a gathered head's N)
             return y if self.bias is None else y + self.bias
 
+        def kernel_of(self, rows: int) -> str:
+            """The kernel that runs a product of ``rows`` rows in ``dtype`` (as :meth:`forward` picks)."""
+            if rows == 1 and self.a8w8 is not None:
+                return "a8w8"
+            if self.dense is not None and rows >= self.dense_from:
+                return "dense"
+            if self.a8w8r is not None and rows >= self.a8w8r_from:
+                return "a8w8r"
+            return "int"
+
+        @property
+        def kernels(self) -> dict[int, str]:
+            """Which kernel runs each row count (activations in ``dtype``): ``{rows: kernel}``, a
+            kernel running from its row count up to the next entry's (the last: every row count
+            above); kernels ``int``, ``a8w8`` (one row), ``a8w8r``, ``dense``."""
+            table, last = {}, None
+            for rows in sorted({1, 2} | {r for r in (self.a8w8r_from, self.dense_from) if r}):
+                if (kernel := self.kernel_of(rows)) != last:
+                    table[rows] = last = kernel
+            return table
+
         @property
         def kernel_name(self) -> str:
             """What a cost profile depends on: ``int4g32``, ``int8`` (``int8+a8w8``: one-row products
-            by a8w8), with ``@dense_from``."""
+            by a8w8; ``+a8w8r@R``: products of R rows or more by a8w8r), with ``@dense_from``."""
             name = (
                 f"int4g{self.group}" if self.scheme == "int4" else "int8" + ("+a8w8" if self.a8w8 is not None else "")
             )
+            if self.a8w8r is not None:
+                name += f"+a8w8r@{self.a8w8r_from}"
             return f"{name}@{self.dense_from}" if self.dense is not None else name
 
         def extra_repr(self) -> str:
@@ -403,7 +518,7 @@ def _quantized_linear_class():
             return (
                 f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"scheme={self.scheme}{group}, dtype={self.dtype}, dense_from={self.dense_from}, "
-                f"a8w8={self.a8w8 is not None}"
+                f"a8w8={self.a8w8 is not None}, a8w8r_from={self.a8w8r_from}"
             )
 
     return QuantizedLinear
@@ -561,13 +676,19 @@ def _ring(mod) -> list:
     import copy
 
     held = sum(b.numel() * b.element_size() for b in mod.buffers())
+    packed = [attr for attr in ("a8w8", "a8w8r") if getattr(mod, attr, None) is not None]
+    held += len(packed) * mod.qweight.numel()  # (int8 packed copies: a byte a weight)
     count = min(RING_MAX, max(1, -(-RING_CACHES * last_level_cache_bytes() // max(held, 1))))
     ring = [mod]
     for _ in range(count - 1):
         c = copy.copy(mod)
         c._buffers = {k: (None if v is None else v.clone()) for k, v in mod._buffers.items()}
-        if getattr(mod, "a8w8", None) is not None:  # (not a buffer: packed again from the copy's)
+        if "a8w8" in packed:  # (not buffers: packed again from the copy's own integers)
+            c.a8w8 = None
             c.set_a8w8(True)
+        if "a8w8r" in packed:
+            c.a8w8r = None
+            c.set_a8w8r(mod.a8w8r_from)
         ring.append(c)
     return ring
 
@@ -581,11 +702,11 @@ def _cycling(it, method: str, x) -> Callable[[], Any]:
 def probe_dense_from(
     mod, rows: tuple[int, ...] = PROBE_ROWS, repeats: tuple[int, int] | int = PROBE_REPEATS
 ) -> tuple[int | None, dict]:
-    """Time ``mod``'s integer kernel against its dense copy (which it must hold) at ``rows`` rows
-    (random activations, interleaved, best of ``repeats`` rounds, the weights read from memory:
-    :func:`_ring`): the fewest rows from which the dense kernel is faster at every probed count
-    (None: at none, or not at the most rows), and the seconds by ``int@M`` / ``dense@M``; where
-    ``mod`` holds an a8w8 weight, its one-row product too (``a8w8@1``: :func:`_a8w8_wins`)."""
+    """Time the kernels ``mod`` holds (its integer kernel, its dense copy, which it must hold, and
+    where it holds them a8w8 on one row and a8w8r) at ``rows`` rows (random activations,
+    interleaved, best of ``repeats`` rounds, the weights read from memory: :func:`_ring`). Returns
+    the fewest rows from which :func:`kernel_table` runs the dense copy (None: none), and the
+    seconds by ``int@M`` / ``dense@M`` / ``a8w8@1`` / ``a8w8r@M``."""
     import itertools
 
     import torch
@@ -599,28 +720,71 @@ def probe_dense_from(
         runners[f"dense@{m}"] = _cycling(ring, "dense_matmul", x)
         if m == 1 and getattr(mod, "a8w8", None) is not None:
             runners["a8w8@1"] = _cycling(ring, "a8w8_matmul", x)
+        if getattr(mod, "a8w8r", None) is not None:
+            runners[f"a8w8r@{m}"] = _cycling(ring, "a8w8r_matmul", x)
     seconds = _best_seconds(runners, repeats)
     del ring, runners
-    from_rows = None
-    for m in reversed(rows):
-        if seconds[f"dense@{m}"] >= seconds[f"int@{m}"]:
-            break
-        from_rows = m
-    return from_rows, seconds
+    return _first(kernel_table(seconds, rows), "dense"), seconds
+
+
+#: The kernels of several rows, ordered by how fast their cost grows with the rows: the integer
+#: kernel (int4 / int8) the fastest, then a8w8r, then the dense copy (flat until its blocking fills).
+KERNEL_ORDER = ("int", "a8w8r", "dense")
+
+
+def kernel_table(seconds: dict, rows: tuple[int, ...] = PROBE_ROWS, offered=None) -> dict[int, str]:
+    """The kernel each row count runs, from a probe's ``seconds`` (``kernel@M``) at ``rows``:
+    ``{rows: kernel}``, a kernel running from its row count up to the next entry's, the last one
+    every count above. Of the kernels timed (and ``offered``: None, all), from the most rows down,
+    each probed count runs the fastest of the kernels that grow no slower than the one chosen
+    above it (:data:`KERNEL_ORDER`; a tie goes to the faster-growing): a kernel runs a count only
+    where it, or one that grows slower, wins every count above (a win below a loss does not
+    count). One row runs a8w8 where it beats that choice."""
+    ok = (lambda kernel: True) if offered is None else (lambda kernel: kernel in offered)
+    chosen: dict[int, str] = {}
+    allowed = len(KERNEL_ORDER)
+    for m in sorted(rows, reverse=True):
+        timed = [
+            (seconds[f"{k}@{m}"], i) for i, k in enumerate(KERNEL_ORDER[:allowed]) if ok(k) and f"{k}@{m}" in seconds
+        ]
+        allowed = min(timed)[1] + 1 if timed else 1
+        chosen[m] = KERNEL_ORDER[allowed - 1]
+    first = min(rows)
+    if first == 1 and ok("a8w8") and seconds.get("a8w8@1", float("inf")) < seconds.get(f"{chosen[1]}@1", 0.0):
+        if 2 not in chosen:  # (a8w8 runs one row only: the rows up to the next probed count run the choice at 1)
+            chosen[2] = chosen[1]
+        chosen[1] = "a8w8"
+    table, last = {}, None
+    for m in sorted(chosen):
+        if chosen[m] != last:
+            table[1 if m == first else m] = last = chosen[m]
+    return table
+
+
+def _held(table: dict[int, str], copy_bytes: dict[str, int]) -> int:
+    """Bytes of the copies (``copy_bytes`` by kernel) that the kernels of ``table`` run."""
+    return sum(size for kernel, size in copy_bytes.items() if kernel in table.values())
+
+
+def _first(table: dict[int, str], kernel: str) -> int | None:
+    """The fewest rows a ``kernel_table`` runs ``kernel`` at (None: none)."""
+    return next((rows for rows, k in table.items() if k == kernel), None)
 
 
 #: (scheme, group, K, N, dtype, threads) -> (dense_from, seconds): one probe per shape a process.
 _PROBES: dict[tuple, tuple[int | None, dict]] = {}
 #: Bumped when the probe measures differently: older cached probes are measured again.
-PROBE_METHOD = 2
+PROBE_METHOD = 3
 
 
-def _a8w8_wins(from_rows: int | None, seconds: dict) -> bool:
-    """Whether a probe's ``a8w8@1`` beats the kernel that runs one row without it (the dense copy
-    where it runs from one row, else the integer kernel)."""
-    if "a8w8@1" not in seconds:
-        return False
-    return seconds["a8w8@1"] < seconds["dense@1" if from_rows == 1 else "int@1"]
+def _probe_table(from_rows: int | None, seconds: dict, rows: tuple[int, ...], offered) -> dict[int, str]:
+    """The kernel table of a probe (:func:`kernel_table` of the kernels ``offered`` to a linear);
+    a probe without the integer kernel's times at every count (one injected by a test, or none
+    made for lack of memory) gives its dense crossover only: the integer kernel below
+    ``from_rows``, the dense copy from there."""
+    if all(f"int@{m}" in seconds for m in rows):
+        return kernel_table(seconds, rows, offered)
+    return {1: "dense"} if from_rows == 1 else {1: "int", **({from_rows: "dense"} if from_rows else {})}
 
 
 def _probe_file(cache_dir, key: tuple, rows: tuple[int, ...]):
@@ -709,7 +873,10 @@ def _reset_cache() -> None:
 class QuantReport:
     """What :func:`quantize_model` did: ``quantized`` linear names by kernel, ``skipped`` with the
     reason, ``bytes`` the quantized weights hold, ``dense_bytes`` the dense copies,
-    ``dense_from`` the probed rows by shape ``KxN`` (None: no dense copy), ``probe_seconds``."""
+    ``kernels_by_rows`` the kernel of each row count by shape ``scheme:KxN`` (:func:`kernel_table`),
+    ``dense_from`` the rows from which the dense copy runs by shape (None: no dense copy),
+    ``a8w8`` whether one row runs a8w8 by int8 shape, ``a8w8_bytes`` / ``a8w8r_bytes`` their
+    packed copies, ``probe_seconds``."""
 
     scheme: str
     group: int | None = None
@@ -725,6 +892,14 @@ class QuantReport:
     a8w8: dict[str, bool] = field(default_factory=dict)  # int8 shape KxN -> its one-row products by a8w8
     a8w8_bytes: int = 0  # the a8w8 kernel's packed weights
     a8w8_note: str | None = None  # why no int8 linear was offered the a8w8 kernel
+    kernels_by_rows: dict[str, dict[int, str]] = field(default_factory=dict)  # shape -> {rows: kernel from there}
+    a8w8r_bytes: int = 0  # the a8w8r kernel's packed weights
+    a8w8r_note: str | None = None  # why no int8 linear was offered the a8w8r kernel
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes of the copies beside the quantized weights: dense, a8w8 and a8w8r."""
+        return self.dense_bytes + self.a8w8_bytes + self.a8w8r_bytes
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -741,6 +916,9 @@ class QuantReport:
             "a8w8_one_row": dict(self.a8w8),
             "a8w8_bytes": self.a8w8_bytes,
             **({"a8w8_note": self.a8w8_note} if self.a8w8_note else {}),
+            "kernels_by_rows": {shape: {str(r): k for r, k in t.items()} for shape, t in self.kernels_by_rows.items()},
+            "a8w8r_bytes": self.a8w8r_bytes,
+            **({"a8w8r_note": self.a8w8r_note} if self.a8w8r_note else {}),
             "seconds": round(self.seconds, 2),
         }
 
@@ -797,10 +975,12 @@ def quantize_model(
     ``weights(name, linear)``: the quantized weight of a linear from elsewhere (a GGUF file's own
     blocks, :mod:`viasd.quant_gguf`), or None to quantize it here by ``scheme``.
 
-    ``dense``: keep a dense copy for the products of many rows where :func:`probe_dense_from`
-    finds it faster (probed on the first linear of each shape; 2 bytes a weight in bf16), unless
-    it would leave less than ``keep_free_bytes`` free (default DENSE_KEEP_FREE_FRACTION of the
-    machine's memory); ``probe_cache``: a directory where the probes are kept per machine (None:
+    ``dense``: probe the kernels on the first linear of each shape (:func:`probe_dense_from`) and
+    run each row count on the fastest (:func:`kernel_table`): a dense copy for the products of
+    many rows (2 bytes a weight in bf16); for int8 in bf16 / fp16, a8w8 for one row and a8w8r for
+    several (1 byte a weight each); a copy only where some row count runs it, and unless it would
+    leave less than ``keep_free_bytes`` free (default DENSE_KEEP_FREE_FRACTION of the machine's
+    memory); ``probe_cache``: a directory where the probes are kept per machine (None:
     probed in each process). Activations run in the model's dtype (float32, bfloat16 or float16).
     A linear the kernels cannot take (int4: K not a multiple of ``group``, N not of 16) stays
     ``nn.Linear``, with the reason in ``skipped``.
@@ -817,10 +997,13 @@ def quantize_model(
     keep = int(DENSE_KEEP_FREE_FRACTION * total) if keep_free_bytes is None else keep_free_bytes
     threads = torch.get_num_threads()
     a8w8_ok = dense and a8w8_available()
+    a8w8r_ok = dense and a8w8r_missing() is None
     if scheme != "fp8" and not a8w8_ok:
         report.a8w8_note = (
             "no dense copies (the probe that picks it)" if not dense else "FBGEMM's int8 linear unavailable"
         )
+    if scheme != "fp8" and not a8w8r_ok:
+        report.a8w8r_note = "no dense copies (the probe that picks it)" if not dense else a8w8r_missing()
     for name, lin in _targets(model, include_lm_head, report):
         w = lin.weight
         if w.device.type != "cpu" and scheme != "fp8":
@@ -849,24 +1032,32 @@ def quantize_model(
         size, qw_source = qw.nbytes(w.element_size()), qw.source
         if dense and scheme != "fp8":  # (fp8's one kernel runs every row count)
             key = (qw.scheme, qw.group, k, n, w.dtype, threads)
-            dense_bytes = n * k * w.element_size()
-            a8w8 = a8w8_ok and qw.scheme == "int8" and str(w.dtype).removeprefix("torch.") in A8W8_DTYPES
+            copy_bytes = {"dense": n * k * w.element_size(), "a8w8r": n * k, "a8w8": n * k}  # (the biggest first)
+            int8_half = qw.scheme == "int8" and str(w.dtype).removeprefix("torch.") in A8W8_DTYPES
+            offered = {"int", "dense"} | {kn for kn, ok in (("a8w8", a8w8_ok), ("a8w8r", a8w8r_ok)) if ok and int8_half}
             from_rows, seconds = None, {}
-            if free - report.dense_bytes - report.a8w8_bytes - dense_bytes >= keep:
+            if free - report.copy_bytes - copy_bytes["dense"] >= keep:
                 if key not in _PROBES:
                     mod.set_dense(_dense_of(qw, mod), 1)
-                    mod.set_a8w8(a8w8)
+                    mod.set_a8w8("a8w8" in offered)
+                    mod.set_a8w8r(1 if "a8w8r" in offered else None)
                 from_rows, seconds = _cached_probe(mod, key, probe_rows, probe_cache)
+            table = _probe_table(from_rows, seconds, probe_rows, offered)
+            while (held := _held(table, copy_bytes)) and free - report.copy_bytes - held < keep:
+                kernel = next(kn for kn in copy_bytes if kn in table.values())  # memory: the biggest copy goes
+                offered.discard(kernel)
+                table = _probe_table(None if kernel == "dense" else from_rows, seconds, probe_rows, offered)
+                report.skipped[f"{name}.{kernel}"] = f"memory: no {kernel} copy (kernels by rows: {table})"
             shape = f"{qw.scheme}:{k}x{n}"
-            if a8w8:
-                report.a8w8.setdefault(shape, _a8w8_wins(from_rows, seconds))
-                report.a8w8_bytes += mod.set_a8w8(report.a8w8[shape])
             report.probe_seconds.setdefault(shape, seconds)
-            if from_rows is not None and free - report.dense_bytes - report.a8w8_bytes - dense_bytes < keep:
-                report.skipped[f"{name}.dense"] = "memory: no dense copy, the integer kernel runs every product"
-                from_rows = None
-            report.dense_from.setdefault(shape, from_rows)
-            report.dense_bytes += mod.set_dense(_dense_of(qw, mod) if from_rows else None, from_rows)
+            report.kernels_by_rows.setdefault(shape, table)
+            report.dense_from.setdefault(shape, _first(table, "dense"))
+            if int8_half and a8w8_ok:
+                report.a8w8.setdefault(shape, table.get(1) == "a8w8")
+            report.a8w8_bytes += mod.set_a8w8(table.get(1) == "a8w8")
+            report.a8w8r_bytes += mod.set_a8w8r(_first(table, "a8w8r"))
+            dense_from = _first(table, "dense")
+            report.dense_bytes += mod.set_dense(_dense_of(qw, mod) if dense_from else None, dense_from)
         del qw
         _carry_hooks(lin, mod)  # (a tensor-parallel shard's collectives)
         parent_name, _, attr = name.rpartition(".")

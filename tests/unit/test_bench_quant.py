@@ -32,8 +32,13 @@ def test_kernels_part_runs_one_small_shape_and_writes_results(tmp_path, capsys):
     assert res["environment"]["git_commit"] and res["environment"]["cpu_capability"]
     results = res["kernels"]["results"]
     assert [(r["shape"], r["K"], r["N"], r["M"]) for r in results] == [("k_v_proj", 1536, 256, m) for m in (1, 2)]
+    from viasd.quant import a8w8_available, a8w8r_missing
+
+    onednn = a8w8r_missing() is None  # (the kernel via-sd runs as a8w8r, recorded where it runs)
+    assert (res["kernels"]["onednn_int8"], res["kernels"]["fbgemm_int8"]) == (onednn, a8w8_available())
     for r in results:
         assert {"bf16", "int8", "int8_chunked", "int4_g32", "int4_g128", "int4_dequant_g32"} <= set(r["kernels"])
+        assert ("int8_onednn_a8w8" in r["kernels"]) == onednn
         assert all(v["rounds"] >= 5 and 0 < v["best_s"] <= v["median_s"] for v in r["kernels"].values())
     # the published table renders the suite's file as it renders the committed one
     lines = tables.quant_kernels([res])

@@ -424,3 +424,276 @@ def test_without_a8w8_the_int8_kernel_runs_and_the_report_says_why(monkeypatch):
     assert report.as_dict()["a8w8_note"] == "FBGEMM's int8 linear unavailable" and not report.a8w8
     report = Q.quantize_model(_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int8", dense=False)
     assert "no dense copies" in report.as_dict()["a8w8_note"]
+
+
+# ------------------------------------------------------------------------------------------------
+# a8w8r: products of int8 weights with each row's activations in 8 bits, its own scale (oneDNN)
+
+needs_a8w8r = pytest.mark.skipif(Q.a8w8r_missing() is not None, reason=f"a8w8r: {Q.a8w8r_missing()}")
+
+
+def _rows(m, k=128, seed=1):
+    """``m`` rows of activations of unlike magnitudes and signs (from 4 rows: one all positive, one
+    all negative, one of zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-2, 2, m)[:, None]  # [M, K]
+    if m >= 4:
+        x[1] = torch.rand(k, generator=g) + 2
+        x[2] = -torch.rand(k, generator=g) * 5
+        x[-1] = 0
+    return x
+
+
+@needs_a8w8r
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a8w8r_quantizes_each_row_with_its_own_scale(dtype):
+    """u in 1..255, a = max|x| / 127 a row, |x - a (u - 128)| <= a / 2 (to the float32 rounding of
+    x / a); a row of zeros gives u = 128."""
+    x = _rows(16).to(dtype)
+    u, a = Q.a8w8r_quantize(x)
+    assert u.dtype == torch.uint8 and a.shape == (16, 1) and int(u.min()) >= 1
+    amax = x.double().abs().amax(1, keepdim=True)
+    assert torch.allclose(a.double()[:-1], amax[:-1] / 127, rtol=2.0**-23, atol=0)
+    err = (x.double() - a.double() * (u.double() - 128)).abs()
+    assert bool((err <= a.double() / 2 * (1 + 2.0**-16)).all())
+    assert bool((u[-1] == 128).all()) and bool(((u[:-1].int() - 128).abs().amax(1) == 127).all())
+
+
+@needs_a8w8r
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_a8w8r_agrees_with_the_dequantized_reference(dtype):
+    """|y - ref| <= (a[m] / 2) (1 + 2^-16) sum_k |W_q[n, k]| + 2 TOL (|x| @ |W_q|^T + |b|): each row's
+    rounding to 8 bits (a[m] = max|x[m]| / 127, its step) over the weight's row, then the float32
+    scalings, the output's rounding to the dtype and the bias's addition; the integer sums are exact."""
+    w = _weight()
+    qw = Q.quantize_int8(w)
+    bias = torch.randn(96).to(dtype)
+    mod = Q.quantized_linear(qw, bias, dtype)
+    assert mod.set_a8w8r(1) == 96 * 128 and mod.kernels == {1: "a8w8r"} and mod.kernel_name == "int8+a8w8r@1"
+    ref_w = qw.q.double() * mod.scales.double()[:, None]  # [N, K]: the scales as the kernels read them
+    for shape in [(1, 128), (3, 128), (16, 128), (2, 5, 128)]:
+        x = _rows(shape[0] * (shape[1] if len(shape) == 3 else 1)).reshape(shape).to(dtype)
+        with torch.no_grad():
+            y = mod(x)
+        assert y.shape == (*shape[:-1], 96) and y.dtype == dtype
+        xd = x.double().reshape(-1, 128)  # [M, K]
+        a = xd.abs().amax(1, keepdim=True) / 127  # [M, 1]
+        ref = xd @ ref_w.t() + bias.double()
+        bound = a / 2 * (1 + 2.0**-16) * ref_w.abs().sum(1) + 2 * TOL[dtype] * (
+            xd.abs() @ ref_w.abs().t() + bias.double().abs()
+        )
+        err = (y.double().reshape(-1, 96) - ref).abs()
+        assert bool((err <= bound).all()), (err - bound).max()
+        assert err.max() > 0
+
+
+@needs_a8w8r
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_an_a8w8r_row_is_its_own(dtype):
+    """A row's result does not depend on the other rows of the product: each row of a 16-row
+    product equals that row computed alone, bit for bit (and within any other batch)."""
+    qw = Q.quantize_int8(_weight(n=160, k=384))
+    mod = Q.quantized_linear(qw, None, dtype)
+    mod.set_a8w8r(1)
+    x = _rows(16, k=384).to(dtype)
+    with torch.no_grad():
+        y = mod(x)  # [16, N]
+        for i in range(16):
+            assert torch.equal(mod(x[i : i + 1])[0], y[i]), i
+        for rows in ([3, 0, 9], [15, 14], list(range(1, 12))):
+            assert torch.equal(mod(x[rows]), y[rows]), rows
+
+
+def _spy4(mod):
+    calls = _spy(mod)
+    for kernel in ("a8w8", "a8w8r"):
+        run = getattr(mod, f"{kernel}_matmul")
+        setattr(mod, f"{kernel}_matmul", lambda x, run=run, kernel=kernel: calls.append((kernel, x.shape[0])) or run(x))
+    return calls
+
+
+@needs_a8w8r
+@needs_a8w8
+def test_the_row_count_picks_among_the_four_kernels():
+    mod = Q.quantized_linear(Q.quantize_int8(_weight()), None, torch.bfloat16, dense=8)
+    mod.set_a8w8(True)
+    assert mod.set_a8w8r(3) == 96 * 128
+    assert mod.kernels == {1: "a8w8", 2: "int", 3: "a8w8r", 8: "dense"} and mod.kernel_name == "int8+a8w8+a8w8r@3@8"
+    calls = _spy4(mod)
+    for shape in [(1, 128), (2, 128), (3, 128), (1, 7, 128), (8, 128), (40, 128)]:
+        mod(torch.randn(*shape).bfloat16())
+    assert calls == [("a8w8", 1), ("int", 2), ("a8w8r", 3), ("a8w8r", 7), ("dense", 8), ("dense", 40)]
+    mod(torch.randn(3, 128))  # float32 activations on bf16 scales: the integer kernel, as before
+    assert calls[-1] == ("int", 3)
+    mod.set_dense(None, None)
+    assert mod.kernels == {1: "a8w8", 2: "int", 3: "a8w8r"}
+    assert mod.set_a8w8r(None) == 0 and mod.kernels == {1: "a8w8", 2: "int"} and mod.kernel_name == "int8+a8w8"
+    f32 = Q.quantized_linear(Q.quantize_int8(_weight()), None, torch.float32)  # float32: never
+    assert f32.set_a8w8r(2) == 0 and f32.a8w8r is None and f32.kernels == {1: "int"}
+    int4 = Q.quantized_linear(Q.quantize_int4(_weight()), None, torch.bfloat16)  # int8 weights only
+    assert int4.set_a8w8r(2) == 0 and int4.kernels == {1: "int"}
+
+
+def _secs(**by_kernel):
+    """Probe seconds ``kernel@M`` from functions of M (a8w8: one row)."""
+    out = {f"{k}@{m}": f(m) for k, f in by_kernel.items() if k != "a8w8" for m in Q.PROBE_ROWS}
+    if "a8w8" in by_kernel:
+        out["a8w8@1"] = by_kernel["a8w8"](1)
+    return out
+
+
+@pytest.mark.parametrize(
+    "seconds, offered, want",
+    [
+        # the integer kernel below 4 rows, a8w8r to 16, the dense copy from 24
+        (
+            _secs(int=lambda m: m, a8w8r=lambda m: 3 + m / 8, dense=lambda m: 5.9, a8w8=lambda m: 9.0),
+            None,
+            {1: "int", 4: "a8w8r", 24: "dense"},
+        ),
+        # a8w8 one row, a8w8r every count above: no dense copy
+        (
+            _secs(int=lambda m: m, a8w8r=lambda m: 0.9 * m, dense=lambda m: 99.0, a8w8=lambda m: 0.5),
+            None,
+            {1: "a8w8", 2: "a8w8r"},
+        ),
+        # a tie goes to the faster-growing kernel; a8w8 must beat the one-row choice
+        (_secs(int=lambda m: 1.0, a8w8r=lambda m: 1.0, dense=lambda m: 1.0, a8w8=lambda m: 1.0), None, {1: "int"}),
+        # a win below a loss does not count: a8w8r at 3 under the integer kernel at 4
+        (
+            _secs(int=lambda m: m, a8w8r=lambda m: 2.0 if m == 3 else 6 + m, dense=lambda m: 20.0),
+            None,
+            {1: "int", 24: "dense"},
+        ),
+        # the dense copy winning below a8w8r's rows does not run: a kernel that grows faster won above
+        (
+            _secs(int=lambda m: m, a8w8r=lambda m: 2 + m / 16, dense=lambda m: 2.2 if m == 8 else 9.0),
+            None,
+            {1: "int", 3: "a8w8r"},
+        ),
+        # a8w8r not offered (unavailable, float32): the dense crossover as before
+        (_secs(int=lambda m: m, a8w8r=lambda m: 0.1, dense=lambda m: 6.5), {"int", "dense"}, {1: "int", 8: "dense"}),
+        # a8w8r one row too, unless a8w8 beats it there
+        (_secs(int=lambda m: m, a8w8r=lambda m: 0.5 * m, dense=lambda m: 99.0), None, {1: "a8w8r"}),
+        (
+            _secs(int=lambda m: m, a8w8r=lambda m: 0.5 * m, dense=lambda m: 99.0, a8w8=lambda m: 0.4),
+            None,
+            {1: "a8w8", 2: "a8w8r"},
+        ),
+    ],
+)
+def test_the_kernel_table_of_a_probe(seconds, offered, want):
+    assert Q.kernel_table(seconds, Q.PROBE_ROWS, offered) == want
+
+
+def test_the_kernel_table_between_probed_counts():
+    """A kernel runs from its probed count up to the next one's; a8w8 one row only."""
+    seconds = {"int@1": 1.0, "a8w8@1": 0.5, "int@4": 4.0, "a8w8r@4": 2.0, "a8w8r@1": 1.5}
+    assert Q.kernel_table(seconds, (1, 4)) == {1: "a8w8", 2: "int", 4: "a8w8r"}
+    mod = Q.quantized_linear(Q.quantize_int8(_weight()), None, torch.bfloat16)
+    if Q.a8w8r_missing() is None and Q.a8w8_available():
+        mod.set_a8w8(True)
+        mod.set_a8w8r(4)
+        assert mod.kernels == Q.kernel_table(seconds, (1, 4))
+
+
+def _model_probe(monkeypatch, seconds_of):
+    """Probes whose timer reports ``seconds_of(kernel, M)``."""
+
+    def best(runners, repeats):
+        return {key: seconds_of(key.split("@")[0], int(key.split("@")[1])) for key in runners}
+
+    monkeypatch.setattr(Q, "_best_seconds", best)
+
+
+@needs_a8w8r
+@needs_a8w8
+def test_the_probe_gives_rows_to_a8w8r_and_drops_the_dense_copy_it_makes_useless(monkeypatch):
+    times = {"int": lambda m: m, "a8w8r": lambda m: 1.5 + m / 16, "dense": lambda m: 4.0, "a8w8": lambda m: 0.5}
+    _model_probe(monkeypatch, lambda kernel, m: times[kernel](m))
+    model = _int4_model("qwen2", layers=1, dtype=torch.bfloat16)
+    report = Q.quantize_model(model, "int8")
+    d = report.as_dict()
+    assert set(map(str, d["kernels_by_rows"].values())) == {str({"1": "a8w8", "2": "a8w8r"})}
+    assert set(report.quantized.values()) == {"int8+a8w8+a8w8r@2"} and not report.dense_bytes
+    assert d["a8w8r_bytes"] == d["a8w8_bytes"] == report.replaced_bytes // 2 and "a8w8r_note" not in d
+    assert all(f"a8w8r@{m}" in s for s in report.probe_seconds.values() for m in Q.PROBE_ROWS)
+    assert d["dense_from_rows"] == dict.fromkeys(d["dense_from_rows"]) and set(d["a8w8_one_row"].values()) == {True}
+    for mod in model.modules():
+        if isinstance(mod, Q.quantized_linear_class()):
+            assert mod.dense is None and mod.kernels == {1: "a8w8", 2: "a8w8r"}
+    Q._reset_cache()  # the dense copy from 24 rows: kept
+    times["dense"] = lambda m: 2.0
+    report = Q.quantize_model(_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int8")
+    assert {str(t) for t in report.kernels_by_rows.values()} == {str({1: "a8w8", 2: "a8w8r", 12: "dense"})}
+    assert report.dense_bytes == report.replaced_bytes and set(report.quantized.values()) == {"int8+a8w8+a8w8r@2@12"}
+    Q._reset_cache()  # float32 (the exactness dtype) and int4 weights: never offered
+    for model, scheme in (
+        (_int4_model("qwen2", layers=1), "int8"),
+        (_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int4"),
+    ):
+        report = Q.quantize_model(model, scheme)
+        assert not report.a8w8r_bytes and all("a8w8r" not in t.values() for t in report.kernels_by_rows.values())
+        assert not any(k.startswith("a8w8r") for s in report.probe_seconds.values() for k in s)
+
+
+def test_without_a8w8r_the_other_kernels_run_and_the_report_says_why(monkeypatch):
+    monkeypatch.setattr(Q, "a8w8r_missing", lambda: "oneDNN's int8 linear (...) not in this torch")
+    _model_probe(monkeypatch, lambda kernel, m: {"int": m, "dense": 4.0, "a8w8": 9.0}[kernel])
+    report = Q.quantize_model(_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int8")
+    d = report.as_dict()
+    assert d["a8w8r_note"] == "oneDNN's int8 linear (...) not in this torch" and not d["a8w8r_bytes"]
+    assert {str(t) for t in d["kernels_by_rows"].values()} == {str({"1": "int", "6": "dense"})}
+    assert set(report.quantized.values()) == {"int8@6"}
+    report = Q.quantize_model(_int4_model("qwen2", layers=1, dtype=torch.bfloat16), "int8", dense=False)
+    assert "no dense copies" in report.as_dict()["a8w8r_note"]
+
+
+def test_a8w8r_runs_where_the_cpu_has_vnni():
+    """Where torch has oneDNN's int8 linear and the CPU VNNI, the check finds a8w8r exact."""
+    vnni = getattr(torch.cpu, "_is_vnni_supported", lambda: False)()
+    if not (vnni and torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_pointwise")):
+        pytest.skip("no VNNI or no oneDNN int8 linear here")
+    assert Q.a8w8r_missing.__wrapped__() is None
+
+
+def test_a8w8r_missing_names_what_is_missing(monkeypatch):
+    missing = Q.a8w8r_missing.__wrapped__
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert missing() == "oneDNN (mkldnn) not in this torch"
+    monkeypatch.undo()
+    if not torch.backends.mkldnn.is_available():
+        return
+    monkeypatch.setattr(torch.ops, "onednn", object())
+    assert "not in this torch" in missing() and "qlinear_pointwise" in missing()
+    monkeypatch.undo()
+    if missing() is not None:  # (the rest fakes the kernel's answers where it runs)
+        return
+    monkeypatch.setattr(Q, "a8w8r_matmul", lambda *a: torch.full((2, 16), 32767.0))  # (a saturating sum)
+    assert "saturates" in missing()
+    monkeypatch.setattr(Q, "a8w8r_pack", lambda q: (_ for _ in ()).throw(RuntimeError("no kernel")))
+    assert "fails: RuntimeError: no kernel" in missing()
+
+
+@needs_a8w8r
+@pytest.mark.parametrize(
+    "room, want, dropped",
+    [
+        (3, {1: "int", 4: "a8w8r", 24: "dense"}, []),  # every copy fits
+        (2, {1: "int", 4: "a8w8r"}, ["dense"]),  # the dense copy goes first: a8w8r runs its rows
+        (0.5, {1: "int"}, []),  # no room for the probe's dense copy: no probe, the integer kernel everywhere
+    ],
+)
+def test_copies_that_would_leave_too_little_memory_are_not_made(monkeypatch, room, want, dropped):
+    """``room``: the bytes a copy may take, in int8 bytes of the weight (dense 2, a8w8r 1)."""
+    import viasd.precision as P
+
+    times = {"int": lambda m: m, "a8w8r": lambda m: 3 + m / 8, "dense": lambda m: 5.9, "a8w8": lambda m: 9.0}
+    _model_probe(monkeypatch, lambda kernel, m: times[kernel](m))
+    monkeypatch.setattr(P, "cpu_memory", lambda: (10**9, 10**10))
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(128, 96, bias=False, dtype=torch.bfloat16)])
+    report = Q.quantize_model(model, "int8", keep_free_bytes=10**9 - int(room * 96 * 128))
+    assert report.kernels_by_rows == {"int8:128x96": want} and model.layers[0].kernels == want
+    assert [k.removeprefix("layers.0.") for k in report.skipped] == dropped
+    assert report.dense_bytes + report.a8w8r_bytes == (3 if room == 3 else 1 if room == 2 else 0) * 96 * 128

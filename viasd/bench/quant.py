@@ -22,8 +22,10 @@ with
 * ``int8_a8w8``: ``viasd.quant.a8w8_matmul``, FBGEMM's dynamic int8 linear
   (``torch.ops.quantized.linear_dynamic``: the activations quantized to 8 bits as it runs, one
   scale for the call, u8 x s8 integer sums); via-sd runs it on one row at a time;
-* ``int8_onednn_a8w8``: oneDNN's int8 linear (``torch.ops.onednn.qlinear_pointwise``) on the
-  activations quantized to 8 bits with a scale per row;
+* ``int8_onednn_a8w8``: ``viasd.quant.a8w8r_matmul``, oneDNN's int8 linear
+  (``torch.ops.onednn.qlinear_pointwise`` on the weight packed by ``qlinear_prepack``) on the
+  activations quantized to 8 bits with a scale per row (symmetric, zero point 128): the kernel
+  via-sd runs as a8w8r, at any row count;
 * ``dyn_quant_4bit_g32``: torch's ``_dyn_quant_matmul_4bit`` (8-bit activations, 4-bit weights;
   KleidiAI's kernels on Arm, a reference loop elsewhere);
 * ``torchao_int8`` / ``torchao_a8w8`` / ``torchao_int4_g{32,128}`` / ``torchao_da8w4_g32``:
@@ -176,25 +178,14 @@ def runners(k: int, n: int, m: int, torchao_ok: bool) -> dict:
                 return F.linear(x, wd)
 
             out["int4_dequant_g32"] = dequant
-    from viasd.quant import a8w8_available, a8w8_matmul, a8w8_pack
+    from viasd.quant import a8w8_available, a8w8_matmul, a8w8_pack, a8w8r_matmul, a8w8r_missing, a8w8r_pack
 
     if a8w8_available():
         fb = a8w8_pack(q8, s8.float())
         out["int8_a8w8"] = lambda: a8w8_matmul(x, fb)
-    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack"):
-        dn = torch.ops.onednn.qlinear_prepack(q8, None)
-        s8f, z8 = s8.float(), torch.zeros(n, dtype=torch.long)
-
-        def onednn():  # (8-bit activations, a scale per row: u = round(x / a) + 128)
-            xf = x.float()
-            a = xf.abs().amax(1, keepdim=True).div_(127).clamp_(min=1e-30)  # [M, 1]
-            u = xf.div_(a).round_().add_(128).to(torch.uint8)
-            y = torch.ops.onednn.qlinear_pointwise(
-                u, 1.0, 128, dn, s8f, z8, None, 1.0, 0, torch.float32, "none", [], ""
-            )
-            return y.mul_(a).to(x.dtype)
-
-        out["int8_onednn_a8w8"] = onednn
+    if a8w8r_missing() is None:  # (8-bit activations, a scale per row: via-sd's a8w8r)
+        dn, s8f, z8 = a8w8r_pack(q8), s8.float(), torch.zeros(n, dtype=torch.long)
+        out["int8_onednn_a8w8"] = lambda: a8w8r_matmul(x, dn, s8f, z8)
     q4, scale4, _ = int4_pack(w, 32)
     nib4 = (q4[:, 0::2] | (q4[:, 1::2] << 4)).to(torch.uint8)  # [N, K/2]
     dyn = torch.ops.aten._dyn_quant_pack_4bit_weight(nib4, scale4.t().contiguous(), None, 32, k, n)
@@ -263,7 +254,7 @@ def run_kernels(rows: list[int], shapes: list[str], budget_s: float, extra_ops: 
     loaded after torchao (its CPU kernels built from its source: ``torchao_da8w4_g32``)."""
     import torch
 
-    from viasd.quant import a8w8_available, cpu_model
+    from viasd.quant import a8w8_available, a8w8r_missing, cpu_model
 
     torchao: dict = {"available": False}
     try:
@@ -291,7 +282,9 @@ def run_kernels(rows: list[int], shapes: list[str], budget_s: float, extra_ops: 
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "torchao": torchao,
-        "onednn_int8": a8w8_available(),
+        "fbgemm_int8": a8w8_available(),
+        "onednn_int8": a8w8r_missing() is None,
+        **({"onednn_int8_note": a8w8r_missing()} if a8w8r_missing() else {}),
         "cpu_vnni": bool(torch.cpu._is_vnni_supported()) if hasattr(torch.cpu, "_is_vnni_supported") else None,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu": platform.processor() or platform.machine(),

@@ -1127,6 +1127,7 @@ TABLES: dict[str, Table] = {
         Table("quant-gguf", QUANT_GGUF, quant_gguf),
         Table("quant-kernels", (f"{QUANT}kernels.json",), quant_kernels),
         Table("quant-e2e", (f"{QUANT}e2e.json",), quant_e2e),
+        Table("quant-e2e-a8w8r", (f"{QUANT}e2e-a8w8r/results.json",), quant_e2e),
         Table("quant-llamacpp", (f"{QUANT}llamacpp/results.json",), quant_llamacpp),
         Table("quant-quality", QUANT_QUALITY, quant_quality),
         Table("draft-routes", ("docs/benchmarks/cpu/one-engine/draft-routes-avx512/results.json",), draft_routes),
