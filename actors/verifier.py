@@ -330,7 +330,7 @@ class VerifierWorker(ModelActor):
         positions = getattr(lm.config, "max_position_embeddings", None)
         per_token = kv_bytes_per_token(lm, None, mask, config.cache_policy) // world_size  # (heads are sharded)
         capacity, context_name = engine_capacity(config, per_token, lm.device, [positions])
-        attention = resolve_paged_attention(config.paged_attention, lm.device, config.kv_block_size)
+        attention = resolve_paged_attention(config.paged_attention, lm.device, config.block_size)
         self.core = VerifierRank(
             lm,
             mask,

@@ -42,7 +42,7 @@ from viasd.cluster.local import LocalPipeline
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline
 from viasd.cluster.security import read_token
-from viasd.cluster.serve_config import ServeConfig, load_serve_config, parse_serve_config
+from viasd.cluster.serve_config import ServeConfig, capacity_summary, load_serve_config, parse_serve_config
 from viasd.cluster.serving_metrics import ServingMetrics
 
 logger = logging.getLogger("viasd.serve")
@@ -190,18 +190,10 @@ def deployment_options(config: ServeConfig, pipeline: str | None = None) -> dict
 
 def running_limit(config: ServeConfig, name: str, pipeline: Backend) -> int:
     """The started pipeline's admission limit (`ServeConfig.max_running`), logged with what its
-    KV caches hold, as vLLM logs its maximum concurrency."""
+    KV caches hold, as vLLM logs its maximum concurrency (`capacity_summary`)."""
+    running = config.max_running(name)
     capacity = pipeline.info().get("capacity") or {}
-    running = config.max_running(name, capacity.get("concurrency"))
-    logger.info(
-        "pipeline %r: KV caches hold %s positions (%s requests of %s positions at once); max_concurrent_requests %d%s",
-        name,
-        capacity.get("kv_tokens"),
-        capacity.get("concurrency"),
-        capacity.get("max_seq_len"),
-        running,
-        " (limits.max_concurrent_requests)" if config.limits.max_concurrent_requests else "",
-    )
+    logger.info(capacity_summary(name, capacity, running, bool(config.limits.max_concurrent_requests)))
     return running
 
 

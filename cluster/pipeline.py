@@ -203,7 +203,7 @@ def _engine(config: PipelineConfig, verifier_address: str, verifier: dict, draft
             e.max_batch,
             least and least["max_seq_len"],
             e.prefill_chunk,
-            e.kv_block_size,
+            e.block_size,
             min((i["kv_blocks"] for i in sides if i.get("kv_blocks")), default=None),
             e.prefix_caching,
         ),

@@ -27,6 +27,18 @@ from viasd.errors import InvalidParameterError
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
+def capacity_summary(name: str, capacity: dict, running: int, explicit: bool) -> str:
+    """The start-up line of a pipeline: what its KV caches hold (`Capacity.describe`), as vLLM
+    logs its maximum concurrency, and the requests it decodes at once (`ServeConfig.max_running`)."""
+    paged = capacity.get("kv_blocks") is not None
+    return (
+        f"pipeline {name!r}: KV caches hold {capacity.get('kv_tokens')} positions "
+        f"({capacity.get('concurrency')} requests of {capacity.get('max_seq_len')} positions at once"
+        f"{'; shorter ones admitted against the blocks they hold' if paged else ''}); "
+        f"max_concurrent_requests {running}{' (limits.max_concurrent_requests)' if explicit else ''}"
+    )
+
+
 class HTTPOptions(BaseModel):
     """Serve's HTTP proxy (the OpenAI-compatible API, health, metrics)."""
 
@@ -75,9 +87,10 @@ class Limits(BaseModel):
         None,
         ge=1,
         le=4096,
-        description="Requests one replica decodes at once; more wait in its queue. Default: the requests of a "
-        "full context its KV caches hold at once (its engine's max_batch rows; with paged caches, at most what its "
-        "blocks hold), logged at start and shown on /v1/models.",
+        description="Requests one replica decodes at once; more wait in its queue. Default: its engine's "
+        "max_batch. With paged caches (the default) the engine admits them against the KV blocks they hold, "
+        "queues the rest and preempts on growth; the requests of a full context the blocks hold is logged at "
+        "start and shown on /v1/models (capacity.concurrency).",
     )
     max_queued_requests: int = Field(
         16,
@@ -247,11 +260,14 @@ class ServeConfig(BaseModel):
     def default_pipeline(self) -> str:
         return self.default_model or self.pipelines[0].name
 
-    def max_running(self, name: str | None = None, concurrency: int | None = None) -> int:
+    def max_running(self, name: str | None = None) -> int:
         """Requests a replica of pipeline `name` decodes at once: limits.max_concurrent_requests, else
-        `concurrency` (once the pipeline has started: the full-context requests its KV caches hold,
-        `Capacity.concurrency`), else the engine's max_batch (an upper bound: its rows)."""
-        return self.limits.max_concurrent_requests or concurrency or self.pipeline(name).engine.max_batch
+        the engine's max_batch (its cache rows, vLLM's max_num_seqs). With paged caches (the
+        default) the engine admits them against the KV blocks they hold, queues the rest and
+        preempts the newest when the running ones outgrow the blocks; the full-context requests
+        the blocks hold (`Capacity.concurrency`) is a figure, logged at start (`capacity_summary`)
+        and shown on /v1/models, not a limit. With slot rows every row holds a full context."""
+        return self.limits.max_concurrent_requests or self.pipeline(name).engine.max_batch
 
     def pipeline(self, name: str | None = None) -> PipelineConfig:
         name = name or self.default_pipeline

@@ -41,7 +41,7 @@ from viasd.cluster.handler import Admission
 from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
-from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, Limits, apply_control_plane_env
+from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, Limits, apply_control_plane_env, capacity_summary
 from viasd.config import parse_params, validate_named
 from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
@@ -192,11 +192,13 @@ async def _main(args: argparse.Namespace) -> None:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
         # one handler per pipeline; every handler and both transports share one admission and one drain
-        # default: the full-context requests every pipeline's KV caches hold at once, together
-        running = limits.max_concurrent_requests or sum(
-            (p.info().get("capacity") or {}).get("concurrency") or c.engine.max_batch
-            for c, p in zip(configs, pipelines.values())
-        )
+        # default: every pipeline's max_batch, together (ServeConfig.max_running: with paged caches
+        # each engine admits its requests against the KV blocks they hold and queues the rest)
+        running = limits.max_concurrent_requests or sum(c.engine.max_batch for c in configs)
+        for c, p in zip(configs, pipelines.values()):
+            log.info(
+                capacity_summary(c.name, p.info().get("capacity") or {}, running, bool(limits.max_concurrent_requests))
+            )
         servicer = GenerationServicer(
             pipelines,
             configs[0].name,

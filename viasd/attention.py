@@ -61,9 +61,13 @@ class PagedKV:
     read: Tensor | None  # [B, S]: the slot of each row's positions (the zero block past its span); None: flex
     buckets: tuple[tuple[Tensor | None, int], ...]  # (rows [b] or None: all, their longest span S_b): span_buckets
     block_mask: object = None  # flex: the rows' BlockMask over the pool (paged_block_mask); None: the torch path
+    base: int | None = None  # one row whose positions are the pool's slots base, base + 1, ...: read in place
 
     def rows(self, rows: Tensor | None, span: int) -> Tensor:
-        """The keys of `rows` (all: None) up to `span`, [b, H_kv, span, D] (a gathered copy)."""
+        """The keys of `rows` (all: None) up to `span`, [b, H_kv, span, D]: a gathered copy, or
+        for one row in adjacent blocks (`base`) a view of the pool."""
+        if self.base is not None:
+            return self.pool[self.base : self.base + span].transpose(0, 1)[None]
         read = self.read[:, :span] if rows is None else self.read[rows, :span]
         return self.pool[read].transpose(1, 2)
 
@@ -100,7 +104,7 @@ def flex_block_size_ok(block_size: int) -> bool:
 
 
 def resolve_paged_attention(requested: str, device, block_size: int | None) -> PagedAttentionChoice:
-    """The kernel an engine on `device` with KV blocks of `block_size` positions (None: slot rows)
+    """The kernel an engine on `device` with KV blocks of `block_size` positions (None or 0: slot rows)
     reads its paged caches with. `auto`: flex on a CUDA device where FlexAttention compiles and
     the blocks suit it, else torch. `flex` where it cannot run is refused
     (InvalidParameterError naming `paged_attention`: never a silent fallback)."""
@@ -109,7 +113,7 @@ def resolve_paged_attention(requested: str, device, block_size: int | None) -> P
     if requested == "torch":
         return PagedAttentionChoice("torch", requested, "requested")
     on_cuda = str(device).split(":", 1)[0] == "cuda"
-    if block_size is None:
+    if not block_size:
         reason = "flex reads a paged cache: set kv_block_size (16 or another power of two >= 16)"
     elif not on_cuda:
         reason = f"flex runs compiled on CUDA devices, and this engine's device is {device}; use torch or auto"
@@ -121,7 +125,7 @@ def resolve_paged_attention(requested: str, device, block_size: int | None) -> P
         return PagedAttentionChoice("flex", requested, "requested" if requested == "flex" else "auto-cuda")
     if requested == "flex":
         raise InvalidParameterError("paged_attention", reason)
-    if block_size is None:
+    if not block_size:
         return PagedAttentionChoice("torch", requested, "slot-rows")
     if not on_cuda:
         return PagedAttentionChoice("torch", requested, "auto-device")

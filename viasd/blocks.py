@@ -32,7 +32,9 @@ reused, least recently used first, when none is left. A published block that a r
 place (after rolling back into it) is unpublished first.
 
 `attention` picks what reads the blocks (viasd.attention): "torch" gathers each row's blocks,
-rows of similar spans together; "flex" hands FlexAttention the pool and each row's block table.
+rows of similar spans together (a row forwarded alone whose blocks are adjacent in the pool is
+written and read in place, a slice of the pool); "flex" hands FlexAttention the pool and each
+row's block table.
 """
 
 from __future__ import annotations
@@ -261,10 +263,14 @@ class PagedKVCache(KVStore):
         blocks = torch.tensor(table or [ZERO_BLOCK], dtype=torch.long)
         return (blocks[pos // self.block_size] * self.block_size + pos % self.block_size).to(device)
 
-    @torch.inference_mode()  # (pools are inference tensors: a forward allocates them)
     def _ensure(self, layer: int, like: Tensor) -> None:
         """Every pool holds every block taken so far, and layer `layer` has one (zeros, like
         `like` [B, H_kv, T, D])."""
+        if self._top >= self._capacity or self._k[layer] is None:  # (checked per layer and forward: cheaply)
+            self._allocate(layer, like)
+
+    @torch.inference_mode()  # (pools are inference tensors: a forward allocates them)
+    def _allocate(self, layer: int, like: Tensor) -> None:
         self._grow()
         if self._k[layer] is None:
             shape = (self._capacity * self.block_size, like.shape[1], like.shape[3])
@@ -307,12 +313,22 @@ class _PagedWrite:
         bs = cache.block_size
         span = max(s + n for s, n in zip(starts, lengths))  # S
         width = cache.blocks_for(span)
+        self.read, self.buckets, self.block_mask = None, (), None
+        self.flex = cache.attention == "flex"
+        # one row whose blocks lie one after the other in the pool (a request decoding alone, as
+        # the lowest-id-first allocation hands them out): its keys are a slice of the pool, written
+        # and read in place (a view), not scattered and gathered slot by slot
+        self.base = None
+        if len(rows) == 1 and not self.flex:
+            table = cache._tables[rows[0]][:width]
+            if len(table) == width and table == list(range(table[0], table[0] + width)):
+                self.base = table[0] * bs  # (the slot of position 0)
+                self.buckets = ((None, span),)
+                return
         tables = torch.tensor([cache._tables[r] + [ZERO_BLOCK] * (width - len(cache._tables[r])) for r in rows])
         pos = torch.arange(span)  # [S]
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, S]
         spans = [s + n for s, n in zip(starts, lengths)]
-        self.read, self.buckets, self.block_mask = None, (), None
-        self.flex = cache.attention == "flex"
         if self.flex:  # (the mask waits for the pool: its slots are the keys' length)
             self.tables = tables.to(device)  # [B, W]
             self.starts_t, self.spans_t = torch.tensor(starts, device=device), torch.tensor(spans, device=device)
@@ -334,8 +350,14 @@ class _PagedWrite:
             raise MaskError(f"layer {layer_idx} has no slot in this cache (layers {cache.layers})")
         cache._ensure(layer_idx, key)
         k_pool, v_pool = cache._k[layer_idx], cache._v[layer_idx]  # [slots, H_kv, D]
-        k_pool[self.dst] = key[self.src_b, :, self.src_t]  # [N, H_kv, D]
-        v_pool[self.dst] = value[self.src_b, :, self.src_t]
+        if self.base is not None:  # one row in adjacent blocks: its new positions are one slice
+            (start,), (n,) = self.starts, self.lengths
+            at = self.base + start
+            k_pool[at : at + n] = key[0, :, :n].transpose(0, 1)  # [n, H_kv, D]
+            v_pool[at : at + n] = value[0, :, :n].transpose(0, 1)
+        else:
+            k_pool[self.dst] = key[self.src_b, :, self.src_t]  # [N, H_kv, D]
+            v_pool[self.dst] = value[self.src_b, :, self.src_t]
         lens = cache._len[layer_idx]
         for row, start, n in zip(self.rows, self.starts, self.lengths):
             lens[row] = start + n
@@ -345,6 +367,6 @@ class _PagedWrite:
                 self.tables, self.starts_t, self.spans_t, cache.block_size, len(k_pool), q_len
             )
         return (
-            PagedKV(k_pool, self.read, self.buckets, self.block_mask),
-            PagedKV(v_pool, self.read, self.buckets, self.block_mask),
+            PagedKV(k_pool, self.read, self.buckets, self.block_mask, self.base),
+            PagedKV(v_pool, self.read, self.buckets, self.block_mask, self.base),
         )

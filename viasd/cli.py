@@ -67,6 +67,13 @@ def _add_engine_args(ap: argparse.ArgumentParser) -> None:
         "concurrency for --suite load",
     )
     g.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget of all tiers (GiB)")
+    g.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=EngineConfig.model_fields["kv_block_size"].default,
+        help="positions per KV cache block (paged caches, default %(default)s); 0: slot rows, one row of "
+        "max_seq_len positions per request",
+    )
 
 
 def _engine_config(args: argparse.Namespace, max_batch: int) -> EngineConfig:
@@ -84,6 +91,7 @@ def _engine_config(args: argparse.Namespace, max_batch: int) -> EngineConfig:
         device=args.device,
         max_batch=args.max_batch or max_batch,
         kv_cache_gib=args.kv_cache_gib,
+        kv_block_size=args.kv_block_size,
     )
 
 
@@ -353,6 +361,7 @@ def serve_config_from_args(args: argparse.Namespace):
         (args.dtype, engine, "dtype"),
         (args.quantization, engine, "quantization"),
         (args.max_model_len, engine, "max_context"),
+        (args.block_size, engine, "kv_block_size"),
         (args.max_num_seqs, engine, "max_batch"),
         (args.max_num_seqs, config.setdefault("limits", {}), "max_concurrent_requests"),
         (args.tensor_parallel_size, pipeline, "tp_size"),
@@ -573,7 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
     blocks.add_argument("--prefix", type=int, default=512, help="prefix: the shared system prompt's tokens")
     blocks.add_argument("--suffix", type=int, default=32, help="prefix: each request's own prompt tokens after it")
     blocks.add_argument("--prefix-requests", type=int, default=8, help="prefix: requests behind the system prompt")
-    blocks.add_argument("--throughput-requests", type=int, default=16, help="throughput: requests arriving at once")
+    blocks.add_argument(
+        "--throughput-requests",
+        default="1,16",
+        help="throughput: requests arriving at once, comma-separated levels (1: one request decoding alone)",
+    )
+    blocks.add_argument(
+        "--throughput-rounds", type=int, default=2, help="throughput: measured rounds of each setting (ABAB)"
+    )
     blocks.add_argument("--throughput-prompt", type=int, default=48, help="throughput: each prompt's tokens")
     bench.add_argument("--no-plots", action="store_true")
     bench.add_argument("--no-progress", action="store_true")
@@ -697,6 +713,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="verifier ranks (tp_size)")
     serve.add_argument("--max-num-seqs", type=int, default=None, help="requests decoding at once (max_batch)")
     serve.add_argument("--max-model-len", type=int, default=None, help="context length (max_context)")
+    serve.add_argument(
+        "--block-size", type=int, default=None, help="positions per KV cache block (kv_block_size, 16); 0: slot rows"
+    )
     serve.add_argument("--dtype", default=None, help="auto, bfloat16, float16 or float32")
     serve.add_argument("--quantization", "-q", default=None, help="none, int8, int4, fp8 or auto (quantization)")
     serve.add_argument("--served-model-name", default=None, help="the name requests and /v1/models use")

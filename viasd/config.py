@@ -22,6 +22,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias (each is added to every processed
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_STOP_STRINGS = 16  # each is searched in the detokenized text after every step
 MAX_N = 128  # samples per request: each holds cache rows of its own after the shared prefill
+DEFAULT_KV_BLOCK_SIZE = 16  # positions per KV block (vLLM's default; FlexAttention on CUDA needs a power of two >= 16)
 
 
 class Mode(str, Enum):
@@ -397,33 +398,37 @@ class EngineConfig(BaseModel):
     max_seq_len: int | None = Field(
         None,
         ge=2,
-        description="Positions per KV cache row (prompt + generated tokens); default: what kv_cache_gib "
-        "holds for max_batch rows of every tier, capped by the context.",
+        description="Positions per request (prompt + generated tokens); default: with blocks (kv_block_size), all "
+        "the blocks kv_cache_gib holds, with slot rows what it holds for max_batch rows of every tier; capped by "
+        "the context either way.",
     )
     kv_cache_gib: float | None = Field(
         None,
         gt=0,
         description="KV cache budget in GiB for all tiers at full capacity; default: a quarter of the "
-        "memory available at start. Sets max_seq_len when that is not given.",
+        "memory available at start. It sets the blocks of each tier (kv_block_size), or with slot rows "
+        "max_seq_len when that is not given.",
     )
-    kv_block_size: int | None = Field(
-        None,
-        ge=1,
+    kv_block_size: int = Field(
+        DEFAULT_KV_BLOCK_SIZE,
+        ge=0,
         le=1024,
-        description="Positions per KV cache block: a paged cache (viasd.blocks) whose rows take blocks as they "
-        "grow and share them across n > 1 samples, so memory follows the tokens requests hold; default: one "
-        "preallocated row of max_seq_len positions per request.",
+        description="Positions per KV cache block (vLLM's block_size). Default 16: a paged cache (viasd.blocks) "
+        "whose rows take blocks as they grow, admitted against the blocks they hold (preempted by recompute "
+        "when they outgrow them), sharing full prompt blocks (prefix_caching) and n > 1 samples' blocks, so "
+        "memory follows the tokens requests hold. 0: slot rows, one preallocated row of max_seq_len positions "
+        "per request, each as long as the longest (docs/BATCHING.md, 'Caches').",
     )
     prefix_caching: bool = Field(
         True,
-        description="With a paged cache (kv_block_size): a request whose prompt begins with the tokens of full "
+        description="With a paged cache (kv_block_size > 0): a request whose prompt begins with the tokens of full "
         "blocks another request computed attaches those blocks instead of recomputing them (automatic prefix "
         "caching, viasd.blocks); blocks no request holds stay cached until the pool needs them. Off: every "
         "request computes its whole prompt.",
     )
     paged_attention: Literal["auto", "torch", "flex"] = Field(
         "auto",
-        description="The attention kernel that reads a paged cache (kv_block_size). flex: PyTorch's "
+        description="The attention kernel that reads a paged cache (kv_block_size > 0). flex: PyTorch's "
         "FlexAttention, compiled, reading each row's keys and values in place from the block pool through its "
         "block table (CUDA with Triton, kv_block_size a power of two >= 16; refused elsewhere). torch: each "
         "row's blocks gathered, rows of similar length together, then scaled dot-product attention. auto: flex "
@@ -457,6 +462,18 @@ class EngineConfig(BaseModel):
         description="Run Python code shipped with a model directory (config auto_map). Off: only the built-in "
         "LLaMA / Qwen2 code runs; turn on only for model directories you trust.",
     )
+
+    @field_validator("kv_block_size", mode="before")
+    @classmethod
+    def _check_kv_block_size(cls, v: Any) -> Any:
+        if v is None or isinstance(v, bool):
+            raise ValueError(f"positions per KV block (default 16), or 0 for slot rows; got {v!r}")
+        return v
+
+    @property
+    def block_size(self) -> int | None:
+        """Positions per KV block of the paged caches; None: slot rows (`kv_block_size: 0`)."""
+        return self.kv_block_size or None
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -25,7 +25,7 @@ import torch
 
 from viasd import model_thread
 from viasd.attention import resolve_paged_attention
-from viasd.config import CachePolicy, EngineConfig, GenerationParams
+from viasd.config import DEFAULT_KV_BLOCK_SIZE, CachePolicy, EngineConfig, GenerationParams
 from viasd.costs import CostModel
 from viasd.errors import InvalidParameterError, MaskError, ModelLoadError
 from viasd.executor import Capacity, Executor, LocalExecutor
@@ -111,13 +111,14 @@ def kv_capacity(
     block_size: int | None = None,
 ) -> tuple[int | None, str, int | None]:
     """Positions per request, the name of the limit that sets them (for the error a too long
-    prompt gets), and the KV blocks of each tier (None: slot caches, no `block_size`).
+    prompt gets), and the KV blocks of each tier (None: slot caches, `block_size` None or 0).
 
     Slot caches: without `max_seq_len`, what `kv_cache_gib` (default: a quarter of the memory
     available on `device` now) holds for `max_batch` rows of `per_token` bytes a position.
     Paged caches: the budget's blocks, blocks = budget // (per_token * block_size), any one
     request may fill (or, with `max_seq_len` and no budget, max_batch rows of it). Both capped by
     the models' context (`model_context`, with the configured `max_context` in it)."""
+    block_size = block_size or None
     budget = kv_cache_gib * 2**30 if kv_cache_gib else None
     if max_seq_len is None:
         budget = budget or DEFAULT_KV_MEMORY_FRACTION * available_memory(device)
@@ -163,11 +164,11 @@ def engine_capacity(
         kv_cache_gib=config.kv_cache_gib,
         model_context=context_limit(*positions, config.max_context),
         max_context=config.max_context,
-        block_size=config.kv_block_size,
+        block_size=config.block_size,
     )
-    kernel = resolve_paged_attention(config.paged_attention, device, config.kv_block_size).kernel
+    kernel = resolve_paged_attention(config.paged_attention, device, config.block_size).kernel
     capacity = Capacity(
-        config.max_batch, context, config.prefill_chunk, config.kv_block_size, blocks, config.prefix_caching, kernel
+        config.max_batch, context, config.prefill_chunk, config.block_size, blocks, config.prefix_caching, kernel
     )
     return capacity, name
 
@@ -175,12 +176,16 @@ def engine_capacity(
 class Engine:
     """Decodes requests with a verifier q, an optional drafter p and the slim verifier q' = q masked by z.
 
-    Capacity: `max_batch` requests decode together (cache rows per tier); each row holds up to
-    `max_seq_len` positions. Without `max_seq_len`, it is what `kv_cache_gib` (default: a quarter
-    of the memory available at start) holds for max_batch rows of every tier, capped by the
-    models' context (`kv_capacity`). Storage grows to what is used, up to that bound; requests
-    past max_batch wait in the queue. Paged caches (`kv_block_size`) are read by the
-    `paged_attention` kernel, "torch" or "flex" (viasd.attention; `LLM` resolves the config's).
+    Capacity: `max_batch` requests decode together (cache rows per tier); requests past
+    max_batch wait in the queue. By default the caches are paged (`kv_block_size` 16 positions a
+    block, viasd.blocks): `kv_cache_gib` (default: a quarter of the memory available at start)
+    buys each tier's blocks, requests are admitted against the blocks they hold and preempted
+    when they outgrow them, and one request may hold up to all of them (`max_seq_len`, capped by
+    the models' context). `kv_block_size=0` (or None): slot rows, each of `max_seq_len`
+    positions; without `max_seq_len`, what the budget holds for max_batch rows of every tier,
+    capped by the context (`kv_capacity`). Storage grows to what is used, up to that bound. Paged
+    caches are read by the `paged_attention` kernel, "torch" or "flex" (viasd.attention; `LLM`
+    resolves the config's).
     """
 
     def __init__(
@@ -197,7 +202,7 @@ class Engine:
         max_seq_len: int | None = None,
         kv_cache_gib: float | None = None,
         prefill_chunk: int = 512,
-        kv_block_size: int | None = None,
+        kv_block_size: int | None = DEFAULT_KV_BLOCK_SIZE,
         prefix_caching: bool = True,
         paged_attention: str = "torch",
         costs: CostModel | None = None,
@@ -214,6 +219,7 @@ class Engine:
             raise MaskError(f"mask has {mask.num_layers} entries but the verifier has {verifier.num_layers} layers")
         cache_policy = CachePolicy(cache_policy)
         self.kv_bytes_per_token = kv_bytes_per_token(verifier, drafter, mask, cache_policy)
+        kv_block_size = kv_block_size or None  # 0: slot rows
         limits = [getattr(m.config, "max_position_embeddings", None) for m in (verifier, drafter) if m is not None]
         context, context_name, blocks = kv_capacity(
             self.kv_bytes_per_token,

@@ -58,8 +58,8 @@ from viasd.sessions import (
 @dataclass(frozen=True)
 class Capacity:
     """How much an engine runs at once (docs/BATCHING.md, "Caches"): every tier's cache holds
-    `max_batch` rows of up to `max_seq_len` positions (paged: over `kv_blocks` blocks of
-    `block_size`), in process and on every served actor."""
+    `max_batch` rows of up to `max_seq_len` positions, over `kv_blocks` blocks of `block_size`
+    (paged, the default) or as slot rows (`block_size` None), in process and on every served actor."""
 
     max_batch: int  # requests decoding together = cache rows per tier
     max_seq_len: int | None  # positions per cache row (prompt + generated + one draft block); None: unbounded
@@ -80,8 +80,9 @@ class Capacity:
     def concurrency(self) -> int:
         """Requests of a full context (`max_seq_len` positions) the caches hold at once: the rows,
         or (paged) as many as the blocks hold, at most the rows and at least 1 (vLLM's "maximum
-        concurrency" figure). Shorter requests run more at once, up to the rows: the scheduler
-        admits against the blocks they hold."""
+        concurrency for N tokens per request"). A figure, not a limit: with blocks up to
+        `max_batch` requests run at once, admitted against the blocks they hold (shorter ones fit
+        more), the rest queued, the newest preempted when the running ones outgrow the blocks."""
         if self.kv_blocks is None or self.max_seq_len is None:
             return self.max_batch
         return max(1, min(self.max_batch, self.kv_blocks // -(-self.max_seq_len // self.block_size)))

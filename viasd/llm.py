@@ -173,7 +173,7 @@ class LLM:
             torch.set_num_threads(config.threads)
         self.config = config
         # (refused before any loading when it cannot run here, as fp8 is)
-        self.paged_attention = resolve_paged_attention(config.paged_attention, config.device, config.kv_block_size)
+        self.paged_attention = resolve_paged_attention(config.paged_attention, config.device, config.block_size)
         self.dtype_choice = engine_dtype(config)  # `auto`: what runs fastest here at max_batch rows a step
         dtype = self.dtype_choice.dtype
         model, self.tokenizer = load_causal_lm(

@@ -765,7 +765,8 @@ def test_auto_prefills_the_drafter_only_when_a_plan_drafts(tiny_pair):
     # worth it from the start: the drafter prefills with the prompt, chunk for chunk with the
     # verifier, then drafts without catching up
     engine, prompt = _engine(tiny_pair, SPECULATE, prefill_chunk=10), list(range(3, 33))  # (no n-gram matches)
-    ar = engine.complete(prompt, parse_params(mode="ar", max_tokens=20))
+    # (`ar` on an engine of its own: on this one its prompt blocks would be the verifier's prefix cache)
+    ar = _engine(tiny_pair, SPECULATE, prefill_chunk=10).complete(prompt, parse_params(mode="ar", max_tokens=20))
     handle = engine.submit(prompt, parse_params(mode="auto", max_tokens=20))
     engine.step()  # the prompt's first chunk, through both models
     draft, verify = engine.executor.sessions(handle.key)

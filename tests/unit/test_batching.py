@@ -85,11 +85,12 @@ def _run_batched(engine, jobs, rng, cancel=None):
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
-@pytest.mark.parametrize("block_size", [None, 3])
+@pytest.mark.parametrize("block_size", [0, 3])
 def test_every_request_in_a_batch_equals_its_run_alone(tiny_pair, policy, block_size):
-    """Alone on slot caches; batched on slot caches, or on paged ones (blocks of 3 positions)."""
+    """Alone on slot caches; batched on slot caches (0), or on paged ones (blocks of 3 positions).
+    The other tests here run on the default, paged caches of 16 positions a block."""
     jobs = [(PROMPTS[i % len(PROMPTS)], _params(spec)) for i, spec in enumerate(REQUESTS)]
-    alone = [_engine(tiny_pair, policy, max_batch=1).complete(*job).token_ids for job in jobs]
+    alone = [_engine(tiny_pair, policy, max_batch=1, kv_block_size=0).complete(*job).token_ids for job in jobs]
     assert all(len(t) == 24 for t in alone)
     # fewer rows than requests: they queue
     engine = _engine(tiny_pair, policy, max_batch=5, prefill_chunk=8, kv_block_size=block_size)
@@ -143,7 +144,7 @@ def _assert_tier_matches_fresh_prefill(tier, seq, verifier, mask, full_pos, shar
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
-@pytest.mark.parametrize("block_size", [None, 4])
+@pytest.mark.parametrize("block_size", [0, 4])
 def test_caches_equal_fresh_prefill_after_every_step(tiny_pair, policy, block_size):
     verifier, _ = tiny_pair
     engine = _engine(tiny_pair, policy, max_batch=4, prefill_chunk=5, kv_block_size=block_size)
@@ -259,18 +260,28 @@ def test_a_full_engine_queues_and_finished_requests_free_their_rows(tiny_pair):
 
 
 def test_an_over_long_prompt_names_the_limit(tiny_pair):
+    """max_seq_len, or the budget: slot rows split it over max_batch rows; blocks (the default)
+    let one request hold all of it."""
     verifier, drafter = tiny_pair
-    engine = Engine(verifier, drafter, max_seq_len=16)
-    with pytest.raises(InvalidParameterError, match="max_seq_len") as info:
-        engine.submit(list(range(16)), parse_params(mode="ar"))
-    assert info.value.field == "prompt"
+    for kv_block_size in (0, 16):
+        engine = Engine(verifier, drafter, max_seq_len=16, kv_block_size=kv_block_size)
+        with pytest.raises(InvalidParameterError, match="max_seq_len") as info:
+            engine.submit(list(range(16)), parse_params(mode="ar"))
+        assert info.value.field == "prompt"
     per_token = engine.kv_bytes_per_token
-    budget = Engine(verifier, drafter, max_batch=4, kv_cache_gib=40 * 4 * per_token / 2**30)
+    gib = 40 * 4 * per_token / 2**30
+    budget = Engine(verifier, drafter, max_batch=4, kv_cache_gib=gib, kv_block_size=0)
     assert budget.max_context == 40
     with pytest.raises(InvalidParameterError, match="kv_cache_gib"):
         budget.submit(list(range(45)), parse_params(mode="ar"))
     res = budget.complete(list(range(30)), parse_params(mode="via", max_tokens=100))
     assert len(res.token_ids) == 10 and res.finish_reason == "length"  # cut at the row's capacity
+    paged = Engine(verifier, drafter, max_batch=4, kv_cache_gib=gib)
+    assert paged.max_context == 160 and paged.scheduler.capacity.kv_blocks == 10  # blocks of 16
+    with pytest.raises(InvalidParameterError, match="kv_cache_gib"):
+        paged.submit([i % 90 for i in range(165)], parse_params(mode="ar"))
+    res = paged.complete([i % 90 for i in range(150)], parse_params(mode="via", max_tokens=100))
+    assert len(res.token_ids) == 10 and res.finish_reason == "length"  # cut at the blocks' capacity
 
 
 def test_a_default_kv_budget_too_small_to_serve_is_an_error_naming_the_fix(tiny_pair, monkeypatch):
@@ -283,10 +294,16 @@ def test_a_default_kv_budget_too_small_to_serve_is_an_error_naming_the_fix(tiny_
     verifier, drafter = tiny_pair
     per_token = Engine(verifier, drafter, max_seq_len=16).kv_bytes_per_token
     monkeypatch.setattr(E, "available_memory", lambda device: int(8 * 100 * per_token / E.DEFAULT_KV_MEMORY_FRACTION))
-    with pytest.raises(ModelLoadError, match="kv_cache_gib") as info:
-        Engine(verifier, drafter, max_batch=8)
+    with pytest.raises(ModelLoadError, match="kv_cache_gib") as info:  # slot rows: 100 positions each
+        Engine(verifier, drafter, max_batch=8, kv_block_size=0)
     assert "100 positions" in str(info.value)
-    assert Engine(verifier, drafter, max_batch=8, kv_cache_gib=8 * 100 * per_token / 2**30).max_context == 100
+    gib = 8 * 100 * per_token / 2**30
+    assert Engine(verifier, drafter, max_batch=8, kv_cache_gib=gib, kv_block_size=0).max_context == 100
+    assert Engine(verifier, drafter, max_batch=8).max_context == 512  # blocks: 800 positions, any one may take
+    monkeypatch.setattr(E, "available_memory", lambda device: int(100 * per_token / E.DEFAULT_KV_MEMORY_FRACTION))
+    with pytest.raises(ModelLoadError, match="kv_cache_gib") as info:  # blocks: 96 positions in all
+        Engine(verifier, drafter, max_batch=8)
+    assert "96 positions" in str(info.value)
 
 
 def test_threads_calling_generate_share_steps(tiny_pair):

@@ -428,22 +428,32 @@ def test_raw_files_are_named_for_the_cpu_that_made_them(monkeypatch, tmp_path, c
 def test_blocks_throughput_table_gives_each_round_the_aa_spread_and_the_ratio():
     from viasd.bench.tables import blocks_markdown, blocks_throughput
 
-    def rounds(*rates):
-        return [{"tokens_per_second": r, "generated_tokens": 64} for r in rates]
+    def rounds(*rates, requests=2):
+        return [{"tokens_per_second": r, "generated_tokens": 32 * requests} for r in rates]
 
     record = {
         "throughput": {
-            "requests": 2,
             "prompt_tokens": 48,
-            "modes": {"ar": {"slots": rounds(50.0, 40.0), "blocks": rounds(45.0, 45.0)}},
+            "levels": [
+                {
+                    "requests": 1,
+                    "modes": {
+                        "ar": {"slots": rounds(20.0, 20.0, requests=1), "blocks": rounds(19.0, 21.0, requests=1)}
+                    },
+                },
+                {"requests": 2, "modes": {"ar": {"slots": rounds(50.0, 40.0), "blocks": rounds(45.0, 45.0)}}},
+            ],
         }
     }
     lines = blocks_throughput([record])
     # spread: slots (50 - 40) / 45 = 22.2%, blocks 0; blocks / slots: 45 / 45
-    assert "| `ar` | 50.0 / 40.0 | 45.0 / 45.0 | 22.2% | 1.00x |" in lines
+    assert "| 2 | `ar` | 50.0 / 40.0 | 45.0 / 45.0 | 22.2% | 1.00x |" in lines
+    assert "| 1 | `ar` | 20.0 / 20.0 | 19.0 / 21.0 | 10.0% | 1.00x |" in lines
     assert "32 new tokens each" in lines[-1]
     md = blocks_markdown(record)  # only the parts that ran
     assert "blocks / slots" in md and "prefix caching" not in md
+    single = {"throughput": {"requests": 2, "prompt_tokens": 48, **record["throughput"]["levels"][1]}}
+    assert "| 2 | `ar` | 50.0 / 40.0 | 45.0 / 45.0 | 22.2% | 1.00x |" in blocks_throughput([single])  # one level
 
 
 def test_provenance_names_an_installed_command_without_its_path(monkeypatch):
@@ -466,3 +476,7 @@ def test_blocks_suite_refuses_an_unknown_part_naming_the_field_before_loading():
     with pytest.raises(InvalidParameterError) as err:
         run_blocks_bench(SimpleNamespace(parts="capacity,bogus"), config=None)  # (no model: refused first)
     assert err.value.field == "parts" and "bogus" in err.value.message
+    for levels in ("1,x", "0,16", ""):
+        with pytest.raises(InvalidParameterError) as err:
+            run_blocks_bench(SimpleNamespace(parts="throughput", throughput_requests=levels), config=None)
+        assert err.value.field == "throughput_requests"

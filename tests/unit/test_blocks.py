@@ -171,7 +171,7 @@ def test_requests_are_admitted_against_blocks_and_wait_for_them(tiny_pair):
     engine = _engine(tiny_pair, max_batch=16, kv_cache_gib=gib, kv_block_size=4)
     cap = engine.scheduler.capacity
     assert (cap.kv_blocks, cap.max_seq_len) == (40, 160)
-    slots = _engine(tiny_pair, max_batch=2, kv_cache_gib=gib)
+    slots = _engine(tiny_pair, max_batch=2, kv_cache_gib=gib, kv_block_size=0)
     assert slots.scheduler.capacity.max_seq_len == 80
     jobs = [([(7 * i) % 90 + 1 for i in range(100)], parse_params(mode="sd", max_tokens=10, gamma=3))]
     jobs += [([3 + i, 5, 8 + i], parse_params(mode="via" if i % 2 else "ar", max_tokens=12)) for i in range(8)]
@@ -192,7 +192,7 @@ def test_requests_are_admitted_against_blocks_and_wait_for_them(tiny_pair):
     assert max(running) >= 3 and engine.scheduler.num_waiting == 0
     assert min(running[:3]) < len(jobs)  # some waited for blocks
     for handle, job in zip(handles, jobs):
-        alone = _engine(tiny_pair, max_batch=1, max_seq_len=160).complete(*job).token_ids
+        alone = _engine(tiny_pair, max_batch=1, max_seq_len=160, kv_block_size=0).complete(*job).token_ids
         assert tokens[handle] == alone
     assert engine.scheduler.kv_blocks_needed == 0
     assert all(s.free_blocks == s.num_blocks for s in stores)
@@ -210,7 +210,7 @@ def test_one_long_and_31_short_requests_decode_at_once_where_slot_rows_hold_4(ti
     long = [(5 * i) % 90 + 1 for i in range(250)]
     short = [[3 + i, 7, 11 + i % 5] * 6 + [2] for i in range(31)]
     params = parse_params(mode="ar", max_tokens=4, ignore_eos=True)
-    slots = _engine(tiny_pair, max_batch=32, kv_cache_gib=gib)
+    slots = _engine(tiny_pair, max_batch=32, kv_cache_gib=gib, kv_block_size=0)
     with pytest.raises(InvalidParameterError, match="prompt"):
         slots.submit(long, params)
     engine = _engine(tiny_pair, max_batch=32, kv_cache_gib=gib, kv_block_size=4, prefill_chunk=1024)
@@ -317,7 +317,7 @@ def _run_joining(engine, jobs, joins: list[int]):
 
 
 def _alone(pair, policy, prompt, params):
-    engine = _engine(pair, cache_policy=policy, max_batch=params.n, max_seq_len=160, costs=SPECULATE)
+    engine = _engine(pair, cache_policy=policy, max_batch=params.n, max_seq_len=160, costs=SPECULATE, kv_block_size=0)
     results = engine.complete_n(prompt, params)
     return [
         dict(tokens=r.token_ids, logprobs=r.logprobs or [], prompt_logprobs=r.prompt_logprobs, stats=r.stats)
@@ -395,7 +395,7 @@ def test_admission_against_held_blocks_runs_more_requests_at_once_than_reserving
 
     per_token = _engine(tiny_pair, max_batch=1, max_seq_len=8).kv_bytes_per_token
     engine = _engine(tiny_pair, max_batch=16, kv_cache_gib=40 * 4 * per_token / 2**30, kv_block_size=4)
-    alone_engine = _engine(tiny_pair, max_batch=1, max_seq_len=160)
+    alone_engine = _engine(tiny_pair, max_batch=1, max_seq_len=160, kv_block_size=0)
     jobs = []
     for i in range(12):
         prompt = [3 + i, 5 + 2 * i, 8, 13 + i]
@@ -451,7 +451,7 @@ def test_a_preempted_request_cancelled_while_it_waits_gives_its_rows_back(tiny_p
     engine.cancel(victim)
     while engine.scheduler.has_work():
         engine.step()
-    alone_engine = _engine(tiny_pair, max_batch=1, max_seq_len=80)
+    alone_engine = _engine(tiny_pair, max_batch=1, max_seq_len=80, kv_block_size=0)
     for h, job in zip(handles, jobs):
         alone = alone_engine.complete(*job).token_ids
         tokens = [t for c in h.chunks for t in c.token_ids]
@@ -500,6 +500,41 @@ def test_preemptions_are_counted_on_metrics_as_requests_end():
     metrics.record_stats([RequestStats()], "stop")
     samples = parse_exposition(metrics.exposition()[0].decode())
     assert total(samples, "viasd_num_preemptions_total", model_name="m") == 3
+
+
+def test_one_row_in_adjacent_blocks_is_written_and_read_in_place_and_equals_slot_rows():
+    """A row forwarded alone whose blocks lie one after the other in the pool (a request decoding
+    alone) writes and reads its keys as a slice of the pool, no scatter or gather; one whose blocks
+    interleave with another row's takes the gathered path. Both give slot rows' logits and keys
+    (float64), prefill and decode, across block boundaries."""
+    gen = torch.Generator().manual_seed(5)
+    slots = LM.new_store(MASK, max_rows=3, max_len=64)
+    paged = LM.new_store(MASK, max_rows=3, max_len=64, block_size=4)
+    rows = {slots.alloc(): paged.alloc() for _ in range(3)}
+    (a, pa), (b, pb), (c, pc) = rows.items()
+    held = dict.fromkeys(rows, 0)
+
+    def forward(row: int, n: int, adjacent: bool | None = None) -> None:
+        tokens = torch.randint(0, LM.vocab_size, (n,), generator=gen).tolist()
+        want = LM.forward_batch([Row(tokens, held[row], n, row)], slots, MASK)
+        write = paged.batch([rows[row]], [held[row]], [n], "cpu")
+        if adjacent is not None:
+            assert (write.base is not None) == adjacent
+        got = LM.forward_batch([Row(tokens, held[row], n, rows[row])], paged, MASK)
+        for x, y in zip(want, got):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-10)
+        held[row] += n
+
+    forward(a, 10, adjacent=True)  # blocks 1, 2, 3
+    for _ in range(5):
+        forward(a, 1, adjacent=True)  # into block 4 at position 12
+    for n in (3, 5, 2, 6):  # b and c take blocks in turn: neither's are adjacent
+        forward(b, n)
+        forward(c, n)
+    forward(b, 1, adjacent=False)
+    forward(c, 4, adjacent=False)
+    forward(a, 3, adjacent=False)  # (its fifth block came after b's and c's)
+    _assert_rows_equal(slots, paged, rows)
 
 
 def test_rows_of_very_different_spans_are_read_in_buckets_and_equal_slot_rows():

@@ -42,10 +42,12 @@ def test_no_flags_keep_the_defaults_and_a_config_file_is_read_first(tmp_path):
     assert c.pipeline().engine.verifier == "from-file" and c.pipeline().engine.max_batch == 6 and c.http.port == 8002
 
 
-def test_the_default_admission_limit_is_what_the_kv_caches_hold_at_full_context(caplog):
-    """A replica admits, by default, the full-context requests its started pipeline's caches hold
-    (Capacity.concurrency: the rows, or what the blocks hold), logs it, and an explicit
-    limits.max_concurrent_requests still wins."""
+def test_the_default_admission_limit_is_max_batch_and_the_full_context_figure_is_logged(caplog):
+    """A replica decodes, by default, its engine's max_batch requests at once, with slot rows and
+    with paged caches alike (paged: the engine admits them against the blocks they hold and queues
+    the rest, as vLLM's max_num_seqs); the full-context requests its started pipeline's caches hold
+    (Capacity.concurrency: the rows, or what the blocks hold) is logged, not a limit, and an
+    explicit limits.max_concurrent_requests still wins."""
     import logging
 
     from viasd.cluster.app import running_limit
@@ -58,16 +60,19 @@ def test_the_default_admission_limit_is_what_the_kv_caches_hold_at_full_context(
         def info(self):
             return {"capacity": self.capacity.describe()}
 
-    slots = Capacity(max_batch=8, max_seq_len=4096)
-    paged = Capacity(max_batch=64, max_seq_len=4096, block_size=16, kv_blocks=256 * 10 + 255)  # 10 of 4096
-    assert (slots.concurrency, paged.concurrency) == (8, 10)
+    default = config_of()
+    rows = default.pipeline().engine.max_batch
+    assert default.pipeline().engine.kv_block_size == 16  # paged by default
+    slots = Capacity(max_batch=rows, max_seq_len=4096)
+    paged = Capacity(max_batch=rows, max_seq_len=32768, block_size=16, kv_blocks=2048 * 2 + 100)  # 2 of 32k
+    assert (slots.concurrency, paged.concurrency) == (rows, 2)
     assert Capacity(max_batch=4, max_seq_len=4096, block_size=16, kv_blocks=256 * 10).concurrency == 4  # rows
     assert Capacity(max_batch=4, max_seq_len=4096, block_size=16, kv_blocks=100).concurrency == 1  # one always runs
-    default = config_of()
     with caplog.at_level(logging.INFO, logger="viasd.serve"):
-        assert running_limit(default, default.pipeline().name, Started(paged)) == 10
-    assert "10 requests of 4096 positions at once" in caplog.text
-    assert running_limit(default, default.pipeline().name, Started(slots)) == 8
+        assert running_limit(default, default.pipeline().name, Started(paged)) == rows
+        assert "2 requests of 32768 positions at once; shorter ones admitted against the blocks" in caplog.text
+        assert f"max_concurrent_requests {rows}" in caplog.text
+        assert running_limit(default, default.pipeline().name, Started(slots)) == rows
     explicit = default.model_copy(update={"limits": default.limits.model_copy(update={"max_concurrent_requests": 3})})
     assert running_limit(explicit, explicit.pipeline().name, Started(paged)) == 3
 
@@ -82,6 +87,32 @@ def test_speculative_config_maps_to_the_drafter_and_the_default_params():
     assert config_of("m", "--drafter", "none").pipeline().engine.drafter is None
 
 
+def test_block_size_chooses_the_kv_cache_and_0_asks_for_slot_rows(tmp_path):
+    """vLLM's --block-size is engine.kv_block_size (16: paged caches); 0 selects slot rows, from
+    the flag, from YAML and from Python alike; a value that is not a block size names the field."""
+    from viasd.cluster.serve_config import load_serve_config
+    from viasd.config import EngineConfig, parse_engine_config
+
+    assert config_of().pipeline().engine.kv_block_size == EngineConfig().kv_block_size == 16
+    assert config_of("--block-size", "32").pipeline().engine.block_size == 32
+    slots = config_of("--block-size", "0").pipeline().engine
+    assert (slots.kv_block_size, slots.block_size) == (0, None)
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("pipelines:\n  - engine: {kv_block_size: 0}\n")
+    assert load_serve_config(yaml).pipeline().engine.block_size is None
+    assert parse_engine_config(kv_block_size=0).block_size is None and EngineConfig(kv_block_size=8).block_size == 8
+    for bad in (None, -1, 2048, "sixteen"):
+        with pytest.raises(InvalidParameterError) as err:
+            parse_engine_config(kv_block_size=bad)
+        assert err.value.field == "kv_block_size"
+    yaml.write_text("pipelines:\n  - engine: {kv_block_size: null}\n")
+    with pytest.raises(InvalidParameterError) as err:
+        load_serve_config(yaml)
+    assert err.value.field == "pipelines.0.engine.kv_block_size" and "0 for slot rows" in err.value.message
+    args = build_parser().parse_args(["generate", "--kv-block-size", "0", "x"])
+    assert args.kv_block_size == 0
+
+
 @pytest.mark.parametrize(
     ("argv", "field"),
     [
@@ -89,6 +120,7 @@ def test_speculative_config_maps_to_the_drafter_and_the_default_params():
         (["--speculative-config", '{"method": "eagle"}'], "speculative_config"),
         (["--speculative-config", '{"draft_tensor_parallel_size": 2}'], "speculative_config"),
         (["--max-num-seqs", "0"], "pipelines.0.engine.max_batch"),
+        (["--block-size", "-1"], "pipelines.0.engine.kv_block_size"),
         (["--port", "9000"], "grpc.port"),
     ],
 )

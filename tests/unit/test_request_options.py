@@ -286,9 +286,10 @@ def test_a_logit_bias_outside_the_vocabulary_names_the_field(tiny_pair):
 
 
 @pytest.mark.parametrize("policy", ["separate", "shared"])
-@pytest.mark.parametrize("max_batch, block_size", [(8, None), (2, None), (8, 4)])
+@pytest.mark.parametrize("max_batch, block_size", [(8, 0), (2, 0), (8, 4)])
 def test_n_samples_equal_each_sample_alone_and_share_one_prefill(tiny_pair, policy, max_batch, block_size):
-    """Paged caches (block_size 4): the samples share the prompt's blocks, copied on first write."""
+    """Slot rows (block_size 0): the samples copy sample 0's rows; paged caches (block_size 4): they
+    share the prompt's blocks, copied on first write. Each equals the sample alone (paged, 16)."""
     prompt, fallbacks = list(range(10, 30)), 0
     for spec in (
         dict(mode="via", temperature=1.0, seed=21, logprobs=1, prompt_logprobs=1, **PENALTIES[0]),

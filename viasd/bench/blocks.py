@@ -18,12 +18,13 @@ wall time, generated tokens / s.
 alone, then the others arrive at once. Prompt positions computed, the time until every request
 has its first token, tokens / s.
 
-**throughput.** `--throughput-requests` requests with distinct `--throughput-prompt`-token prompts
-arrive at once and each generates `--max-tokens` tokens, per mode of `--modes` (default `ar,sd`),
-on slot rows and on blocks (`max_batch` = the requests, the default KV budget), in two rounds
-alternating the settings (slots, blocks, slots, blocks) after one unmeasured run of each: tokens / s
-of each round, so that the spread between a setting's rounds (A/A) can be read beside the
-difference between the settings.
+**throughput.** At each level of `--throughput-requests` (default 1 and 16), that many requests
+with distinct `--throughput-prompt`-token prompts arrive at once and each generates `--max-tokens`
+tokens, per mode of `--modes` (default `ar,sd`), on slot rows and on blocks (`max_batch` = the
+requests, the default KV budget), in `--throughput-rounds` rounds (default 2) alternating the
+settings (slots, blocks, slots, blocks) after one unmeasured run of each: tokens / s of each round
+(and the decode rate after every first token), so that the spread between a setting's rounds (A/A)
+can be read beside the difference between the settings. Level 1 is one request decoding alone.
 
     viasd bench --suite blocks --out docs/benchmarks/cpu/blocks
     viasd bench --suite blocks --parts throughput --out docs/benchmarks/cpu/blocks-throughput
@@ -36,11 +37,11 @@ from __future__ import annotations
 import time
 
 SETTINGS = {
-    "slots, 4 rows": dict(max_batch=4, kv_block_size=None),
-    "slots, 32 rows": dict(max_batch=32, kv_block_size=None),
+    "slots, 4 rows": dict(max_batch=4, kv_block_size=0),
+    "slots, 32 rows": dict(max_batch=32, kv_block_size=0),
     "blocks, 32 rows": dict(max_batch=32, kv_block_size=16),
 }
-THROUGHPUT = {"slots": dict(kv_block_size=None), "blocks": dict(kv_block_size=16)}
+THROUGHPUT = {"slots": dict(kv_block_size=0), "blocks": dict(kv_block_size=16)}
 PARTS = ("capacity", "prefix", "throughput")
 
 
@@ -78,6 +79,7 @@ def _run(engine, prompts: list[list[int]], params, lead: int = 0) -> dict:
             first_tokens = time.perf_counter() - t0
     wall = time.perf_counter() - t0
     tokens = sum(h.stats.generated_tokens for h in handles)
+    decoding = wall - first_tokens if first_tokens is not None else 0.0
     return {
         "requests": len(prompts),
         "refused": refused,
@@ -88,33 +90,58 @@ def _run(engine, prompts: list[list[int]], params, lead: int = 0) -> dict:
         "all_first_tokens_seconds": first_tokens,
         "generated_tokens": tokens,
         "tokens_per_second": tokens / wall,
+        # after every request has its first token: the tokens decoded since, per second
+        "decode_tokens_per_second": (tokens - len(handles)) / decoding if decoding > 0 else None,
         "cached_tokens": sum(h.stats.cached_tokens for h in handles),
         "prompt_tokens": sum(len(p) for p in prompts[: len(handles) + refused]),
         "prefill_forwards": sum(h.stats.prefill_forwards for h in handles),
     }
 
 
+def throughput_levels(spec) -> list[int]:
+    """The levels of ``--throughput-requests`` ("1,16"): positive integers, at least one."""
+    from viasd.errors import InvalidParameterError
+
+    try:
+        levels = [int(x) for x in str(spec).split(",") if x.strip()]
+    except ValueError:
+        raise InvalidParameterError("throughput_requests", f"comma-separated integers, got {spec!r}") from None
+    if not levels or min(levels) < 1:
+        raise InvalidParameterError("throughput_requests", f"at least one level, each >= 1, got {spec!r}")
+    return levels
+
+
 def _throughput(engine, args, vocab: int) -> dict:
-    """The throughput part: {"requests", "prompt_tokens", "modes": {mode: {setting: [round records]}}}."""
+    """The throughput part: {"prompt_tokens", "levels": [{"requests", "modes": {mode: {setting:
+    [round records]}}}]}, one level per number of requests arriving at once."""
     from viasd.config import parse_params
 
-    n, length = args.throughput_requests, args.throughput_prompt
-    prompts = _prompts(vocab, [length] * n, seed=4)
-    out: dict = {"requests": n, "prompt_tokens": length, "modes": {}}
-    for mode in [m.strip() for m in (args.methods or "ar,sd").split(",") if m.strip()]:
-        params = parse_params(mode=mode, max_tokens=args.max_tokens or 32, ignore_eos=True)
-        rounds: dict[str, list] = {name: [] for name in THROUGHPUT}
-        for kw in THROUGHPUT.values():  # warm-up: the first run of a process pays for its allocations
-            e = engine(max_batch=n, kv_cache_gib=None, **kw)
-            _run(e, prompts, params)
-            e.close()
-        for _ in range(2):
-            for name, kw in THROUGHPUT.items():
+    length = args.throughput_prompt
+    modes = [m.strip() for m in (args.methods or "ar,sd").split(",") if m.strip()]
+    out: dict = {"prompt_tokens": length, "levels": []}
+    for n in throughput_levels(args.throughput_requests):
+        prompts = _prompts(vocab, [length] * n, seed=4)
+        level: dict = {"requests": n, "modes": {}}
+        for mode in modes:
+            params = parse_params(mode=mode, max_tokens=args.max_tokens or 32, ignore_eos=True)
+            rounds: dict[str, list] = {name: [] for name in THROUGHPUT}
+            for kw in THROUGHPUT.values():  # warm-up: the first run of a process pays for its allocations
                 e = engine(max_batch=n, kv_cache_gib=None, **kw)
-                rounds[name].append(_run(e, prompts, params))
+                _run(e, prompts, params)
                 e.close()
-                print(f"throughput {mode} {name}: {rounds[name][-1]['tokens_per_second']:.2f} tok/s", flush=True)
-        out["modes"][mode] = rounds
+            for _ in range(args.throughput_rounds):
+                for name, kw in THROUGHPUT.items():
+                    e = engine(max_batch=n, kv_cache_gib=None, **kw)
+                    rounds[name].append(_run(e, prompts, params))
+                    e.close()
+                    r = rounds[name][-1]
+                    print(
+                        f"throughput {n} x {mode} {name}: {r['tokens_per_second']:.2f} tok/s "
+                        f"(decode {r['decode_tokens_per_second'] or 0:.2f})",
+                        flush=True,
+                    )
+            level["modes"][mode] = rounds
+        out["levels"].append(level)
     return out
 
 
@@ -130,6 +157,8 @@ def run_blocks_bench(args, config) -> int:
     parts = [p.strip() for p in (args.parts or ",".join(PARTS)).split(",") if p.strip()]
     if unknown := sorted(set(parts) - set(PARTS)):
         raise InvalidParameterError("parts", f"{', '.join(unknown)} is not a part of blocks ({', '.join(PARTS)})")
+    if "throughput" in parts:
+        throughput_levels(args.throughput_requests)  # (a bad level is refused before loading)
     llm = LLM(config)
     base = llm.engine
     verifier, drafter = base.verifier, base.drafter
@@ -138,6 +167,9 @@ def run_blocks_bench(args, config) -> int:
     gib = 4 * rows_len * per_token / 2**30
     params = parse_params(mode="ar", max_tokens=args.max_tokens or 32, ignore_eos=True)
 
+    # `auto` requests plan with the loaded engine's cost curves (profiled or read once, not per engine)
+    costs = base.cost_model() if "throughput" in parts and "auto" in (args.methods or "") else None
+
     def engine(**kw) -> Engine:
         return Engine(
             verifier,
@@ -145,6 +177,8 @@ def run_blocks_bench(args, config) -> int:
             mask=base.mask,
             cache_policy=base.cache_policy,
             eos_token_ids=(),
+            costs=costs,
+            gates=base.gates,
             **{"kv_cache_gib": gib, **kw},
         )
 

@@ -1006,31 +1006,44 @@ def blocks_prefix(sources: list[dict]) -> list[str]:
 
 
 def blocks_throughput(sources: list[dict]) -> list[str]:
-    """Requests arriving at once on slot rows and on blocks: tokens/s of each round, the A/A spread."""
+    """Requests arriving at once on slot rows and on blocks, per level (requests at once) and mode:
+    tokens/s of each round, the A/A spread, blocks / slots."""
     (res,) = sources
     t = res["throughput"]
+    levels = t.get("levels") or [t]  # (a single level: the files written before levels)
     lines = _header(
-        ["mode", "slots, tokens/s each round", "blocks, tokens/s each round", "A/A spread", "blocks / slots"], right=4
+        [
+            "requests at once",
+            "mode",
+            "slots, tokens/s each round",
+            "blocks, tokens/s each round",
+            "A/A spread",
+            "blocks / slots",
+        ],
+        right=4,
     )
-    for mode, rounds in t["modes"].items():
-        rate = {name: [r["tokens_per_second"] for r in rs] for name, rs in rounds.items()}
-        spread = max((max(v) - min(v)) / statistics.mean(v) for v in rate.values())
-        ratio = statistics.mean(rate["blocks"]) / statistics.mean(rate["slots"])
-        lines.append(
-            _row(
-                [
-                    f"`{mode}`",
-                    " / ".join(f"{v:.1f}" for v in rate["slots"]),
-                    " / ".join(f"{v:.1f}" for v in rate["blocks"]),
-                    f"{spread:.1%}",
-                    f"{ratio:.2f}x",
-                ]
+    for level in levels:
+        for mode, rounds in level["modes"].items():
+            rate = {name: [r["tokens_per_second"] for r in rs] for name, rs in rounds.items()}
+            spread = max((max(v) - min(v)) / statistics.mean(v) for v in rate.values())
+            ratio = statistics.mean(rate["blocks"]) / statistics.mean(rate["slots"])
+            lines.append(
+                _row(
+                    [
+                        str(level["requests"]),
+                        f"`{mode}`",
+                        " / ".join(f"{v:.1f}" for v in rate["slots"]),
+                        " / ".join(f"{v:.1f}" for v in rate["blocks"]),
+                        f"{spread:.1%}",
+                        f"{ratio:.2f}x",
+                    ]
+                )
             )
-        )
+    first = levels[0]
+    new = next(iter(next(iter(first["modes"].values())).values()))[0]["generated_tokens"] // first["requests"]
     return lines + [
         "",
-        f"{t['requests']} requests of {t['prompt_tokens']} prompt tokens at once, "
-        f"{next(iter(next(iter(t['modes'].values())).values()))[0]['generated_tokens'] // t['requests']} new tokens each; "
+        f"Prompts of {t['prompt_tokens']} tokens, all arriving at once, {new} new tokens each; "
         "rounds alternate slots, blocks, slots, blocks; the A/A spread is the larger (max - min) / mean of a setting's rounds.",
     ]
 
