@@ -100,15 +100,9 @@ def _run(engine, prompts: list[list[int]], params, lead: int = 0) -> dict:
 
 def throughput_levels(spec) -> list[int]:
     """The levels of ``--throughput-requests`` ("1,16"): positive integers, at least one."""
-    from viasd.errors import InvalidParameterError
+    from viasd.bench.load import concurrency_levels
 
-    try:
-        levels = [int(x) for x in str(spec).split(",") if x.strip()]
-    except ValueError:
-        raise InvalidParameterError("throughput_requests", f"comma-separated integers, got {spec!r}") from None
-    if not levels or min(levels) < 1:
-        raise InvalidParameterError("throughput_requests", f"at least one level, each >= 1, got {spec!r}")
-    return levels
+    return concurrency_levels(spec, "throughput_requests")
 
 
 def _throughput(engine, args, vocab: int) -> dict:

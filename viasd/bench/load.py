@@ -168,14 +168,15 @@ def parse_load_methods(spec: str | Sequence[str] | None, base: GenerationParams)
     return list(out.values())
 
 
-def concurrency_levels(spec: str | int) -> list[int]:
-    """The concurrency levels of ``--concurrency`` ("1,4,8"): positive integers, at least one."""
+def concurrency_levels(spec: str | int, field: str = "concurrency") -> list[int]:
+    """The levels of ``--concurrency`` ("1,4,8"; or of the option `field` names): positive
+    integers, at least one; else an error naming `field`."""
     try:
         levels = [int(c) for c in str(spec).split(",") if c.strip()]
     except ValueError:
-        raise InvalidParameterError("concurrency", f"comma-separated integers, got {spec!r}") from None
+        raise InvalidParameterError(field, f"comma-separated integers, got {spec!r}") from None
     if not levels or min(levels) < 1:
-        raise InvalidParameterError("concurrency", f"at least one level, each >= 1, got {spec!r}")
+        raise InvalidParameterError(field, f"at least one level, each >= 1, got {spec!r}")
     return levels
 
 
