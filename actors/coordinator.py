@@ -7,8 +7,11 @@ verifier group through `ServedExecutor`, one batched RPC per phase of a step and
     async for chunk in coordinator.generate(request_id, prompt_ids, params): ...
 
 A row's drafter commits the outcomes it has not seen with its next Propose (an `auto` row planned
-`ar` sends nothing). The calls block (gRPC's synchronous channels) on the engine's step thread,
-each under a deadline. A call that fails fails exactly its rows (`BackendError`: the scheduler
+`ar` sends nothing). Sampled blocks travel as their draft tokens' probabilities alone
+(`draft_route` "probability", docs/SERVING.md "Draft data on the wire"): the verifier accepts on
+p(x~) and returns q's row at a rejection, the drafter draws the last token from it (`Correct`,
+after the Verify), and the verifier learns that token with its next call (`settles`). The calls
+block (gRPC's synchronous channels) on the engine's step thread, each under a deadline. A call that fails fails exactly its rows (`BackendError`: the scheduler
 lets a row whose drafter failed go on as `ar`), a row that failed alone on a backend fails alone,
 and `on_unavailable(component)` hears of every backend found down or past its deadline (the
 pipeline's supervisor rebuilds it; `set_backends` points new requests at it, requests keep the
@@ -30,7 +33,7 @@ import grpc
 from viasd.actors.rpc import InternalTLS, costs_from_proto, merge_outcomes, open_channel, times_from_proto
 from viasd.costs import CostModel, StepTimes
 from viasd.errors import BackendError
-from viasd.executor import PrefillBatch, Prefilled, Proposal, ProposeRow, VerifyRow
+from viasd.executor import PrefillBatch, Prefilled, Proposal, ProposeRow, VerifyRow, point_route
 from viasd.metrics import RequestStats
 from viasd.sessions import Outcome, drafter_lag, valid_after
 from viasd.v1 import internal_pb2 as ipb
@@ -51,14 +54,15 @@ class RpcTotals:
     steps: int = 0  # verify phases: engine steps that decoded
     rows: int = 0  # verify rows over them (rows / steps: the mean batch)
     max_rows: int = 0  # the largest batch a Verify carried
-    calls: dict[str, int] = field(default_factory=dict)  # "Prefill", "Propose", "Verify", "Release" -> calls
+    calls: dict[str, int] = field(default_factory=dict)  # "Prefill", "Propose", "Verify", "Correct", ... -> calls
     seconds: dict[str, float] = field(default_factory=dict)  # the same -> round-trip seconds
     phase_seconds: dict[str, float] = field(default_factory=dict)  # "prefill", ... -> wall (the sides' calls at once)
     # "drafter", "verifier": the seconds each service reported for its Propose, Verify calls
     service_seconds: dict[str, float] = field(default_factory=dict)
     bytes_sent: int = 0  # serialised request messages
     bytes_received: int = 0  # serialised replies
-    probs_bytes: int = 0  # DraftProbs payload (in both of the above: received from the drafter, sent to the verifier)
+    probs_bytes: int = 0  # draft data from the drafter: p's rows (DraftProbs) or 8 bytes per p(x~) (sent on too)
+    corrections: int = 0  # blocks whose last token the drafter drew (probability only)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,6 +78,7 @@ class RpcTotals:
             "propose_transport": s.get("Propose", 0.0) - own.get("drafter", 0.0),
             "verifier": own.get("verifier", 0.0),
             "verify_transport": s.get("Verify", 0.0) - own.get("verifier", 0.0),
+            "correct": wall.get("correct", 0.0),
             "release": wall.get("release", 0.0),
         }
 
@@ -87,13 +92,19 @@ class _Row:
     verifier: internal_pb2_grpc.VerifierServiceStub
     drafter: internal_pb2_grpc.DrafterServiceStub | None  # None: it does not draft
     seq_len: int  # prompt + committed tokens
+    point: bool  # its sampled blocks may travel as p(x~) alone (viasd.executor.point_route)
     fed: int = 0  # positions its drafter's cache holds (its last report, rolled back by the commits since)
     previous: ipb.Outcome | None = None  # outcomes its drafter has not committed
+    settle: int | None = None  # the last token its verifier has not been told (drawn by the drafter)
     lost: BackendError | None = None  # its drafter failed its prefill: its first Propose fails with this
 
 
 class ServedExecutor:
-    """An engine's executor over the drafter and verifier services (module docstring)."""
+    """An engine's executor over the drafter and verifier services (module docstring).
+    `draft_route`: "probability" (p(x~) alone, a rejected block's q row back to the drafter) or
+    "rows" (p's rows through the engine, as every row of the staged rule or with logprobs)."""
+
+    draft_route = "probability"
 
     def __init__(
         self,
@@ -234,7 +245,7 @@ class ServedExecutor:
         opens = {}
         for o in batch.opens:
             row = self._rows[o.key] = _Row(
-                f"{self._nonce}-{o.key}", verifier, drafter if o.drafts else None, len(o.prompt)
+                f"{self._nonce}-{o.key}", verifier, drafter if o.drafts else None, len(o.prompt), point_route(o.params)
             )
             opens[o.key] = ipb.Open(
                 request_id=row.wire, prompt_token_ids=o.prompt, params=params_to_proto(o.params), seed=o.seed
@@ -257,8 +268,9 @@ class ServedExecutor:
                         for c in batch.copies
                         if c.key in mine
                     ],
+                    settles=self._settles(stub) if side == "verifier" else None,
                 )
-                if request.opens or request.chunks or request.copies:
+                if request.opens or request.chunks or request.copies or request.settles:
                     calls.append((stub, side, "Prefill", request, group))
         out: dict[str, Prefilled | BackendError] = {k: Prefilled([], 0) for k in keys}
         for key, side, answer in self._answers(calls, "prefill"):
@@ -288,6 +300,7 @@ class ServedExecutor:
                         previous=self._rows[k].previous,
                         k=asked[k].k,
                         proposer=asked[k].proposer.value if asked[k].proposer else "",
+                        p_x=self.draft_route == "probability" and self._rows[k].point,
                     )
                     for k in group
                 ]
@@ -298,8 +311,9 @@ class ServedExecutor:
         for key, _, answer in self._answers(calls, "propose", times):
             if not isinstance(answer, BackendError):
                 self._rows[key].fed = answer.fed
-                self.totals.probs_bytes += len(answer.probs.data)
-                answer = Proposal(list(answer.draft), answer.probs if answer.HasField("probs") else None)
+                self.totals.probs_bytes += len(answer.probs.data) + 8 * len(answer.p_x)
+                probs = answer.probs if answer.HasField("probs") else list(answer.p_x) or None  # (p(x~) alone: a list)
+                answer = Proposal(list(answer.draft), probs)
             out[key] = answer
         return [out[r.key] for r in rows]
 
@@ -310,33 +324,88 @@ class ServedExecutor:
             request = ipb.VerifyBatch(
                 rows=[
                     ipb.VerifyRow(
-                        request_id=self._wire(k), draft=asked[k].draft, probs=asked[k].probs, plan=asked[k].plan
+                        request_id=self._wire(r.key),
+                        draft=r.draft,
+                        probs=r.probs if isinstance(r.probs, ipb.DraftProbs) else None,
+                        p_x=r.probs if isinstance(r.probs, list) else [],
+                        plan=r.plan,
                     )
-                    for k in group
-                ]
+                    for r in map(asked.get, group)
+                ],
+                settles=self._settles(stub),
             )
             calls.append((stub, "verifier", "Verify", request, group))
         self.totals.steps += 1
         self.totals.rows += len(rows)
         self.totals.max_rows = max(self.totals.max_rows, len(rows))
         out: dict[str, Outcome | BackendError] = {}
+        pending: dict[str, ipb.Correction] = {}
         for key, _, answer in self._answers(calls, "verify", times):
             if not isinstance(answer, BackendError):
-                outcome = Outcome(
+                if answer.HasField("correction"):
+                    pending[key] = answer.correction
+                answer = Outcome(
                     list(answer.outcome.tokens),
                     answer.outcome.num_draft_accepted,
                     logprobs_from_proto(answer.logprobs) or None,
                     answer.escalated,
                 )
-                self._commit(self._rows[key], answer.outcome, outcome)
-                answer = outcome
             out[key] = answer
+        for key, token in self._correct(pending, out).items():
+            if isinstance(token, BackendError):
+                out[key] = token
+            else:
+                out[key].tokens.append(token)
+                self._rows[key].settle = token
+        for key, outcome in out.items():
+            if isinstance(outcome, Outcome):
+                self._commit(self._rows[key], outcome)
         return [out[r.key] for r in rows]
 
-    def _commit(self, row: _Row, message: ipb.Outcome, outcome: Outcome) -> None:
+    def _correct(self, pending: dict[str, ipb.Correction], out: dict) -> dict[str, int | BackendError]:
+        """The last token of each pending block, drawn by its drafter (one Correct per backend).
+        A row whose drafter cannot draw it fails (component "correction": its verifier waits
+        for a token that no other side can draw exactly)."""
+        self.totals.corrections += len(pending)
+        calls = [
+            (
+                stub,
+                "drafter",
+                "Correct",
+                ipb.CorrectBatch(
+                    rows=[
+                        ipb.CorrectRow(
+                            request_id=self._wire(k),
+                            position=out[k].num_draft_accepted,
+                            q=pending[k].q,
+                            u=pending[k].u,
+                        )
+                        for k in group
+                    ]
+                ),
+                group,
+            )
+            for stub, group in self._by_backend(pending, "drafter")
+        ]
+        tokens = {}
+        for key, _, answer in self._answers(calls, "correct"):
+            failed = isinstance(answer, BackendError)
+            tokens[key] = BackendError("correction", answer.code, answer.details) if failed else answer.token
+        return tokens
+
+    def _settles(self, stub) -> dict[str, int]:
+        """The tokens the verifier behind `stub` has not been told, for its next call (then sent)."""
+        settles = {}
+        for row in self._rows.values():
+            if row.verifier is stub and row.settle is not None:
+                settles[row.wire], row.settle = row.settle, None
+        return settles
+
+    def _commit(self, row: _Row, outcome: Outcome) -> None:
         """What the row's drafter will commit with its next Propose, and the positions its cache
         will still hold then (viasd.sessions.valid_after: as the drafter's commit computes them)."""
         if row.drafter is not None:
+            message = ipb.Outcome(tokens=outcome.tokens, num_draft_accepted=outcome.num_draft_accepted)
             row.previous = merge_outcomes(row.previous, message)
             row.fed = valid_after(row.fed, row.seq_len, outcome)
         row.seq_len += len(outcome.tokens)

@@ -4,7 +4,8 @@
 (`viasd.executor.DraftWorker`: a `DraftSession` per request, on rows of one cache store of the
 engine's capacity) behind one RPC per phase of an engine step: `Prefill` (open, feed prompt
 chunks, copy samples' rows), `Propose` (commit each row's outcomes, catch lagging drafters up,
-draft every block together: one batched drafter forward per round), `Release`. Rows with
+draft every block together: one batched drafter forward per round), `Correct` (probability
+only: the last token of each rejected block, from p's rows), `Release`. Rows with
 `overlap` whose blocks are likely accepted whole (`DraftSession.drafts_ahead`) then draft their
 next blocks, on the same thread, until the next call arrives. Forwards run on the process's
 model thread in arrival order (`InOrder`), so the event loop keeps answering; the servicer is
@@ -20,6 +21,7 @@ import time
 
 import filelock
 import ray
+import torch
 
 from viasd import model_thread
 from viasd.actors.rpc import (
@@ -29,6 +31,7 @@ from viasd.actors.rpc import (
     SideServicer,
     actor_facts,
     cores_lock,
+    decode_probs,
     encode_probs,
     row_error,
     rpc,
@@ -88,7 +91,7 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
         open here, named twice or asks for a bad k or proposer fails alone."""
         t0 = time.perf_counter()
         answers: list[ipb.Proposal | None] = [None] * len(request.rows)
-        work, seen = [], set()  # (row index, (key, k, proposer, previous outcome)); the keys in it
+        work, seen, point = [], set(), set()  # (row index, (key, k, proposer, previous)); keys; p(x~) alone
         for i, row in enumerate(request.rows):
             try:
                 self.worker.session(row.request_id)
@@ -107,10 +110,12 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
             )
             work.append((i, (row.request_id, row.k, proposer, previous)))
             seen.add(row.request_id)
+            if row.p_x:
+                point.add(row.request_id)
         self._stop_ahead()
         times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
         if work:
-            for i, answer in await self.core.work.submit(self._propose, work, times):
+            for i, answer in await self.core.work.submit(self._propose, work, point, times):
                 answers[i] = answer
             ahead = self.worker.ahead([key for i, (key, *_) in work if answers[i].draft])
             if ahead:  # draft the next blocks while the verifier checks these ones (rows likely accepted whole)
@@ -119,11 +124,17 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
                 self.core.work.submit(drive, ahead, exclusive=False).add_done_callback(_log_failure)
         return ipb.ProposeReply(rows=answers, times=times_to_proto(times, time.perf_counter() - t0))
 
-    def _propose(self, work: list, times: StepTimes) -> list[tuple[int, ipb.Proposal]]:
-        """On the model thread: the worker's propose phase, serialised (p can be megabytes); the
-        blocks come to the host with one read."""
+    def _propose(self, work: list, point: set[str], times: StepTimes) -> list[tuple[int, ipb.Proposal]]:
+        """On the model thread: the worker's propose phase, serialised (p can be megabytes; the
+        `point` rows' p(x~) alone); the blocks come to the host with one read."""
         proposals = self.worker.propose([w for _, w in work], times)
+        keys = [key for _, (key, *_) in work]
+        p_x = [  # [k] p(x~) each, or None: p's rows
+            p.gather(1, draft[:, None])[:, 0] if key in point and p is not None else None
+            for key, (draft, p) in zip(keys, proposals)
+        ]
         drafts = to_host([draft for draft, _ in proposals])
+        values = iter(torch.cat([x for x in p_x if x is not None]).tolist() if any(x is not None for x in p_x) else [])
         settle()  # (the forwards' device times, for the reply)
         return [
             (
@@ -131,13 +142,43 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
                 ipb.Proposal(
                     request_id=key,
                     draft=draft,
-                    probs=encode_probs(p, self.probs_dtype),
+                    probs=encode_probs(p, self.probs_dtype) if x is None else None,
+                    p_x=[] if x is None else [next(values) for _ in range(len(draft))],
                     work_seconds=times.work.get(key, 0.0),
                     fed=self.worker.held(key),
                 ),
             )
-            for (i, (key, *_)), draft, (_, p) in zip(work, drafts, proposals)
+            for (i, _), key, draft, (_, p), x in zip(work, keys, drafts, proposals, p_x)
         ]
+
+    @rpc
+    async def Correct(self, request: ipb.CorrectBatch, context) -> ipb.CorrectReply:
+        """Each pending block's last token (`DraftWorker.correct`); a row whose q does not decode
+        to one row of the vocabulary, whose session is gone or position wrong fails alone."""
+        t0 = time.perf_counter()
+        answers: list = [None] * len(request.rows)
+        work = []  # (row index, (key, position, q [V], u))
+        for i, row in enumerate(request.rows):
+            try:
+                q, vocab = decode_probs(row.q), self.worker.lm.vocab_size if self.worker.lm is not None else 0  # [1, V]
+                if q is None or tuple(q.shape) != (1, vocab) or not 0.0 <= row.u < 1.0:
+                    raise InvalidParameterError("q", f"one row of the vocabulary ({vocab}) and u in [0, 1) expected")
+            except InvalidParameterError as exc:
+                answers[i] = exc
+                continue
+            work.append((i, (row.request_id, row.position, q[0], row.u)))
+        self._stop_ahead()
+        if work:
+            tokens = await self.core.work.submit(self.worker.correct, [w for _, w in work])
+            for (i, _), token in zip(work, tokens):
+                answers[i] = token
+        rows = [
+            ipb.Corrected(request_id=r.request_id, error=row_error(a))
+            if isinstance(a, Exception)
+            else ipb.Corrected(request_id=r.request_id, token=a)
+            for r, a in zip(request.rows, answers)
+        ]
+        return ipb.CorrectReply(rows=rows, times=ipb.CallTimes(seconds=time.perf_counter() - t0))
 
     def shutdown(self) -> None:
         self._stop_ahead()

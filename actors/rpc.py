@@ -289,6 +289,7 @@ class SideServicer:
             ],
             [PrefillChunk(c.request_id, c.upto, self.drafter) for c in request.chunks],
             [Copy(c.request_id, c.leader) for c in request.copies],
+            dict(request.settles),
         )
         rows = [
             ipb.Prefilled(request_id=key, error=row_error(done))

@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import filelock
 import ray
+import torch
 
 from viasd import model_thread
 from viasd.actors.drafter import set_threads
@@ -40,6 +41,7 @@ from viasd.actors.rpc import (
     actor_facts,
     cores_lock,
     decode_probs,
+    encode_probs,
     row_error,
     rpc,
     serve_internal,
@@ -91,11 +93,11 @@ class VerifierRank(Side):
             ranks=world_size,
         )
 
-    def verify(self, rows: list[VerifyRow], times: StepTimes | None = None) -> list:
-        """One step over every row: the worker's verify phase (a follower's rows carry `Absent`
-        for p: rank 0 shares the sampled verdicts). `times` (rank 0) gets the forwards and each
-        row's work."""
-        return self.worker.verify(rows, times or StepTimes())
+    def verify(self, rows: list[VerifyRow], settles: dict[str, int], times: StepTimes | None = None) -> list:
+        """One step over every row after `settles`: the worker's verify phase (a follower's rows
+        carry `Absent` for p: rank 0 shares the sampled verdicts). `times` (rank 0) gets the
+        forwards and each row's work."""
+        return self.worker.verify(rows, times or StepTimes(), settles)
 
 
 #: What rank 0 sends the other ranks when it stops.
@@ -198,13 +200,14 @@ class VerifierServicer(SideServicer, internal_pb2_grpc.VerifierServiceServicer):
     async def Verify(self, request: ipb.VerifyBatch, context) -> ipb.VerifyReply:
         """One step over every row of the batch, on every rank in lockstep. Only this rank decodes
         the drafter's p (a row whose p does not decode fails alone, on no rank); the others get
-        its shape (`Absent`) and the sampled verdicts (`viasd.parallel.VerdictBroadcast`)."""
+        its shape (`Absent`) and the sampled verdicts (`viasd.parallel.VerdictBroadcast`). A block
+        rejected on p(x~) alone answers with its `Correction` in place of its last token."""
         t0 = time.perf_counter()
         results: list = [None] * len(request.rows)
         rows, where = [], []
         for i, r in enumerate(request.rows):
             try:
-                p = decode_probs(r.probs) if r.HasField("probs") else None  # [k, V] or None
+                p = decode_probs(r.probs) if r.HasField("probs") else _p_x(r)  # [k, V], [k] or None
             except InvalidParameterError as exc:
                 results[i] = exc
                 continue
@@ -212,7 +215,9 @@ class VerifierServicer(SideServicer, internal_pb2_grpc.VerifierServiceServicer):
             where.append(i)
         shapes = [row._replace(probs=Absent(tuple(row.probs.shape))) if row.probs is not None else row for row in rows]
         times = StepTimes()  # what the engine's cost model learns from (viasd.costs)
-        for i, result in zip(where, await self._run("verify", rows, local_args=(times,), follower_args=(shapes,))):
+        settles = dict(request.settles)
+        ran = await self._run("verify", rows, settles, local_args=(times,), follower_args=(shapes, settles))
+        for i, result in zip(where, ran):
             results[i] = result
         answers = []
         for r, result in zip(request.rows, results):
@@ -227,9 +232,26 @@ class VerifierServicer(SideServicer, internal_pb2_grpc.VerifierServiceServicer):
                     logprobs=logprobs_to_proto(result.logprobs),
                     escalated=result.escalated,
                     work_seconds=times.work.get(key, 0.0),
+                    correction=_correction(result.correction),
                 )
             )
         return ipb.VerifyReply(rows=answers, times=times_to_proto(times, time.perf_counter() - t0))
+
+
+def _p_x(row: ipb.VerifyRow) -> torch.Tensor | None:
+    """A row's p(x~) [k] (probability only), or None: none sent."""
+    if not row.p_x:
+        return None
+    if len(row.p_x) != len(row.draft) or not all(0.0 < x <= 1.0 for x in row.p_x):
+        raise InvalidParameterError("p_x", f"{len(row.draft)} probabilities in (0, 1] expected, one per draft token")
+    return torch.tensor(list(row.p_x), dtype=torch.float64)  # [k]
+
+
+def _correction(correction) -> ipb.Correction | None:
+    """An outcome's pending last token on the wire (q's row exact, its uniform)."""
+    if correction is None:
+        return None
+    return ipb.Correction(q=encode_probs(correction.q[None]), u=correction.u)
 
 
 def _q_proj_rows(linear) -> int:

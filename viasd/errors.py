@@ -54,7 +54,9 @@ class CapacityError(InvalidParameterError):
 
 class BackendError(ViaSDError):
     """A part of the engine that runs elsewhere failed for some rows (served: an RPC to the drafter
-    or a verifier rank). `component` is "drafter" or "verifier"; `code` a gRPC status name."""
+    or a verifier rank). `component` is "drafter", "verifier" or "correction" (the drafter could
+    not draw a rejected block's last token, probability only: the row cannot go on); `code` a
+    gRPC status name."""
 
     def __init__(self, component: str, code: str, details: str):
         self.component, self.code, self.details = component, code, details

@@ -12,7 +12,9 @@ executor runs the phases of a step, each over every row that takes part and at m
     propose(rows)   every drafting row's block: its drafter commits what it has not seen, catches
                     up when it lags, drafts k tokens (one batched forward per round)
     verify(rows)    every row's block checked by its plan's rule, or one token decoded: its
-                    Outcome, committed on the verifier's side
+                    Outcome, committed on the verifier's side (served, probability only: a
+                    rejected block's last token is drawn by the drafter, `DraftWorker.correct`,
+                    and handed to the verifier with its next call, `VerifyWorker.settle`)
     release(keys)   free the rows of requests that left; each side's counters come back
 
 `LocalExecutor` runs the drafter's half (`DraftWorker`) and the verifier's half (`VerifyWorker`)
@@ -35,11 +37,12 @@ import torch
 from torch import Tensor
 
 from viasd import model_thread
-from viasd.config import CachePolicy, GenerationParams, Mode, Proposer
+from viasd.config import CachePolicy, GenerationParams, Mode, Proposer, Rule
 from viasd.costs import CostModel, StepTimes, profile
 from viasd.errors import BackendError, InvalidParameterError
 from viasd.metrics import RequestStats, TokenLogprob
 from viasd.planner import PLANS, Plan
+from viasd.rules import correct_rows, rule_from_params
 from viasd.runtime import LayerMask, MaskedLM
 from viasd.sessions import (
     DraftSession,
@@ -144,11 +147,12 @@ class Copy(NamedTuple):
 
 @dataclass
 class PrefillBatch:
-    """A step's prefill phase, applied in this order: opens, chunks, copies."""
+    """A step's prefill phase, applied in this order: settles (a verifier's), opens, chunks, copies."""
 
     opens: list[Open] = field(default_factory=list)
     chunks: list[PrefillChunk] = field(default_factory=list)
     copies: list[Copy] = field(default_factory=list)
+    settles: dict[str, int] = field(default_factory=dict)  # key -> the drawn last token (`VerifyWorker.settle`)
 
     def __bool__(self) -> bool:
         return bool(self.opens or self.chunks or self.copies)
@@ -315,6 +319,36 @@ class DraftWorker(_Side):
         )
         return [proposals[key] for key, *_ in rows]
 
+    def correct(self, rows: Sequence[tuple[str, int, Tensor, float]]) -> list[int | InvalidParameterError]:
+        """Probability only: the last token of each block its verifier left pending (key, the
+        rejected position in the block last proposed, q's row there [V], the block's uniform),
+        drawn from this side's p rows (`rules.correct_rows`, all rows at once). A row whose
+        session is gone or whose position its block does not have fails alone."""
+        out: list = [None] * len(rows)
+        asks = []
+        for i, (key, position, q, u) in enumerate(rows):
+            try:
+                session = self.session(key)
+                if not 0 <= position < len(session.last_p):
+                    raise InvalidParameterError(
+                        "position", f"{position} outside the {len(session.last_p)} sampled rows of its last block"
+                    )
+            except InvalidParameterError as exc:
+                out[i] = exc
+                continue
+            asks.append((i, session, session.last_p[position], q, u))
+        if asks:
+            _, sessions, p, q, u = zip(*asks)
+            tokens = correct_rows(
+                [rule_from_params(s.params) for s in sessions],
+                torch.cat(p),  # [N, V]
+                torch.stack(q).to(p[0].device),  # [N, V]
+                torch.tensor(u, dtype=torch.float64, device=p[0].device),  # [N]
+            )
+            for (i, *_), token in zip(asks, tokens.tolist()):
+                out[i] = token
+        return out
+
     def ahead(self, keys: Sequence[str]) -> dict:
         """`overlap`: the step generators that draft the next blocks of the rows likely accepted
         whole (DraftSession.drafts_ahead), to run beside the verification; `stop` ends them."""
@@ -364,11 +398,26 @@ class VerifyWorker(_Side):
     def held(self, key: str) -> int:
         return self.session(key).full.pos
 
-    def verify(self, rows: Sequence[VerifyRow], times: StepTimes) -> list[Outcome | InvalidParameterError]:
+    def settle(self, settles: dict[str, int]) -> None:
+        """Hand requests left unsettled by a probability-only block their drawn last token
+        (`VerifySession.settle`); requests released since are skipped."""
+        for key, token in settles.items():
+            if key in self.sessions:
+                if not 0 <= token < self.lm.vocab_size:
+                    raise InvalidParameterError(
+                        "settles", f"token {token} outside the vocabulary ({self.lm.vocab_size})"
+                    )
+                self.sessions[key].settle(token)
+
+    def verify(
+        self, rows: Sequence[VerifyRow], times: StepTimes, settles: dict[str, int] | None = None
+    ) -> list[Outcome | InvalidParameterError]:
         """One step over every row (`viasd.sessions.drive`: one slim forward over the `via` rows,
-        one full forward over the rest and the escalated rows), each outcome committed. A row
-        whose session is gone, named twice or whose block is malformed fails alone (its error
-        in its place); `times` gets the forwards and each row's work between them, by key."""
+        one full forward over the rest and the escalated rows), each outcome committed, after
+        `settles` (`settle`). A row whose session is gone or unsettled, named twice or whose
+        block is malformed fails alone (its error in its place); `times` gets the forwards and
+        each row's work between them, by key."""
+        self.settle(settles or {})
         out: list = [None] * len(rows)
         steps, index = {}, {}
         for i, row in enumerate(rows):
@@ -386,6 +435,8 @@ class VerifyWorker(_Side):
 
     def _steps(self, session: VerifySession, row: VerifyRow):
         """A row's step generator, its draft, p and plan checked first (InvalidParameterError)."""
+        if session.unsettled:
+            raise InvalidParameterError("settles", "the request's last token was drawn elsewhere and not settled")
         mode = plan_mode(session.params, row.plan, len(row.draft) > 0)
         if not len(row.draft):
             return session.decode_one_steps()
@@ -397,10 +448,14 @@ class VerifyWorker(_Side):
                     "draft", f"token ids {bad[:5]} outside the vocabulary ({self.lm.vocab_size})"
                 )
             draft = torch.tensor(draft, dtype=torch.long, device=self.lm.device)  # [k]
-        p = row.probs  # [k, V] or None (a point mass)
-        if p is not None and tuple(p.shape) != (len(row.draft), self.lm.vocab_size):
+        p = row.probs  # [k, V], [k] (probability only) or None (a point mass)
+        if p is not None and tuple(p.shape) not in ((len(row.draft), self.lm.vocab_size), (len(row.draft),)):
             raise InvalidParameterError(
                 "probs", f"shape {tuple(p.shape)} does not match {len(row.draft)} draft tokens x {self.lm.vocab_size}"
+            )
+        if p is not None and p.ndim == 1 and (session.sampler.greedy or not point_route(session.params)):
+            raise InvalidParameterError(
+                "p_x", "only sampled requests without logprobs or the staged rule take draft probabilities alone"
             )
         model = session.params.proposer == Proposer.MODEL and row.plan != "ngram"  # (n-gram blocks have no p)
         if p is None and not session.sampler.greedy and model:
@@ -416,6 +471,13 @@ class SessionNotFound(InvalidParameterError):
 
     def __reduce__(self):
         return (SessionNotFound, (self.message,))
+
+
+def point_route(params: GenerationParams) -> bool:
+    """Whether a request's sampled blocks may travel as their draft tokens' probabilities alone
+    (served, probability only): not when it asks for logprobs (a pending token has none yet) or
+    runs the staged rule (its first stage draws from p's whole rows on the verifier)."""
+    return params.logprobs is None and params.rule != Rule.STAGED
 
 
 def plan_mode(params: GenerationParams, plan: str, drafted: bool) -> Mode | None:
@@ -448,6 +510,9 @@ def prefill(
     def applies(side, drafter_too: bool) -> bool:
         return drafter_too or not isinstance(side, DraftWorker)
 
+    for side in sides:
+        if isinstance(side, VerifyWorker):
+            side.settle(batch.settles)
     for o in batch.opens:
         for side in sides:
             if applies(side, o.drafts) and o.key not in out:

@@ -22,7 +22,7 @@ Backends behind one call, :func:`shard_model`:
 * ``TPBackend.NONE``: the model unchanged (every rank holds all weights).
 
 Sampled acceptance: only rank 0 holds the drafter's probability rows p; it decides each batched
-sampled check and broadcasts the verdicts ([B, 3] integers) within the group
+sampled check and broadcasts the verdicts ([B, 4] integers) within the group
 (:class:`VerdictBroadcast`), while the other ranks consume the same random draws, so every rank
 commits the same tokens and keeps the same random streams.
 
@@ -151,7 +151,7 @@ def init_tp(group: TPGroup, timeout: datetime.timedelta = datetime.timedelta(min
 
 class VerdictBroadcast(VerdictShare):
     """Sampled `Check` verdicts from rank 0 to the other ranks of the live process group
-    (`torch.distributed.broadcast` of [B, 3] int64 on the group's device: 24 B a row), so no
+    (`torch.distributed.broadcast` of [B, 4] int64 on the group's device: 32 B a row), so no
     follower needs the drafter's probability rows (`viasd.sessions.VerdictShare`)."""
 
     def __init__(self, rank: int):
@@ -165,7 +165,7 @@ class VerdictBroadcast(VerdictShare):
     def follow(self, rows: int, device: torch.device) -> torch.Tensor:
         import torch.distributed as dist
 
-        verdicts = torch.empty(rows, 3, dtype=torch.long, device=device)  # [B, 3]
+        verdicts = torch.empty(rows, 4, dtype=torch.long, device=device)  # [B, 4]
         dist.broadcast(verdicts, src=0)
         return verdicts
 

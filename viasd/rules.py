@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from viasd.errors import InvalidParameterError
-from viasd.sampling import sample_rows, uniforms
+from viasd.sampling import inverse_cdf, uniforms
 
 if TYPE_CHECKING:
     from viasd.config import GenerationParams
@@ -284,23 +284,27 @@ class Blocks:
 
 @dataclass(frozen=True)
 class BatchVerdict:
-    """`Verdict` for B independent blocks, on the device."""
+    """`Verdict` for B independent blocks, on the device. A rejected block whose p came as its
+    draft tokens' probabilities alone (`verify_rows` with p [M]) is pending: its token is -1, to
+    be drawn where p's rows are (`correct_rows`) from q's row at the rejection with its `u`."""
 
     num_accepted: Tensor  # [B] long
-    token: Tensor  # [B] long
+    token: Tensor  # [B] long; -1: pending
     bonus: Tensor  # [B] bool
+    u: Tensor | None = None  # [B] float64: the uniform each block's token is drawn at (0: greedy; None: all greedy)
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}={tuple(getattr(self, k).shape)}" for k in ("num_accepted", "token", "bonus"))
         return f"BatchVerdict({shapes})"
 
 
-def _normalised_residual(rule: AcceptanceRule, p: Tensor, q: Tensor) -> Tensor:
-    """norm(residual(p, q)) row by row, or q where the residual's mass is 0 (only through
-    rounding, e.g. p == q): [N, V], [N, V] -> [N, V]."""
+def _residual_law(rule: AcceptanceRule, p: Tensor, q: Tensor) -> Tensor:
+    """residual(p, q) row by row, or q where its mass is 0 (only through rounding, e.g. p == q):
+    [N, V], [N, V] -> [N, V], unnormalised (`sampling.inverse_cdf` scales by each row's total).
+    Elementwise but for the mass's sign, which no summation order changes: a row's law is the
+    same bits whatever rows are beside it."""
     res = rule.residual(p, q)  # [N, V]
-    mass = res.sum(dim=-1, keepdim=True)  # [N, 1]
-    return torch.where(mass > 0, res / mass, q)
+    return torch.where(res.sum(dim=-1, keepdim=True) > 0, res, q)
 
 
 def _by_rule(rules: Sequence[AcceptanceRule], fn, *columns: Tensor, counts: Sequence[int] | None = None) -> Tensor:
@@ -338,18 +342,24 @@ def verify_rows(
       generator; a greedy block (p and q one-hot) draws nothing and accepts iff a_j = 1;
       at block b's first rejection j commit a token from norm(rules[b].residual(p_j, q_j)) (q_j if
       that residual has zero mass); when all T_b pass, a bonus token from q_{T_b}; the token is
-      drawn by `sampling.sample_rows` (argmax when greedy, else one more uniform of the block's
-      stream).
+      the inverse CDF of that law at one more uniform of the block's stream (`sampling.sample_rows`;
+      argmax when greedy).
     Greedy: accepts while x~_j == argmax q_j, then commits argmax q_j -- greedy speculative decoding.
+
+    Probability only: p [M] holds just p_j(x~_j), all acceptance needs. Sampled blocks only: the
+    same draws are made, bonus tokens committed, and each rejected block left pending (token -1)
+    with its u, for `correct_rows` to finish from p_j's whole row and q_j where p_j is.
     """
-    assert p.ndim == 2 and q.ndim == 2 and draft.ndim == 1, "p [M, V], q [M + B, V], draft [M]"
+    point = p.ndim == 1
+    assert (p.ndim in (1, 2)) and q.ndim == 2 and draft.ndim == 1, "p [M, V] or [M], q [M + B, V], draft [M]"
     b, m, dev = len(lengths), sum(lengths), q.device
     assert min(lengths, default=1) >= 1 and p.shape[0] == draft.shape[0] == m and q.shape[0] == m + b, (
         f"shapes p {tuple(p.shape)}, q {tuple(q.shape)}, draft {tuple(draft.shape)}, lengths {list(lengths)}"
     )
+    assert not (point and any(greedy)), "probability-only blocks are sampled"
     layout = Blocks(lengths, dev)
     ends, p_start, q_start, q_rows = layout.ends, layout.p_start, layout.q_start, layout.q_rows
-    p_x = p.gather(-1, draft[:, None])[:, 0]  # [M]
+    p_x = p if point else p.gather(-1, draft[:, None])[:, 0]  # [M]
     q_x = q[q_rows, draft]  # [M]
     a = _by_rule(rules, lambda rule, px, qx: rule.accept_prob(px, qx), p_x, q_x, counts=lengths)  # [M]
     draws = [0 if g else n for g, n in zip(greedy, lengths)]
@@ -359,11 +369,33 @@ def verify_rows(
         u[torch.tensor(sampled, device=dev)] = uniforms(generators, draws, dev)
     num_accepted = leading(u < a.to(torch.float64), lengths)  # [B]
     bonus = num_accepted == ends  # [B]
-    j = torch.minimum(num_accepted, ends - 1)  # [B] first rejected position (clamped for bonus blocks)
     q_at = q[q_start + num_accepted]  # [B, V]: the bonus law where all were accepted, else q_j
-    recovered = _by_rule(rules, _normalised_residual, p[p_start + j], q_at)  # [B, V]
-    law = torch.where(bonus[:, None], q_at, recovered)  # [B, V]
-    return BatchVerdict(num_accepted=num_accepted, token=sample_rows(law, greedy, generators), bonus=bonus)
+    if point:
+        law = q_at  # (the rejected blocks' tokens are left pending)
+    else:
+        j = torch.minimum(num_accepted, ends - 1)  # [B] first rejected position (clamped for bonus blocks)
+        law = torch.where(bonus[:, None], q_at, _by_rule(rules, _residual_law, p[p_start + j], q_at))  # [B, V]
+    token = law.argmax(dim=-1)  # [B] (greedy)
+    sampled = [i for i, g in enumerate(greedy) if not g]
+    if not sampled:
+        return BatchVerdict(num_accepted=num_accepted, token=token, bonus=bonus)
+    u_token = torch.zeros(b, dtype=torch.float64, device=dev)  # [B]
+    rows = torch.tensor(sampled, device=dev)
+    u_token[rows] = uniforms([generators[i] for i in sampled], [1] * len(sampled), dev)
+    token = token.index_copy(0, rows, inverse_cdf(law[rows], u_token[rows]))
+    if point:
+        token = torch.where(bonus, token, -1)
+    return BatchVerdict(num_accepted=num_accepted, token=token, bonus=bonus, u=u_token)
+
+
+def correct_rows(rules: Sequence[AcceptanceRule], p: Tensor, q: Tensor, u: Tensor) -> Tensor:
+    """The tokens of N pending blocks (`verify_rows` with p [M]): p [N, V] the drafter's row at
+    each block's rejected position, q [N, V] the verifier's there, u [N] the block's uniform ->
+    [N] long, the inverse CDF of norm(residual(p, q)) at u: bit for bit the token `verify_rows`
+    commits given p's whole rows, whatever rows are drawn together (`_residual_law`,
+    `sampling.inverse_cdf`)."""
+    assert p.ndim == 2 and p.shape == q.shape and u.shape == p.shape[:1], (tuple(p.shape), tuple(q.shape))
+    return inverse_cdf(_by_rule(rules, _residual_law, p.to(q.dtype), q), u.to(torch.float64))
 
 
 def skip_verify_draws(lengths: Sequence[int], generators: Sequence[torch.Generator | None], device) -> None:
@@ -432,7 +464,8 @@ def output_distribution(rule: AcceptanceRule, p: Tensor, q: Tensor) -> Tensor:
     """
     assert p.ndim == 1 and q.ndim == 1, "p [V], q [V]"
     kept = p * rule.accept_prob(p, q)  # [V] accepted mass of each draft token
-    recovered = _normalised_residual(rule, p[None], q[None])[0]  # [V]
+    recovered = _residual_law(rule, p[None], q[None])[0]  # [V]
+    recovered = recovered / recovered.sum()  # norm(residual)
     return kept + (1.0 - kept.sum()) * recovered
 
 
@@ -472,5 +505,6 @@ def three_tier_mixture(
     in_b = (regions == int(Region.REWRITE)).to(p.dtype)  # [V]
     in_c = (regions == int(Region.ESCALATE)).to(p.dtype)  # [V]
     a = rule.accept_prob(p, q)  # [V]
-    recovered = _normalised_residual(rule, p[None], q[None])[0]  # [V]
+    recovered = _residual_law(rule, p[None], q[None])[0]  # [V]
+    recovered = recovered / recovered.sum()  # norm(residual)
     return in_a * p + (in_b * p).sum() * q_slim + in_c * p * a + (in_c * p * (1.0 - a)).sum() * recovered

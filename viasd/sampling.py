@@ -56,10 +56,9 @@ def sample_rows(probs: Tensor, greedy: Sequence[bool], generators: Sequence[torc
     """Draw one token per row of `probs` [N, V] (rows need not be normalised) -> [N] long, on the device.
 
     Greedy rows take argmax_v probs[n, v] (the lowest id on ties) and draw nothing. Every other row
-    draws one uniform u ~ U[0, 1) (float64) from its own generator and takes the inverse of its CDF:
-    the first v with cdf_v > u * cdf_{V-1}, where cdf = cumsum(probs[n]) in float64, so a token of
-    probability 0 is never drawn. Consecutive rows with the same generator draw their uniforms in
-    one call, in row order, so a request's stream does not depend on the rows around it.
+    draws one uniform u ~ U[0, 1) (float64) from its own generator and takes `inverse_cdf` at it.
+    Consecutive rows with the same generator draw their uniforms in one call, in row order, so a
+    request's stream does not depend on the rows around it.
     """
     assert probs.ndim == 2 and len(greedy) == len(generators) == probs.shape[0], (tuple(probs.shape), len(greedy))
     token = probs.argmax(dim=-1)  # [N]
@@ -67,11 +66,19 @@ def sample_rows(probs: Tensor, greedy: Sequence[bool], generators: Sequence[torc
     if not sampled:
         return token
     u = uniforms([generators[i] for i in sampled], [1] * len(sampled), probs.device)  # [M]
-    cdf = probs[sampled].to(torch.float64).cumsum(dim=-1)  # [M, V]
-    total = cdf[:, -1]  # [M]
-    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [M] < total, even rounded
-    pick = torch.searchsorted(cdf, x[:, None], right=True)[:, 0]  # [M] the first v with cdf_v > x: mass > 0
-    return token.index_copy(0, torch.tensor(sampled, device=probs.device), pick)
+    return token.index_copy(0, torch.tensor(sampled, device=probs.device), inverse_cdf(probs[sampled], u))
+
+
+def inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The token each row of `probs` [N, V] (unnormalised, >= 0, some mass) puts at u [N] in [0, 1):
+    the first v with cdf_v > u * cdf_{V-1}, cdf = cumsum(probs[n]) in float64, so a token of
+    probability 0 is never drawn -> [N] long. Row by row: a row's token does not depend on the
+    rows beside it (the cumulative sum runs along each row), so a row drawn alone elsewhere (the
+    drafter's probability-only correction, viasd.rules.correct_rows) gets the same token."""
+    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [N, V]
+    total = cdf[:, -1]  # [N]
+    x = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # [N] < total, even rounded
+    return torch.searchsorted(cdf, x[:, None], right=True)[:, 0]  # [N] the first v with cdf_v > x: mass > 0
 
 
 def uniforms(generators: Sequence[torch.Generator | None], counts: Sequence[int], device) -> Tensor:

@@ -33,6 +33,7 @@ device; a step reads the host once for its committed tokens (a `via` step once m
 from __future__ import annotations
 
 import itertools
+import struct
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -109,11 +110,12 @@ class Draw:
 class Check:
     """Verify a block with an acceptance rule (viasd.rules.verify_rows): p [k, V] against the
     sampler's distributions of the verifier's logits [k + 1, V] (penalised by `context`); answered with
-    ([3] long on the device: accepted count, committed token, bonus as 0/1; q [k + 1, V], or None
-    for a greedy request, whose block is checked against the logits' argmax: rules.verify_greedy)."""
+    ([4] long on the device: accepted count, committed token (-1: pending), bonus as 0/1, the bits
+    of the token's float64 uniform; q [k + 1, V], or None for a greedy request, whose block is
+    checked against the logits' argmax: rules.verify_greedy)."""
 
     rule: AcceptanceRule
-    p: Tensor | None  # [k, V] (one-hot at the draft tokens for a point mass); None: greedy
+    p: Tensor | None  # [k, V] (one-hot at the draft tokens for a point mass), or [k]: p(x~) alone; None: greedy
     logits: Tensor  # [k + 1, V]
     draft: Tensor  # [k] long
     sampler: Sampler
@@ -159,28 +161,32 @@ class Score:
 
 @dataclass(frozen=True)
 class Absent:
-    """Draft probabilities p [rows, V] this process does not hold, only their shape: on a
-    tensor-parallel follower, whose `Check` verdicts rank 0 decides and shares (`VerdictShare`)."""
+    """Draft probabilities p [rows, V] or [rows] this process does not hold, only their shape: on
+    a tensor-parallel follower, whose `Check` verdicts rank 0 decides and shares (`VerdictShare`)."""
 
-    shape: tuple[int, int]
+    shape: tuple[int, ...]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
     def __getitem__(self, rows: slice) -> Absent:  # (a block checked from position `start` on)
-        return Absent((len(range(*rows.indices(self.shape[0]))), self.shape[1]))
+        return Absent((len(range(*rows.indices(self.shape[0]))), *self.shape[1:]))
 
 
 class VerdictShare:
     """How the ranks of a tensor-parallel group agree on sampled `Check` verdicts without every
     rank holding the drafter's p: the leader (rank 0) decides each batched call and `lead`s its
-    verdicts [B, 3] to the others, which `follow` (receive them) after consuming the same random
+    verdicts [B, 4] to the others, which `follow` (receive them) after consuming the same random
     draws (`rules.skip_verify_draws`). Every rank holds the same logits, so greedy checks, gates
     and draws need no sharing. Implementations: `viasd.parallel.VerdictBroadcast`."""
 
     leader: bool = True
 
-    def lead(self, verdicts: Tensor) -> None:  # [B, 3] long
+    def lead(self, verdicts: Tensor) -> None:  # [B, 4] long
         raise NotImplementedError
 
-    def follow(self, rows: int, device: torch.device) -> Tensor:  # -> [rows, 3] long
+    def follow(self, rows: int, device: torch.device) -> Tensor:  # -> [rows, 4] long
         raise NotImplementedError
 
 
@@ -422,24 +428,41 @@ def _check(asks: list[Check], share: VerdictShare | None = None) -> list[tuple[T
 def _sampled_verdicts(
     group: list[Check], probs: Tensor, draft: Tensor, lengths: list[int], share: VerdictShare | None
 ) -> Tensor:
-    """[B, 3] verdicts of sampled blocks (q = probs [M + B, V], draft [M]): decided here by their
+    """[B, 4] verdicts of sampled blocks (q = probs [M + B, V], draft [M]): decided here by their
     rules against p (`rules.verify_rows`), or, on a follower of `share`, rank 0's, received after
-    consuming the same random draws."""
+    consuming the same random draws. Blocks whose p is p(x~) alone ([k]) are left pending where
+    rejected; beside blocks with whole rows they run as rows holding p(x~) alone, token masked."""
     generators = [a.generator for a in group]
     if share is not None and not share.leader:
         skip_verify_draws(lengths, generators, probs.device)
         return share.follow(len(group), probs.device)
-    p = torch.cat([a.p.to(device=probs.device, dtype=probs.dtype) for a in group])  # [M, V]
+    point = [a.p.ndim == 1 for a in group]
+    parts = [a.p.to(device=probs.device, dtype=probs.dtype) for a in group]  # [k, V] or [k] each
+    if any(point) and not all(point):
+        parts = [
+            torch.zeros(a.draft.shape[0], probs.shape[1], dtype=probs.dtype, device=probs.device).scatter_(
+                1, a.draft[:, None], x[:, None]
+            )  # [k, V]: p(x~) at the draft tokens
+            if pt
+            else x
+            for a, x, pt in zip(group, parts, point)
+        ]
     rules = [a.rule for a in group]
-    verdicts = _stacked(verify_rows(rules, p, probs, draft, lengths, [False] * len(group), generators))
+    verdict = verify_rows(rules, torch.cat(parts), probs, draft, lengths, [False] * len(group), generators)
+    verdicts = _stacked(verdict)
+    if any(point) and not all(point):
+        pending = torch.tensor(point, device=probs.device) & ~verdict.bonus  # [B]
+        verdicts[:, 1] = torch.where(pending, -1, verdicts[:, 1])
     if share is not None:
         share.lead(verdicts)
     return verdicts
 
 
 def _stacked(v) -> Tensor:
-    """A `rules.BatchVerdict` as [B, 3] long: accepted count, committed token, bonus as 0/1."""
-    return torch.stack([v.num_accepted, v.token, v.bonus.long()], dim=-1)
+    """A `rules.BatchVerdict` as [B, 4] long: accepted count, committed token (-1: pending),
+    bonus as 0/1, the bits of the token's float64 uniform (0 for greedy blocks)."""
+    u = torch.zeros_like(v.num_accepted) if v.u is None else v.u.view(torch.long)  # [B]
+    return torch.stack([v.num_accepted, v.token, v.bonus.long(), u], dim=-1)
 
 
 def _gate(asks: list[Gate]) -> list[Tensor]:
@@ -545,6 +568,16 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 @dataclass
+class Correction:
+    """The last token of a block rejected on its draft tokens' probabilities alone (probability
+    only, docs/SERVING.md "Draft data on the wire"): drawn where the drafter's rows are
+    (`rules.correct_rows`) from q's row at the rejection, at the block's uniform u."""
+
+    q: Tensor  # [V] the verifier's distribution at the rejected position
+    u: float  # in [0, 1)
+
+
+@dataclass
 class Outcome:
     """What the verifier decided for one block (or one `ar` step)."""
 
@@ -552,13 +585,15 @@ class Outcome:
     num_draft_accepted: int  # how many of `tokens` are draft tokens: caches stay valid up to n + this
     logprobs: list[TokenLogprob] | None = None  # one per token when the request asks for logprobs
     escalated: bool = False  # the block went to q (a `via` cycle's region C, `staged`)
+    correction: Correction | None = None  # the last token is still to be drawn: `tokens` lacks it
 
 
 def valid_after(pos: int, seq_len: int, outcome: Outcome) -> int:
     """A tier's valid positions after a commit: it held `pos` of a sequence of `seq_len`
     committed tokens; what it fed stays valid up to the accepted draft tokens, and never past
     the new last token (the next forward must feed it to get the distribution after it)."""
-    return min(pos, seq_len + outcome.num_draft_accepted, seq_len + len(outcome.tokens) - 1)
+    count = len(outcome.tokens) + (outcome.correction is not None)
+    return min(pos, seq_len + outcome.num_draft_accepted, seq_len + count - 1)
 
 
 def drafter_lag(seq_len: int, fed: int) -> int:
@@ -566,6 +601,11 @@ def drafter_lag(seq_len: int, fed: int) -> int:
     its next round feeds, when more than CATCH_UP (else 0: they ride along in that round)."""
     lag = seq_len - 1 - fed
     return lag if lag > CATCH_UP else 0
+
+
+def _float64(bits: int) -> float:
+    """The float64 whose bit pattern is the int64 `bits` (a uniform read with a verdict)."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _commit(seq: list[int], tiers: Sequence[_Tier], outcome: Outcome) -> None:
@@ -865,6 +905,7 @@ class VerifySession(_Session):
         self.rule = rule_from_params(params)
         self.generator = torch.Generator(device=lm.device).manual_seed(seed)
         self.stats = stats
+        self.unsettled = False  # its last committed block's token is still being drawn (`settle`)
 
     def prefill_steps(self, upto: int, budget: int) -> list[Forward]:
         """Prefill q (and q' under the separate policy), or roll them back (`_Tier.prefill`). Under
@@ -941,12 +982,14 @@ class VerifySession(_Session):
         logits = yield self.full.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
         rows = None if p is None else p[start:]  # [k - start, V]
         context = self._context(draft, start)
-        verdict, _ = yield Check(self.rule, rows, logits[start:], draft[start:], self.sampler, self.generator, context)
-        *block, j, token, bonus = yield Read(torch.cat([draft, verdict]))  # the step's one read
+        verdict, q = yield Check(self.rule, rows, logits[start:], draft[start:], self.sampler, self.generator, context)
+        *block, j, token, bonus, u = yield Read(torch.cat([draft, verdict]))  # the step's one read
         stats.count_accepted(range(start, start + j))
         stats.num_rejected_tokens += 0 if bonus else 1
         stats.num_bonus_tokens += bonus
         stats.num_cycle_tokens += start + j + 1
+        if token < 0:  # probability only: the drafter draws the correction (`Outcome.correction`)
+            return Outcome(block[: start + j], start + j, correction=Correction(q[j], _float64(u)))
         tokens = block[: start + j] + [token]
         return Outcome(tokens, start + j, (yield from self._logprobs(logits, tokens)))
 
@@ -1005,7 +1048,7 @@ class VerifySession(_Session):
         k, stats, sampler = draft.shape[0], self.stats, self.sampler
         slim_raw = yield self.slim.ask(self.seq, k + 1, stats, draft)  # [k + 1, V]
         first, slim = yield Check(Lossless(), p, slim_raw, draft, sampler, self.generator, self._context(draft))
-        j, _, first_bonus = yield Read(first, decides=True)
+        j, _, first_bonus, _ = yield Read(first, decides=True)
         block = torch.cat([draft[:j], first[1:2]])  # [j + 1] y
         stats.slim_accepted += j
         stats.slim_rewritten += 0 if first_bonus else 1
@@ -1014,7 +1057,7 @@ class VerifySession(_Session):
         logits = yield self.full.ask(self.seq, j + 2, stats, block)  # [j + 2, V]
         proposal = None if slim is None else slim[: j + 1]  # [j + 1, V] q' (None: greedy, a point mass)
         second, _ = yield Check(Lossless(), proposal, logits, block, sampler, self.generator, self._context(block))
-        *y, a, token, bonus = yield Read(torch.cat([block, second]))
+        *y, a, token, bonus, _ = yield Read(torch.cat([block, second]))
         stats.full_accepted += a
         stats.count_accepted(range(a))
         stats.num_rejected_tokens += 0 if bonus else 1
@@ -1040,8 +1083,17 @@ class VerifySession(_Session):
     def commit(self, outcome: Outcome) -> None:
         """Append the tokens; roll q and q' back. Under the shared policy an escalation made q
         rewrite the kept layers' slots from its own position on, so after it both tiers hold q's
-        keys/values up to the same valid length."""
+        keys/values up to the same valid length. An outcome with a `correction` leaves the
+        session unsettled until `settle` hands it the drawn token."""
         _commit(self.seq, self.tiers, outcome)
+        self.unsettled = outcome.correction is not None
+
+    def settle(self, token: int) -> None:
+        """The drawn last token of the block committed unsettled."""
+        if not self.unsettled:
+            raise InvalidParameterError("settles", "the request has no token to settle")
+        self.seq.append(token)
+        self.unsettled = False
 
 
 def uses_slim(params: GenerationParams) -> bool:

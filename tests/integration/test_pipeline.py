@@ -61,6 +61,10 @@ CASES = {
     "sd-overlap-sampled": dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=15),
     "via-overlap-greedy": dict(VIA, overlap=True),
     "via-staged-sampled": dict(VIA, rule="staged", temperature=1.0, seed=16),  # (the staged rule travels)
+    # probability only: the drafter draws a rejected block's token from the lossy residual max(0, q - beta p)
+    "sd-lossy-sampled": dict(
+        mode="sd", gamma=4, rule="lossy", lossy_alpha=0.2, lossy_beta=0.5, temperature=1.0, seed=17
+    ),
 }
 COUNTERS = (
     "generated_tokens",
@@ -288,6 +292,8 @@ BATCH_WAVES = [
         (1, dict(mode="sd", gamma=4, overlap=True, temperature=1.0, seed=24, max_tokens=22)),
         (0, dict(VIA, temperature=1.0, seed=25, max_tokens=8)),
         (1, dict(mode="ar", max_tokens=26)),
+        # (the staged rule's blocks travel as p's rows: verified beside p(x~) alone, in one group)
+        (0, dict(VIA, rule="staged", temperature=1.0, seed=26, max_tokens=16)),
     ],
 ]
 
@@ -332,7 +338,8 @@ async def served_waves(coordinator, waves, prefix: str) -> list[list[int]]:
 def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
     """Mixed-mode requests joining and leaving one served batch: each request's tokens equal the
     in-process batched run's and its run alone, token for token (float32); the steps did run as
-    batches (one Verify per step carried rows of several modes) and every session is closed afterwards."""
+    batches (one Verify per step carried rows of several modes), sampled blocks travelled as p(x~)
+    alone, their rejected blocks' tokens drawn by the drafter, and every session is closed afterwards."""
     coord, totals = pipeline.coordinator, pipeline.executor.totals
     before = totals.to_dict()
     served = aio.run(served_waves(coord, BATCH_WAVES, "wave"))
@@ -348,6 +355,8 @@ def test_served_batch_equals_in_process_batch(aio, pipeline, llm):
     assert rows > 2 * verifies  # batches, not one request at a time
     assert totals.max_rows >= 6  # > the 4 rows of any one mode: a mixed-mode Verify
     assert after["calls"]["Propose"] - before["calls"].get("Propose", 0) <= steps  # at most one Propose per step
+    corrections = after["corrections"] - before["corrections"]
+    assert corrections > 0 and after["calls"]["Correct"] - before["calls"].get("Correct", 0) <= corrections
     assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
     assert coord.active_requests() == 0
 
@@ -644,6 +653,142 @@ def test_a_bad_row_fails_alone_in_a_batched_verify(aio, llm):
     forwards = batch.times.forwards
     assert [(f.tier, f.rows, f.tokens) for f in forwards] == [("full", 2, 3)] and forwards[0].seconds > 0
     assert [r.work_seconds > 0 for r in batch.rows] == [True, False, False, True, False]
+
+
+def test_probability_only_rows_are_checked_and_settled(aio, llm):
+    """Verify rows carrying p(x~) alone: a rejected block answers with q's row and its uniform in
+    place of its last token, and its session refuses the next block until a call settles that
+    token; a p(x~) of the wrong length or outside (0, 1], or for a request that asks for logprobs,
+    fails its row alone naming `p_x`; a settle nothing waits for fails the call naming `settles`.
+    The drafter draws the token (`Correct`) from its own p row; a position its last block does
+    not have, or a session it does not hold, fails alone."""
+    import torch
+
+    from viasd.actors.drafter import DrafterServicer
+    from viasd.actors.rpc import decode_probs
+    from viasd.rules import Lossless, correct_rows
+    from viasd.v1 import internal_pb2 as ipb
+    from viasd.v1 import internal_pb2_grpc
+
+    sampled = dict(mode="sd", temperature=1.0)
+
+    async def run():
+        rank, servicer = _verifier(llm)
+        drafter = DrafterServicer(llm.drafter, _capacity())
+        v_server, v_ch, _ = await _served(internal_pb2_grpc.add_VerifierServiceServicer_to_server, servicer)
+        d_server, d_ch, _ = await _served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, drafter)
+        try:
+            verifier, drafts = internal_pb2_grpc.VerifierServiceStub(v_ch), internal_pb2_grpc.DrafterServiceStub(d_ch)
+            opens = [_open("s", PROMPTS[0], **sampled), _open("l", PROMPTS[0], **sampled, logprobs=1)]
+            await verifier.Prefill(_prefill(opens), timeout=30)
+            await drafts.Prefill(_prefill(opens[:1]), timeout=30)
+            proposal = (
+                await drafts.Propose(ipb.ProposeBatch(rows=[ipb.ProposeRow(request_id="s", k=4, p_x=True)]))
+            ).rows[0]
+            draft = list(proposal.draft)
+            first = await verifier.Verify(
+                ipb.VerifyBatch(
+                    rows=[
+                        ipb.VerifyRow(
+                            request_id="s", draft=draft, p_x=[1.0] * 4
+                        ),  # q(x~) accepts: almost surely rejected
+                        ipb.VerifyRow(request_id="l", draft=draft, p_x=[1.0] * len(draft)),
+                    ]
+                ),
+                timeout=30,
+            )
+            blocked = await verifier.Verify(ipb.VerifyBatch(rows=[ipb.VerifyRow(request_id="s")]), timeout=30)
+            bad = await verifier.Verify(
+                ipb.VerifyBatch(
+                    rows=[
+                        ipb.VerifyRow(request_id="l", draft=[5, 6], p_x=[0.5]),
+                        ipb.VerifyRow(request_id="l", draft=[5], p_x=[1.5]),
+                    ]
+                ),
+                timeout=30,
+            )
+            verdict = first.rows[0]
+            position = verdict.outcome.num_draft_accepted
+            corrected = await drafts.Correct(
+                ipb.CorrectBatch(
+                    rows=[
+                        ipb.CorrectRow(
+                            request_id="s", position=position, q=verdict.correction.q, u=verdict.correction.u
+                        ),
+                        ipb.CorrectRow(request_id="s", position=4, q=verdict.correction.q, u=0.5),
+                        ipb.CorrectRow(request_id="nope", position=0, q=verdict.correction.q, u=0.5),
+                    ]
+                ),
+                timeout=30,
+            )
+            token = corrected.rows[0].token
+            settled = await verifier.Verify(
+                ipb.VerifyBatch(rows=[ipb.VerifyRow(request_id="s")], settles={"s": token}), timeout=30
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as twice:
+                await verifier.Verify(ipb.VerifyBatch(settles={"s": token}), timeout=30)
+            p_row = drafter.worker.session("s").last_p[position]  # [1, V]
+            seq = list(rank.worker.session("s").seq)
+            await verifier.Release(ipb.ReleaseBatch(request_ids=["s", "l"]))
+            await drafts.Release(ipb.ReleaseBatch(request_ids=["s"]))
+            return proposal, first, blocked, bad, corrected, settled, twice.value, p_row, seq
+        finally:
+            await v_ch.close()
+            await d_ch.close()
+            await v_server.stop(None)
+            await d_server.stop(None)
+
+    proposal, first, blocked, bad, corrected, settled, twice, p_row, seq = aio.run(run())
+    assert len(proposal.p_x) == len(proposal.draft) > 1 and not proposal.HasField("probs")  # p(x~) alone
+    verdict = first.rows[0]
+    assert verdict.HasField("correction") and not verdict.error.code
+    q = decode_probs(verdict.correction.q)  # [1, V]
+    assert q.shape == (1, llm.verifier.vocab_size) and 0.0 <= verdict.correction.u < 1.0
+    position = verdict.outcome.num_draft_accepted
+    assert len(verdict.outcome.tokens) == position < len(proposal.draft)  # the accepted draft tokens, the last pending
+    assert proposal.p_x[position] == float(p_row[0, proposal.draft[position]])  # p(x~), exact
+    want = correct_rows([Lossless()], p_row, q, torch.tensor([verdict.correction.u], dtype=torch.float64))
+    assert [r.token for r in corrected.rows[:1]] == want.tolist()
+    assert [r.error.code for r in corrected.rows] == ["", "INVALID_ARGUMENT", "NOT_FOUND"]
+    assert corrected.rows[1].error.message.startswith("position:")
+    assert [first.rows[1].error.code, *(r.error.code for r in bad.rows)] == ["INVALID_ARGUMENT"] * 3
+    assert all(r.error.message.startswith("p_x:") for r in [first.rows[1], *bad.rows])
+    assert blocked.rows[0].error.code == "INVALID_ARGUMENT" and blocked.rows[0].error.message.startswith("settles:")
+    assert not settled.rows[0].error.code and len(settled.rows[0].outcome.tokens) == 1
+    assert seq[len(PROMPTS[0]) + position] == corrected.rows[0].token  # settled, then decoded after it
+    assert twice.code() == grpc.StatusCode.INVALID_ARGUMENT and "settles" in twice.details()
+
+
+def test_a_correction_the_drafter_cannot_draw_fails_its_request_alone(aio, pipeline, llm):
+    """A drafter that fails its Correct calls: the sampled requests whose blocks it had to finish
+    fail (their verifier waits for a token only the drafter's p rows can give exactly: no fallback
+    to `ar`), a greedy request beside them completes as in process, and no session is left."""
+    from viasd.actors.drafter import DrafterServicer
+    from viasd.v1 import internal_pb2_grpc
+
+    class Failing(DrafterServicer):
+        async def Correct(self, request, context):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is gone")
+
+    drafter = Failing(llm.drafter, _capacity())
+    server, ch, address = aio.run(_served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, drafter))
+    aio.run(ch.close())
+    coord = _coordinator(pipeline, drafter_address=address, drafter_fallback=True)
+
+    async def run():
+        try:
+            sampled = _run(coord, "sampled", PROMPTS[0], mode="sd", gamma=4, temperature=1.0, seed=3)
+            greedy = _run(coord, "greedy", PROMPTS[1], mode="sd", gamma=3)
+            return await asyncio.gather(sampled, greedy, return_exceptions=True)
+        finally:
+            coord.close()
+            await server.stop(None)
+
+    sampled, greedy = aio.run(run())
+    assert isinstance(sampled, Exception) and "correction UNAVAILABLE" in str(sampled)
+    assert [t for c in greedy for t in c.token_ids] == reference(llm, PROMPTS[1], mode="sd", gamma=3).token_ids
+    assert len(drafter.sessions) == 0
+    assert _counts(aio, pipeline) == {"drafter": 0, "verifier": [0]}
 
 
 @pytest.mark.parametrize("chunk", [0, 4], ids=["whole", "chunked"])
@@ -1105,17 +1250,19 @@ def test_rank_disagreement_is_detected(aio, llm, engine_config):
 
 def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, llm, engine_config):
     """Tensor parallelism without the drafter's p on the followers: rank 0 decodes p, decides every
-    sampled check and shares the verdicts ([B, 3] integers); a follower gets token ids, plans and
-    p's shape only, consumes the same random draws, and commits the same tokens (check_ranks
-    compares every outcome) over several steps of sampled sd, via and staged rows beside greedy
-    and `ar` ones, so its random streams never part from rank 0's."""
+    sampled check and shares the verdicts ([B, 4] integers); a follower gets token ids, plans,
+    p's shape and the tokens to settle only, consumes the same random draws, and commits the same
+    tokens (check_ranks compares every outcome) over several steps of sampled sd (p(x~) alone, its
+    rejected blocks settled by the next call), via and staged rows beside greedy and `ar` ones, so
+    its random streams never part from rank 0's."""
     import pickle
     import queue
 
     import torch
 
-    from viasd.actors.rpc import encode_probs
+    from viasd.actors.rpc import decode_probs, encode_probs
     from viasd.llm import LLM
+    from viasd.rules import Lossless, correct_rows
     from viasd.sessions import Absent, VerdictShare
     from viasd.v1 import internal_pb2 as ipb
     from viasd.v1 import internal_pb2_grpc
@@ -1132,7 +1279,7 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
         def follow(self, rows, device):
             self.followed += rows
             verdicts = self.verdicts.get(timeout=30)
-            assert verdicts.shape == (rows, 3)
+            assert verdicts.shape == (rows, 4)
             return verdicts.to(device)
 
     shared = queue.Queue()
@@ -1148,14 +1295,23 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
         "ar": dict(mode="ar", temperature=1.0, seed=6),
     }
     g = torch.Generator().manual_seed(0)
+    sent_p = {}  # key -> its last block's p [3, V]
 
     def row(key, step):
         if key == "ar" or (key in ("sd", "via") and step % 2):  # (an empty block decodes one token: a Draw)
             return ipb.VerifyRow(request_id=key)
-        p = torch.softmax(torch.randn(3, vocab, generator=g) * 2, dim=-1)  # [3, V]
+        p = sent_p[key] = torch.softmax(torch.randn(3, vocab, generator=g) * 2, dim=-1)  # [3, V]
         draft = torch.multinomial(p, 1, generator=g)[:, 0]  # [3]
+        if key == "sd":  # probability only
+            return ipb.VerifyRow(request_id=key, draft=draft.tolist(), p_x=p.gather(1, draft[:, None])[:, 0].tolist())
         probs = None if key == "greedy" else encode_probs(p)
         return ipb.VerifyRow(request_id=key, draft=draft.tolist(), probs=probs, plan="")
+
+    def settle(verdict) -> int:
+        """The drafter's draw of a pending block's token."""
+        q, u = decode_probs(verdict.correction.q), torch.tensor([verdict.correction.u], dtype=torch.float64)
+        p_row = sent_p[verdict.request_id][verdict.outcome.num_draft_accepted][None]  # [1, V]
+        return int(correct_rows([Lossless()], p_row.double(), q, u)[0])
 
     async def run():
         rank, servicer = _verifier(llm, channel, [channel.start(follower)])
@@ -1164,12 +1320,15 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
         try:
             stub = internal_pb2_grpc.VerifierServiceStub(ch)
             await stub.Prefill(_prefill([_open(k, PROMPTS[0], **params) for k, params in keys.items()]), timeout=30)
-            batches = []
+            batches, settles, corrections = [], {}, 0
             for step in range(6):
-                batch = ipb.VerifyBatch(rows=[row(k, step) for k in keys])
+                batch = ipb.VerifyBatch(rows=[row(k, step) for k in keys], settles=settles)
                 reply = await stub.Verify(batch, timeout=30)
                 assert [r.error.code for r in reply.rows] == [""] * len(keys)
+                settles = {r.request_id: settle(r) for r in reply.rows if r.HasField("correction")}
+                corrections += len(settles)
                 batches.append(batch)
+            assert corrections > 0
             await stub.Release(ipb.ReleaseBatch(request_ids=list(keys)))
             return batches
         finally:
@@ -1183,21 +1342,23 @@ def test_followers_receive_no_probability_rows_and_commit_rank_0s_verdicts(aio, 
     assert shared.empty() and follower.worker.verdicts.followed >= 6 * 2 + 3
     assert [op for op, _ in channel.sent] == ["prefill", *["verify"] * 6, "release"]  # what crossed, in order
     verifies = [args for op, args in channel.sent if op == "verify"]
-    for (rows,), batch in zip(verifies, batches):
-        assert [r.key for r in rows] == list(keys)
+    for (rows, settles), batch in zip(verifies, batches):
+        assert [r.key for r in rows] == list(keys) and settles == dict(batch.settles)
         assert all(not isinstance(r.probs, (torch.Tensor, bytes)) for r in rows)  # no probability rows crossed
-        sampled = [r.request_id for r in batch.rows if r.HasField("probs")]
-        assert {r.key: r.probs for r in rows if r.probs is not None} == dict.fromkeys(sampled, Absent((3, vocab)))
-        sent = len(pickle.dumps(("verify", (rows,))))  # (the channel's message: op and arguments)
+        sampled = {r.request_id: Absent((3, vocab)) for r in batch.rows if r.HasField("probs")}
+        sampled |= {r.request_id: Absent((3,)) for r in batch.rows if r.p_x}
+        assert {r.key: r.probs for r in rows if r.probs is not None} == sampled
+        sent = len(pickle.dumps(("verify", (rows, settles))))  # (the channel's message: op and arguments)
         dense = sum(len(r.probs.data) for r in batch.rows if r.HasField("probs"))  # what crossed before
-        assert sent < 2048 and dense == len(sampled) * 3 * vocab * 4, (sent, dense)
+        rows_sent = sum(1 for r in batch.rows if r.HasField("probs"))
+        assert sent < 2048 and dense == rows_sent * 3 * vocab * 4, (sent, dense)
 
 
 def test_the_follower_bytes_table_is_what_the_arguments_pickle_to():
     """docs/TENSOR_PARALLEL.md's table of what crosses to a follower per step (16 sampled rows of
-    5 drafts over Qwen's vocabulary): the Verify call's arguments with p as Ray pickled them
-    before, the call with p's shape (`Absent`) as the control channel pickles it now, and the
-    [16, 3] int64 verdicts broadcast."""
+    5 drafts over Qwen's vocabulary, half of them settling a token): the Verify call's arguments
+    with p as Ray pickled them before, the call with p(x~)'s shape (`Absent`) and the settles as
+    the control channel pickles it now, and the [16, 4] int64 verdicts broadcast."""
     import pickle
     import re
     from pathlib import Path
@@ -1213,9 +1374,10 @@ def test_the_follower_bytes_table_is_what_the_arguments_pickle_to():
     keys, draft = [f"req-{i:04d}-abcdef" for i in range(rows)], list(range(100, 100 + k))
     probs = [encode_probs(torch.softmax(torch.randn(k, vocab, generator=g), -1)).SerializeToString() for _ in keys]
     before = len(pickle.dumps([(key, draft, p, "") for key, p in zip(keys, probs)], protocol=5))  # (Ray's)
-    shapes = [VerifyRow(key, list(draft), Absent((k, vocab)), "") for key in keys]
-    after = len(pickle.dumps(("verify", (shapes,))))  # what ControlChannel.send pickles (broadcast_object_list)
-    broadcast = torch.empty(rows, 3, dtype=torch.long).nbytes
+    shapes = [VerifyRow(key, list(draft), Absent((k,)), "") for key in keys]
+    settles = {key: 100_000 + i for i, key in enumerate(keys[::2])}
+    after = len(pickle.dumps(("verify", (shapes, settles))))  # what ControlChannel.send pickles (broadcast_object_list)
+    broadcast = torch.empty(rows, 4, dtype=torch.long).nbytes
     doc = (Path(__file__).parents[2] / "docs" / "TENSOR_PARALLEL.md").read_text()
     table = [int(n.replace(",", "")) for n in re.findall(r"^\| [^|]+ \| ([\d,]+) \|$", doc, re.M)]
     assert table == [before, after, broadcast]

@@ -367,3 +367,46 @@ def test_closing_a_stream_cancels_the_request(tiny_pair):
     it.close()
     engine.step()
     assert engine.scheduler.num_running == 0 and engine.executor.verifier.full_store.rows_in_use == 0
+
+
+def test_a_check_group_mixing_probability_only_blocks_with_whole_rows_decides_as_whole_rows():
+    """A served verifier's step can check blocks whose p came as p(x~) alone ([k]) beside blocks
+    with p's rows ([k, V]) in one group: every block gets the acceptance, bonus and uniform that
+    p's rows give it, a block with rows its token, a rejected p(x~) block -1 (pending)."""
+    from viasd.rules import Lossless, Lossy
+    from viasd.sampling import Sampler
+    from viasd.sessions import Check, _check
+
+    vocab, lengths = 64, [3, 2, 4, 3]
+    sampler = Sampler(temperature=1.0)
+    rules = [Lossless(), Lossy(alpha=0.2, beta=0.5), Lossless(), Lossless()]
+    pending = 0
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        blocks = []
+        for n in lengths:
+            p = torch.softmax(2 * torch.randn(n, vocab, generator=g), -1)  # [n, V]
+            draft = torch.multinomial(p, 1, generator=g)[:, 0]  # [n]
+            blocks.append((p, torch.randn(n + 1, vocab, generator=g) * 2, draft))
+
+        def asks(point: set[int]):
+            return [
+                Check(
+                    rules[b],
+                    p.gather(1, draft[:, None])[:, 0] if b in point else p,
+                    logits,
+                    draft,
+                    sampler,
+                    torch.Generator().manual_seed(100 * seed + b),
+                )
+                for b, (p, logits, draft) in enumerate(blocks)
+            ]
+
+        whole = torch.stack([v for v, _ in _check(asks(set()))])  # [B, 4]
+        mixed = torch.stack([v for v, _ in _check(asks({0, 1}))])
+        assert torch.equal(mixed[:, [0, 2, 3]], whole[:, [0, 2, 3]]) and torch.equal(mixed[2:], whole[2:])
+        for b in (0, 1):
+            want = whole[b, 1] if whole[b, 2] else -1  # (bonus: committed; rejected: pending)
+            assert int(mixed[b, 1]) == int(want), (seed, b)
+            pending += int(want) == -1
+    assert pending > 0

@@ -25,6 +25,7 @@ from viasd.rules import (
     OvershootCeiling,
     Region,
     Verdict,
+    correct_rows,
     gate,
     gate_ratio,
     gate_rows,
@@ -265,6 +266,56 @@ def test_verify_rows_equals_each_block_alone():
                 alone.token,
                 alone.bonus,
             ), (seed, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_probability_only_blocks_finished_elsewhere_commit_what_whole_rows_commit(dtype):
+    """p(x~) alone (p [M]) gives every block the acceptance, bonus and uniform that p's whole rows
+    give; a rejected block is left pending (token -1) and `correct_rows` draws, from its p row and
+    q row at the rejection and that uniform, the token `verify_rows` commits given the whole rows,
+    bit for bit: all pending rows at once, each alone, in reverse order. A rule whose residual has
+    zero mass (p == q at the rejection) falls back to q on both sides."""
+    rules = [Lossless(), Lossy(alpha=0.3, beta=0.6), OvershootCeiling(0.5), Lossless(), Lossless()]
+    lengths = [3, 1, 4, 2, 5]
+    V2 = 4096  # (a vocabulary wide enough for summation order to matter, were it to)
+    p = torch.cat([dist(80 + b, n, V2, scale=4.0) for b, n in enumerate(lengths)]).to(dtype)  # [M, V]
+    q = torch.cat([dist(90 + b, n + 1, V2, scale=4.0) for b, n in enumerate(lengths)]).to(dtype)  # [M + B, V]
+    q[-6:-1] = p[-5:]  # the last block: p == q, residual mass 0
+    starts = [0, 3, 4, 8, 10]
+    pending_seen = 0
+    for seed in range(30):
+        draft = torch.multinomial(p.double(), 1, generator=torch.Generator().manual_seed(seed))[:, 0]  # [M]
+        gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(5)]
+        whole = verify_rows(rules, p, q, draft, lengths, [False] * 5, gens)
+        gens = [torch.Generator().manual_seed(seed * 10 + b) for b in range(5)]
+        p_x = p.gather(-1, draft[:, None])[:, 0]  # [M]
+        point = verify_rows(rules, p_x, q, draft, lengths, [False] * 5, gens)
+        assert torch.equal(point.num_accepted, whole.num_accepted) and torch.equal(point.bonus, whole.bonus)
+        assert torch.equal(point.u, whole.u) and bool((point.u > 0).all())
+        assert torch.equal(point.token[whole.bonus], whole.token[whole.bonus])
+        pending = (~whole.bonus).nonzero()[:, 0].tolist()
+        assert point.token[pending].tolist() == [-1] * len(pending)
+        if not pending:
+            continue
+        pending_seen += len(pending)
+        q_start = [s + b for b, s in enumerate(starts)]
+        p_rows = torch.stack([p[starts[b] + int(whole.num_accepted[b])] for b in pending])  # [N, V]
+        q_rows = torch.stack([q[q_start[b] + int(whole.num_accepted[b])] for b in pending])  # [N, V]
+        u, mine = point.u[pending], [rules[b] for b in pending]
+        want = whole.token[pending]
+        assert torch.equal(correct_rows(mine, p_rows, q_rows, u), want), seed
+        order = list(range(len(pending)))[::-1]
+        assert torch.equal(correct_rows([mine[i] for i in order], p_rows[order], q_rows[order], u[order]), want[order])
+        for i in range(len(pending)):
+            assert torch.equal(
+                correct_rows(mine[i : i + 1], p_rows[i : i + 1], q_rows[i : i + 1], u[i : i + 1]), want[i : i + 1]
+            )
+    assert pending_seen > 30  # (the test exercised corrections)
+
+
+def test_probability_only_blocks_are_sampled():
+    with pytest.raises(AssertionError, match="sampled"):
+        verify_rows([Lossless()], torch.tensor([1.0]), one_hot([1, 2]), torch.tensor([1]), [1], [True], [None])
 
 
 def test_skip_verify_draws_consumes_exactly_what_verify_rows_draws():

@@ -1076,30 +1076,37 @@ def draft_routes(sources: list[dict]) -> list[str]:
     )
     for route in ROUTES:
         speeds = [p["routes"][route]["tokens_per_s"] for p in passes]
-        gain = statistics.mean(s / p["routes"][MEASURED]["tokens_per_s"] for s, p in zip(speeds, passes))
+        gain = statistics.mean(s / p["routes"][ROUTES[0]]["tokens_per_s"] for s, p in zip(speeds, passes))
         lines.append(
             _row(
                 [
-                    route + (" (measured)" if route == MEASURED else " (estimated)"),
-                    f"{passes[0]['routes'][route]['mb_per_full_step']:.2f}",
+                    route + (" (measured)" if route in MEASURED else " (estimated)"),
+                    f"{statistics.mean(p['routes'][route]['mb_per_full_step'] for p in passes):.2f}",
                     " / ".join(f"{s:.2f}" for s in speeds),
                     f"{gain:.2f}x",
                 ]
             )
         )
-    measured = [p["routes"][MEASURED]["tokens_per_s"] for p in passes]
-    rejected = [n for p in passes for n in p["rejected_rows"]]
+    spreads = {
+        route: (max(v) - min(v)) / statistics.mean(v)
+        for route in MEASURED
+        if (v := [p["routes"][route]["tokens_per_s"] for p in passes])
+    }
+    rejected = [n for p in passes for route in MEASURED for n in p["routes"][route]["rejected_rows"]]
     params = res["params"]
     return lines + [
         "",
         f"{res['rows']} sampled `{params.get('mode', 'sd')}` streams at once (temperature "
         f"{params.get('temperature', 1.0):g}, gamma {params.get('gamma', 5)}, {params.get('max_tokens')} tokens each; "
-        f"V = {res['vocab_size']:,}, p in {res['value_bytes']}-byte values), twice. Bytes are exact, recorded per "
-        f"verify phase; MB per step is the mean over the steps where every stream was verified, "
-        f"{min(rejected)} to {max(rejected)} of whose rows had a rejection. Transport priced at "
+        f"V = {res['vocab_size']:,}, p's rows in {res['value_bytes']}-byte values), each measured route "
+        f"{len(passes)} times, alternately. MB per step: the bytes of a step's Propose, Verify and Correct calls "
+        f"(requests and replies), the mean over the steps where every stream was verified, {min(rejected)} to "
+        f"{max(rejected)} of whose rows had a rejection. The estimate takes one hop of p's rows off the first "
+        "route's bytes and their transport, at "
         + " / ".join(f"{p['seconds_per_mb'] * 1e3:.2f}" for p in passes)
-        + " ms per MB (each Propose and Verify call's round trip less its service's seconds, against its bytes); "
-        f"the passes' measured tokens/s differ by {(max(measured) - min(measured)) / statistics.mean(measured):.1%}.",
+        + " ms per MB, off its wall time. A/A (a route's passes): "
+        + ", ".join(f"{route} {spread:.1%}" for route, spread in spreads.items())
+        + ".",
     ]
 
 

@@ -64,14 +64,23 @@ class PrefillCopy(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., leader: _Optional[str] = ...) -> None: ...
 
 class PrefillBatch(_message.Message):
-    __slots__ = ("opens", "chunks", "copies")
+    __slots__ = ("opens", "chunks", "copies", "settles")
+    class SettlesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     OPENS_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    SETTLES_FIELD_NUMBER: _ClassVar[int]
     opens: _containers.RepeatedCompositeFieldContainer[Open]
     chunks: _containers.RepeatedCompositeFieldContainer[PrefillChunk]
     copies: _containers.RepeatedCompositeFieldContainer[PrefillCopy]
-    def __init__(self, opens: _Optional[_Iterable[_Union[Open, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[PrefillCopy, _Mapping]]] = ...) -> None: ...
+    settles: _containers.ScalarMap[str, int]
+    def __init__(self, opens: _Optional[_Iterable[_Union[Open, _Mapping]]] = ..., chunks: _Optional[_Iterable[_Union[PrefillChunk, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[PrefillCopy, _Mapping]]] = ..., settles: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Prefilled(_message.Message):
     __slots__ = ("request_id", "prompt_logprobs", "error", "fed")
@@ -102,16 +111,18 @@ class Outcome(_message.Message):
     def __init__(self, tokens: _Optional[_Iterable[int]] = ..., num_draft_accepted: _Optional[int] = ...) -> None: ...
 
 class ProposeRow(_message.Message):
-    __slots__ = ("request_id", "previous", "k", "proposer")
+    __slots__ = ("request_id", "previous", "k", "proposer", "p_x")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    P_X_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     previous: Outcome
     k: int
     proposer: str
-    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., proposer: _Optional[str] = ...) -> None: ...
+    p_x: bool
+    def __init__(self, request_id: _Optional[str] = ..., previous: _Optional[_Union[Outcome, _Mapping]] = ..., k: _Optional[int] = ..., proposer: _Optional[str] = ..., p_x: _Optional[bool] = ...) -> None: ...
 
 class ProposeBatch(_message.Message):
     __slots__ = ("rows",)
@@ -136,20 +147,22 @@ class DraftProbs(_message.Message):
     def __init__(self, rows: _Optional[int] = ..., vocab_size: _Optional[int] = ..., data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., indices: _Optional[bytes] = ..., row_nnz: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Proposal(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "error", "work_seconds", "fed")
+    __slots__ = ("request_id", "draft", "probs", "error", "work_seconds", "fed", "p_x")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FED_FIELD_NUMBER: _ClassVar[int]
+    P_X_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     error: RowError
     work_seconds: float
     fed: int
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., work_seconds: _Optional[float] = ..., fed: _Optional[int] = ...) -> None: ...
+    p_x: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., work_seconds: _Optional[float] = ..., fed: _Optional[int] = ..., p_x: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ProposeReply(_message.Message):
     __slots__ = ("rows", "times")
@@ -160,38 +173,59 @@ class ProposeReply(_message.Message):
     def __init__(self, rows: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ..., times: _Optional[_Union[CallTimes, _Mapping]] = ...) -> None: ...
 
 class VerifyRow(_message.Message):
-    __slots__ = ("request_id", "draft", "probs", "plan")
+    __slots__ = ("request_id", "draft", "probs", "plan", "p_x")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
+    P_X_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     draft: _containers.RepeatedScalarFieldContainer[int]
     probs: DraftProbs
     plan: str
-    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., plan: _Optional[str] = ...) -> None: ...
+    p_x: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, request_id: _Optional[str] = ..., draft: _Optional[_Iterable[int]] = ..., probs: _Optional[_Union[DraftProbs, _Mapping]] = ..., plan: _Optional[str] = ..., p_x: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class VerifyBatch(_message.Message):
-    __slots__ = ("rows",)
+    __slots__ = ("rows", "settles")
+    class SettlesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    SETTLES_FIELD_NUMBER: _ClassVar[int]
     rows: _containers.RepeatedCompositeFieldContainer[VerifyRow]
-    def __init__(self, rows: _Optional[_Iterable[_Union[VerifyRow, _Mapping]]] = ...) -> None: ...
+    settles: _containers.ScalarMap[str, int]
+    def __init__(self, rows: _Optional[_Iterable[_Union[VerifyRow, _Mapping]]] = ..., settles: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class Correction(_message.Message):
+    __slots__ = ("q", "u")
+    Q_FIELD_NUMBER: _ClassVar[int]
+    U_FIELD_NUMBER: _ClassVar[int]
+    q: DraftProbs
+    u: float
+    def __init__(self, q: _Optional[_Union[DraftProbs, _Mapping]] = ..., u: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("request_id", "outcome", "logprobs", "escalated", "error", "work_seconds")
+    __slots__ = ("request_id", "outcome", "logprobs", "escalated", "error", "work_seconds", "correction")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     ESCALATED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     WORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CORRECTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     outcome: Outcome
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
     escalated: bool
     error: RowError
     work_seconds: float
-    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., escalated: _Optional[bool] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., work_seconds: _Optional[float] = ...) -> None: ...
+    correction: Correction
+    def __init__(self, request_id: _Optional[str] = ..., outcome: _Optional[_Union[Outcome, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., escalated: _Optional[bool] = ..., error: _Optional[_Union[RowError, _Mapping]] = ..., work_seconds: _Optional[float] = ..., correction: _Optional[_Union[Correction, _Mapping]] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
     __slots__ = ("rows", "times")
@@ -200,6 +234,42 @@ class VerifyReply(_message.Message):
     rows: _containers.RepeatedCompositeFieldContainer[Verdict]
     times: CallTimes
     def __init__(self, rows: _Optional[_Iterable[_Union[Verdict, _Mapping]]] = ..., times: _Optional[_Union[CallTimes, _Mapping]] = ...) -> None: ...
+
+class CorrectRow(_message.Message):
+    __slots__ = ("request_id", "position", "q", "u")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
+    U_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    position: int
+    q: DraftProbs
+    u: float
+    def __init__(self, request_id: _Optional[str] = ..., position: _Optional[int] = ..., q: _Optional[_Union[DraftProbs, _Mapping]] = ..., u: _Optional[float] = ...) -> None: ...
+
+class CorrectBatch(_message.Message):
+    __slots__ = ("rows",)
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[CorrectRow]
+    def __init__(self, rows: _Optional[_Iterable[_Union[CorrectRow, _Mapping]]] = ...) -> None: ...
+
+class Corrected(_message.Message):
+    __slots__ = ("request_id", "token", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token: int
+    error: RowError
+    def __init__(self, request_id: _Optional[str] = ..., token: _Optional[int] = ..., error: _Optional[_Union[RowError, _Mapping]] = ...) -> None: ...
+
+class CorrectReply(_message.Message):
+    __slots__ = ("rows", "times")
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMES_FIELD_NUMBER: _ClassVar[int]
+    rows: _containers.RepeatedCompositeFieldContainer[Corrected]
+    times: CallTimes
+    def __init__(self, rows: _Optional[_Iterable[_Union[Corrected, _Mapping]]] = ..., times: _Optional[_Union[CallTimes, _Mapping]] = ...) -> None: ...
 
 class ReleaseBatch(_message.Message):
     __slots__ = ("request_ids",)

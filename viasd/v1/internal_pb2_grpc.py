@@ -45,6 +45,11 @@ class DrafterServiceStub:
                 request_serializer=viasd_dot_v1_dot_internal__pb2.ProposeBatch.SerializeToString,
                 response_deserializer=viasd_dot_v1_dot_internal__pb2.ProposeReply.FromString,
                 _registered_method=True)
+        self.Correct = channel.unary_unary(
+                '/viasd.v1.DrafterService/Correct',
+                request_serializer=viasd_dot_v1_dot_internal__pb2.CorrectBatch.SerializeToString,
+                response_deserializer=viasd_dot_v1_dot_internal__pb2.CorrectReply.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/viasd.v1.DrafterService/Release',
                 request_serializer=viasd_dot_v1_dot_internal__pb2.ReleaseBatch.SerializeToString,
@@ -69,6 +74,14 @@ class DrafterServiceServicer:
 
     def Propose(self, request, context):
         """Each row's draft block, after committing the outcomes its drafter has not seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Correct(self, request, context):
+        """Probability only: the last token of each block its verifier left pending, drawn from the
+        drafter's p rows of the block it last proposed (viasd.rules.correct_rows).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +112,11 @@ def add_DrafterServiceServicer_to_server(servicer, server):
                     servicer.Propose,
                     request_deserializer=viasd_dot_v1_dot_internal__pb2.ProposeBatch.FromString,
                     response_serializer=viasd_dot_v1_dot_internal__pb2.ProposeReply.SerializeToString,
+            ),
+            'Correct': grpc.unary_unary_rpc_method_handler(
+                    servicer.Correct,
+                    request_deserializer=viasd_dot_v1_dot_internal__pb2.CorrectBatch.FromString,
+                    response_serializer=viasd_dot_v1_dot_internal__pb2.CorrectReply.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -166,6 +184,33 @@ class DrafterService:
             '/viasd.v1.DrafterService/Propose',
             viasd_dot_v1_dot_internal__pb2.ProposeBatch.SerializeToString,
             viasd_dot_v1_dot_internal__pb2.ProposeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Correct(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/viasd.v1.DrafterService/Correct',
+            viasd_dot_v1_dot_internal__pb2.CorrectBatch.SerializeToString,
+            viasd_dot_v1_dot_internal__pb2.CorrectReply.FromString,
             options,
             channel_credentials,
             insecure,
