@@ -1,18 +1,15 @@
 """The Ray Serve application: one deployment per pipeline, one replica = one whole pipeline.
 
-A replica starts its pipeline (drafter + verifier group + coordinator, or the in-process engine)
-in its constructor and serves it through one request handler (`cluster/handler.py`: defaults,
-admission, drain and metrics shared by both transports):
-
-* gRPC through Serve's gRPC proxy: `viasd.v1.GenerationService` by the standalone server's
-  `grpc_api.GenerationServicer` (which checks the bearer token of the HTTP API), and the standard
-  health service (no token);
-* HTTP through Serve's HTTP proxy: the OpenAI-compatible app of `openai_api`.
+A replica starts its pipeline (Ray actors, or the in-process engine) in its constructor and serves
+it through one request handler (`cluster/handler.py`: defaults, admission, drain and metrics shared
+by both transports): gRPC through Serve's gRPC proxy (`grpc_api.GenerationServicer`, which checks
+the HTTP API's bearer token, and the standard health service, no token), HTTP through Serve's HTTP
+proxy (the OpenAI-compatible app of `openai_api`).
 
 Autoscaling adds or removes whole pipelines. Faults are repaired inside the replica first
-(`Pipeline.supervise`); Serve's health check (`check_health`) reports the replica unhealthy, and
-Serve replaces it, only when the pipeline stays down for longer than a rebuild may take
-(`PipelineConfig.start_timeout_s`) or rebuilding is off.
+(`Pipeline.supervise`); `check_health` reports the replica unhealthy, and Serve replaces it, only
+when the pipeline stays down longer than a rebuild may take (`PipelineConfig.start_timeout_s`) or
+rebuilding is off.
 
     serve.start(http_options=..., grpc_options=grpc_options(config))
     serve.run(build_app(config), name=config.app_name, route_prefix="/")
@@ -73,15 +70,11 @@ class PipelineDeployment:
         self.name = pc.name
         backend = LocalPipeline if self.config.backend == "local" else Pipeline
         self.pipeline: Backend = await backend.start(pc)
-        limits = self.config.limits
-        options = self.config.metrics
-        metrics = ServingMetrics(
-            model_names(pc)[0], enabled=options.enabled, ray_export=options.ray_export
-        )  # (served name)
+        limits, options = self.config.limits, self.config.metrics
         self.server = RequestHandler(
             self.pipeline,
             default_params=self.config.default_params,
-            metrics=metrics,
+            metrics=ServingMetrics(model_names(pc)[0], enabled=options.enabled, ray_export=options.ray_export),
             max_concurrent_requests=running_limit(self.config, pc.name, self.pipeline),
             max_queued_requests=limits.max_queued_requests,
             max_tokens_default=limits.max_tokens_default,
@@ -89,9 +82,8 @@ class PipelineDeployment:
         self.servicer = GenerationServicer.over({pc.name: self.server}, pc.name)  # gRPC over the same handler
         http = self.config.http  # one token for both ports; None: authentication off
         self.token = read_token(http.token_file, http.token_env, field="http.token_file")
-        self._supervisor = None  # repairs the pipeline in place (actors backend, rebuild_actors on)
-        if pc.rebuild_actors:
-            self._supervisor = asyncio.ensure_future(self.pipeline.supervise())
+        # repairs the pipeline in place (actors backend, rebuild_actors on)
+        self._supervisor = asyncio.ensure_future(self.pipeline.supervise()) if pc.rebuild_actors else None
         self._rebuild_grace_s = pc.start_timeout_s
         self._down_since: float | None = None
         # `viasd drain` / SIGTERM of `viasd serve` (cluster/drain.py): drain, then end the rest with `abort`
@@ -134,9 +126,8 @@ class PipelineDeployment:
     # ------------------------------------------------------------------ Serve hooks
 
     async def pipeline_status(self) -> dict:
-        """For operators (through a Serve handle): this replica's process, its actors' processes,
-        what the supervisor rebuilt, the health detail, and how many requests its pipeline's
-        coordinator has taken (None for the in-process backend)."""
+        """For operators (through a Serve handle): this replica's process and health, and its
+        pipeline's `status()` (actors' processes, rebuilds, requests taken)."""
         ok, detail = await self.server.health()
         return {"replica_pid": os.getpid(), "healthy": ok, "health": detail, **self.pipeline.status()}
 
@@ -233,7 +224,5 @@ def grpc_options(config: ServeConfig):
     if not config.grpc.enabled:
         return None
     return gRPCOptions(
-        port=config.grpc.port,
-        grpc_servicer_functions=GRPC_SERVICERS,
-        request_timeout_s=config.grpc.request_timeout_s,
+        port=config.grpc.port, grpc_servicer_functions=GRPC_SERVICERS, request_timeout_s=config.grpc.request_timeout_s
     )

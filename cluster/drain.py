@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from contextlib import suppress
 
 import ray
 
@@ -83,11 +84,8 @@ async def watch(replica: str, drain, registered: asyncio.Event | None = None, re
     """A replica's watcher: register (then set `registered`), and for every drain order that
     concerns this replica's node run `drain(timeout_s)` (an async callable returning how many
     requests it aborted) and report. Runs until cancelled; a control actor that went away
-    (`reset`) is looked up again.
-
-    The replica's constructor waits for `registered`: a replica that served before it registered
-    could be missed by a drain ordered in between (it would still drain, but the operator would not
-    wait for its report, and Serve's shutdown would cut its streams)."""
+    (`reset`) is looked up again. The replica serves only once `registered` is set: a drain ordered
+    before would not wait for its report, and Serve's shutdown would cut its streams."""
     node = ray.util.get_node_ip_address()
     while True:
         after = 0
@@ -109,10 +107,8 @@ async def watch(replica: str, drain, registered: asyncio.Event | None = None, re
 
 async def unregister(replica: str) -> None:
     """Take a replica that is going away off the list (without creating a control actor)."""
-    try:
+    with suppress(ValueError, ray.exceptions.RayActorError):
         await ray.get_actor(CONTROL_NAME, namespace=NAMESPACE).unregister.remote(replica)
-    except (ValueError, ray.exceptions.RayActorError):
-        pass
 
 
 def drain(timeout_s: float, *, node: str | None = None, poll_s: float = 0.2) -> dict:
@@ -131,10 +127,8 @@ def drain(timeout_s: float, *, node: str | None = None, poll_s: float = 0.2) -> 
 
 def reset() -> None:
     """Remove the control actor (after Serve shut down), so that a later start serves again."""
-    try:
+    with suppress(ValueError):  # none
         ray.kill(ray.get_actor(CONTROL_NAME, namespace=NAMESPACE))
-    except ValueError:  # none
-        pass
 
 
 def _this_node() -> str:

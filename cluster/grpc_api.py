@@ -192,9 +192,7 @@ def request_of(msg: pb.GenerateRequest) -> Request:
     which = msg.WhichOneof("input")
     if which is None:
         raise InvalidParameterError("prompt", "set one of prompt, messages or prompt_token_ids")
-    prompt = (
-        msg.prompt if which == "prompt" else list(msg.prompt_token_ids.ids) if which == "prompt_token_ids" else None
-    )
+    prompt = {"prompt": msg.prompt, "prompt_token_ids": list(msg.prompt_token_ids.ids)}.get(which)
     messages = [{"role": m.role, "content": m.content} for m in msg.messages.messages] if which == "messages" else None
     return Request(
         prompt=prompt,

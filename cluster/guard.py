@@ -64,11 +64,8 @@ def _bad_utf8_field(descriptor, data: bytes, prefix: str = "") -> str | None:
         while i < len(data):
             key, i = _varint(data, i)
             number, wire = key >> 3, key & 7
-            if wire == 0:
-                _, i = _varint(data, i)
-                continue
-            if wire == 1 or wire == 5:
-                i += 8 if wire == 1 else 4
+            if wire in (0, 1, 5):  # a varint, 64 or 32 bits
+                i = _varint(data, i)[1] if wire == 0 else i + (8 if wire == 1 else 4)
                 continue
             if wire != 2:
                 return None
@@ -154,8 +151,6 @@ async def until_aborted(awaitable: Awaitable[T], abort: asyncio.Event) -> T:
         if task.done():
             return task.result()
         task.cancel()
-    try:
+    with suppress(BaseException):  # the request is being aborted; its own error no longer matters
         await task
-    except BaseException:  # noqa: BLE001 - the request is being aborted; its own error no longer matters
-        pass
     raise Aborted()

@@ -62,8 +62,7 @@ class RequestError(Exception):
 
     def __init__(self, kind: ErrorKind, message: str, field: str | None = None):
         super().__init__(message)
-        self.kind = kind
-        self.field = field
+        self.kind, self.field = kind, field
 
     @property
     def status(self) -> int:
@@ -96,9 +95,8 @@ def error_of(exc: BaseException) -> RequestError:
 
 
 class Backend(Protocol):
-    """A running pipeline, as the handler and the deployments use it (`pipeline.Pipeline`,
-    `local.LocalPipeline`); the defaults are those of a backend that lives and dies with this
-    process (nothing to probe or repair)."""
+    """A running pipeline as the handler and the deployments use it (`pipeline.Pipeline`,
+    `local.LocalPipeline`); the defaults suit one living and dying with this process."""
 
     config: PipelineConfig
     tokenizer: Any  # a transformers tokenizer, or None for tokenizer-less (test) models
@@ -144,10 +142,8 @@ class Admission:
     """
 
     def __init__(self, max_running: int, max_waiting: int, on_change=None):
-        self.max_running = max_running
-        self.max_waiting = max_waiting
-        self.running = 0
-        self.waiting = 0
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.running = self.waiting = 0
         self._sem: asyncio.Semaphore | None = None
         self._on_change = on_change or (lambda running, waiting: None)
 
@@ -196,8 +192,7 @@ class Request:
 
 @dataclass
 class Piece:
-    """Text and tokens of one streamed step of one sample; a sample's last piece has its finish
-    reason and statistics."""
+    """One streamed step of one sample; a sample's last piece has its finish reason and statistics."""
 
     text: str
     token_ids: list[int]
@@ -224,11 +219,8 @@ class _Sample:
 def prompt_ids_of(
     tokenizer, prompt: str | Sequence[int] | None = None, messages: list[dict] | None = None
 ) -> list[int]:
-    """Token ids of a text prompt, pre-tokenized ids, or chat messages (the model's chat template).
-
-    Text and messages go through `viasd.llm.encode_prompt`, as in the in-process engine, so that
-    every entry point tokenizes the same text the same way.
-    """
+    """Token ids of a text prompt, pre-tokenized ids, or chat messages (the model's chat template),
+    through `viasd.llm.encode_prompt` as in the in-process engine: every entry point tokenizes alike."""
     if messages is not None:
         if tokenizer is not None and not tokenizer.chat_template:
             raise InvalidParameterError("messages", "this model has no chat template; send a prompt instead")
@@ -433,7 +425,6 @@ class RequestHandler:
         parse_params(self.default_params)  # fail at start-up, not on the first request
         self.max_tokens_default = max_tokens_default
         self.metrics = metrics or ServingMetrics(self.name)
-        # its own limits, or an admission shared with other entry points (the standalone server's)
         self.admission = admission or Admission(max_concurrent_requests, max_queued_requests, self.metrics.set_queue)
         self.metrics.set_queue(0, 0)
         # KV usage: positions the requests in flight hold over the pipeline's capacity (its own
@@ -510,15 +501,8 @@ class RequestHandler:
         tok = self.tokenizer
         if tok is None:
             raise InvalidParameterError("model", "this model has no tokenizer")
-        return {
-            "tokenizer_class": type(tok).__name__,
-            "eos_token": tok.eos_token,
-            "bos_token": tok.bos_token,
-            "pad_token": tok.pad_token,
-            "unk_token": tok.unk_token,
-            "chat_template": tok.chat_template,
-            "model_max_length": self.max_context,
-        }
+        tokens = {k: getattr(tok, k) for k in ("eos_token", "bos_token", "pad_token", "unk_token", "chat_template")}
+        return {"tokenizer_class": type(tok).__name__, **tokens, "model_max_length": self.max_context}
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """The text of token ids (special tokens kept, as vLLM's /detokenize)."""

@@ -126,41 +126,34 @@ def stop() -> None:
         ray.shutdown()
 
 
+def _say(message: str) -> None:
+    print(f"[viasd] {message}", file=sys.stderr, flush=True)
+
+
 def serve_forever(config: ServeConfig) -> int:
     """Start everything, print the endpoints, serve until Ctrl-C / SIGTERM, shut down cleanly."""
     stop_event = threading.Event()
 
-    def _stop(signum, frame):
-        stop_event.set()
+    def trap_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, frame: stop_event.set())
 
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    print(
-        f"[viasd] starting {len(config.pipelines)} pipeline(s) ({config.backend} backend): "
-        + ", ".join(f"{p.name}: {p.engine.verifier} <- {p.engine.drafter}" for p in config.pipelines),
-        file=sys.stderr,
-        flush=True,
-    )
+    trap_signals()
+    pairs = ", ".join(f"{p.name}: {p.engine.verifier} <- {p.engine.drafter}" for p in config.pipelines)
+    _say(f"starting {len(config.pipelines)} pipeline(s) ({config.backend} backend): {pairs}")
     try:
         endpoints = start(config)
-        # again: ray.init installs its own SIGTERM handler, which would skip this clean shutdown
-        signal.signal(signal.SIGTERM, _stop)
-        signal.signal(signal.SIGINT, _stop)
+        trap_signals()  # again: ray.init installs its own SIGTERM handler, which would skip this clean shutdown
         print(endpoints.describe(), flush=True)
-        print("[viasd] serving; Ctrl-C or SIGTERM stops", file=sys.stderr, flush=True)
+        _say("serving; Ctrl-C or SIGTERM stops")
         while not stop_event.wait(0.5):
             pass
-        print(f"[viasd] draining for up to {config.limits.drain_timeout_s:g}s", file=sys.stderr, flush=True)
+        _say(f"draining for up to {config.limits.drain_timeout_s:g}s")
         result = draining.drain(config.limits.drain_timeout_s)  # new requests refused, the rest `abort` after it
         time.sleep(FLUSH_GRACE_S)
+        missing = f", no report from {result['missing']}" if result["missing"] else ""
         aborted = sum(result["reports"].values())
-        print(
-            f"[viasd] drained {len(result['reports'])} replica(s), {aborted} request(s) aborted"
-            + (f", no report from {result['missing']}" if result["missing"] else "")
-            + "; shutting down",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"drained {len(result['reports'])} replica(s), {aborted} request(s) aborted{missing}; shutting down")
     finally:
         stop()
     return 0

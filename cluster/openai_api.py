@@ -30,15 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import viasd
-from viasd.cluster.handler import (
-    REJECTED,
-    RETRY_AFTER_S,
-    UNAUTHENTICATED,
-    Job,
-    Piece,
-    RequestError,
-    RequestHandler,
-)
+from viasd.cluster.handler import REJECTED, RETRY_AFTER_S, UNAUTHENTICATED, Job, Piece, RequestError, RequestHandler
 from viasd.cluster.handler import Request as HandlerRequest
 from viasd.cluster.security import authenticate
 from viasd.config import GenerationParams
@@ -187,10 +179,10 @@ class ChatMessage(_Lenient):
     content: str | list[TextPart] | None = Field(None, description="The message text (or text parts).")
     name: str | None = Field(None, description="Participant name (accepted, not used).")
 
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+    def as_dict(self) -> dict:
+        """As the handler takes a message: {"role", "content"} (text parts joined)."""
+        text = "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
+        return {"role": self.role, "content": text}
 
 
 ChatCompletionRequest = create_model(
@@ -226,10 +218,8 @@ def check_fields(body: BaseModel) -> list[str]:
     """Refuse what this server does not do (InvalidParameterError naming the field and what to do
     instead) and typos of known names; return the unknown fields, which are ignored."""
     for name, spec in OPENAI_FIELDS.items():  # in the table's order: the first one asked for is named
-        if name not in type(body).model_fields:
-            continue
-        value = getattr(body, name)
-        if spec.param is None and not spec.transport and value not in spec.unused:
+        unwired = spec.param is None and not spec.transport
+        if unwired and name in type(body).model_fields and getattr(body, name) not in spec.unused:
             raise InvalidParameterError(name, spec.todo)
     unknown = sorted(body.model_extra or ())
     known = list(type(body).model_fields)
@@ -275,16 +265,9 @@ def request_of(body: BaseModel, chat: bool) -> tuple[list[HandlerRequest], list[
     ignored = check_fields(body)
     common = {"params": param_values(body), "model": body.model}
     if chat:
-        chat_request = HandlerRequest(
-            messages=messages_of(body.messages), id_prefix="chatcmpl-", fill_context=True, **common
-        )
-        return [chat_request], ignored
+        messages = [m.as_dict() for m in body.messages]
+        return [HandlerRequest(messages=messages, id_prefix="chatcmpl-", fill_context=True, **common)], ignored
     return [HandlerRequest(prompt=p, id_prefix="cmpl-", **common) for p in prompts_of(body)], ignored
-
-
-def messages_of(messages: list[ChatMessage]) -> list[dict]:
-    """Chat messages as the handler takes them ({"role", "content"})."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
 
 
 class JobFailed(Exception):
@@ -296,14 +279,12 @@ class JobFailed(Exception):
 
 
 class Prompts:
-    """The jobs of one OpenAI request, one per prompt (a completions body may have several; chat
-    one), and their pieces as they come.
+    """The jobs of one OpenAI request, one per prompt (chat: one), and their pieces as they come.
 
-    One job is read as the response is (`pieces` pulls it). Several are opened together and read
-    on tasks of their own into one queue, each closed as soon as it has ended: a prompt waiting
-    for a decoding slot must not wait for the response to read the others, which free the slots;
-    `open` returns once every job is open (its first piece ready), so a refusal is still the
-    response's status."""
+    One job is read as the response is (`pieces` pulls it). Several are read on tasks of their own
+    into one queue, each closed once it ended: a prompt waiting for a decoding slot must not wait
+    for the response to read the others, which free the slots. `open` returns once every job is
+    open (its first piece ready), so that a refusal is still the response's status."""
 
     def __init__(self, jobs: list[Job], tasks: list[asyncio.Task] | None = None, queue: asyncio.Queue | None = None):
         self.jobs, self._tasks, self._queue = jobs, tasks or [], queue
@@ -363,8 +344,7 @@ class Prompts:
 
     async def aclose(self) -> None:
         """End the request: one job is closed here; several, by their own tasks (cancelled here),
-        which close their jobs whatever ends them (a response whose client went away is cancelled
-        at each of its own awaits)."""
+        which close their jobs whatever ends them (the client going away, too)."""
         if not self._tasks:
             for job in self.jobs:
                 await job.aclose()
@@ -399,8 +379,7 @@ def error_body(status: int, message: str, param: str | None = None, kind: str = 
 
 
 def error_response(err: RequestError) -> JSONResponse:
-    """An error of the handler's table in OpenAI's shape (429 with Retry-After, 401 with
-    WWW-Authenticate)."""
+    """An error of the handler's table in OpenAI's shape (429 with Retry-After, 401 with WWW-Authenticate)."""
     body = error_body(err.status, str(err), err.field, err.kind.openai_type)
     return JSONResponse(body, err.status, headers=ERROR_HEADERS.get(err.kind))
 
@@ -459,8 +438,7 @@ class Choices:
         return choice
 
     def _with_prompt(self, piece: Piece, first: bool) -> tuple[str, list[int], list | None]:
-        """A piece's text, ids and logprob entries (ids with the chosen token's entry), the echoed
-        prompt before them on a choice's first piece."""
+        """A piece's text, ids and (token id, logprob) entries, after the echoed prompt's on a choice's first."""
         text, ids = piece.text, list(piece.token_ids)
         entries = [(t, e) for t, e in zip(ids, piece.logprobs or ())] if self.logprobs else None
         if self.echo and first:
@@ -543,25 +521,19 @@ def build_http_app(server: RequestHandler, token: str | None = None):
     app.state.server, app.state.token = server, token
 
     @app.middleware("http")
-    async def _limit_body(request: Request, call_next):
-        """Bodies past MAX_BODY_BYTES (by their Content-Length) are refused with 413 before they are read."""
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return JSONResponse(
-                error_body(413, f"body: {length} bytes, more than the {MAX_BODY_BYTES} allowed", "body"),
-                status_code=413,
-            )
-        return await call_next(request)
-
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next):
+    async def _guard(request: Request, call_next):
         """With a token configured (app.state.token), every route but /health and /metrics needs
-        `Authorization: Bearer <token>` (constant-time comparison); else 401 in OpenAI's shape."""
+        `Authorization: Bearer <token>` (constant-time comparison), else 401 in OpenAI's shape; then
+        bodies past MAX_BODY_BYTES (by their Content-Length) are refused with 413 before they are read."""
         if not request.url.path.rstrip("/").endswith(OPEN_PATHS):
             try:
                 authenticate(request.headers.get("authorization"), getattr(request.app.state, "token", None))
             except RequestError as exc:
                 return error_response(exc)
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > MAX_BODY_BYTES:
+            message = f"body: {length} bytes, more than the {MAX_BODY_BYTES} allowed"
+            return JSONResponse(error_body(413, message, "body"), status_code=413)
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -680,7 +652,7 @@ def build_http_app(server: RequestHandler, token: str | None = None):
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request):
         handler = server(request, body.model)
-        messages = messages_of(body.messages) if body.messages else None
+        messages = [m.as_dict() for m in body.messages] if body.messages else None
         ids = await asyncio.to_thread(handler.tokenize, body.prompt, messages)
         return {"count": len(ids), "max_model_len": handler.max_context, "tokens": ids}
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Literal
+from contextlib import suppress
+from typing import Any, Literal, TypeVar
 
 import ray
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -37,12 +38,22 @@ from viasd.gates import Gates
 from viasd.precision import LinearReport, kernels
 
 log = logging.getLogger("viasd.cluster.pipeline")
+M = TypeVar("M", bound="StrictModel")
 
 
-class PipelineConfig(BaseModel):
-    """A pipeline's models (`engine`) and how it is laid out on Ray."""
+class StrictModel(BaseModel):
+    """A configuration model: unknown fields refused, immutable."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def parse(cls: type[M], values: dict[str, Any] | None = None, **overrides: Any) -> M:
+        """Validate, raising InvalidParameterError that names the bad field (dotted for nested ones)."""
+        return validate_named(cls, {**(values or {}), **overrides})
+
+
+class PipelineConfig(StrictModel):
+    """A pipeline's models (`engine`) and how it is laid out on Ray."""
 
     name: str = Field(
         "default", min_length=1, description="Pipeline name: the `model` a request asks for (ListModels)."
@@ -130,11 +141,6 @@ class PipelineConfig(BaseModel):
     def mode(self) -> Mode:
         """The mode of requests that leave it unspecified."""
         return self.default_mode or Mode.AUTO
-
-    @classmethod
-    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> PipelineConfig:
-        """Validate, raising InvalidParameterError that names the bad field (dotted for engine.*)."""
-        return validate_named(cls, {**(values or {}), **overrides})
 
 
 def _bundle(cpus: float, gpus: float) -> dict[str, float]:
@@ -421,10 +427,8 @@ class Pipeline:
         fail), `on_health(True)` after it. Runs until cancelled."""
         on_health = on_health or (lambda healthy: None)
         while True:
-            try:
+            with suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.config.health_check_period_s)
-            except TimeoutError:
-                pass
             self._wake.clear()
             if self._stopping:
                 return

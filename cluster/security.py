@@ -16,24 +16,21 @@ from __future__ import annotations
 import hmac
 import os
 from pathlib import Path
-from typing import Any
 
 import grpc
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from viasd.actors.rpc import read_file
 from viasd.cluster.handler import UNAUTHENTICATED, RequestError
-from viasd.config import validate_named
+from viasd.cluster.pipeline import StrictModel
 from viasd.errors import InvalidParameterError
 
 TOKEN_ENV = "VIASD_API_TOKEN"
 AUTH_KEY = "authorization"  # gRPC metadata keys are lower case
 
 
-class GRPCSecurity(BaseModel):
+class GRPCSecurity(StrictModel):
     """Transport security and authentication of the standalone gRPC server (all off by default)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     tls_cert_file: Path | None = Field(
         None, description="PEM certificate chain the server presents; with tls_key_file it turns TLS on."
@@ -64,11 +61,6 @@ class GRPCSecurity(BaseModel):
             raise ValueError("require_client_cert: needs client_ca_file to verify client certificates")
         return self
 
-    @classmethod
-    def parse(cls, values: dict[str, Any] | None = None, **overrides: Any) -> GRPCSecurity:
-        """Validate, raising InvalidParameterError that names the bad field."""
-        return validate_named(cls, {**(values or {}), **overrides})
-
     @property
     def tls(self) -> bool:
         return self.tls_cert_file is not None
@@ -89,13 +81,9 @@ class GRPCSecurity(BaseModel):
 
     def describe(self) -> str:
         """One line for the server's log: what protects the port (never the token itself)."""
-        tls = "plaintext"
-        if self.tls:
-            tls = (
-                "mutual TLS"
-                if self.require_client_cert
-                else "TLS" + (" (client certs optional)" if self.client_ca_file else "")
-            )
+        tls = "TLS" + (" (client certs optional)" if self.client_ca_file else "") if self.tls else "plaintext"
+        if self.require_client_cert:  # (which needs client_ca_file, which needs TLS)
+            tls = "mutual TLS"
         source = f"file {self.token_file}" if self.token_file else f"env {self.token_env}"
         auth = f"bearer token from {source}" if self.token() else "no authentication"
         return f"{tls}, {auth}"

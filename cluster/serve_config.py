@@ -18,13 +18,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from viasd.cluster.pipeline import PipelineConfig
+from viasd.cluster.pipeline import PipelineConfig, StrictModel
 from viasd.config import invalid_from_validation, parse_params
 from viasd.errors import InvalidParameterError
-
-_STRICT = ConfigDict(extra="forbid", frozen=True)
 
 
 def capacity_summary(name: str, capacity: dict, running: int, explicit: bool) -> str:
@@ -39,10 +37,9 @@ def capacity_summary(name: str, capacity: dict, running: int, explicit: bool) ->
     )
 
 
-class HTTPOptions(BaseModel):
+class HTTPOptions(StrictModel):
     """Serve's HTTP proxy (the OpenAI-compatible API, health, metrics)."""
 
-    model_config = _STRICT
     host: str = Field("127.0.0.1", description="Address the HTTP proxy binds; 0.0.0.0 inside a container.")
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of Serve's proxy.")
     route_prefix: str = Field("/", pattern=r"^/", description="Route prefix of the application (the default pipeline).")
@@ -68,10 +65,9 @@ class HTTPOptions(BaseModel):
         return self
 
 
-class GRPCOptions(BaseModel):
+class GRPCOptions(StrictModel):
     """Serve's gRPC proxy (the public viasd.v1.GenerationService)."""
 
-    model_config = _STRICT
     enabled: bool = Field(True, description="Start Serve's gRPC proxy with viasd.v1.GenerationService.")
     port: int = Field(9000, ge=1, le=65535, description="gRPC port of Serve's proxy.")
     request_timeout_s: float | None = Field(
@@ -79,10 +75,9 @@ class GRPCOptions(BaseModel):
     )
 
 
-class Limits(BaseModel):
+class Limits(StrictModel):
     """Admission control of one replica (one pipeline)."""
 
-    model_config = _STRICT
     max_concurrent_requests: int | None = Field(
         None,
         ge=1,
@@ -118,10 +113,9 @@ class Limits(BaseModel):
     )
 
 
-class Autoscaling(BaseModel):
+class Autoscaling(StrictModel):
     """Autoscaling of whole pipelines (Serve replicas of the deployment): Serve's autoscaling_config."""
 
-    model_config = _STRICT
     min_replicas: int = Field(1, ge=0, description="Fewest pipelines kept running (0 allows scale to zero).")
     max_replicas: int = Field(1, ge=1, description="Most pipelines (each needs its own drafter and verifier group).")
     initial_replicas: int | None = Field(None, ge=0, description="Pipelines at start; default: min_replicas.")
@@ -144,10 +138,9 @@ class Autoscaling(BaseModel):
         return self.model_dump(exclude_none=True)
 
 
-class MetricsOptions(BaseModel):
+class MetricsOptions(StrictModel):
     """Prometheus metrics (cluster/serving_metrics.py)."""
 
-    model_config = _STRICT
     enabled: bool = Field(True, description="Record metrics and serve them at GET /metrics of each replica.")
     ray_export: bool = Field(
         True, description="Also record them through Ray's metrics agent (cluster-wide export on Ray's metrics port)."
@@ -172,10 +165,9 @@ def apply_control_plane_env(env: dict[str, str]) -> None:
         os.environ.setdefault(key, value)
 
 
-class RayOptions(BaseModel):
+class RayOptions(StrictModel):
     """The Ray cluster `viasd serve` joins or starts (KubeRay brings its own)."""
 
-    model_config = _STRICT
     address: str | None = Field(None, description="Address of a running Ray cluster; none: start a local one.")
     num_cpus: int | None = Field(
         None,
@@ -205,10 +197,9 @@ class RayOptions(BaseModel):
         return env
 
 
-class ServeConfig(BaseModel):
+class ServeConfig(StrictModel):
     """Everything `viasd serve` and the KubeRay application need to serve via-sd."""
 
-    model_config = _STRICT
     app_name: str = Field("viasd", min_length=1, description="Serve application name (gRPC `application` metadata).")
     pipelines: list[PipelineConfig] = Field(
         default_factory=lambda: [PipelineConfig()],
@@ -262,11 +253,8 @@ class ServeConfig(BaseModel):
 
     def max_running(self, name: str | None = None) -> int:
         """Requests a replica of pipeline `name` decodes at once: limits.max_concurrent_requests, else
-        the engine's max_batch (its cache rows, vLLM's max_num_seqs). With paged caches (the
-        default) the engine admits them against the KV blocks they hold, queues the rest and
-        preempts the newest when the running ones outgrow the blocks; the full-context requests
-        the blocks hold (`Capacity.concurrency`) is a figure, logged at start (`capacity_summary`)
-        and shown on /v1/models, not a limit. With slot rows every row holds a full context."""
+        the engine's max_batch (its cache rows, vLLM's max_num_seqs). The full-context requests the
+        KV blocks hold (`Capacity.concurrency`, `capacity_summary`) is a figure, not a limit."""
         return self.limits.max_concurrent_requests or self.pipeline(name).engine.max_batch
 
     def pipeline(self, name: str | None = None) -> PipelineConfig:

@@ -43,173 +43,136 @@ class Spec:
     buckets: tuple[float, ...] = ()
 
 
-_M = ("model_name",)
-_SPEC = ("model_name", "mode")
+def _spec(kind: str):
+    """A maker of specs of one kind, labelled by the served model name (vLLM's `model_name`) first."""
+    return lambda name, doc, *labels, buckets=(): Spec(name, kind, doc, ("model_name", *labels), buckets)
+
+
+_counter, _gauge, _histogram = _spec("counter"), _spec("gauge"), _spec("histogram")
+
 SPECS = (
     # vLLM's speculative-decoding counters
-    Spec("spec_decode_num_drafts", "counter", "Draft blocks proposed (one per speculative cycle).", _SPEC),
-    Spec("spec_decode_num_draft_tokens", "counter", "Draft tokens proposed by the drafter p.", _SPEC),
-    Spec("spec_decode_num_accepted_tokens", "counter", "Draft tokens committed as drafted (by q' or q).", _SPEC),
-    Spec(
+    _counter("spec_decode_num_drafts", "Draft blocks proposed (one per speculative cycle).", "mode"),
+    _counter("spec_decode_num_draft_tokens", "Draft tokens proposed by the drafter p.", "mode"),
+    _counter("spec_decode_num_accepted_tokens", "Draft tokens committed as drafted (by q' or q).", "mode"),
+    _counter(
         "spec_decode_num_accepted_tokens_per_pos",
-        "counter",
         "Draft tokens accepted at block position `position` (0-based).",
-        (*_SPEC, "position"),
+        "mode",
+        "position",
     ),
-    Spec(
-        "spec_decode_num_rejected_tokens", "counter", "Draft tokens replaced (rewritten by q' or rejected by q).", _SPEC
-    ),
-    Spec("spec_decode_num_bonus_tokens", "counter", "Bonus tokens after fully accepted blocks.", _SPEC),
+    _counter("spec_decode_num_rejected_tokens", "Draft tokens replaced (rewritten by q' or rejected by q).", "mode"),
+    _counter("spec_decode_num_bonus_tokens", "Bonus tokens after fully accepted blocks.", "mode"),
     # VIA-SD tiers
-    Spec("slim_accepted_tokens", "counter", "Draft tokens accepted by the slim verifier q' (region A).", _SPEC),
-    Spec("slim_rewritten_tokens", "counter", "Region-B rewrites by the slim verifier q'.", _SPEC),
-    Spec("escalations", "counter", "Blocks escalated to the full verifier q.", _SPEC),
-    Spec("escalated_tokens", "counter", "Draft positions the full verifier q decided.", _SPEC),
-    Spec("full_accepted_tokens", "counter", "Escalated draft tokens the full verifier q accepted.", _SPEC),
-    Spec("forward_passes", "counter", "Forward passes per tier (drafter, slim, full).", ("model_name", "tier")),
-    Spec("forward_seconds", "counter", "Seconds spent in forward passes per tier.", ("model_name", "tier")),
+    _counter("slim_accepted_tokens", "Draft tokens accepted by the slim verifier q' (region A).", "mode"),
+    _counter("slim_rewritten_tokens", "Region-B rewrites by the slim verifier q'.", "mode"),
+    _counter("escalations", "Blocks escalated to the full verifier q.", "mode"),
+    _counter("escalated_tokens", "Draft positions the full verifier q decided.", "mode"),
+    _counter("full_accepted_tokens", "Escalated draft tokens the full verifier q accepted.", "mode"),
+    _counter("forward_passes", "Forward passes per tier (drafter, slim, full).", "tier"),
+    _counter("forward_seconds", "Seconds spent in forward passes per tier.", "tier"),
     # requests and tokens
-    Spec("prompt_tokens", "counter", "Prompt tokens of finished requests.", _M),
-    Spec("generation_tokens", "counter", "Generated tokens of finished requests.", _M),
-    Spec(
-        "request_success",
-        "counter",
-        "Finished requests by finish reason (stop, length, abort).",
-        ("model_name", "finished_reason"),
+    _counter("prompt_tokens", "Prompt tokens of finished requests."),
+    _counter("generation_tokens", "Generated tokens of finished requests."),
+    _counter("request_success", "Finished requests by finish reason (stop, length, abort).", "finished_reason"),
+    _counter("request_errors", "Requests that ended with an error, by status (invalid, rejected, internal).", "status"),
+    _histogram(
+        "time_to_first_token_seconds", "Arrival to first generated token (queue time included).", buckets=TTFT_BUCKETS
     ),
-    Spec(
-        "request_errors",
-        "counter",
-        "Requests that ended with an error, by status (invalid, rejected, internal).",
-        ("model_name", "status"),
-    ),
-    Spec(
-        "time_to_first_token_seconds",
-        "histogram",
-        "Arrival to first generated token (queue time included).",
-        _M,
-        TTFT_BUCKETS,
-    ),
-    Spec(
+    _histogram(
         "inter_token_latency_seconds",
-        "histogram",
         "Time between generated tokens after the first chunk (a chunk of n tokens after a gap g counts n times g/n).",
-        _M,
-        ITL_BUCKETS,
+        buckets=ITL_BUCKETS,
     ),
-    Spec("e2e_request_latency_seconds", "histogram", "Arrival to last token.", _M, E2E_BUCKETS),
-    Spec("request_queue_time_seconds", "histogram", "Arrival to admission into a decoding slot.", _M, PHASE_BUCKETS),
-    Spec("request_prefill_time_seconds", "histogram", "Admission to the first generated token.", _M, PHASE_BUCKETS),
-    Spec("request_decode_time_seconds", "histogram", "First to last generated token.", _M, PHASE_BUCKETS),
-    Spec("request_inference_time_seconds", "histogram", "Admission to the last generated token.", _M, PHASE_BUCKETS),
-    Spec("request_prompt_tokens", "histogram", "Prompt tokens per finished request.", _M, TOKEN_BUCKETS),
-    Spec("request_generation_tokens", "histogram", "Generated tokens per finished request.", _M, TOKEN_BUCKETS),
+    _histogram("e2e_request_latency_seconds", "Arrival to last token.", buckets=E2E_BUCKETS),
+    _histogram("request_queue_time_seconds", "Arrival to admission into a decoding slot.", buckets=PHASE_BUCKETS),
+    _histogram("request_prefill_time_seconds", "Admission to the first generated token.", buckets=PHASE_BUCKETS),
+    _histogram("request_decode_time_seconds", "First to last generated token.", buckets=PHASE_BUCKETS),
+    _histogram("request_inference_time_seconds", "Admission to the last generated token.", buckets=PHASE_BUCKETS),
+    _histogram("request_prompt_tokens", "Prompt tokens per finished request.", buckets=TOKEN_BUCKETS),
+    _histogram("request_generation_tokens", "Generated tokens per finished request.", buckets=TOKEN_BUCKETS),
     # mode `auto`: what the planner plans with (viasd.planner), and what it chose
-    Spec(
+    _gauge(
         "planner_forward_seconds",
-        "gauge",
         "Mode auto's cost model: predicted seconds of one forward of `tier` over `rows` rows of `tokens` "
         "tokens (profiled at start, corrected online).",
-        ("model_name", "tier", "rows", "tokens"),
+        "tier",
+        "rows",
+        "tokens",
     ),
-    Spec(
+    _gauge(
         "planner_acceptance",
-        "gauge",
         "Mode auto's running acceptance over every request: P(the draft token at `position` is accepted | "
         "reached), for `kind` model or ngram drafts.",
-        ("model_name", "kind", "position"),
+        "kind",
+        "position",
     ),
-    Spec(
+    _gauge(
         "planner_transport_seconds",
-        "gauge",
         "Mode auto's running estimate of a served step's `call` (propose, verify) outside the service that "
         "answers it: serialisation, the network, gRPC.",
-        ("model_name", "call"),
+        "call",
     ),
-    Spec("planner_via_tokens_per_cycle", "gauge", "Mode auto's running mean of tokens a via cycle commits.", _M),
-    Spec("planner_via_escalation_rate", "gauge", "Mode auto's running probability that a via cycle escalates.", _M),
-    Spec(
+    _gauge("planner_via_tokens_per_cycle", "Mode auto's running mean of tokens a via cycle commits."),
+    _gauge("planner_via_escalation_rate", "Mode auto's running probability that a via cycle escalates."),
+    _gauge(
         "planner_probe_steps",
-        "gauge",
         "Mode auto's probe steps so far: `ar` steps run while it speculated, to measure the plan every other "
         "must beat.",
-        _M,
     ),
-    Spec(
+    _gauge(
         "planner_speculate_margin",
-        "gauge",
         "Mode auto's margin: how much a speculating batch must be expected to beat every auto row on `ar` by, "
         "from the planner's measured forecast error (1.1 before any step).",
-        _M,
     ),
-    Spec(
+    _gauge(
         "planner_planning",
-        "gauge",
         "Mode auto's planning so far (`quantity`): the steps it planned and the seconds planning them took "
         "(each row's state and the plan search): what `auto` costs beside the forwards.",
-        ("model_name", "quantity"),
+        "quantity",
     ),
-    Spec(
+    _gauge(
         "planner_exploration_steps",
-        "gauge",
         "Mode auto's exploration steps so far: `sd` steps run instead of `ar`, after 16 `ar` steps in a row "
         "when expected within 0.8x of `ar` and its drafters' catch-up costs at most 5% of the rows' time left, "
         "to measure the drafter's acceptance.",
-        _M,
     ),
-    Spec(
+    _gauge(
         "planner_forecast",
-        "gauge",
         "Mode auto's steps so far, apart for `steps` that speculated and `ar` ones, and what the planner "
         "expected of them beside what they did (`quantity`): steps, predicted_seconds and seconds (measured, "
         "planning to commit), expected_tokens and tokens (committed).",
-        ("model_name", "steps", "quantity"),
+        "steps",
+        "quantity",
     ),
-    Spec(
-        "auto_plan_steps",
-        "counter",
-        "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).",
-        ("model_name", "plan"),
-    ),
+    _counter("auto_plan_steps", "Steps of mode auto requests by the plan chosen (ar, sd:k=3, ...).", "plan"),
     # the served executor (actors.coordinator.ServedExecutor): where its calls' time goes
-    Spec(
-        "coordinator_steps", "counter", "Engine steps that decoded over the actors (one Verify per backend each).", _M
-    ),
-    Spec(
+    _counter("coordinator_steps", "Engine steps that decoded over the actors (one Verify per backend each)."),
+    _counter(
         "coordinator_seconds",
-        "counter",
         "The served executor's call time by `phase`: prefill and release (their calls' wall time), drafter and "
         "verifier (what each service spent on its Propose and Verify calls), propose_transport and "
         "verify_transport (the rest of each round trip).",
-        ("model_name", "phase"),
+        "phase",
     ),
-    Spec(
+    _counter(
         "num_preemptions",
-        "counter",
         "Preemptions of requests for KV blocks (paged caches: the request's blocks freed, its caches recomputed "
         "when it resumes), counted when the request ends.",
-        _M,
     ),
-    Spec(
+    _counter(
         "prefix_cache_queries",
-        "counter",
         "Prompt tokens looked up in the prefix cache (paged caches), counted when the request ends.",
-        _M,
     ),
-    Spec(
-        "prefix_cache_hits",
-        "counter",
-        "Prompt tokens the full verifier took from the prefix cache instead of computing them.",
-        _M,
+    _counter(
+        "prefix_cache_hits", "Prompt tokens the full verifier took from the prefix cache instead of computing them."
     ),
-    Spec("num_requests_running", "gauge", "Requests decoding in this replica.", _M),
-    Spec("num_requests_waiting", "gauge", "Requests queued in this replica for a decoding slot.", _M),
-    Spec(
+    _gauge("num_requests_running", "Requests decoding in this replica."),
+    _gauge("num_requests_waiting", "Requests queued in this replica for a decoding slot."),
+    _gauge(
         "kv_cache_usage_perc",
-        "gauge",
         "KV-cache usage, 0 to 1: positions (prompt + generated) the requests in "
         "flight hold / the pipeline's KV capacity in positions.",
-        _M,
     ),
 )
 PREFIX = "viasd_"
@@ -255,15 +218,12 @@ class RaySink:
     """The same series through Ray's metrics agent (cluster-wide Prometheus export)."""
 
     def __init__(self):
+        kinds = {"counter": rm.Counter, "gauge": rm.Gauge, "histogram": rm.Histogram}
         self.metrics = {}
         for s in SPECS:
-            if s.kind == "counter":
-                metric = rm.Counter(PREFIX + s.name + "_total", s.doc, tag_keys=s.labels)
-            elif s.kind == "gauge":
-                metric = rm.Gauge(PREFIX + s.name, s.doc, tag_keys=s.labels)
-            else:
-                metric = rm.Histogram(PREFIX + s.name, s.doc, boundaries=list(s.buckets), tag_keys=s.labels)
-            self.metrics[s.name] = (metric, _UPDATE[s.kind])
+            kw = {"boundaries": list(s.buckets)} if s.kind == "histogram" else {}
+            name = PREFIX + s.name + ("_total" if s.kind == "counter" else "")
+            self.metrics[s.name] = (kinds[s.kind](name, s.doc, tag_keys=s.labels, **kw), _UPDATE[s.kind])
 
     def record(self, name: str, value: float, labels: dict[str, str]) -> None:
         metric, update = self.metrics[name]
@@ -342,16 +302,12 @@ class ServingMetrics:
         self._record("kv_cache_usage_perc", fraction)
 
     def set_planner(self, state: dict) -> None:
-        """Mode auto's planner state (`Engine.planner_state`): the
-        cost curves (once profiled), the running acceptance and the via estimates."""
-        for name, value in (
-            ("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"]),
-            ("planner_via_escalation_rate", state["via"]["escalation_rate"]),
-            ("planner_probe_steps", state["probes"]),
-            ("planner_speculate_margin", state["margin"]),
-            ("planner_exploration_steps", state["explorations"]),
-        ):
-            self._record(name, value)
+        """Mode auto's planner state (`Engine.planner_state`): cost curves (once profiled), acceptance, via estimates."""
+        self._record("planner_via_tokens_per_cycle", state["via"]["tokens_per_cycle"])
+        self._record("planner_via_escalation_rate", state["via"]["escalation_rate"])
+        self._record("planner_probe_steps", state["probes"])
+        self._record("planner_speculate_margin", state["margin"])
+        self._record("planner_exploration_steps", state["explorations"])
         for quantity, value in state["planning"].items():
             self._record("planner_planning", value, quantity=quantity)
         for steps, forecast in state["forecasts"].items():

@@ -42,7 +42,7 @@ from viasd.cluster.openai_api import build_http_app
 from viasd.cluster.pipeline import Pipeline, PipelineConfig
 from viasd.cluster.security import TOKEN_ENV, GRPCSecurity
 from viasd.cluster.serve_config import QUIET_CONTROL_PLANE, Limits, apply_control_plane_env, capacity_summary
-from viasd.config import parse_params, validate_named
+from viasd.config import parse_params
 from viasd.errors import InvalidParameterError
 from viasd.v1 import generation_pb2 as pb
 
@@ -87,10 +87,9 @@ def set_health(health, serving: bool) -> None:
 async def serve_grpc(
     servicer: GenerationServicer, port: int, host: str = "127.0.0.1", security: GRPCSecurity | None = None
 ) -> grpc.aio.Server:
-    """Start a grpc.aio server with GenerationService and the health service on host:port (0: a
-    free port). The bound port is `server.viasd_port`, the health servicer `server.viasd_health`.
-    `security` (cluster/security.py) adds TLS / mutual TLS and bearer-token authentication;
-    None: plaintext, no authentication."""
+    """Start a grpc.aio server with GenerationService and the health service on host:port (0: a free
+    port), with `security`'s TLS / mutual TLS and bearer token (None: plaintext, no authentication).
+    The bound port is `server.viasd_port`, the health servicer `server.viasd_health`."""
     security = security or GRPCSecurity(token_env=None)
     health = grpc_health.aio.HealthServicer()
 
@@ -99,11 +98,7 @@ async def serve_grpc(
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
 
     server, bound = await start_server(
-        add,
-        host,
-        port,
-        credentials=security.server_credentials(),
-        options=SERVER_OPTIONS,
+        add, host, port, credentials=security.server_credentials(), options=SERVER_OPTIONS
     )
     for service in HEALTH_SERVICES:
         await health.set(service, health_status(True))
@@ -115,11 +110,9 @@ async def serve_grpc(
 async def serve_http(
     servers: dict, default: str, port: int, host: str = "127.0.0.1", security: GRPCSecurity | None = None
 ):
-    """Start the OpenAI-compatible HTTP API (cluster/openai_api.py) over `servers` (pipeline name ->
-    handler.RequestHandler) on host:port (0: a free port) with uvicorn in this event loop:
-    the default pipeline at /, every other one under /<name> (as under Serve). `security` gives
-    HTTPS (tls_cert_file / tls_key_file), client certificates (client_ca_file: verified when
-    presented, required with require_client_cert — mutual TLS) and the bearer token.
+    """Start the OpenAI-compatible HTTP API over `servers` (pipeline name -> RequestHandler) on
+    host:port (0: a free port) with uvicorn in this event loop: the default pipeline at /, every other
+    one under /<name> (as under Serve), with `security`'s TLS, client certificates and bearer token.
     Returns the uvicorn server; its bound port is `server.viasd_port`, its task `server.viasd_task`."""
     security = security or GRPCSecurity(token_env=None)
     token = security.token()
@@ -191,9 +184,8 @@ async def _main(args: argparse.Namespace) -> None:
     try:
         for config in configs:
             pipelines[config.name] = await Pipeline.start(config)
-        # one handler per pipeline; every handler and both transports share one admission and one drain
-        # default: every pipeline's max_batch, together (ServeConfig.max_running: with paged caches
-        # each engine admits its requests against the KV blocks they hold and queues the rest)
+        # one handler per pipeline; all of them and both transports share one admission and one drain,
+        # by default of every pipeline's max_batch together (as ServeConfig.max_running)
         running = limits.max_concurrent_requests or sum(c.engine.max_batch for c in configs)
         for c, p in zip(configs, pipelines.values()):
             log.info(
@@ -209,10 +201,8 @@ async def _main(args: argparse.Namespace) -> None:
         server = await serve_grpc(servicer, args.port, args.host, security)
         if args.http_port is not None:
             http = await serve_http(servicer.handlers, configs[0].name, args.http_port, args.host, security)
-        for pipeline in pipelines.values():
-            supervisors.append(
-                asyncio.ensure_future(pipeline.supervise(lambda ok: set_health(server.viasd_health, ok)))
-            )
+        on_health = functools.partial(set_health, server.viasd_health)
+        supervisors.extend(asyncio.ensure_future(p.supervise(on_health)) for p in pipelines.values())
         log.info(
             "GenerationService on %s:%d (models: %s; %s)",
             args.host,
@@ -247,12 +237,8 @@ async def _main(args: argparse.Namespace) -> None:
 
 def limits_from_args(args: argparse.Namespace):
     """serve_config.Limits of the standalone server's flags (InvalidParameterError names a bad one)."""
-    values = {
-        "max_concurrent_requests": args.max_concurrent_requests,
-        "max_queued_requests": args.max_queued_requests,
-        "drain_timeout_s": args.drain_timeout_s,
-    }
-    return validate_named(Limits, {k: v for k, v in values.items() if v is not None})
+    flags = ("max_concurrent_requests", "max_queued_requests", "drain_timeout_s")
+    return Limits.parse({k: getattr(args, k) for k in flags if getattr(args, k) is not None})
 
 
 def default_params_from_args(args: argparse.Namespace) -> dict:
@@ -279,7 +265,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--http-port",
         type=int,
-        default=None,
         help="also serve the OpenAI-compatible HTTP API on this port (0: a free one), with the same TLS, "
         "token, limits and drain (default: gRPC only)",
     )
@@ -288,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         help="JSON object of GenerationParams fields requests leave unset take "
         "(as ServeConfig.default_params), on both transports",
     )
-    ap.add_argument("--ray-address", default=None, help="Ray cluster to join (default: start a local one)")
+    ap.add_argument("--ray-address", help="Ray cluster to join (default: start a local one)")
     lim = ap.add_argument_group("limits (cluster.serve_config.Limits; defaults there)")
     lim.add_argument("--max-concurrent-requests", type=int, help="requests decoding at once")
     lim.add_argument("--max-queued-requests", type=int, help="requests waiting; past it RESOURCE_EXHAUSTED")
