@@ -759,21 +759,27 @@ def test_probability_only_rows_are_checked_and_settled(aio, llm):
     assert twice.code() == grpc.StatusCode.INVALID_ARGUMENT and "settles" in twice.details()
 
 
+def _beside_a_drafter(aio, pipeline, drafter):
+    """`drafter` (a DrafterServicer) served on a port of its own, and an engine on the pipeline's
+    verifier with it for a drafter (`drafter_fallback`): (drafter, its server, the engine)."""
+    from viasd.v1 import internal_pb2_grpc
+
+    server, ch, address = aio.run(_served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, drafter))
+    aio.run(ch.close())
+    return drafter, server, _coordinator(pipeline, drafter_address=address, drafter_fallback=True)
+
+
 def test_a_correction_the_drafter_cannot_draw_fails_its_request_alone(aio, pipeline, llm):
     """A drafter that fails its Correct calls: the sampled requests whose blocks it had to finish
     fail (their verifier waits for a token only the drafter's p rows can give exactly: no fallback
     to `ar`), a greedy request beside them completes as in process, and no session is left."""
     from viasd.actors.drafter import DrafterServicer
-    from viasd.v1 import internal_pb2_grpc
 
     class Failing(DrafterServicer):
         async def Correct(self, request, context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is gone")
 
-    drafter = Failing(llm.drafter, _capacity())
-    server, ch, address = aio.run(_served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, drafter))
-    aio.run(ch.close())
-    coord = _coordinator(pipeline, drafter_address=address, drafter_fallback=True)
+    drafter, server, coord = _beside_a_drafter(aio, pipeline, Failing(llm.drafter, _capacity()))
 
     async def run():
         try:
@@ -1096,7 +1102,6 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
     """Greedy sd whose drafter fails after one block finishes as ar: the same tokens as greedy ar;
     the drafter's counters still come back with its Release."""
     from viasd.actors.drafter import DrafterServicer
-    from viasd.v1 import internal_pb2_grpc
 
     class Failing(DrafterServicer):
         """Every Propose after the first fails with UNAVAILABLE."""
@@ -1109,10 +1114,7 @@ def test_failing_drafter_falls_back_to_ar(aio, pipeline, llm):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "drafter is gone")
             return await super().Propose(request, context)
 
-    drafter = Failing(llm.drafter, _capacity())
-    server, ch, address = aio.run(_served(internal_pb2_grpc.add_DrafterServiceServicer_to_server, drafter))
-    aio.run(ch.close())
-    coord = _coordinator(pipeline, drafter_address=address, drafter_fallback=True)
+    drafter, server, coord = _beside_a_drafter(aio, pipeline, Failing(llm.drafter, _capacity()))
 
     async def run():
         try:
