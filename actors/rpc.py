@@ -2,19 +2,13 @@
 mapping, the wire format of draft probabilities, outcomes and costs, and in-order execution of
 blocking model calls.
 
-Draft probabilities (``DraftProbs``) travel as raw little-endian bytes, row-major [rows, V]:
-
-* ``"auto"`` (default): the drafter's own dtype — float32 (float32 / bf16 / fp16 models: the
-  sampler works in float32) or float64 (float64 models). The verifier then applies its rule to
-  exactly the p the draft tokens were sampled from, so a served request is token-for-token the
-  in-process one. 4 bytes x V per drafted token (Qwen2.5: V = 151,936 -> 608 KB per token).
-* ``"bfloat16"``: half the bytes, but p is rounded (relative error up to 2^-8): min(1, q/p) and
-  the residual max(0, q - p) are no longer computed on the p that sampled the token, so the
-  lossless rule is only approximately lossless. Opt-in.
-
-Greedy requests ship no probabilities at all (p is one-hot at the draft tokens). Rows whose p is
-zero outside a few tokens (top-k, top-p, min-p) travel sparse: the nonzero values and their
-columns, still exact.
+Sampled blocks travel as each draft token's probability alone (docs/SERVING.md, "Draft data on
+the wire"). Where p's rows travel (``DraftProbs``: rows that ask for logprobs, the staged rule,
+and q's row of a rejected block on its way to the drafter), they are raw little-endian bytes,
+row-major [rows, V], in the sender's own dtype (float32, or float64 for float64 models: exact,
+``"auto"``), or, opt-in for the drafter's rows, ``"bfloat16"``: half the bytes, but the lossless
+rule is then only approximately lossless. Rows that are zero outside a few tokens (top-k, top-p,
+min-p) travel sparse: the nonzero values and their columns, still exact.
 
 The internal servers are plaintext on `PipelineConfig.bind_host` (loopback by default) unless the
 pipeline sets `internal_tls` (`InternalTLS`): then every server requires a client certificate
