@@ -431,6 +431,10 @@ class VerifyWorker(_Side):
         for key, outcome in drive(steps, observe=times.observe, timing=times.work, verdicts=self.verdicts).items():
             self.sessions[key].commit(outcome)
             out[index[key]] = outcome
+        corrections = [o.correction for o in out if isinstance(o, Outcome) and o.correction is not None]
+        if corrections:  # q's rows to the host together (they leave for the drafter), one copy a step
+            for c, q in zip(corrections, torch.stack([c.q for c in corrections]).cpu()):
+                c.q = q
         return out
 
     def _steps(self, session: VerifySession, row: VerifyRow):
