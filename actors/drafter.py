@@ -126,7 +126,7 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
 
     def _propose(self, work: list, point: set[str], times: StepTimes) -> list[tuple[int, ipb.Proposal]]:
         """On the model thread: the worker's propose phase, serialised (p can be megabytes; the
-        `point` rows' p(x~) alone); the blocks come to the host with one read."""
+        `point` rows' p(x~) alone); the blocks come to the host with one read, p(x~) with another."""
         proposals = self.worker.propose([w for _, w in work], times)
         keys = [key for _, (key, *_) in work]
         p_x = [  # [k] p(x~) each, or None: p's rows
@@ -134,7 +134,8 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
             for key, (draft, p) in zip(keys, proposals)
         ]
         drafts = to_host([draft for draft, _ in proposals])
-        values = iter(torch.cat([x for x in p_x if x is not None]).tolist() if any(x is not None for x in p_x) else [])
+        read = [x for x in p_x if x is not None]
+        values = iter(torch.cat(read).tolist() if read else [])  # (taken row by row below)
         settle()  # (the forwards' device times, for the reply)
         return [
             (
@@ -158,16 +159,17 @@ class DrafterServicer(SideServicer, internal_pb2_grpc.DrafterServiceServicer):
         t0 = time.perf_counter()
         answers: list = [None] * len(request.rows)
         work = []  # (row index, (key, position, q [V], u))
+        vocab = self.worker.lm.vocab_size if self.worker.lm is not None else 0
         for i, row in enumerate(request.rows):
             try:
-                q, vocab = decode_probs(row.q), self.worker.lm.vocab_size if self.worker.lm is not None else 0  # [1, V]
+                q = decode_probs(row.q)  # [1, V]
                 if q is None or tuple(q.shape) != (1, vocab) or not 0.0 <= row.u < 1.0:
                     raise InvalidParameterError("q", f"one row of the vocabulary ({vocab}) and u in [0, 1) expected")
             except InvalidParameterError as exc:
                 answers[i] = exc
                 continue
             work.append((i, (row.request_id, row.position, q[0], row.u)))
-        self._stop_ahead()
+        self._stop_ahead()  # (the outcomes are in: blocks drafted ahead yield the thread)
         if work:
             tokens = await self.core.work.submit(self.worker.correct, [w for _, w in work])
             for (i, _), token in zip(work, tokens):
